@@ -1,0 +1,62 @@
+"""load_model: resolve a source, read config, weights and tokenizer, return a shareable Model."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import ModelConfig
+from .errors import EngineError, ModelLoadError
+from .gguf_import import Progress
+from .model import Model
+from .sources import resolve
+from .weights import load_weights
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def pick_device(device: str | torch.device | None) -> torch.device:
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError("device 'cuda' was asked for but no CUDA GPU is available")
+    if dev.type not in ("cpu", "cuda"):
+        raise EngineError(f"unsupported device {str(device)!r}; use cpu or cuda")
+    return dev
+
+
+def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None or str(dtype) == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise EngineError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    key = str(dtype).removeprefix("torch.")
+    if key not in DTYPES:
+        raise EngineError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
+    return DTYPES[key]
+
+
+def load_model(source: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
+               dtype: str | torch.dtype | None = None, progress: Progress | None = None) -> Model:
+    """Load the bundled default (source=None), an HF directory, a .gguf file or an org/name from the hub cache."""
+    from .tokenizer import Tokenizer
+
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    model_dir, name = resolve(source, progress)
+    cfg = ModelConfig.from_json(model_dir / "config.json")
+    if progress:
+        progress(0.95, "loading weights")
+    weights = load_weights(model_dir, cfg, dev, dt)
+    try:
+        tokenizer = Tokenizer.from_dir(model_dir)
+    except FileNotFoundError as e:
+        raise ModelLoadError(str(e)) from None
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ModelLoadError(f"{model_dir}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                             f"vocabulary has {cfg.vocab_size}: they do not belong together")
+    return Model(cfg, weights, tokenizer, device=dev, dtype=dt, name=name, path=model_dir)

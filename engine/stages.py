@@ -1,0 +1,27 @@
+"""The stable, dotted stage names a probe can hook (see README 'Stages')."""
+from __future__ import annotations
+
+LAYER_STAGES = (
+    "attn_norm", "attn.q", "attn.k", "attn.v", "attn.q_rot", "attn.k_rot", "attn.scores", "attn.pattern",
+    "attn.z", "attn_out", "resid_mid", "mlp_norm", "mlp.gate", "mlp.up", "mlp.act", "mlp_out", "resid_post",
+)
+SAMPLER_STAGES = ("sampler.penalties", "sampler.temperature", "sampler.top_k", "sampler.top_p",
+                  "sampler.min_p", "sampler.probs")
+
+
+class LayerNames:
+    """Precomputed names of one block's stages (no string formatting in the forward)."""
+    __slots__ = ("attn_norm", "q", "k", "v", "q_rot", "k_rot", "scores", "pattern", "z", "attn_out",
+                 "resid_mid", "mlp_norm", "gate", "up", "act", "mlp_out", "resid_post", "prefix")
+
+    def __init__(self, i: int) -> None:
+        p = self.prefix = f"blocks.{i}."
+        for slot, stage in zip(self.__slots__[:-1], LAYER_STAGES):
+            setattr(self, slot, p + stage)
+
+
+def hook_names(num_layers: int) -> list[str]:
+    names = ["tokenizer", "embed"]
+    for i in range(num_layers):
+        names += [f"blocks.{i}.{s}" for s in LAYER_STAGES]
+    return names + ["final_norm", "logits", *SAMPLER_STAGES, "detokenizer"]
