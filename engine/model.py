@@ -207,6 +207,14 @@ class Model:
         cache = self.new_cache(max(1, ids.numel()))
         return self.forward(ids, cache, probe).float().cpu()
 
+    @torch.inference_mode()
+    def unembed(self, resid: torch.Tensor) -> torch.Tensor:
+        """Residual-stream vectors (..., d) through the final norm and lm_head -> float32 CPU logits (..., V).
+        The logit lens: what the model would predict if it stopped at that layer."""
+        x = F.rms_norm(resid.to(self.device, self.dtype), (self.config.hidden_size,), self.weights.norm,
+                       self.config.rms_norm_eps)
+        return (x @ self.weights.lm_head).float().cpu()
+
     def generate(self, prompt_or_ids, **kwargs):
         """See engine.generate.generate."""
         from .generate import generate
