@@ -84,7 +84,8 @@ class GenerationRun:
                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0, no_repeat_ngram: int = 0,
                  seed: int = 0, stop: list[str] | str | None = None, chat: bool = False,
-                 system: str | None = None, allow_special: bool = False, probe: Probe | None = None,
+                 system: str | None = None, allow_special: bool = False, ignore_eos: bool = False,
+                 probe: Probe | None = None,
                  on_token: Callable[[Step], None] | None = None) -> None:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
@@ -101,7 +102,7 @@ class GenerationRun:
         self.cache = model.new_cache(len(self.prompt_ids) + max_new_tokens)
         self.generator = torch.Generator().manual_seed(seed)
         self.detok = model.tokenizer.stream()
-        self.eos = set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
+        self.eos = set() if ignore_eos else set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
         self.token_ids: list[int] = []
         self.steps: list[Step] = []
         self.text = ""

@@ -105,6 +105,8 @@ class Model:
         if T > 1 and pos > 0:   # a chunk after earlier positions: causal within, full view of the past
             mask = torch.arange(pos + T, device=ids.device)[None, :] <= (pos + torch.arange(T, device=ids.device))[:, None]
 
+        if p is not None and p.timing:
+            p.mark("start")
         x = F.embedding(ids, w.embed)                                           # (T, d)
         if p is not None:
             x = p("embed", x)
@@ -197,6 +199,13 @@ class Model:
             scores = scores.masked_fill(~allowed, float("-inf"))
         scores = p(n.scores, scores)
         pattern = p(n.pattern, torch.softmax(scores.float(), dim=-1).to(qh.dtype))
+        if T > 1 and not bool(torch.isfinite(vx).all()):
+            # 0 * NaN = NaN: a matmul would let a NaN value at position j leak into rows t < j that give it
+            # zero weight. Generation is causal, so report NaN only where a row really reads one.
+            finite = torch.isfinite(vx)
+            z = pattern @ torch.where(finite, vx, 0.0)
+            reads_bad = (pattern != 0).to(vx.dtype) @ (~finite).to(vx.dtype)          # (H, T, hd)
+            return torch.where(reads_bad > 0, float("nan"), z)
         return pattern @ vx
 
     # ---- convenience surfaces -------------------------------------------------------------------

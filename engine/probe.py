@@ -173,7 +173,6 @@ class Probe:
         self.pos0 = pos0
         if self.timing:
             self._t0 = "cuda" if device.type == "cuda" else time.perf_counter()
-            self.mark("start")
 
     def end_call(self) -> None:
         self._active = False

@@ -1,0 +1,78 @@
+"""Activations: per-layer statistics of every stage (recorded during the run), a position × layer heatmap,
+NaN/Inf cells, and the logit lens (one forward per chosen position, memoised)."""
+from collections import OrderedDict
+
+import streamlit as st
+
+from inspector.activations import (STATS, layer_stages, layer_summary, lines_figure, logit_lens,
+                                   logit_lens_figure, nonfinite_cells, position_layer, position_layer_figure,
+                                   stage_table)
+from inspector.attention import memo, run_key
+from inspector.tokens import token_labels
+from pages.common import get_model, require_run
+
+LENS_K = 10
+
+st.header("Activations")
+run = require_run()
+blocks, key = run.probe.stats, run_key(run)
+cache = st.session_state.setdefault("act_cache", OrderedDict())
+summary = memo(cache, (key, "summary"), lambda: layer_summary(blocks), max_entries=16)
+stages = layer_stages(blocks)
+if not stages:
+    st.info("This run recorded no per-layer statistics.")
+    st.stop()
+num_layers = int(summary["layer"].max()) + 1
+
+st.subheader("Per-layer statistics")
+st.caption("Pooled over every position of every step. RMS = √(mean² + std²).")
+default = [s for s in ("resid_post", "attn_out", "mlp_out") if s in stages] or stages[:1]
+c1, c2, c3 = st.columns([3, 1, 1])
+chosen = c1.multiselect("Stages", stages, default, key="act_stages")
+stat = c2.selectbox("Statistic", STATS, index=STATS.index("rms"), key="act_stat")
+log_y = c3.toggle("Log scale", False, key="act_log")
+table = stage_table(summary, chosen)
+if chosen:
+    st.plotly_chart(lines_figure(table, stat, log_y=log_y), key="act_lines")
+st.dataframe(table, key="act_table", hide_index=True)
+with st.expander("Stages outside the layers (embed, final_norm, logits, sampler)"):
+    st.dataframe(summary[summary["layer"].isna()], key="act_other", hide_index=True)
+
+st.subheader("Position × layer")
+h1, h2 = st.columns(2)
+heat_stage = h1.selectbox("Stage", stages, index=stages.index(default[0]), key="act_heat_stage")
+heat_stat = h2.selectbox("Statistic", STATS, index=STATS.index("rms"), key="act_heat_stat")
+matrix = memo(cache, (key, "heat", heat_stage, heat_stat),
+              lambda: position_layer(blocks, heat_stage, heat_stat, num_layers), max_entries=16)
+bad = memo(cache, (key, "nonfinite"), lambda: nonfinite_cells(blocks), max_entries=16)
+model = get_model()
+same_model = model is not None and model.name == run.model_name
+labels = token_labels(model.tokenizer, run.ids) if same_model else [str(i) for i in range(len(run.ids))]
+st.plotly_chart(position_layer_figure(matrix, labels, heat_stat, bad[bad["stage"] == heat_stage]),
+                key="act_heat")
+st.caption("Step 0 (the prefill) gives the prompt positions; each later step one position. A red ✕ marks a "
+           "cell holding NaN or Inf.")
+
+st.subheader("NaN / Inf")
+if len(bad):
+    st.error(f"{len(bad)} (step, position, stage) cells hold NaN or Inf; the first is "
+             f"{bad.iloc[0]['name']} at position {bad.iloc[0]['position']}.")
+    st.dataframe(bad, key="act_nonfinite", hide_index=True)
+else:
+    st.success("Every stage stayed finite at every position.")
+
+st.subheader("Logit lens")
+if not same_model:
+    st.warning(f"This run was made with **{run.model_name}**; choose that model in the sidebar for the logit lens.")
+    st.stop()
+ids = run.ids
+l1, l2 = st.columns([3, 1])
+pos = l1.slider("Position", 0, len(ids) - 1, run.n_prompt - 1, key="act_lens_pos")
+k = l2.slider("Top-k", 1, LENS_K, 5, key="act_lens_k")
+nxt = f"the actual next token is {labels[pos + 1]!r}" if pos + 1 < len(ids) else "the run ends here"
+st.caption(f"What each layer's residual stream at {labels[pos]!r} predicts next (through the final norm and "
+           f"the unembedding); {nxt}. The last layer's row is the model's own prediction.")
+with st.spinner("One forward up to this position…"):
+    lens = memo(cache, (key, "lens", pos), lambda: logit_lens(model, ids, pos, LENS_K), max_entries=16)
+st.plotly_chart(logit_lens_figure(lens, k), key="act_lens")
+st.dataframe(lens[lens["rank"] < k], key="act_lens_table", hide_index=True)

@@ -1,0 +1,82 @@
+"""Attention: one layer's pattern (a head or the head average) over every position of the run, where one
+token looks, and an all-layers × heads entropy overview. Maps are computed on demand (one forward that
+stops after the chosen layer) and memoised per run and layer in this session; generation never re-runs."""
+import time
+from collections import OrderedDict
+
+import streamlit as st
+
+from inspector.attention import (MAX_CELLS, attention_pattern, entropy_figure, entropy_overview, head_view,
+                                 heatmap_figure, memo, pool, run_key, top_attended, top_attended_figure, window)
+from inspector.tokens import token_labels
+from pages.common import get_model, require_run
+
+OVERVIEW_AUTO = 512   # longer runs compute the layers × heads overview only when asked
+
+st.header("Attention")
+run = require_run()
+model = get_model()
+if model is None or model.name != run.model_name:
+    st.warning(f"This run was made with **{run.model_name}**; choose that model in the sidebar (or press Run "
+               "again) to compute its attention.")
+    st.stop()
+cfg, ids = model.config, run.ids
+T, key = len(ids), run_key(run)
+labels = token_labels(model.tokenizer, ids)
+maps = st.session_state.setdefault("att_maps", OrderedDict())
+overviews = st.session_state.setdefault("att_overviews", OrderedDict())
+
+c1, c2 = st.columns(2)
+layer = c1.selectbox("Layer", list(range(cfg.num_layers)), key="att_layer", format_func=lambda i: f"Layer {i}")
+head = c2.selectbox("Head", [None, *range(cfg.num_heads)], key="att_head",
+                    format_func=lambda h: "Average of all heads" if h is None else f"Head {h}")
+
+t0 = time.perf_counter()
+with st.spinner(f"Computing layer {layer}'s attention over {T} positions…"):
+    pattern = memo(maps, (key, layer), lambda: attention_pattern(model, ids, layer), max_entries=8)
+elapsed = time.perf_counter() - t0
+m = head_view(pattern, head)                                                    # (T, T)
+
+what = "average of heads" if head is None else f"head {head}"
+if T <= MAX_CELLS:
+    z, rows, block = m, list(range(T)), 1
+    note = "Each row is a query position's attention over the key positions; rows sum to 1."
+else:
+    view = st.radio("Positions shown", ["Window", "Whole sequence, pooled"], horizontal=True, key="att_view")
+    if view == "Window":
+        start = st.slider("Window start", 0, T - MAX_CELLS, T - MAX_CELLS, key="att_window")
+        z, pos = window(m, start, MAX_CELLS)
+        rows, block = list(pos), 1
+        note = f"Positions {pos[0]}–{pos[-1]} of {T}; weight on keys before the window is not shown."
+    else:
+        how = st.selectbox("Pooling", ["max", "mass"], key="att_pool",
+                           format_func=lambda h: {"max": "max weight in each block",
+                                                  "mass": "attention mass (rows still sum to 1)"}[h])
+        z, rows, _ = pool(m, MAX_CELLS, how)
+        block = int(rows[1] - rows[0]) if len(rows) > 1 else 1
+        note = f"{T} positions pooled into blocks of {block} ({how})."
+st.plotly_chart(heatmap_figure(z, rows, rows, labels, title=f"Layer {layer}, {what}", block=block),
+                key="att_map")
+st.caption(note + (f" Computed in {elapsed:.2f} s." if elapsed > 0.05 else " (cached)"))
+
+st.subheader("Where does this token look?")
+q1, q2 = st.columns([3, 1])
+query = q1.slider("Query position", 0, T - 1, T - 1, key="att_query")
+k = q2.slider("Top-k", 1, 32, 10, key="att_topk")
+top = top_attended(m, query, labels, k)
+st.caption(f"Query {labels[query]} (layer {layer}, {what})")
+st.plotly_chart(top_attended_figure(top), key="att_bars")
+st.dataframe(top, key="att_top_table", hide_index=True)
+
+st.subheader("All layers × heads: attention entropy")
+st.caption("Mean entropy (nats) of each head's attention rows: low = sharply focused (e.g. on the first token "
+           "or the previous one), high = spread out (uniform over n keys: ln n). "
+           "Computed in one forward without materialising any pattern; for more than 256 positions from 256 "
+           "evenly spaced query rows.")
+ok = (key in overviews) or T <= OVERVIEW_AUTO or st.button("Compute the overview", key="att_overview_btn")
+if ok:
+    with st.spinner("One forward over all layers…"):
+        ent = memo(overviews, key, lambda: entropy_overview(model, ids), max_entries=4)
+    st.plotly_chart(entropy_figure(ent), key="att_entropy")
+else:
+    st.info(f"{T} positions: one full forward (several seconds on a CPU). Press the button to compute it.")

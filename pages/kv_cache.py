@@ -1,0 +1,83 @@
+"""KV cache: what the run's cache costs, how it grew, what GQA saves, and projections for other models."""
+import streamlit as st
+
+from inspector import kv_cache as kv
+from pages.common import get_model, require_run
+
+st.header("KV cache")
+run = require_run()
+model = get_model()
+if model is None:
+    st.stop()
+if run.model_name != model.name:
+    st.warning(f"This run was made with **{run.model_name}**; the sidebar now shows **{model.name}**. "
+               "Press Run to inspect the chosen model.")
+    st.stop()
+
+cfg, cache = model.config, run.result.cache
+shape = kv.KVShape.from_config(cfg)
+bpe = cache["bytes_per_token"] // (2 * shape.layers * shape.kv_heads * shape.head_dim)
+allocated, used = kv.run_positions(cache)
+st.caption(f"bytes = 2 (K and V) · {shape.layers} layers · {shape.kv_heads} KV heads · {shape.head_dim} head_dim · "
+           f"positions · batch · {bpe} bytes per element")
+
+c = st.columns(5)
+c[0].metric("Bytes per token", f"{cache['bytes_per_token']:,}")
+c[1].metric("Allocated", kv.human_bytes(cache["bytes_allocated"]), f"{allocated:,} positions", delta_color="off")
+c[2].metric("Used", kv.human_bytes(cache["bytes_used"]), f"{used:,} positions", delta_color="off")
+c[3].metric("Used / allocated", f"{100 * used / max(1, allocated):.1f} %")
+dtype_label = kv.dtype_name(model.dtype) if kv.bytes_per_element(model.dtype) == bpe else f"{bpe}-byte"
+c[4].metric("Dtype", dtype_label, f"{bpe} B / element", delta_color="off")
+
+st.subheader("The formula against the engine")
+st.caption("`formula_bytes` from the formula above; `engine_bytes` is what the run's KVCache reported "
+           "(bytes_per_token, bytes_allocated, bytes_used). A fresh `model.new_cache(n)` for the same length: "
+           f"**{model.new_cache(allocated).bytes_allocated:,}** bytes allocated.")
+check = kv.formula_vs_engine(shape, bpe, cache)
+st.dataframe(check, hide_index=True, key="kv_check")
+if not check["match"].all():
+    st.error("The engine's cache size does not match the formula.")
+
+st.subheader("Growth across the run")
+st.caption("After step 0 (prefill) the cache holds the prompt; each decode step writes one more position. "
+           "The last chosen token is never written. The dashed line is what was preallocated.")
+growth = kv.growth_table(run.result)
+st.plotly_chart(kv.growth_figure(growth), key="kv_growth")
+
+st.subheader("Per layer")
+layers = kv.per_layer_table(shape, bpe, allocated, used)
+st.plotly_chart(kv.per_layer_figure(layers), key="kv_layers")
+with st.expander("Per-layer table"):
+    st.dataframe(layers, hide_index=True, key="kv_layers_table")
+
+st.subheader("Grouped-query attention")
+st.caption(f"{cfg.num_heads} query heads share {cfg.num_kv_heads} KV heads ({cfg.kv_groups} per group). Full "
+           f"multi-head attention would cache K and V for all {cfg.num_heads}: same formula, kv_heads = num_heads.")
+st.dataframe(kv.gqa_table(shape, bpe, {"used": used, "allocated": allocated,
+                                        "full context": model.context_length}), hide_index=True, key="kv_gqa")
+
+st.subheader("Device memory")
+cuda = kv.cuda_memory_table(model.device)
+if cuda is None:
+    st.info(f"The model is on **{model.device.type}**: torch's CUDA memory counters (memory_allocated, "
+            "max_memory_allocated, memory_reserved) are shown only when it runs on a CUDA GPU.")
+else:
+    st.dataframe(cuda, hide_index=True, key="kv_cuda")
+
+st.subheader("Calculator")
+c1, c2, c3 = st.columns(3)
+contexts = c1.multiselect("Context lengths", [512, 1024, 2048, 4096, 8192, 16384, 32768, 131072],
+                          default=[2048, 8192, 32768, 131072], key="kv_calc_contexts")
+batch = c2.number_input("Batch size", 1, 1024, 1, key="kv_calc_batch")
+dtype = c3.selectbox("Dtype", list(kv.DTYPE_BYTES), index=2, key="kv_calc_dtype")
+names = st.multiselect("Models", ["this model", *kv.KNOWN_MODELS], default=["this model", *kv.KNOWN_MODELS],
+                       key="kv_calc_models")
+shapes = {(f"{model.name} (this model)" if n == "this model" else n):
+          (shape if n == "this model" else kv.KNOWN_MODELS[n]) for n in names}
+if contexts and shapes:
+    proj = kv.projection_table(shapes, sorted(contexts), int(batch), dtype)
+    st.plotly_chart(kv.projection_figure(proj), key="kv_calc_fig")
+    st.caption("GiB of KV cache (K and V, all layers) per model and context length:")
+    st.dataframe(kv.projection_pivot(proj).style.format("{:,.3f}"), key="kv_calc_table")
+else:
+    st.info("Choose at least one model and one context length.")

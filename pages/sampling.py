@@ -1,0 +1,111 @@
+"""Sampling: the run's captured logits at one step under several sampler settings, the chain stage by stage,
+and seeded draws against the computed probabilities. Every control here is display-only: nothing re-runs
+the model, all of it is recomputed from the logits the run captured."""
+import time
+from dataclasses import asdict
+
+import streamlit as st
+
+from engine import InputError, SamplingParams
+from inspector import sampling as smp
+from pages.common import get_model, require_run
+
+DEFAULTS = [None,                                              # A: the run's own settings
+            dict(temperature=0.7, top_p=0.9),
+            dict(temperature=1.0, top_k=40, min_p=0.05),
+            dict(temperature=1.5, top_p=0.95),
+            dict(temperature=0.3)]
+LABELS = "ABCDE"
+
+st.header("Sampling")
+run = require_run()
+model = get_model()
+if model is None:
+    st.stop()
+if run.model_name != model.name:
+    st.warning(f"This run was made with **{run.model_name}**; the sidebar now shows **{model.name}**. "
+               "Press Run to inspect the chosen model.")
+    st.stop()
+result = run.result
+tok = model.tokenizer
+
+c1, c2 = st.columns([3, 1])
+step = int(c1.number_input(f"Step (0 = after the prefill; {len(result.steps)} in this run)", 0,
+                           len(result.steps) - 1, 0, key="smp_step"))
+top_n = int(c2.number_input("Tokens shown", 5, 60, 20, key="smp_top_n"))
+chosen = result.token_ids[step]
+context, generated = smp.step_context(result, step)
+logits = smp.step_logits(run.probe, step)
+st.caption(f"At step {step} the run chose **{tok.decode([chosen])!r}** (id {chosen}) with probability "
+           f"{result.steps[step].prob:.4f} under its settings ({smp.describe(result.params)}); it is the red "
+           "bar below wherever it appears.")
+
+n = int(st.number_input("Settings side by side", 3, 5, 3, key="smp_n"))
+settings: dict[str, SamplingParams] = {}
+for i, col in enumerate(st.columns(n)):
+    d = asdict(result.params) if DEFAULTS[i] is None else DEFAULTS[i]
+    with col.container(border=True):
+        st.markdown(f"**{LABELS[i]}**" + (" · the run's settings" if DEFAULTS[i] is None else ""))
+        kw = dict(
+            temperature=st.slider("Temperature", 0.0, 2.0, float(d.get("temperature", 1.0)), 0.05, key=f"smp_t_{i}"),
+            top_k=st.number_input("Top-k (0 = off)", 0, 1000, int(d.get("top_k", 0)), key=f"smp_k_{i}"),
+            top_p=st.slider("Top-p", 0.01, 1.0, float(d.get("top_p", 1.0)), 0.01, key=f"smp_p_{i}"),
+            min_p=st.slider("Min-p", 0.0, 1.0, float(d.get("min_p", 0.0)), 0.01, key=f"smp_minp_{i}"))
+        with st.expander("Penalties"):
+            kw.update(
+                repetition_penalty=st.slider("Repetition", 0.5, 2.0, float(d.get("repetition_penalty", 1.0)), 0.05,
+                                             key=f"smp_rep_{i}"),
+                frequency_penalty=st.slider("Frequency", -2.0, 2.0, float(d.get("frequency_penalty", 0.0)), 0.1,
+                                            key=f"smp_freq_{i}"),
+                presence_penalty=st.slider("Presence", -2.0, 2.0, float(d.get("presence_penalty", 0.0)), 0.1,
+                                           key=f"smp_pres_{i}"),
+                no_repeat_ngram=st.number_input("No-repeat n-gram", 0, 10, int(d.get("no_repeat_ngram", 0)),
+                                                key=f"smp_ngram_{i}"))
+        try:
+            settings[LABELS[i]] = SamplingParams(**kw)
+        except InputError as e:
+            st.error(str(e))
+if len(settings) < n:
+    st.stop()
+
+c1, c2, c3 = st.columns([2, 1, 1])
+chain_label = c1.radio("Stage by stage, and the draws, for setting", list(settings), horizontal=True,
+                       key="smp_chain")
+n_draws = int(c2.number_input("Draws", 100, 100_000, 1000, 100, key="smp_draws"))
+seed = int(c3.number_input("Draw seed", 0, 2**31 - 1, 0, key="smp_draw_seed"))
+
+t0 = time.perf_counter()
+view = smp.redraw(logits, settings, chain_label, context, generated, lambda i: tok.decode([i]), chosen=chosen,
+                  n_draws=n_draws, seed=seed, top_n=top_n)
+seconds = time.perf_counter() - t0
+
+st.subheader("Side by side")
+st.caption("Tokens ranked by their logits after penalties and temperature; bars are probabilities before "
+           "top-k/top-p/min-p cut (blue kept, grey cut), dots the final sampling probabilities, the dashed "
+           "line where the kept set ends. Entropy H in nats of the final distribution.")
+st.plotly_chart(view["compare_fig"], key="smp_compare_fig")
+st.dataframe(view["summary"], hide_index=True, key="smp_summary",
+             column_config={"entropy": st.column_config.NumberColumn(format="%.3f"),
+                            "entropy_before": st.column_config.NumberColumn("entropy before cut", format="%.3f"),
+                            "mass_kept": st.column_config.NumberColumn(format="%.4f"),
+                            "chosen_prob": st.column_config.NumberColumn("p(run's token)", format="%.4f")})
+
+st.subheader(f"The chain, stage by stage ({chain_label}: {smp.describe(settings[chain_label])})")
+st.caption("penalties → temperature → top-k → top-p → min-p → probs, via engine.sampling.sampler_chain with "
+           f"the {len(context)} context ids and {len(generated)} generated ids the sampler saw at this step.")
+c1, c2 = st.columns([3, 2])
+c1.dataframe(view["chain"], hide_index=True, key="smp_chain_table")
+c2.plotly_chart(view["chain_fig"], key="smp_chain_fig")
+
+st.subheader("Empirical check")
+stats = view["stats"]
+c = st.columns(4)
+c[0].metric("Draws", f"{n_draws:,}")
+c[1].metric("Total variation", f"{stats['tv_distance']:.4f}")
+c[2].metric("Chi-square", f"{stats['chi_square']:.2f}", f"dof {stats['dof']:.0f}", delta_color="off")
+c[3].metric("p-value", "—" if stats["p_value"] != stats["p_value"] else f"{stats['p_value']:.3f}")
+st.caption(f"{n_draws:,} draws with torch.multinomial and a torch.Generator seeded {seed} (as the engine draws), "
+           "against the probabilities of setting " + chain_label + ". Chi-square pools tokens expected fewer "
+           "than 5 times; a tiny p-value would mean the draws do not follow the distribution.")
+st.dataframe(view["empirical"], hide_index=True, key="smp_empirical")
+st.caption(f"Page computed in {1e3 * seconds:.0f} ms from the captured logits; the model was not called.")

@@ -1,0 +1,60 @@
+"""Tokens: the prompt and the generated text as token spans, a token table, counts, the chat template, and
+how the streaming detokenizer assembles multi-byte characters. Nothing here runs the model."""
+import streamlit as st
+
+from inspector.tokens import chat_messages, run_token_table, spans_html, stream_table, token_counts
+from pages.common import get_model, require_run
+
+st.header("Tokens")
+run = require_run()
+model = get_model()
+if model is None or model.name != run.model_name:
+    st.warning(f"This run was made with **{run.model_name}**; choose that model in the sidebar (or press Run "
+               "again) to see its tokens.")
+    st.stop()
+tok, res = model.tokenizer, run.result
+table = run_token_table(tok, res.prompt_ids, res.token_ids)
+
+cols = st.columns(2)
+for col, part, ids in ((cols[0], "Prompt", res.prompt_ids), (cols[1], "Generated", res.token_ids)):
+    n = token_counts(tok, ids)
+    with col:
+        st.subheader(part)
+        m = st.columns(4)
+        m[0].metric("Characters", n["characters"])
+        m[1].metric("Tokens", n["tokens"])
+        m[2].metric("Bytes / token", f"{n['bytes_per_token']:.2f}")
+        m[3].metric("Special tokens", n["special"])
+
+st.caption("Hover a token for its position, id, text (· space, ⏎ newline, → tab), bytes and character offsets. "
+           "Dark: special tokens; underlined: generated; ‹f0›: a byte that is only part of a UTF-8 character.")
+st.markdown("**Prompt tokens**")
+st.html(spans_html(table[table["part"] == "prompt"]))
+st.markdown("**Generated tokens**")
+st.html(spans_html(table[table["part"] == "generated"]))
+
+st.subheader("Token table")
+st.caption("start/end: character offsets within the prompt's or the generated text's own text.")
+st.dataframe(table, key="tok_table", hide_index=True)
+
+st.subheader("Chat template")
+if run.settings.chat and tok.chat_template:
+    messages = chat_messages(run.settings.prompt, run.settings.system)
+    rendered = tok.render_chat(messages)
+    plain = tok.encode(run.settings.prompt)
+    st.caption(f"The template wraps the {len(plain)} tokens of your prompt into {len(res.prompt_ids)} tokens "
+               f"({len(res.prompt_ids) - len(plain)} added by the template); they are the prompt tokens above.")
+    st.code(rendered, language=None, wrap_lines=True)
+    with st.expander("Messages passed to the template"):
+        st.json(messages)
+else:
+    st.caption("Chat format was off for this run: the prompt was tokenized as plain text.")
+
+st.subheader("Streaming detokenizer")
+st.caption("A token can end in the middle of a UTF-8 character (emoji, CJK). The streaming decoder emits '' "
+           "until the character is complete, then the whole character.")
+st.markdown("**This run's generated tokens**")
+st.dataframe(stream_table(tok, res.token_ids), key="tok_stream_run", hide_index=True)
+sample = st.text_input("Try any text", "héllo 👋 世界", key="tok_stream_text")
+if sample:
+    st.dataframe(stream_table(tok, tok.encode(sample)), key="tok_stream_sample", hide_index=True)
