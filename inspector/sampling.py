@@ -189,12 +189,23 @@ def redraw(logits: torch.Tensor, settings: dict[str, SamplingParams], chain_sett
 
 
 def redraw_seconds(logits: torch.Tensor, settings: dict[str, SamplingParams], context: list[int],
-                   generated: list[int], token_text: TokenText, n_draws: int = 1000, repeats: int = 5) -> float:
+                   generated: list[int], token_text: TokenText, n_draws: int = 1000, repeats: int = 5,
+                   threads: int | None = None) -> float:
     """Best-of-`repeats` wall time of `redraw` (three or more settings + chain + n_draws draws, figures
-    included): the server-side cost of redrawing the sampling page from cached logits."""
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        redraw(logits, settings, next(iter(settings)), context, generated, token_text, n_draws=n_draws)
-        best = min(best, time.perf_counter() - t0)
+    included): the server-side cost of redrawing the sampling page from cached logits.
+
+    threads: run the measurement with that many torch intra-op threads (restored afterwards). For
+    benchmarks only, never in the server (the setting is process-wide): at 49k-element tensors the work
+    is the same on one thread, and on an oversubscribed machine the thread pool's waits dominate."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            redraw(logits, settings, next(iter(settings)), context, generated, token_text, n_draws=n_draws)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
     return best

@@ -16,8 +16,8 @@ st.caption(f"Model **{run.model_name}** · {run.n_prompt} prompt tokens · {len(
 left, right = st.columns(2)
 with left:
     st.subheader("Prompt (as the model saw it)")
-    st.code(tok.decode(res.prompt_ids) if tok is not None else run.settings.prompt, language=None,
-            wrap_lines=True)
+    prompt = tok.decode(res.prompt_ids) if tok is not None else run.settings.prompt
+    st.code(prompt.replace("\n", "⏎\n"), language=None, wrap_lines=True)      # ⏎: each newline, the last too
 with right:
     st.subheader("Generated text")
     st.code(res.text or "(nothing)", language=None, wrap_lines=True)

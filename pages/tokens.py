@@ -44,7 +44,7 @@ if run.settings.chat and tok.chat_template:
     plain = tok.encode(run.settings.prompt)
     st.caption(f"The template wraps the {len(plain)} tokens of your prompt into {len(res.prompt_ids)} tokens "
                f"({len(res.prompt_ids) - len(plain)} added by the template); they are the prompt tokens above.")
-    st.code(rendered, language=None, wrap_lines=True)
+    st.code(rendered.replace("\n", "⏎\n"), language=None, wrap_lines=True)   # ⏎: each newline, the last too
     with st.expander("Messages passed to the template"):
         st.json(messages)
 else:

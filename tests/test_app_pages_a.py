@@ -3,6 +3,7 @@ sidebar's server-default model choice) and once on the bundled model."""
 from __future__ import annotations
 
 import base64
+import html
 import json
 import re
 import shutil
@@ -18,28 +19,38 @@ from inspector.attention import attention_pattern
 from inspector.tokens import chat_messages
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ["pages/overview.py", "pages/tokens.py", "pages/attention.py", "pages/activations.py"]
+PAGES = ["overview", "tokens", "attention", "activations"]
 PROMPT = "Say <b>hi</b> & <script>alert(1)</script> 👋"
 
 
 @pytest.fixture(scope="session")
 def app_file(tmp_path_factory) -> Path:
-    """app.py, or, while pages app.py lists are still missing (other pages land separately), a copy of the
-    frame with those pages stubbed, so these tests exercise exactly the four pages of this file."""
+    """The app to test: app.py itself, or a copy of it that works around two things outside these pages.
+
+    * A folder named `pages/` next to the main script switches Streamlit into its v1 multipage mode
+      (PagesManager.uses_pages_directory), in which every rerun after the first runs the page file alone,
+      without app.py's frame and sidebar. The copy calls the folder `views/`.
+    * Pages that app.py lists but that are not written yet are stubbed."""
     app = ROOT / "app.py"
     listed = re.findall(r'st\.Page\("([^"]+)"', app.read_text())
-    missing = [p for p in listed if not (ROOT / p).is_file()]
-    if not missing:
+    if not (ROOT / "pages").is_dir() and all((ROOT / p).is_file() for p in listed):
         return app
     out = tmp_path_factory.mktemp("app")
-    shutil.copy(app, out / "app.py")
-    (out / "pages").mkdir()
+    (out / "app.py").write_text(app.read_text().replace('st.Page("pages/', 'st.Page("views/'))
+    (out / "views").mkdir()
     for p in listed:
+        target = out / "views" / Path(p).name
         if (ROOT / p).is_file():
-            shutil.copy(ROOT / p, out / p)
+            shutil.copy(ROOT / p, target)
         else:
-            (out / p).write_text("import streamlit as st\nst.write('page not written yet')\n")
+            target.write_text("import streamlit as st\nst.write('page not written yet')\n")
     return out / "app.py"
+
+
+def page(app_file: Path, name: str) -> str:
+    """A page's path relative to the app under test ('tokens' -> 'pages/tokens.py' or 'views/tokens.py')."""
+    (hit,) = [p for p in ("pages", "views") if (app_file.parent / p / f"{name}.py").is_file()]
+    return f"{hit}/{name}.py"
 
 
 @pytest.fixture
@@ -61,21 +72,23 @@ def calls(monkeypatch):
     return n
 
 
-def fresh_app(app_file, source: str | None) -> AppTest:
+def fresh_app(monkeypatch, app_file, source: str | None) -> AppTest:
     """An AppTest whose model is already loaded in the shared cache, without progress messages.
 
     Workaround for pages/common.py: shared_model() is st.cache_resource'd and draws a progress bar on a
     block created outside it, so a later session's cache hit replays those calls and fails
     (CacheReplayClosureError). Loading it here, outside any script run, records no messages."""
     from pages.common import shared_model
+    from streamlit.runtime.pages_manager import PagesManager
+    monkeypatch.setattr(PagesManager, "uses_pages_directory", None)   # decided per process; see app_file
     st.cache_data.clear()          # the sidebar's model list is cached for 60 s; the env var changes per test
     shared_model.clear()
     shared_model(source, "cpu", "auto")
     return AppTest.from_file(str(app_file), default_timeout=120)
 
 
-def start(app_file, source: str | None, prompt=PROMPT, max_new=6) -> AppTest:
-    at = fresh_app(app_file, source)
+def start(monkeypatch, app_file, source: str | None, prompt=PROMPT, max_new=6) -> AppTest:
+    at = fresh_app(monkeypatch, app_file, source)
     at.run()
     assert not at.exception
     at.sidebar.text_area(key="sb_prompt").set_value(prompt)
@@ -89,7 +102,7 @@ def start(app_file, source: str | None, prompt=PROMPT, max_new=6) -> AppTest:
 @pytest.fixture
 def tiny_app(monkeypatch, tiny_model_dir, app_file, calls):
     monkeypatch.setenv("LLM_INSPECTOR_MODEL", str(tiny_model_dir))
-    at = start(app_file, str(tiny_model_dir))
+    at = start(monkeypatch, app_file, str(tiny_model_dir))
     assert calls["generate"] == 1
     return at
 
@@ -117,18 +130,18 @@ def arr(v) -> np.ndarray:
 
 def test_pages_without_a_run_show_the_hint(monkeypatch, tiny_model_dir, app_file, calls):
     monkeypatch.setenv("LLM_INSPECTOR_MODEL", str(tiny_model_dir))
-    at = fresh_app(app_file, str(tiny_model_dir)).run()
-    for page in PAGES:
-        at.switch_page(page).run()
+    at = fresh_app(monkeypatch, app_file, str(tiny_model_dir)).run()
+    for name in PAGES:
+        at.switch_page(page(app_file, name)).run()
         assert not at.exception
-        assert any("press **Run**" in i.value for i in at.info), page
+        assert any("press **Run**" in i.value for i in at.info), name
         assert not at.get("plotly_chart") and not at.dataframe
     assert calls["generate"] == 0 and calls["forward"] == 0
 
 
-def test_overview_lists_every_step(tiny_app, tiny_model):
+def test_overview_lists_every_step(tiny_app, tiny_model, app_file):
     run = tiny_app.session_state["run"]
-    at = tiny_app.switch_page("pages/overview.py").run()
+    at = tiny_app.switch_page(page(app_file, "overview")).run()
     assert not at.exception
     steps = find_df(at, "step", "token", "prob", "model_prob", "entropy", "kept", "top5")
     assert steps["id"].tolist() == run.result.token_ids
@@ -138,13 +151,14 @@ def test_overview_lists_every_step(tiny_app, tiny_model):
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Stop reason"] == run.result.stop_reason
     codes = [c.value for c in at.code]
-    assert tiny_model.tokenizer.decode(run.result.prompt_ids) in codes
+    assert codes[0].rstrip("\n") == tiny_model.tokenizer.decode(run.result.prompt_ids).replace("\n", "⏎\n").rstrip("\n")
+    assert codes[1] == run.result.text.strip("\n")
     assert "<|im_start|>user" in codes[0] and "👋" in codes[0]
 
 
-def test_tokens_page_table_spans_and_stream(tiny_app, tiny_model):
+def test_tokens_page_table_spans_and_stream(tiny_app, tiny_model, app_file):
     run = tiny_app.session_state["run"]
-    at = tiny_app.switch_page("pages/tokens.py").run()
+    at = tiny_app.switch_page(page(app_file, "tokens")).run()
     assert not at.exception
     table = find_df(at, "position", "id", "bytes", "start", "end", "special", "part")
     tok = tiny_model.tokenizer
@@ -161,12 +175,17 @@ def test_tokens_page_table_spans_and_stream(tiny_app, tiny_model):
     assert len(emoji) >= 2 and emoji["end"].nunique() == 1
     # user text is escaped in the spans: no tag of the prompt survives as markup
     spans = "".join(h.proto.body for h in at.get("html"))
-    assert "&lt;script&gt;" in spans and "<script>" not in spans and "<b>" not in spans
+    assert set(re.findall(r"<(/?\w+)", spans)) == {"div", "/div", "span", "/span"}
+    assert "&lt;" in spans and "&amp;" in spans
+    text = html.unescape(re.sub(r"<[^>]*>", "", spans))
+    assert "Say·&lt;b&gt;hi" not in text and "Say·<b>hi</b>·&·<script>alert(1)</script>" in text
     assert spans.count("<span ") == len(expected)
     # counts and the chat template
     metrics = [m.value for m in at.metric if m.label == "Tokens"]
     assert [int(v) for v in metrics] == [run.n_prompt, len(run.result.token_ids)]
-    assert any(c.value == tok.render_chat(chat_messages(PROMPT)) for c in at.code)
+    rendered = tok.render_chat(chat_messages(PROMPT))
+    assert rendered.endswith("assistant\n")
+    assert any(c.value.rstrip("\n") == rendered.replace("\n", "⏎\n").rstrip("\n") for c in at.code)
     # streaming decoder on the sample text: '' while a character is incomplete, text joins back up
     at.text_input(key="tok_stream_text").set_value("a👋世").run()
     stream = [el.value for el in at.dataframe if "emitted" in el.value.columns][-1]
@@ -175,11 +194,12 @@ def test_tokens_page_table_spans_and_stream(tiny_app, tiny_model):
     assert "" in stream["emitted"].tolist()
 
 
-def test_attention_maps_are_computed_on_demand_and_cached(tiny_app, tiny_model, calls):
+def test_attention_maps_are_computed_on_demand_and_cached(tiny_app, tiny_model, calls, app_file):
     run = tiny_app.session_state["run"]
     T, cfg = len(run.ids), tiny_model.config
+    ref = [attention_pattern(tiny_model, run.ids, layer) for layer in range(cfg.num_layers)]
     before = calls["forward"]
-    at = tiny_app.switch_page("pages/attention.py").run()
+    at = tiny_app.switch_page(page(app_file, "attention")).run()
     assert not at.exception
     assert calls["forward"] - before == 2            # layer 0's map + the entropy overview
     fig = chart(at, "att_map")
@@ -188,8 +208,7 @@ def test_attention_maps_are_computed_on_demand_and_cached(tiny_app, tiny_model, 
     np.testing.assert_allclose(z.sum(1), 1, atol=1e-5)              # head average: rows still sum to 1
     assert np.allclose(np.triu(z, 1), 0)                             # causal
     assert len(fig["data"][0]["x"]) == T and fig["data"][0]["x"][0].startswith("0 ")
-    ref = attention_pattern(tiny_model, run.ids, 0)
-    np.testing.assert_allclose(z, ref.mean(0).numpy(), atol=1e-5)
+    np.testing.assert_allclose(z, ref[0].mean(0).numpy(), atol=1e-5)
     ent = arr(chart(at, "att_entropy")["data"][0]["z"])
     assert ent.shape == (cfg.num_layers, cfg.num_heads)
 
@@ -197,27 +216,27 @@ def test_attention_maps_are_computed_on_demand_and_cached(tiny_app, tiny_model, 
     at.selectbox(key="att_layer").set_value(1).run()
     assert calls["forward"] == n + 1
     z1 = arr(chart(at, "att_map")["data"][0]["z"])
-    np.testing.assert_allclose(z1, attention_pattern(tiny_model, run.ids, 1).mean(0).numpy(), atol=1e-5)
+    np.testing.assert_allclose(z1, ref[1].mean(0).numpy(), atol=1e-5)
     n = calls["forward"]
     at.selectbox(key="att_head").set_value(2).run()
     zh = arr(chart(at, "att_map")["data"][0]["z"])
     np.testing.assert_allclose(zh.sum(1), 1, atol=1e-5)
-    np.testing.assert_allclose(zh, attention_pattern(tiny_model, run.ids, 1)[2].numpy(), atol=1e-5)
+    np.testing.assert_allclose(zh, ref[1][2].numpy(), atol=1e-5)
     at.selectbox(key="att_layer").set_value(0).run()                 # seen before: no new forward
     at.slider(key="att_query").set_value(3).run()
     at.slider(key="att_topk").set_value(2).run()
     assert calls["forward"] == n
     assert calls["generate"] == 1
     top = find_df(at, "position", "token", "weight")
-    row = attention_pattern(tiny_model, run.ids, 0)[2, 3].numpy()
+    row = ref[0][2, 3].numpy()
     assert top["position"].tolist() == np.argsort(-row, kind="stable")[:2].tolist()
     assert not at.exception
 
 
-def test_activations_page(tiny_app, tiny_model, calls):
+def test_activations_page(tiny_app, tiny_model, calls, app_file):
     run = tiny_app.session_state["run"]
     L = tiny_model.config.num_layers
-    at = tiny_app.switch_page("pages/activations.py").run()
+    at = tiny_app.switch_page(page(app_file, "activations")).run()
     assert not at.exception
     table = find_df(at, "stage", "layer", "rms", "absmax")
     assert sorted(table["stage"].unique()) == ["attn_out", "mlp_out", "resid_post"]
@@ -249,15 +268,15 @@ def test_activations_page(tiny_app, tiny_model, calls):
 
 def test_pages_on_the_bundled_model(monkeypatch, app_file, calls):
     monkeypatch.delenv("LLM_INSPECTOR_MODEL", raising=False)
-    at = start(app_file, None, prompt="Name a color. 😀", max_new=3)
+    at = start(monkeypatch, app_file, None, prompt="Name a color. 😀", max_new=3)
     run = at.session_state["run"]
     assert "SmolLM2" in run.model_name and len(run.result.token_ids) <= 3
-    for page in PAGES:
-        at.switch_page(page).run()
-        assert not at.exception, (page, at.exception)
-    z = arr(chart(at.switch_page("pages/attention.py").run(), "att_map")["data"][0]["z"])
+    for name in PAGES:
+        at.switch_page(page(app_file, name)).run()
+        assert not at.exception, (name, at.exception)
+    z = arr(chart(at.switch_page(page(app_file, "attention")).run(), "att_map")["data"][0]["z"])
     assert z.shape == (len(run.ids),) * 2
     np.testing.assert_allclose(z.sum(1), 1, atol=1e-4)
-    act = at.switch_page("pages/activations.py").run()
+    act = at.switch_page(page(app_file, "activations")).run()
     assert find_df(act, "stage", "layer", "rms").groupby("stage").size().eq(30).all()
     assert calls["generate"] == 1
