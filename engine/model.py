@@ -100,6 +100,11 @@ class Model:
     def _forward(self, ids, cache: KVCache, p: Probe | None, pos: int, last_only: bool) -> torch.Tensor:
         cfg, w = self.config, self.weights
         T = ids.shape[0]
+        eps = cfg.rms_norm_eps if p is None or p.norm_eps is None else p.norm_eps
+        embed, norm, lm_head = w.embed, w.norm, w.lm_head
+        if p is not None:
+            embed, norm = p.weight("embed.weight", embed), p.weight("final_norm.weight", norm)
+            lm_head = p.weight("lm_head.weight", lm_head)
         cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]                 # (T, 1, hd)
         mask = None
         if T > 1 and pos > 0:   # a chunk after earlier positions: causal within, full view of the past
@@ -107,31 +112,33 @@ class Model:
 
         if p is not None and p.timing:
             p.mark("start")
-        x = F.embedding(ids, w.embed)                                           # (T, d)
+        x = F.embedding(ids, embed)                                             # (T, d)
         if p is not None:
             x = p("embed", x)
             if p.timing:
                 p.mark("embed")
         for i, lw in enumerate(w.layers):
-            x = self._block(i, lw, x, cache, p, cos, sin, pos, mask)
+            if p is not None:
+                lw = p.layer_weights(i, lw)
+            x = self._block(i, lw, x, cache, p, cos, sin, pos, mask, eps)
             if p is not None and p.timing:
                 p.mark(f"blocks.{i}")
-        x = F.rms_norm(x, (cfg.hidden_size,), w.norm, cfg.rms_norm_eps)
+        x = F.rms_norm(x, (cfg.hidden_size,), norm, eps)
         if p is not None:
             x = p("final_norm", x)
         if last_only:
             x = x[-1:]
-        logits = x @ w.lm_head                                         # (T, V)
+        logits = x @ lm_head                                         # (T, V)
         if p is not None:
             logits = p("logits", logits)
             if p.timing:
                 p.mark("logits")
         return logits
 
-    def _block(self, i, lw, x, cache: KVCache, p: Probe | None, cos, sin, pos: int, mask) -> torch.Tensor:
+    def _block(self, i, lw, x, cache: KVCache, p: Probe | None, cos, sin, pos: int, mask, eps: float) -> torch.Tensor:
         cfg, n = self.config, self._names[i]
         T, H, K, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = F.rms_norm(x, (cfg.hidden_size,), lw.attn_norm, cfg.rms_norm_eps)
+        h = F.rms_norm(x, (cfg.hidden_size,), lw.attn_norm, eps)
         if p is not None:
             h = p(n.attn_norm, h)
         qkv = (h @ lw.wqkv if lw.bqkv is None else torch.addmm(lw.bqkv, h, lw.wqkv)).view(T, H + 2 * K, hd)
@@ -156,11 +163,11 @@ class Model:
         attn_out = z.reshape(T, H * hd) @ lw.wo                         # (T, d)
         if p is None:
             x = x + attn_out
-            h = F.rms_norm(x, (cfg.hidden_size,), lw.mlp_norm, cfg.rms_norm_eps)
+            h = F.rms_norm(x, (cfg.hidden_size,), lw.mlp_norm, eps)
             gate, up = (h @ lw.w_gate_up).chunk(2, dim=-1)                # (T, F) each
             return x + (F.silu(gate) * up) @ lw.w_down
         x = p(n.resid_mid, x + p(n.attn_out, attn_out))
-        h = p(n.mlp_norm, F.rms_norm(x, (cfg.hidden_size,), lw.mlp_norm, cfg.rms_norm_eps))
+        h = p(n.mlp_norm, F.rms_norm(x, (cfg.hidden_size,), lw.mlp_norm, eps))
         gate, up = (h @ lw.w_gate_up).chunk(2, dim=-1)
         act = p(n.act, F.silu(p(n.gate, gate)) * p(n.up, up))
         return p(n.resid_post, x + p(n.mlp_out, act @ lw.w_down))

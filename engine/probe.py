@@ -7,6 +7,7 @@ its positions first ([T, ...]) except attn.scores / attn.pattern ([heads, T, S])
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,9 @@ from .errors import EngineError
 from .stats import StatRecord, StatsBatcher, StatsBlock
 
 HEADS_FIRST = ("attn.scores", "attn.pattern")
+WEIGHT_SLOTS = {"attn_norm.weight": "attn_norm", "attn.wqkv": "wqkv", "attn.wo": "wo",
+                "mlp_norm.weight": "mlp_norm", "mlp.w_gate_up": "w_gate_up", "mlp.w_down": "w_down"}
+GLOBAL_WEIGHTS = ("embed.weight", "final_norm.weight", "lm_head.weight")
 _LAYER = re.compile(r"blocks\.(\d+)\.(.+)")
 
 
@@ -79,6 +83,9 @@ class Probe:
         self.marks: list[tuple[int, str, float]] = []   # (step, label, seconds since call start)
         self._cuda_marks: list[tuple[int, str, Any]] = []
         self._t0: Any = None
+        self._weight_overrides: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._weight_cache: dict[str, torch.Tensor] = {}
+        self.norm_eps: float | None = None   # run-only RMSNorm epsilon (fault injection: eps 0 on a zero input)
 
     # ---- configuration (before the run) -------------------------------------------------------
     def capture(self, patterns: str | list[str], *, layers: Iterable[int] | None = None,
@@ -94,6 +101,39 @@ class Probe:
         self._plans.clear()
         return self
 
+    def override_weight(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Probe":
+        """For this run only, use fn(copy of weight) instead of a weight (fault injection, ablation).
+
+        Names (matrices are stored (in, out)): embed.weight, final_norm.weight, lm_head.weight,
+        blocks.{i}.attn_norm.weight, blocks.{i}.attn.wqkv, blocks.{i}.attn.wo, blocks.{i}.mlp_norm.weight,
+        blocks.{i}.mlp.w_gate_up, blocks.{i}.mlp.w_down. The shared model's weights are never touched."""
+        if split_name(name)[1] not in WEIGHT_SLOTS and name not in GLOBAL_WEIGHTS:
+            raise EngineError(f"unknown weight {name!r}; weights are {', '.join(GLOBAL_WEIGHTS)} and "
+                              f"blocks.{{i}}.{{{', '.join(WEIGHT_SLOTS)}}}")
+        self._weight_overrides[name] = fn
+        self._weight_cache.clear()
+        return self
+
+    def weight(self, name: str, original: torch.Tensor) -> torch.Tensor:
+        """The weight this run uses: the original, or its override (computed once per run)."""
+        fn = self._weight_overrides.get(name)
+        if fn is None:
+            return original
+        if name not in self._weight_cache:
+            w = fn(original.clone())
+            if not isinstance(w, torch.Tensor) or w.shape != original.shape:
+                raise EngineError(f"weight override {name!r} must return a tensor of shape {tuple(original.shape)}")
+            self._weight_cache[name] = w.to(original.dtype)
+        return self._weight_cache[name]
+
+    def layer_weights(self, i: int, lw):
+        """A block's weights with this run's overrides applied (the same object when there are none)."""
+        if not self._weight_overrides:
+            return lw
+        changes = {slot_field: self.weight(f"blocks.{i}.{slot}", getattr(lw, slot_field))
+                   for slot, slot_field in WEIGHT_SLOTS.items() if f"blocks.{i}.{slot}" in self._weight_overrides}
+        return dataclasses.replace(lw, **changes) if changes else lw
+
     def replace(self, patterns: str | list[str], fn: HookFn, *, layers: Iterable[int] | None = None) -> "Probe":
         """fn(tensor, HookContext) returns the tensor the forward continues with (or None: unchanged)."""
         self._replace_specs.append((_patterns(patterns), fn, _as_set(layers)))
@@ -102,7 +142,8 @@ class Probe:
 
     @property
     def hook_count(self) -> int:
-        return len(self._capture_specs) + len(self._stats_specs) + len(self._replace_specs)
+        return (len(self._capture_specs) + len(self._stats_specs) + len(self._replace_specs)
+                + len(self._weight_overrides))
 
     # ---- called by the engine ------------------------------------------------------------------
     def plan(self, name: str) -> _Plan:

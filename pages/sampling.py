@@ -28,6 +28,11 @@ if run.model_name != model.name:
     st.stop()
 result = run.result
 tok = model.tokenizer
+if st.session_state.get("smp_for_run") != run.created:
+    # a new run: setting A follows its settings again, and the step must exist in it
+    for k in [k for k in st.session_state if k == "smp_step" or (k.startswith("smp_") and k.endswith("_0"))]:
+        del st.session_state[k]
+    st.session_state["smp_for_run"] = run.created
 
 c1, c2 = st.columns([3, 1])
 step = int(c1.number_input(f"Step (0 = after the prefill; {len(result.steps)} in this run)", 0,

@@ -230,6 +230,15 @@ def test_sampling_page_kept_counts_and_no_model_calls(tiny_app, pages, forward_c
     assert not at.exception
     assert len(find_df(at, "setting", "kept", "entropy", "mass_kept")) == 4
     assert calls == {"forward": 0, "generate": 0}
+    # a new, shorter run: the chosen step no longer exists and setting A follows the new run's settings
+    at.number_input(key="smp_step").set_value(len(run.result.steps) - 1).run()
+    at.sidebar.number_input(key="sb_max_new").set_value(2)
+    at.sidebar.slider(key="sb_temperature").set_value(0.7)
+    at.sidebar.button(key="sb_run").click().run()
+    assert not at.exception and calls["generate"] == 1
+    assert at.number_input(key="smp_step").value == 0 and at.number_input(key="smp_step").max == 1
+    assert at.slider(key="smp_t_0").value == pytest.approx(0.7) and at.slider(key="smp_rep_0").value == 1.0
+    assert at.slider(key="smp_t_1").value == 1.5                         # B keeps what the user chose
 
 
 def test_timeline_page_one_row_per_step(tiny_app, tiny_model, pages):

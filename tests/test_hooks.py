@@ -159,3 +159,30 @@ def test_timing_marks_cover_every_layer(tiny_model):
 def test_stat_names():
     assert STAT_NAMES == ("min", "max", "mean", "std", "absmax", "nan", "inf")
     assert math.isclose(F.silu(torch.tensor(1.0)).item(), 1 / (1 + math.exp(-1)), rel_tol=1e-6)
+
+
+def test_weight_override_is_run_only(tiny_model):
+    before = tiny_model.weights.layers[1].w_down.clone()
+
+    def poison(w):
+        w[5, 7] = float("nan")
+        return w
+    probe = Probe().record_stats("*").override_weight("blocks.1.mlp.w_down", poison)
+    tiny_model.logits(IDS, probe)
+    rec, pos = probe.first_nonfinite()
+    assert (rec.name, rec.layer, pos) == ("blocks.1.mlp_out", 1, 0)
+    assert torch.equal(tiny_model.weights.layers[1].w_down, before)       # the shared model is untouched
+    assert torch.isfinite(tiny_model.logits(IDS)).all()
+    with pytest.raises(EngineError, match="unknown weight"):
+        Probe().override_weight("blocks.1.mlp.nope", poison)
+
+
+def test_rms_eps_zero_on_zero_input_gives_nan(tiny_model):
+    probe = Probe().record_stats("*").replace("embed", plant(0.0, position=2, index=slice(None)))
+    probe.norm_eps = 0.0
+    tiny_model.logits(IDS, probe)
+    rec, pos = probe.first_nonfinite()
+    assert (rec.name, rec.layer, pos) == ("blocks.0.attn_norm", 0, 2)
+    ok = Probe().record_stats("*").replace("embed", plant(0.0, position=2, index=slice(None)))
+    tiny_model.logits(IDS, ok)                                             # with the model's eps: finite
+    assert ok.first_nonfinite() is None

@@ -6,7 +6,7 @@ import html
 import re
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from engine import Candidate, Step
@@ -61,6 +61,8 @@ def test_token_table_on_known_text(tok):
 @given(st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=30))
 def test_offsets_and_bytes_agree_with_the_tokenizer(tok, text):
     ids, offsets = tok.encode_with_offsets(text)
+    # SmolLM2's vocabulary has no token for 21 byte values (0x04, 0x1d, 0xf1, ...): such text cannot round-trip
+    assume(tok.decode(ids) == text)
     t = token_table(tok, ids)
     assert b"".join(bytes.fromhex(h.replace(" ", "")) for h in t["bytes"]).decode() == text
     assert list(zip(t["start"], t["end"])) == offsets
@@ -108,7 +110,7 @@ def test_stream_table_holds_back_incomplete_characters(tok):
     assert s["complete"].tolist() == [e != "" for e in s["emitted"]]
     assert s["bytes"].tolist()[3:6] == ["20 f0 9f", "91", "8b"]
     cut = stream_table(tok, tok.encode("a👋")[:-1])                        # stops inside the emoji
-    assert cut["emitted"].tolist() == ["a", "", "\ufffd"] and cut["token"].iloc[-1] == "(flush)"
+    assert cut["emitted"].tolist() == ["a", "", "", "\ufffd"] and cut["token"].iloc[-1] == "(flush)"
 
 
 def test_token_labels_are_unique_and_short(tok):
