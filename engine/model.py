@@ -195,25 +195,26 @@ class Model:
         return z[0]
 
     def _explicit_attention(self, qh, keys, values, p: Probe, n: LayerNames, mask) -> torch.Tensor:
-        """Attention with scores and pattern as tensors, for hooks that ask for them. (H, T, hd) out."""
-        groups = self.config.kv_groups
-        kx = keys.repeat_interleave(groups, dim=0)                               # (H, S, hd)
-        vx = values.repeat_interleave(groups, dim=0)
-        scores = (qh @ kx.transpose(1, 2)) * (self.config.head_dim ** -0.5)      # (H, T, S)
-        T, S = scores.shape[1], scores.shape[2]
+        """Attention with scores and pattern as tensors, for hooks that ask for them. (H, T, hd) out.
+
+        Query heads sharing a KV head are stacked (K, G*T, hd) so GQA needs no copies of the cache."""
+        H, T, hd = qh.shape
+        K, S = keys.shape[0], keys.shape[1]
+        scores = (qh.reshape(K, -1, hd) @ keys.transpose(1, 2)).view(H, T, S) * (hd ** -0.5)   # (H, T, S)
         if T > 1:
             allowed = mask if mask is not None else torch.ones(T, S, dtype=torch.bool, device=qh.device).tril()
             scores = scores.masked_fill(~allowed, float("-inf"))
         scores = p(n.scores, scores)
         pattern = p(n.pattern, torch.softmax(scores.float(), dim=-1).to(qh.dtype))
-        if T > 1 and not bool(torch.isfinite(vx).all()):
+        grouped = pattern.reshape(K, -1, S)                                              # (K, G*T, S)
+        if T > 1 and not bool(torch.isfinite(values).all()):
             # 0 * NaN = NaN: a matmul would let a NaN value at position j leak into rows t < j that give it
             # zero weight. Generation is causal, so report NaN only where a row really reads one.
-            finite = torch.isfinite(vx)
-            z = pattern @ torch.where(finite, vx, 0.0)
-            reads_bad = (pattern != 0).to(vx.dtype) @ (~finite).to(vx.dtype)          # (H, T, hd)
-            return torch.where(reads_bad > 0, float("nan"), z)
-        return pattern @ vx
+            finite = torch.isfinite(values)
+            z = grouped @ torch.where(finite, values, 0.0)
+            reads_bad = (grouped != 0).to(values.dtype) @ (~finite).to(values.dtype)     # (K, G*T, hd)
+            return torch.where(reads_bad > 0, float("nan"), z).view(H, T, hd)
+        return (grouped @ values).view(H, T, hd)
 
     # ---- convenience surfaces -------------------------------------------------------------------
     @torch.inference_mode()

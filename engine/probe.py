@@ -49,6 +49,9 @@ class Capture:
 
 @dataclass
 class _Plan:
+    layer: int | None = None
+    heads_first: bool = False      # attn.scores / attn.pattern: (heads, T, S)
+    masked: bool = False           # -inf entries are masks (attention scores, sampler cuts), not faults
     capture: list[tuple[frozenset | None, frozenset | None]] = field(default_factory=list)
     stats: bool = False
     replace: list[HookFn] = field(default_factory=list)
@@ -149,8 +152,9 @@ class Probe:
     def plan(self, name: str) -> _Plan:
         p = self._plans.get(name)
         if p is None:
-            layer, _ = split_name(name)
-            p = _Plan()
+            layer, stage = split_name(name)
+            p = _Plan(layer=layer, heads_first=stage in HEADS_FIRST,
+                      masked=stage == "attn.scores" or name.startswith("sampler."))
             for pats, layers, positions in self._capture_specs:
                 if _matches(name, pats) and (layers is None or layer in layers):
                     p.capture.append((layers, positions))
@@ -171,8 +175,7 @@ class Probe:
         p = self._plans.get(name) or self.plan(name)
         if not p:
             return x
-        layer, stage = split_name(name)
-        heads_first = stage in HEADS_FIRST
+        layer, heads_first = p.layer, p.heads_first
         for fn in p.replace:
             y = fn(x, HookContext(name, layer, self.step, self.pos0))
             if y is not None:
@@ -182,7 +185,7 @@ class Probe:
                 x = y
         if p.stats and isinstance(x, torch.Tensor) and x.is_floating_point():
             t = x.transpose(0, 1) if heads_first else x
-            self._batcher.add(name, layer, t, masked=stage == "attn.scores" or name.startswith("sampler."))
+            self._batcher.add(name, layer, t, p.masked)
         for layers, positions in p.capture:
             self.captures.append(self._capture(name, layer, x, positions, heads_first))
         return x
