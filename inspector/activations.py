@@ -137,9 +137,9 @@ def position_layer_figure(matrix: pd.DataFrame, labels: Sequence[str], stat: str
     if bad is not None and len(bad):
         where = {p: i for i, p in enumerate(pos)}
         b = bad[bad["position"].isin(where)]
+        tips = [f"{n}: nan {a}, inf {i}" for n, a, i in zip(b["name"], b["nan"], b["inf"])]
         fig.add_trace(go.Scatter(x=[x[where[p]] for p in b["position"]], y=b["layer"].astype(int), mode="markers",
-                                 marker=dict(symbol="x", color="red", size=10), name="NaN/Inf",
-                                 hovertext=[f"{n}: nan {a}, inf {i}" for n, a, i in zip(b["name"], b["nan"], b["inf"])]))
+                                 marker=dict(symbol="x", color="red", size=10), name="NaN/Inf", hovertext=tips))
     fig.update_xaxes(title="position", type="category", showticklabels=len(pos) <= 96)
     fig.update_yaxes(title="layer", autorange="reversed")
     fig.update_layout(height=max(300, 14 * matrix.shape[1] + 120), margin=dict(l=10, r=10, t=30, b=10))

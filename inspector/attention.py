@@ -110,14 +110,14 @@ def entropy_overview(model, ids: Sequence[int], max_queries: int = MAX_QUERIES) 
     masked = torch.arange(T)[None, :] > rows[:, None]                         # (R, T) keys after the query
 
     def keep_q(x, ctx):
-        q_of[ctx.layer] = x.index_select(0, rows.to(x.device)).float().cpu()  # (R, H, hd)
+        q_of[ctx.layer] = x.index_select(0, rows.to(x.device)).float()        # (R, H, hd), on the device
 
     def on_k(x, ctx):
         q = q_of.pop(ctx.layer)
-        k = x.float().cpu().repeat_interleave(cfg.kv_groups, dim=1)           # (T, H, hd)
+        k = x.float().repeat_interleave(cfg.kv_groups, dim=1)                   # (T, H, hd)
         scores = torch.einsum("rhd,thd->hrt", q, k) * cfg.head_dim ** -0.5      # (H, R, T)
-        pattern = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
-        out[ctx.layer] = row_entropy(pattern).mean(-1)
+        pattern = torch.softmax(scores.masked_fill(masked.to(x.device), float("-inf")), dim=-1)
+        out[ctx.layer] = torch.special.entr(pattern).sum(-1).mean(-1).double().cpu()
 
     probe = Probe().replace("blocks.*.attn.q_rot", keep_q).replace("blocks.*.attn.k_rot", on_k)
     ids_t = torch.as_tensor([int(i) for i in ids], dtype=torch.long)

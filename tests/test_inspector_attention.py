@@ -34,7 +34,8 @@ def test_pool_max_and_mass_by_hand():
     np.testing.assert_array_equal(z, [[5, 7], [13, 15]])
     assert rows.tolist() == cols.tolist() == [0, 2]
     z, _, _ = pool(m, max_side=2, how="mass")
-    np.testing.assert_allclose(z, [[(0 + 1 + 4 + 5) / 2, (2 + 3 + 6 + 7) / 2], [(8 + 9 + 12 + 13) / 2, (10 + 11 + 14 + 15) / 2]])
+    np.testing.assert_allclose(z, [[(0 + 1 + 4 + 5) / 2, (2 + 3 + 6 + 7) / 2],
+                                   [(8 + 9 + 12 + 13) / 2, (10 + 11 + 14 + 15) / 2]])
     # 5 positions into blocks of 3: the last block holds 2 rows; mass keeps causal rows summing to 1
     z, rows, _ = pool(causal_uniform(5), max_side=2, how="mass")
     assert rows.tolist() == [0, 3]
