@@ -17,6 +17,9 @@ TokenText = Callable[[int], str]
 STAGES = ("sampler.penalties", "sampler.temperature", "sampler.top_k", "sampler.top_p", "sampler.min_p",
           "sampler.probs")
 KEPT, CUT, CHOSEN = "#3b6fb6", "#c7d2e0", "#e4572e"
+# The sampling page's settings B, C, D, E (A is the run's own); also what the benchmark compares.
+PRESETS = (dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=40, min_p=0.05),
+           dict(temperature=1.5, top_p=0.95), dict(temperature=0.3))
 
 
 def step_logits(probe, step: int) -> torch.Tensor:
@@ -188,15 +191,20 @@ def redraw(logits: torch.Tensor, settings: dict[str, SamplingParams], chain_sett
             "chain": chain, "chain_fig": chain_figure(chain), "empirical": emp, "stats": stats}
 
 
-def redraw_seconds(logits: torch.Tensor, settings: dict[str, SamplingParams], context: list[int],
-                   generated: list[int], token_text: TokenText, n_draws: int = 1000, repeats: int = 5,
+def redraw_seconds(logits: torch.Tensor, settings: dict[str, SamplingParams] | None = None,
+                   context: list[int] | None = None, generated: list[int] | None = None,
+                   token_text: TokenText | None = None, n_draws: int = 1000, repeats: int = 5,
                    threads: int | None = None) -> float:
     """Best-of-`repeats` wall time of `redraw` (three or more settings + chain + n_draws draws, figures
-    included): the server-side cost of redrawing the sampling page from cached logits.
+    included): the server-side cost of redrawing the sampling page from cached logits (V,).
 
-    threads: run the measurement with that many torch intra-op threads (restored afterwards). For
-    benchmarks only, never in the server (the setting is process-wide): at 49k-element tensors the work
-    is the same on one thread, and on an oversubscribed machine the thread pool's waits dominate."""
+    Defaults: the page's opening settings for a greedy run (A greedy, B T=0.7 top-p 0.9, C T=1 top-k 40
+    min-p 0.05), an empty context, token ids as text. threads: run the measurement with that many torch
+    intra-op threads (restored afterwards); for benchmarks only, never in the server (the setting is
+    process-wide). At 49k-element tensors the work is the same on one thread, and on an oversubscribed
+    machine the thread pool's waits dominate."""
+    settings = settings or default_settings(SamplingParams())
+    context, generated, token_text = list(context or []), list(generated or []), token_text or str
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -209,3 +217,20 @@ def redraw_seconds(logits: torch.Tensor, settings: dict[str, SamplingParams], co
     finally:
         torch.set_num_threads(before)
     return best
+
+
+def default_settings(run_params: SamplingParams, n: int = 3) -> dict[str, SamplingParams]:
+    """What the sampling page opens with: A = the run's own settings, then the presets."""
+    return {"ABCDE"[i]: run_params if i == 0 else SamplingParams(**PRESETS[i - 1]) for i in range(n)}
+
+
+def redraw_seconds_for_run(model, record, step: int | None = None, n_draws: int = 1000, repeats: int = 5,
+                           threads: int | None = None) -> float:
+    """redraw_seconds on an inspected run (inspector.run.RunRecord) with the page's opening settings, at
+    `step` (default: the last, whose context is longest): the benchmark's entry point."""
+    result = record.result
+    step = len(result.steps) - 1 if step is None else step
+    context, generated = step_context(result, step)
+    tok = model.tokenizer
+    return redraw_seconds(step_logits(record.probe, step), default_settings(result.params), context, generated,
+                          lambda i: tok.decode([i]), n_draws=n_draws, repeats=repeats, threads=threads)

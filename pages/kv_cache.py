@@ -30,9 +30,9 @@ dtype_label = kv.dtype_name(model.dtype) if kv.bytes_per_element(model.dtype) ==
 c[4].metric("Dtype", dtype_label, f"{bpe} B / element", delta_color="off")
 
 st.subheader("The formula against the engine")
-st.caption("`formula_bytes` from the formula above; `engine_bytes` is what the run's KVCache reported "
-           "(bytes_per_token, bytes_allocated, bytes_used). A fresh `model.new_cache(n)` for the same length: "
-           f"**{model.new_cache(allocated).bytes_allocated:,}** bytes allocated.")
+st.caption("`formula_bytes` from the formula above; `engine_bytes` is what the run's own KVCache reported "
+           "(its bytes_per_token, bytes_allocated and bytes_used properties). A one-position "
+           f"`model.new_cache(1)` made now says **{model.new_cache(1).bytes_per_token:,}** bytes per token.")
 check = kv.formula_vs_engine(shape, bpe, cache)
 st.dataframe(check, hide_index=True, key="kv_check")
 if not check["match"].all():

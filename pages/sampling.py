@@ -10,11 +10,7 @@ from engine import InputError, SamplingParams
 from inspector import sampling as smp
 from pages.common import get_model, require_run
 
-DEFAULTS = [None,                                              # A: the run's own settings
-            dict(temperature=0.7, top_p=0.9),
-            dict(temperature=1.0, top_k=40, min_p=0.05),
-            dict(temperature=1.5, top_p=0.95),
-            dict(temperature=0.3)]
+DEFAULTS = [None, *smp.PRESETS]           # A: the run's own settings
 LABELS = "ABCDE"
 
 st.header("Sampling")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
+from engine.sampling import entropy
 from inspector import sampling as smp
 from inspector.run import RunSettings, inspect_run
 
@@ -57,6 +58,8 @@ def test_top_k_min_p_kept_counts_hand(params, expected):
 
 
 def test_entropy_of_known_distributions():
+    probs = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 3, -1)
+    assert smp.entropy_nats(probs) == pytest.approx(entropy(probs), rel=1e-5)   # the engine's definition
     _, s = smp.compare(LOGITS5, {"T1": SamplingParams(temperature=1.0)}, [], [], text)
     hand = 0.5 * math.log(2) + 0.2 * math.log(5) + 0.15 * math.log(1 / 0.15) + 0.1 * math.log(10) + 0.05 * math.log(20)
     assert s["entropy"].iloc[0] == pytest.approx(hand, abs=1e-5)            # 1.33307 nats
@@ -190,6 +193,10 @@ def test_redraw_is_fast_on_the_bundled_vocab(bundled_model):
     # pool waiting for a descheduled worker can turn each 49k-element op into milliseconds)
     seconds = smp.redraw_seconds(logits, settings, context, generated, lambda i: tok.decode([i]), threads=1)
     default = smp.redraw_seconds(logits, settings, context, generated, lambda i: tok.decode([i]))
+    page = smp.redraw_seconds_for_run(bundled_model, run, threads=1)     # the benchmark's entry point
     print(f"sampling page redraw: {1e3 * seconds:.1f} ms on 1 thread, {1e3 * default:.1f} ms on "
-          f"{torch.get_num_threads()} threads")
-    assert seconds < 0.3
+          f"{torch.get_num_threads()} threads; page defaults at the last step {1e3 * page:.1f} ms")
+    bare = smp.redraw_seconds(logits, threads=1)                          # as inspector/bench_app.py calls it
+    assert seconds < 0.3 and page < 0.3 and bare < 0.3
+    assert list(smp.default_settings(run.result.params)) == ["A", "B", "C"]
+    assert smp.default_settings(run.result.params)["A"] == run.result.params
