@@ -1,0 +1,141 @@
+"""Compare two runs of the sidebar's prompt with one seed: sampler settings, dtype (another load of the model),
+KV cache on/off, an intervention. A token-aligned table, the first step where the runs diverge, and how much
+every stage differs at that step. Only the Compare button runs the model; the rest is display."""
+import streamlit as st
+
+from engine import EngineError, Probe, SamplingParams
+from engine.generate import prompt_ids
+from inspector import compare as cmp
+from inspector.tokens import visible
+from pages.common import device_slot, get_model, model_choices, shared_model
+
+RESULT = "cmp_result"
+DTYPES = ["sidebar's", "float32", "bfloat16", "float16"]
+IV_KINDS = ["none", "zero heads", "scale a stage"]
+s = st.session_state
+
+st.header("Compare two runs")
+model = get_model()
+if model is None:
+    st.stop()
+prompt = s.get("sb_prompt", "What is the capital of France?")
+st.caption(f"Prompt (from the sidebar): {prompt!r} · chat format {'on' if s.get('sb_chat', True) else 'off'}")
+c1, c2 = st.columns(2)
+max_new = int(c1.number_input("Max new tokens", 1, 256, 16, key="cmp_max_new"))
+seed = int(c2.number_input("Seed (both runs)", 0, 2**31 - 1, int(s.get("sb_seed", 0)), key="cmp_seed"))
+
+
+def config_panel(k: str, temperature: float) -> cmp.RunConfig | None:
+    """One run's configuration from its widgets (keys cmp_*_a / cmp_*_b)."""
+    st.markdown(f"**Run {k.upper()}**")
+    temp = st.slider("Temperature", 0.0, 2.0, temperature, 0.05, key=f"cmp_t_{k}")
+    c = st.columns(3)
+    top_k = c[0].number_input("Top-k", 0, 1000, 0, key=f"cmp_k_{k}")
+    top_p = c[1].slider("Top-p", 0.01, 1.0, 1.0, 0.01, key=f"cmp_p_{k}")
+    rep = c[2].slider("Repetition", 0.5, 2.0, 1.0, 0.05, key=f"cmp_rep_{k}")
+    c = st.columns(2)
+    dtype = c[0].selectbox("Dtype", DTYPES, key=f"cmp_dtype_{k}")
+    cache = c[1].toggle("KV cache", True, key=f"cmp_cache_{k}", help="Off: the whole sequence is recomputed "
+                        "with model.logits at every step")
+    kind = st.selectbox("Intervention", IV_KINDS, key=f"cmp_iv_{k}")
+    iv = None
+    if kind == "zero heads":
+        c = st.columns(3)
+        layer = c[0].number_input("Layer", 0, model.config.num_layers - 1, 0, key=f"cmp_iv_layer_{k}")
+        stage = c[1].selectbox("Stage", ["attn.z", "attn.q", "attn.k", "attn.v"], key=f"cmp_iv_stage_{k}")
+        heads = c[2].text_input("Heads", "0", key=f"cmp_iv_heads_{k}")
+        try:
+            iv = cmp.Intervention("zero_heads", f"blocks.{layer}.{stage}",
+                                  tuple(int(h) for h in heads.replace(",", " ").split()))
+        except ValueError:
+            st.error(f"heads must be whole numbers separated by commas, got {heads!r}")
+            return None
+    elif kind == "scale a stage":
+        c = st.columns(2)
+        stage = c[0].text_input("Stages (glob)", "blocks.0.mlp.act", key=f"cmp_iv_pattern_{k}")
+        iv = cmp.Intervention("scale", stage, factor=c[1].number_input("Factor", value=0.5, key=f"cmp_iv_factor_{k}"))
+    try:
+        params = SamplingParams(temperature=temp, top_k=int(top_k), top_p=top_p, repetition_penalty=rep)
+        if iv is not None:
+            iv.apply(model, Probe())                # validate the stage and heads now
+    except EngineError as e:
+        st.error(str(e))
+        return None
+    return cmp.RunConfig(k.upper(), params, dtype, cache, iv)
+
+
+cols = st.columns(2)
+configs = []
+for col, k, t in zip(cols, "ab", (0.0, 1.0)):
+    with col.container(border=True):
+        configs.append(config_panel(k, t))
+attention_maps = st.toggle("Include attention scores/pattern in the stage differences (leaves the fused "
+                           "attention path)", False, key="cmp_attn")
+
+
+def model_for(dtype: str):
+    """The sidebar's model, or the same source loaded in another dtype (shared, cached like the sidebar's)."""
+    if dtype == DTYPES[0] or dtype == str(model.dtype).removeprefix("torch."):
+        return model
+    choices = model_choices()
+    source = choices.get(s.get("sb_model"), next(iter(choices.values())))
+    return shared_model(source, model.device.type, dtype)
+
+
+if st.button("Compare", key="cmp_run", type="primary", disabled=None in configs):
+    cfg_a, cfg_b = configs
+    try:
+        with device_slot("the comparison"), st.spinner("Running both configurations…"):
+            ma, mb = model_for(cfg_a.dtype), model_for(cfg_b.dtype)
+            ids = prompt_ids(ma, prompt, chat=s.get("sb_chat", True), allow_special=s.get("sb_allow_special", False))
+            ta = cmp.run_config(ma, ids, cfg_a, max_new_tokens=max_new, seed=seed)
+            tb = cmp.run_config(mb, ids, cfg_b, max_new_tokens=max_new, seed=seed)
+            d = cmp.first_divergence(ta.token_ids, tb.token_ids)
+            at = d if d is not None and d < min(len(ta.token_ids), len(tb.token_ids)) else None
+            diff = None if at is None else cmp.divergence_stages(ma, cfg_a, mb, cfg_b, ids, ta.token_ids, at,
+                                                                 attention_maps=attention_maps)
+    except EngineError as e:
+        st.error(str(e))
+        st.stop()
+    s[RESULT] = dict(a=ta, b=tb, cfg_a=cfg_a, cfg_b=cfg_b, divergence=d, diff_step=at, diff=diff,
+                     names=(ma.name, str(ma.dtype), mb.name, str(mb.dtype)))
+
+res = s.get(RESULT)
+if res is None:
+    st.info("Choose two configurations and press **Compare**.")
+    st.stop()
+tok = model.tokenizer
+ta, tb, d = res["a"], res["b"], res["divergence"]
+na, da, nb, db = res["names"]
+st.caption(f"{res['cfg_a'].describe()} ({na}, {da.removeprefix('torch.')}, {ta.seconds:.2f} s) — "
+           f"{res['cfg_b'].describe()} ({nb}, {db.removeprefix('torch.')}, {tb.seconds:.2f} s)")
+m = st.columns(3)
+m[0].metric("First divergence", "none" if d is None else f"step {d}")
+m[1].metric("Tokens A / B", f"{len(ta.token_ids)} / {len(tb.token_ids)}")
+m[2].metric("Same tokens", f"{sum(x == y for x, y in zip(ta.token_ids, tb.token_ids))}")
+left, right = st.columns(2)
+left.code(tok.decode(ta.token_ids) or "(nothing)", language=None, wrap_lines=True)
+right.code(tok.decode(tb.token_ids) or "(nothing)", language=None, wrap_lines=True)
+
+table = cmp.aligned_table(ta, tb, lambda i: visible(tok.decode([i])))
+st.subheader("Token by token")
+st.dataframe(table, hide_index=True, key="cmp_table",
+             column_config={"prob_a": st.column_config.NumberColumn(format="%.4f"),
+                            "prob_b": st.column_config.NumberColumn(format="%.4f")})
+st.plotly_chart(cmp.tokens_figure(table), key="cmp_tokens_fig")
+
+st.subheader("Stages at the divergence step")
+if res["diff"] is None:
+    st.info("The runs chose the same tokens" + ("" if d is None else " until one of them ended") +
+            ": there is no step where both chose and differ.")
+    st.stop()
+diff = res["diff"]
+first = cmp.first_differing_stage(diff)
+st.caption(f"Both configurations replayed over the prompt and the {res['diff_step']} tokens they share, each its "
+           f"own way (cache on: prefill then one token at a time; off: one full forward), every stage captured at "
+           f"the position whose logits chose step {res['diff_step']}'s token. Relative error ||B − A|| / ||A||; "
+           f"first stage above 1e-6: **{first or 'none'}**.")
+st.plotly_chart(cmp.differences_figure(diff), key="cmp_diff_fig")
+st.dataframe(diff, hide_index=True, key="cmp_diff",
+             column_config={"rel_error": st.column_config.NumberColumn(format="%.3e"),
+                            "max_abs_diff": st.column_config.NumberColumn(format="%.3e")})

@@ -1,0 +1,209 @@
+"""Debugger: generate one token at a time with the live engine. Step / Continue (to a breakpoint or the end) /
+Run to end / Reset; conditional breakpoints; new sampler settings after a break. After every step the run so
+far is this session's current run (st.session_state["run"]) and the step shown is st.session_state
+["selected_step"], so every other page shows the run's state at that step."""
+from dataclasses import asdict
+from fnmatch import fnmatchcase
+
+import streamlit as st
+
+from engine import EngineError, InputError, SamplingParams
+from engine.breakpoints import AbsAbove, EntropyBelow, NonFinite, RepeatedNgram, TokenIs
+from inspector.run import RunSettings
+from inspector.stepper import Debugger, candidates_table, describe_step, params_table, token_ids_for
+from inspector.tokens import steps_table
+from pages.common import RUN_KEY, current_run, device_slot, get_model, server_limits, settings_from_sidebar
+
+DBG, BPS, SELECTED = "dbg", "dbg_bps", "selected_step"
+KINDS = ["NaN / Inf", "|value| above", "Entropy below", "Repeated n-gram", "Token"]
+PARAM_KEYS = dict(temperature="dbg_t", top_k="dbg_k", top_p="dbg_p", min_p="dbg_minp", repetition_penalty="dbg_rep",
+                  frequency_penalty="dbg_freq", presence_penalty="dbg_pres", no_repeat_ngram="dbg_ngram")
+s = st.session_state
+
+st.header("Debugger")
+model = get_model()
+if model is None:
+    st.stop()
+if BPS not in s:
+    s[BPS] = []
+
+
+def sidebar_settings() -> RunSettings:
+    """The sidebar's prompt and settings (defaults when this page runs without the app's frame)."""
+    if "sb_prompt" in s:
+        return settings_from_sidebar()
+    return RunSettings(prompt="What is the capital of France?")
+
+
+def sync_param_widgets(params: SamplingParams) -> None:
+    for k, v in asdict(params).items():
+        s[PARAM_KEYS[k]] = int(v) if k in ("top_k", "no_repeat_ngram") else float(v)
+
+
+def new_debugger(old: Debugger | None) -> Debugger | None:
+    """A fresh run from the sidebar's settings (checked against the server's limits, as the sidebar's Run is)."""
+    if old is not None and current_run() is old.published:     # the pages stop showing the old run
+        s.pop(RUN_KEY, None)
+        s.pop(SELECTED, None)
+    s.pop(DBG, None)
+    try:
+        dbg = Debugger(model, sidebar_settings(), s[BPS], limits=server_limits())
+    except (EngineError, TypeError, ValueError) as e:
+        st.error(f"Could not start the run: {e}")
+        return None
+    s[DBG] = dbg
+    sync_param_widgets(dbg.run.params)
+    return dbg
+
+
+def widget_params(current: SamplingParams) -> SamplingParams:
+    return SamplingParams(**{k: s.get(key, getattr(current, k)) for k, key in PARAM_KEYS.items()})
+
+
+def publish(dbg: Debugger) -> None:
+    """The run so far becomes the session's current run; the newest step is the selected one."""
+    if dbg.steps:                            # pages expect at least one step in a run
+        s[RUN_KEY] = dbg.record()
+        s[SELECTED] = s["dbg_view_step"] = len(dbg.steps) - 1
+
+
+c = st.columns(4)
+reset = c[0].button("Reset", key="dbg_reset", use_container_width=True,
+                    help="A new run from the sidebar's prompt and settings (breakpoints are kept)")
+do_step = c[1].button("Step", key="dbg_step", type="primary", use_container_width=True)
+do_cont = c[2].button("Continue", key="dbg_continue", use_container_width=True,
+                      help="Run until a breakpoint fires or the run ends")
+do_end = c[3].button("Run to end", key="dbg_run_end", use_container_width=True, help="Ignore breakpoints")
+
+dbg: Debugger | None = s.get(DBG)
+if reset or ((do_step or do_cont or do_end) and (dbg is None or dbg.model_name != model.name)):
+    dbg = new_debugger(dbg)
+if dbg is not None and (do_step or do_cont or do_end):
+    if dbg.done:
+        st.info(f"The run has ended ({dbg.run.stop_reason}); press Reset for a new one.")
+    else:
+        try:
+            if dbg.set_params(widget_params(dbg.run.params)):
+                st.toast(f"New sampler settings from step {len(dbg.steps)} on")
+            dbg.breakpoints = list(s[BPS])
+            live = st.empty()
+            # the text so far after each token; a Streamlit call per token also lets Stop / a rerun end a long
+            # Continue between two steps (the run stays consistent, and is published on the next rerun)
+            dbg.run.on_token = lambda step: live.caption(f"step {step.index}: …{dbg.run.text[-120:]}")
+            try:
+                with device_slot("the next tokens"), st.spinner("Generating…"):
+                    if do_step:
+                        dbg.step()
+                    elif do_cont:
+                        dbg.cont()
+                    else:
+                        dbg.run_to_end()
+            finally:
+                dbg.run.on_token = None
+                live.empty()
+        except EngineError as e:
+            bad = dbg.probe.first_nonfinite()
+            st.error(f"The engine stopped: {e}" + (f" (first NaN/Inf: {bad[0].name} at step {bad[0].step}, "
+                                                   f"position {bad[1]})" if bad else ""))
+        publish(dbg)
+elif dbg is not None and dbg.steps and (dbg.published is None or (current_run() is dbg.published and len(
+        dbg.published.result.steps) != len(dbg.steps))):
+    publish(dbg)                             # steps an interrupted rerun took but did not publish
+
+if dbg is None:
+    st.info("Press **Step** to start generating the sidebar's prompt one token at a time.")
+elif dbg.model_name != model.name:
+    st.warning(f"This run uses **{dbg.model_name}**; the sidebar now shows **{model.name}**. Press Reset.")
+
+# ---- breakpoints -----------------------------------------------------------------------------------
+with st.expander(f"Breakpoints ({len(s[BPS])})", expanded=True):
+    c1, c2, c3 = st.columns([2, 3, 1])
+    kind = c1.selectbox("Break on", KINDS, key="dbg_bp_kind")
+    try:
+        if kind == "NaN / Inf":
+            bp = NonFinite(c2.text_input("Stages (glob)", "*", key="dbg_bp_stage"))
+        elif kind == "|value| above":
+            thr = c2.number_input("Threshold", 0.0, value=1000.0, key="dbg_bp_abs")
+            bp = AbsAbove(thr, st.text_input("Stages (glob)", "*", key="dbg_bp_abs_stage"))
+        elif kind == "Entropy below":
+            bp = EntropyBelow(c2.number_input("Entropy (nats)", 0.0, value=0.5, step=0.1, key="dbg_bp_entropy"))
+        elif kind == "Repeated n-gram":
+            bp = RepeatedNgram(int(c2.number_input("n", 1, 20, 3, key="dbg_bp_n")),
+                               st.toggle("Count n-grams of the prompt too", False, key="dbg_bp_prompt"))
+        else:
+            text = c2.text_input("Token text (' Paris') or id(s)", key="dbg_bp_token")
+            bp = TokenIs(token_ids_for(model.tokenizer, text, model.config.vocab_size)) if text else None
+        stage = getattr(bp, "stage", None)
+        if stage is not None and not any(fnmatchcase(n, stage) for n in model.hook_names()):
+            raise InputError(f"no stage matches {stage!r}; stages are named like blocks.0.mlp.act (see Activations)")
+    except EngineError as e:
+        st.error(str(e))
+        bp = None
+    if c3.button("Add", key="dbg_bp_add", disabled=bp is None, use_container_width=True) and bp not in s[BPS]:
+        s[BPS] = s[BPS] + [bp]
+        st.rerun()
+    for i, b in enumerate(s[BPS]):
+        r1, r2 = st.columns([5, 1])
+        r1.markdown(f"`{i}` {b.describe()}")
+        if r2.button("Remove", key=f"dbg_bp_rm_{i}", use_container_width=True):
+            s[BPS] = s[BPS][:i] + s[BPS][i + 1:]
+            st.rerun()
+
+# ---- the sampler for the next steps -----------------------------------------------------------------
+if any(key not in s for key in PARAM_KEYS.values()):      # first visit, or back from another page
+    sync_param_widgets(dbg.run.params if dbg is not None else SamplingParams(
+        **{k: getattr(sidebar_settings(), k) for k in PARAM_KEYS}))
+with st.expander("Sampler for the next steps (applied at Step / Continue)", expanded=bool(dbg and dbg.message)):
+    p = st.columns(4)
+    p[0].slider("Temperature", 0.0, 2.0, step=0.05, key="dbg_t")
+    p[1].number_input("Top-k (0 = off)", 0, 1000, key="dbg_k")
+    p[2].slider("Top-p", 0.01, 1.0, step=0.01, key="dbg_p")
+    p[3].slider("Min-p", 0.0, 1.0, step=0.01, key="dbg_minp")
+    p[0].slider("Repetition penalty", 0.5, 2.0, step=0.05, key="dbg_rep")
+    p[1].slider("Frequency penalty", -2.0, 2.0, step=0.1, key="dbg_freq")
+    p[2].slider("Presence penalty", -2.0, 2.0, step=0.1, key="dbg_pres")
+    p[3].number_input("No-repeat n-gram", 0, 10, key="dbg_ngram")
+if dbg is None:
+    st.stop()
+
+# ---- where the run stands -------------------------------------------------------------------------
+steps, tok = dbg.steps, model.tokenizer if dbg.model_name == model.name else None
+for note in dbg.notes:
+    st.info(note)
+if dbg.message:
+    st.warning(f"Breakpoint: {dbg.message}", icon="⏸️")
+cur = current_run()
+if dbg.published is not None and cur is not dbg.published:
+    st.info("Another run is now the current run of the other pages; Step or Continue publishes this one again.")
+state = f"ended ({dbg.run.stop_reason})" if dbg.done else "paused"
+st.caption(f"{len(steps)} of at most {dbg.run.max_new_tokens} tokens · {state} · {dbg.seconds:.2f} s with full "
+           f"inspection · seed {dbg.run.seed}")
+st.code(dbg.run.text or "(nothing yet)", language=None, wrap_lines=True)
+if not steps:
+    st.stop()
+
+if "dbg_view_step" not in s:                              # first visit, or back from another page
+    s["dbg_view_step"] = s.get(SELECTED, len(steps) - 1)
+s["dbg_view_step"] = min(max(int(s["dbg_view_step"]), 0), len(steps) - 1)
+view = int(st.number_input(f"Step shown (0–{len(steps) - 1}); every page shows this step", 0, len(steps) - 1,
+                           key="dbg_view_step"))
+if cur is not None and cur is dbg.published:
+    s[SELECTED] = view
+step = steps[view]
+st.markdown(f"**{describe_step(step, tok)}**")
+m = st.columns(4)
+m[0].metric("Chosen token", repr(step.text) if tok is None else repr(tok.decode([step.token_id])))
+m[1].metric("p (sampling)", f"{step.prob:.4f}")
+m[2].metric("Entropy (nats)", f"{step.entropy:.3f}")
+m[3].metric("Tokens kept", f"{step.kept:,}")
+st.caption(f"Sampler at this step: {dbg.params_at(view)}")
+left, right = st.columns([2, 3])
+left.dataframe(candidates_table(step, tok), hide_index=True, key="dbg_candidates",
+               column_config={"model_prob": st.column_config.NumberColumn(format="%.4f")})
+right.dataframe(steps_table(steps, tok), hide_index=True, key="dbg_steps",
+                column_config={"prob": st.column_config.NumberColumn(format="%.4f"),
+                               "model_prob": st.column_config.NumberColumn(format="%.4f"),
+                               "entropy": st.column_config.NumberColumn(format="%.3f")})
+if len(dbg.params_log) > 1:
+    st.subheader("Sampler changes")
+    st.dataframe(params_table(dbg.params_log), hide_index=True, key="dbg_params_log")
