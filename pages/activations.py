@@ -4,14 +4,29 @@ from collections import OrderedDict
 
 import streamlit as st
 
+from engine import EngineError
 from inspector.activations import (STATS, layer_stages, layer_summary, lines_figure, logit_lens,
                                    logit_lens_figure, nonfinite_cells, position_layer, position_layer_figure,
                                    stage_table)
 from inspector.attention import memo, run_key
 from inspector.tokens import token_labels
-from pages.common import get_model, require_run
+from pages.common import device_slot, get_model, require_run
 
 LENS_K = 10
+LENS_AUTO = 512      # positions from here on compute the lens only when asked (a forward over them all)
+
+
+def on_demand(store, k, what: str, compute, **bounds):
+    """memo(store, k, compute), holding a device slot (queue shown) and a spinner only when it computes."""
+    if k in store:
+        return memo(store, k, compute, **bounds)
+    try:
+        with device_slot(what), st.spinner(f"Computing {what}…"):
+            return memo(store, k, compute, **bounds)
+    except EngineError as e:
+        st.error(str(e))
+        st.stop()
+
 
 st.header("Activations")
 run = require_run()
@@ -72,7 +87,10 @@ k = l2.slider("Top-k", 1, LENS_K, 5, key="act_lens_k")
 nxt = f"the actual next token is {labels[pos + 1]!r}" if pos + 1 < len(ids) else "the run ends here"
 st.caption(f"What each layer's residual stream at {labels[pos]!r} predicts next (through the final norm and "
            f"the unembedding); {nxt}. The last layer's row is the model's own prediction.")
-with st.spinner("One forward up to this position…"):
-    lens = memo(cache, (key, "lens", pos), lambda: logit_lens(model, ids, pos, LENS_K), max_entries=16)
-st.plotly_chart(logit_lens_figure(lens, k), key="act_lens")
-st.dataframe(lens[lens["rank"] < k], key="act_lens_table", hide_index=True)
+if (key, "lens", pos) in cache or pos < LENS_AUTO or st.button("Compute the logit lens", key="act_lens_btn"):
+    lens = on_demand(cache, (key, "lens", pos), f"the logit lens over {pos + 1} positions",
+                     lambda: logit_lens(model, ids, pos, LENS_K), max_entries=16)
+    st.plotly_chart(logit_lens_figure(lens, k), key="act_lens")
+    st.dataframe(lens[lens["rank"] < k], key="act_lens_table", hide_index=True)
+else:
+    st.info(f"Position {pos}: one forward over {pos + 1} positions (seconds on a CPU). Press the button.")

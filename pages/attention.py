@@ -6,12 +6,26 @@ from collections import OrderedDict
 
 import streamlit as st
 
+from engine import EngineError
 from inspector.attention import (MAX_CELLS, attention_pattern, entropy_figure, entropy_overview, head_view,
                                  heatmap_figure, memo, pool, run_key, top_attended, top_attended_figure, window)
 from inspector.tokens import token_labels
-from pages.common import get_model, require_run
+from pages.common import device_slot, get_model, require_run
 
 OVERVIEW_AUTO = 512   # longer runs compute the layers × heads overview only when asked
+
+
+def on_demand(store, k, what: str, compute, **bounds):
+    """memo(store, k, compute), holding a device slot (queue shown) and a spinner only when it computes."""
+    if k in store:
+        return memo(store, k, compute, **bounds)
+    try:
+        with device_slot(what), st.spinner(f"Computing {what}…"):
+            return memo(store, k, compute, **bounds)
+    except EngineError as e:
+        st.error(str(e))
+        st.stop()
+
 
 st.header("Attention")
 run = require_run()
@@ -31,9 +45,9 @@ layer = c1.selectbox("Layer", list(range(cfg.num_layers)), key="att_layer", form
 head = c2.selectbox("Head", [None, *range(cfg.num_heads)], key="att_head",
                     format_func=lambda h: "Average of all heads" if h is None else f"Head {h}")
 
-t0 = time.perf_counter()
-with st.spinner(f"Computing layer {layer}'s attention over {T} positions…"):
-    pattern = memo(maps, (key, layer), lambda: attention_pattern(model, ids, layer), max_entries=8)
+cached, t0 = (key, layer) in maps, time.perf_counter()
+pattern = on_demand(maps, (key, layer), f"layer {layer}'s attention over {T} positions",
+                    lambda: attention_pattern(model, ids, layer), max_entries=8)
 elapsed = time.perf_counter() - t0
 m = head_view(pattern, head)                                                    # (T, T)
 
@@ -57,7 +71,7 @@ else:
         note = f"{T} positions pooled into blocks of {block} ({how})."
 st.plotly_chart(heatmap_figure(z, rows, rows, labels, title=f"Layer {layer}, {what}", block=block),
                 key="att_map")
-st.caption(note + (f" Computed in {elapsed:.2f} s." if elapsed > 0.05 else " (cached)"))
+st.caption(note + (" (memoised)" if cached else f" Computed in {elapsed:.2f} s."))
 
 st.subheader("Where does this token look?")
 q1, q2 = st.columns([3, 1])
@@ -75,8 +89,8 @@ st.caption("Mean entropy (nats) of each head's attention rows: low = sharply foc
            "evenly spaced query rows.")
 ok = (key in overviews) or T <= OVERVIEW_AUTO or st.button("Compute the overview", key="att_overview_btn")
 if ok:
-    with st.spinner("One forward over all layers…"):
-        ent = memo(overviews, key, lambda: entropy_overview(model, ids), max_entries=4)
+    ent = on_demand(overviews, key, "the attention entropy of every layer and head",
+                    lambda: entropy_overview(model, ids), max_entries=4)
     st.plotly_chart(entropy_figure(ent), key="att_entropy")
 else:
     st.info(f"{T} positions: one full forward (several seconds on a CPU). Press the button to compute it.")

@@ -54,7 +54,8 @@ st.subheader("Streaming detokenizer")
 st.caption("A token can end in the middle of a UTF-8 character (emoji, CJK). The streaming decoder emits '' "
            "until the character is complete, then the whole character.")
 st.markdown("**This run's generated tokens**")
-st.dataframe(stream_table(tok, res.token_ids), key="tok_stream_run", hide_index=True)
+fed = res.token_ids[:-1] if res.stop_reason == "eos" else res.token_ids    # generation never decodes the EOS
+st.dataframe(stream_table(tok, fed), key="tok_stream_run", hide_index=True)
 sample = st.text_input("Try any text", "héllo 👋 世界", key="tok_stream_text")
 if sample:
     st.dataframe(stream_table(tok, tok.encode(sample)), key="tok_stream_sample", hide_index=True)

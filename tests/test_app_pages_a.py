@@ -72,23 +72,16 @@ def calls(monkeypatch):
     return n
 
 
-def fresh_app(monkeypatch, app_file, source: str | None) -> AppTest:
-    """An AppTest whose model is already loaded in the shared cache, without progress messages.
-
-    Workaround for pages/common.py: shared_model() is st.cache_resource'd and draws a progress bar on a
-    block created outside it, so a later session's cache hit replays those calls and fails
-    (CacheReplayClosureError). Loading it here, outside any script run, records no messages."""
-    from pages.common import shared_model
+def fresh_app(monkeypatch, app_file) -> AppTest:
+    """An AppTest of the app under test, seeing this test's $LLM_INSPECTOR_MODEL."""
     from streamlit.runtime.pages_manager import PagesManager
-    monkeypatch.setattr(PagesManager, "uses_pages_directory", None)   # decided per process; see app_file
+    monkeypatch.setattr(PagesManager, "uses_pages_directory", None)   # decided once per process; see app_file
     st.cache_data.clear()          # the sidebar's model list is cached for 60 s; the env var changes per test
-    shared_model.clear()
-    shared_model(source, "cpu", "auto")
     return AppTest.from_file(str(app_file), default_timeout=120)
 
 
-def start(monkeypatch, app_file, source: str | None, prompt=PROMPT, max_new=6) -> AppTest:
-    at = fresh_app(monkeypatch, app_file, source)
+def start(monkeypatch, app_file, prompt=PROMPT, max_new=6) -> AppTest:
+    at = fresh_app(monkeypatch, app_file)
     at.run()
     assert not at.exception
     at.sidebar.text_area(key="sb_prompt").set_value(prompt)
@@ -102,7 +95,7 @@ def start(monkeypatch, app_file, source: str | None, prompt=PROMPT, max_new=6) -
 @pytest.fixture
 def tiny_app(monkeypatch, tiny_model_dir, app_file, calls):
     monkeypatch.setenv("LLM_INSPECTOR_MODEL", str(tiny_model_dir))
-    at = start(monkeypatch, app_file, str(tiny_model_dir))
+    at = start(monkeypatch, app_file)
     assert calls["generate"] == 1
     return at
 
@@ -130,7 +123,7 @@ def arr(v) -> np.ndarray:
 
 def test_pages_without_a_run_show_the_hint(monkeypatch, tiny_model_dir, app_file, calls):
     monkeypatch.setenv("LLM_INSPECTOR_MODEL", str(tiny_model_dir))
-    at = fresh_app(monkeypatch, app_file, str(tiny_model_dir)).run()
+    at = fresh_app(monkeypatch, app_file).run()
     for name in PAGES:
         at.switch_page(page(app_file, name)).run()
         assert not at.exception
@@ -186,6 +179,9 @@ def test_tokens_page_table_spans_and_stream(tiny_app, tiny_model, app_file):
     rendered = tok.render_chat(chat_messages(PROMPT))
     assert rendered.endswith("assistant\n")
     assert any(c.value.rstrip("\n") == rendered.replace("\n", "⏎\n").rstrip("\n") for c in at.code)
+    # the streaming decoder replayed over the generated tokens spells the run's text
+    run_stream = [el.value for el in at.dataframe if "emitted" in el.value.columns][0]
+    assert "".join(run_stream["emitted"]) == run.result.text
     # streaming decoder on the sample text: '' while a character is incomplete, text joins back up
     at.text_input(key="tok_stream_text").set_value("a👋世").run()
     stream = [el.value for el in at.dataframe if "emitted" in el.value.columns][-1]
@@ -268,7 +264,7 @@ def test_activations_page(tiny_app, tiny_model, calls, app_file):
 
 def test_pages_on_the_bundled_model(monkeypatch, app_file, calls):
     monkeypatch.delenv("LLM_INSPECTOR_MODEL", raising=False)
-    at = start(monkeypatch, app_file, None, prompt="Name a color. 😀", max_new=3)
+    at = start(monkeypatch, app_file, prompt="Name a color. 😀", max_new=3)
     run = at.session_state["run"]
     assert "SmolLM2" in run.model_name and len(run.result.token_ids) <= 3
     for name in PAGES:
@@ -280,3 +276,42 @@ def test_pages_on_the_bundled_model(monkeypatch, app_file, calls):
     act = at.switch_page(page(app_file, "activations")).run()
     assert find_df(act, "stage", "layer", "rms").groupby("stage").size().eq(30).all()
     assert calls["generate"] == 1
+
+
+def test_long_runs_are_windowed_pooled_and_costly_views_wait_for_a_click(monkeypatch, tiny_model_dir, app_file,
+                                                                         calls):
+    monkeypatch.setenv("LLM_INSPECTOR_MODEL", str(tiny_model_dir))
+    at = start(monkeypatch, app_file, prompt="one two three four five six " * 100, max_new=2)
+    run = at.session_state["run"]
+    T = len(run.ids)
+    assert T > 600
+    at.switch_page(page(app_file, "attention")).run()
+    assert not at.exception
+    fig = chart(at, "att_map")
+    z = arr(fig["data"][0]["z"])
+    assert z.shape == (256, 256) and fig["data"][0]["y"][-1].startswith(f"{T - 1} ")   # the last window
+    assert not [e for e in at.get("plotly_chart") if e.key == "att_entropy"]          # waits for the button
+    n = calls["forward"]
+    at.slider(key="att_window").set_value(100).run()
+    assert chart(at, "att_map")["data"][0]["y"][0].startswith("100 ")
+    at.radio(key="att_view").set_value("Whole sequence, pooled").run()
+    at.selectbox(key="att_pool").set_value("mass").run()
+    pooled = arr(chart(at, "att_map")["data"][0]["z"])
+    block = -(-T // 256)
+    assert pooled.shape == (-(-T // block),) * 2
+    np.testing.assert_allclose(pooled.sum(1), 1, atol=1e-5)
+    assert calls["forward"] == n                                                       # display only
+    at.button(key="att_overview_btn").click().run()
+    assert calls["forward"] == n + 1
+    ent = arr(chart(at, "att_entropy")["data"][0]["z"])
+    assert ent.shape == (2, 4) and (ent > 0).all()
+    at.slider(key="att_query").set_value(5).run()                                      # overview stays, cached
+    assert calls["forward"] == n + 1 and arr(chart(at, "att_entropy")["data"][0]["z"]).shape == (2, 4)
+
+    at.switch_page(page(app_file, "activations")).run()
+    assert not at.exception and calls["forward"] == n + 1                             # the lens waits too
+    assert not [e for e in at.get("plotly_chart") if e.key == "act_lens"]
+    at.button(key="act_lens_btn").click().run()
+    assert calls["forward"] == n + 2
+    assert find_df(at, "layer", "rank", "id", "prob")["layer"].nunique() == 2
+    assert calls["generate"] == 1 and not at.exception
