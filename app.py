@@ -15,6 +15,9 @@ PAGES = [
     st.Page("pages/timeline.py", title="Timeline", icon=":material/timer:"),
     st.Page("pages/debugger.py", title="Debugger", icon=":material/bug_report:"),
     st.Page("pages/compare.py", title="Compare runs", icon=":material/compare_arrows:"),
+    st.Page("pages/nan_doctor.py", title="NaN doctor", icon=":material/healing:"),
+    st.Page("pages/repetition.py", title="Repetition", icon=":material/repeat:"),
+    st.Page("pages/trace_files.py", title="Trace files", icon=":material/save:"),
 ]
 
 nav = st.navigation(PAGES)

@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     b.add_argument("--app", action="store_true", help="also the app benchmarks (full inspection, sampling redraw)")
     b.set_defaults(fn=cmd_bench)
+    from .cli_debug import add_debug_commands
+    add_debug_commands(sub)                  # trace, doctor
     return parser
 
 

@@ -128,6 +128,8 @@ class Model:
             x = p("final_norm", x)
         if last_only:
             x = x[-1:]
+            if p is not None:
+                p.move_to(pos + T - 1)   # the one logits row belongs to the last position
         logits = x @ lm_head                                         # (T, V)
         if p is not None:
             logits = p("logits", logits)

@@ -218,6 +218,12 @@ class Probe:
         if self.timing:
             self._t0 = "cuda" if device.type == "cuda" else time.perf_counter()
 
+    def move_to(self, pos0: int) -> None:
+        """Later stages of this call start at absolute position pos0 (statistics so far keep theirs)."""
+        if pos0 != self.pos0:
+            self.stats.extend(self._batcher.take(self.step, self.pos0))
+            self.pos0 = pos0
+
     def end_call(self) -> None:
         self._active = False
         self.stats.extend(self._batcher.take(self.step, self.pos0))

@@ -130,6 +130,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 def entropy(probs: torch.Tensor) -> float:
-    """Shannon entropy in nats (0 * log 0 = 0)."""
+    """Shannon entropy in nats (0 * log 0 = 0); NaN when the distribution holds a NaN."""
+    if bool(torch.isnan(probs).any()):
+        return float("nan")
     p = probs[probs > 0]
     return float(-(p * p.log()).sum())

@@ -186,3 +186,14 @@ def test_rms_eps_zero_on_zero_input_gives_nan(tiny_model):
     ok = Probe().record_stats("*").replace("embed", plant(0.0, position=2, index=slice(None)))
     tiny_model.logits(IDS, ok)                                             # with the model's eps: finite
     assert ok.first_nonfinite() is None
+
+
+def test_last_only_logits_belong_to_the_last_position(tiny_model):
+    probe = Probe().record_stats(["embed", "logits"]).capture("logits").replace(
+        "logits", plant(float("nan"), position=len(IDS) - 1))
+    cache = tiny_model.new_cache(len(IDS))
+    tiny_model.forward(torch.tensor(IDS), cache, probe, last_only=True)
+    assert probe.captured("logits")[0].positions == [len(IDS) - 1]
+    rec, pos = probe.first_nonfinite()
+    assert (rec.name, pos) == ("logits", len(IDS) - 1)
+    assert [r.pos0 for r in probe.stat_records("embed")] == [0]

@@ -1,0 +1,189 @@
+"""Trace files: one run in one safetensors file, reopened without unpickling anything.
+
+Layout: every tensor the run's probe kept is a safetensors tensor (`stats.{i}.values` (G, T, 7),
+`stats.{i}.names` / `stats.{i}.layers` int32 (G,), `capture.{i}`); everything else (settings, tokens,
+per-step sampling records, timings, cache memory, timing marks, loops, the first non-finite value) is one
+JSON document stored as the string metadata entry "llm_inspector_trace". Reading parses JSON and raw
+tensor bytes only (safetensors), so a trace from anywhere is safe to open.
+
+What a probe cannot carry across: replace functions and weight overrides (code, not data). Their patterns
+and weight names are kept in `Trace.interventions`, and the loaded probe has none.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from .errors import EngineError
+from .generate import Candidate, GenerationResult, Step
+from .loops import Loop, find_loops
+from .probe import Capture, Probe
+from .sampling import SamplingParams
+from .stats import StatsBlock
+
+FORMAT, VERSION, META_KEY = "llm-inspector-trace", 1, "llm_inspector_trace"
+MAX_HEADER = 100_000_000          # safetensors' own limit on the JSON header
+
+
+@dataclass
+class Trace:
+    """One run, as saved. Attribute names match inspector.run.RunRecord (settings here is a plain dict)."""
+    settings: dict
+    result: GenerationResult
+    probe: Probe
+    model_name: str
+    seconds: float
+    created: float = field(default_factory=time.time)
+    loops: list[Loop] = field(default_factory=list)
+    first_nonfinite: dict | None = None      # step, stage, layer, position (engine.doctor.NonFinite.as_dict())
+    interventions: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)  # JSON-able notes (injections, model dtype, ...)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.result.prompt_ids + self.result.token_ids
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.result.prompt_ids)
+
+
+def trace_of(run, *, extra: dict | None = None) -> Trace:
+    """A Trace of a RunRecord-like object (settings: dataclass or dict, result, probe, model_name, seconds)."""
+    s = run.settings
+    settings = dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(s)
+    return make_trace(settings, run.result, run.probe, run.model_name, run.seconds,
+                      created=getattr(run, "created", None), extra=extra)
+
+
+def make_trace(settings: dict, result: GenerationResult, probe: Probe | None, model_name: str, seconds: float, *,
+               created: float | None = None, extra: dict | None = None) -> Trace:
+    """A Trace of one generation; loops and the first non-finite value are computed here."""
+    from .doctor import locate_nonfinite
+    probe = probe if probe is not None else result.probe
+    nf = locate_nonfinite(probe) if probe is not None else None
+    inter = [f"replace {'|'.join(pats)}" for pats, _, _ in probe._replace_specs] if probe else []
+    inter += [f"weight {name}" for name in (probe._weight_overrides if probe else {})]
+    return Trace(dict(settings), result, probe, model_name, float(seconds),
+                 time.time() if created is None else float(created), find_loops(result.token_ids),
+                 None if nf is None else nf.as_dict(), inter, dict(extra or {}))
+
+
+# ---- writing --------------------------------------------------------------------------------------
+def _sets(x) -> list[int] | None:
+    return None if x is None else sorted(x)
+
+
+def to_bytes(trace: Trace) -> bytes:
+    r, p = trace.result, trace.probe
+    tensors: dict[str, torch.Tensor] = {}
+    names: dict[str, int] = {}
+    blocks = []
+    for i, b in enumerate(p.stats if p is not None else []):
+        tensors[f"stats.{i}.values"] = b.values.detach().cpu().contiguous()
+        tensors[f"stats.{i}.names"] = torch.tensor([names.setdefault(n, len(names)) for n in b.names], dtype=torch.int32)
+        tensors[f"stats.{i}.layers"] = torch.tensor([-1 if x is None else x for x in b.layers], dtype=torch.int32)
+        blocks.append({"step": b.step, "pos0": b.pos0})
+    caps = []
+    for i, c in enumerate(p.captures if p is not None else []):
+        is_t = isinstance(c.value, torch.Tensor)
+        if is_t:
+            tensors[f"capture.{i}"] = c.value.detach().cpu().contiguous()
+        caps.append({"step": c.step, "name": c.name, "layer": c.layer, "positions": c.positions,
+                     "tensor": is_t, "value": None if is_t else c.value})
+    result = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name not in ("steps", "params", "probe")}
+    result["steps"] = [dataclasses.asdict(s) for s in r.steps]
+    result["params"] = dataclasses.asdict(r.params)
+    probe = None if p is None else {
+        "timing": p.timing, "step": p.step, "pos0": p.pos0, "norm_eps": p.norm_eps, "stat_names": list(names),
+        "stats": blocks, "captures": caps, "marks": [list(m) for m in p.marks],
+        "capture_specs": [[pats, _sets(layers), _sets(pos)] for pats, layers, pos in p._capture_specs],
+        "stats_specs": list(p._stats_specs)}
+    meta = {"format": FORMAT, "version": VERSION, "settings": trace.settings, "result": result, "probe": probe,
+            "model_name": trace.model_name, "seconds": trace.seconds, "created": trace.created,
+            "loops": [lp.as_dict() for lp in trace.loops], "first_nonfinite": trace.first_nonfinite,
+            "interventions": trace.interventions, "extra": trace.extra}
+    return st_save(tensors, metadata={META_KEY: json.dumps(meta)})
+
+
+def save_trace(trace_or_run, path: str | Path, *, extra: dict | None = None) -> Path:
+    """Write a Trace (or a RunRecord-like run, converted with trace_of) to path."""
+    trace = trace_or_run if isinstance(trace_or_run, Trace) else trace_of(trace_or_run, extra=extra)
+    path = Path(path)
+    path.write_bytes(to_bytes(trace))
+    return path
+
+
+# ---- reading --------------------------------------------------------------------------------------
+def _meta(data: bytes) -> dict:
+    if len(data) < 8:
+        raise EngineError("not a trace file: too short to be safetensors")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > min(MAX_HEADER, len(data) - 8):
+        raise EngineError("not a trace file: bad safetensors header")
+    try:
+        header = json.loads(data[8:8 + n])
+        meta = json.loads(header["__metadata__"][META_KEY])
+    except (ValueError, KeyError, TypeError):
+        raise EngineError("not an LLM Inspector trace (a safetensors file without the trace metadata)") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise EngineError("not an LLM Inspector trace")
+    if meta.get("version") != VERSION:
+        raise EngineError(f"trace format version {meta.get('version')} is not supported (this reads {VERSION})")
+    return meta
+
+
+def _probe(m: dict | None, t: dict[str, torch.Tensor]) -> Probe | None:
+    if m is None:
+        return None
+    p = Probe(timing=m["timing"])
+    p.step, p.pos0, p.norm_eps = m["step"], m["pos0"], m["norm_eps"]
+    p._capture_specs = [(pats, None if ly is None else frozenset(ly), None if ps is None else frozenset(ps))
+                        for pats, ly, ps in m["capture_specs"]]
+    p._stats_specs = list(m["stats_specs"])
+    names = m["stat_names"]
+    p.stats = [StatsBlock(b["step"], b["pos0"], [names[j] for j in t[f"stats.{i}.names"].tolist()],
+                          [None if x < 0 else x for x in t[f"stats.{i}.layers"].tolist()], t[f"stats.{i}.values"])
+               for i, b in enumerate(m["stats"])]
+    p.captures = [Capture(c["step"], c["name"], c["layer"], c["positions"], t[f"capture.{i}"] if c["tensor"] else c["value"])
+                  for i, c in enumerate(m["captures"])]
+    p.marks = [tuple(x) for x in m["marks"]]
+    return p
+
+
+def from_bytes(data: bytes) -> Trace:
+    meta = _meta(data)
+    try:
+        tensors = st_load(data)
+        r = dict(meta["result"])
+        probe = _probe(meta["probe"], tensors)
+        r["steps"] = [Step(**{**s, "top": [Candidate(**c) for c in s["top"]]}) for s in r["steps"]]
+        r["params"] = SamplingParams(**r["params"])
+        result = GenerationResult(**r, probe=probe)
+        return Trace(meta["settings"], result, probe, meta["model_name"], meta["seconds"], meta["created"],
+                     [Loop(**x) for x in meta["loops"]], meta["first_nonfinite"], meta["interventions"],
+                     meta["extra"])
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise EngineError(f"damaged trace file: {type(e).__name__}: {e}") from None
+
+
+def load_trace(path: str | Path) -> Trace:
+    return from_bytes(Path(path).read_bytes())
+
+
+def summary(trace: Trace) -> dict[str, Any]:
+    """A few headline facts (for listings and the CLI)."""
+    r = trace.result
+    return {"model": trace.model_name, "prompt_tokens": len(r.prompt_ids), "generated_tokens": len(r.token_ids),
+            "stop_reason": r.stop_reason, "loops": len(trace.loops), "first_nonfinite": trace.first_nonfinite,
+            "stat_blocks": len(trace.probe.stats) if trace.probe else 0,
+            "captures": len(trace.probe.captures) if trace.probe else 0, "cache": r.cache}

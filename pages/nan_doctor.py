@@ -1,0 +1,129 @@
+"""NaN/Inf doctor: where the current run first went non-finite (from its recorded statistics), teaching
+presets that reproduce real failures (re-running the run's prompt with a fault), and fp32 vs float16 /
+bfloat16 relative error per stage. Model work happens only on a button press and is kept in the session."""
+import streamlit as st
+
+from engine import EngineError
+from engine.doctor import PRESETS, cast_model, locate_nonfinite, precision_compare, run_doctor
+from inspector import doctor_views as dv
+from inspector.run import check_settings
+from pages.common import device_slot, get_model, require_run, server_limits
+
+MAX_PRECISION_POSITIONS = 256
+
+
+@st.cache_resource(show_spinner=False, max_entries=2)
+def low_precision_copy(_model, key: tuple, dtype: str):
+    """The shared model's weights converted to dtype: one copy per process, never the shared model itself."""
+    return cast_model(_model, dtype)
+
+
+def show_nonfinite(nf, probe, key: str, fp16: bool) -> None:
+    st.error(dv.nonfinite_headline(nf))
+    c = st.columns(4)
+    for col, (label, value) in zip(c, [("Step", nf.step), ("Stage", nf.stage_in_layer),
+                                       ("Layer", "—" if nf.layer is None else nf.layer), ("Position", nf.position)]):
+        col.metric(label, value)
+    prof = dv.profile_frame(probe, nf.step, nf.position)
+    st.plotly_chart(dv.profile_figure(prof, nf.stage, fp16_line=fp16), key=f"{key}_profile")
+    st.caption("Largest magnitude of every stage at this position, in forward order. Red crosses: stages holding a "
+               "NaN or Inf. The table shows the statistics leading up to the first one.")
+    i = int(prof.index[prof["stage"] == nf.stage][0])
+    st.dataframe(prof.iloc[max(0, i - 10): i + 4].drop(columns=["order"]), key=f"{key}_leadup", hide_index=True)
+
+
+st.header("NaN / Inf doctor")
+run = require_run()
+res = run.result
+
+st.subheader("This run")
+nf = locate_nonfinite(run.probe)
+if nf is None:
+    st.success(f"Every stage stayed finite at every step of this run ({sum(len(b.names) for b in run.probe.stats):,} "
+               "stage records checked).")
+else:
+    show_nonfinite(nf, run.probe, "nd_run", fp16=True)
+
+model = get_model()
+if model is None or model.name != run.model_name:
+    st.warning(f"This run was made with **{run.model_name}**; choose that model in the sidebar to inject faults "
+               "or compare precisions.")
+    st.stop()
+mkey = (model.name, id(model))
+
+st.subheader("Fault injection")
+st.caption("Re-runs this run's prompt (same tokens and sampling settings) with a fault, recording statistics of "
+           "every stage, and stops at the first step that produced a NaN or Inf.")
+preset = st.selectbox("Preset", [*PRESETS, "custom"], key="nd_preset", format_func=dv.preset_label)
+if preset == "custom":
+    c1, c2, c3, c4 = st.columns(4)
+    kind = c1.selectbox("Fault", ["nan", "inf", "zero", "scale"], key="nd_kind")
+    target = c2.selectbox("Stage or weight", dv.target_choices(), key="nd_target",
+                          index=dv.target_choices().index("mlp.act"))
+    layer = c3.number_input("Layer", 0, model.config.num_layers - 1, 0, key="nd_layer")
+    pos = c4.number_input("Position (−1: every; weights: element)", -1, 10**9, 0, key="nd_pos")
+    c5, c6, c7 = st.columns(3)
+    factor = c5.number_input("Scale factor", value=1000.0, key="nd_factor", disabled=kind != "scale")
+    dtype = c6.selectbox("Dtype", ["as loaded", "float16", "bfloat16"], key="nd_dtype")
+    eps0 = c7.checkbox("RMSNorm epsilon 0", key="nd_eps0")
+    specs = [dv.injection_spec(kind, target, int(layer), None if pos < 0 else int(pos), float(factor))]
+    norm_eps = 0.0 if eps0 else None
+    dtype = None if dtype == "as loaded" else dtype
+else:
+    p = PRESETS[preset]
+    specs, norm_eps, dtype = list(p.injections), p.norm_eps, p.dtype
+st.caption(f"Faults: `{' '.join(specs)}`" + (f" · dtype {dtype}" if dtype else "")
+           + (f" · RMSNorm ε = {norm_eps}" if norm_eps is not None else ""))
+limits = server_limits(show_error=False)
+max_new = st.number_input("Max new tokens", 1, limits.max_new_tokens, min(8, run.settings.max_new_tokens,
+                                                                          limits.max_new_tokens), key="nd_max_new")
+reports = st.session_state.setdefault("nd_reports", {})        # run_key -> the last fault run on it
+if st.button("Run with the fault", key="nd_inject", type="primary"):
+    try:
+        s, _ = check_settings(model, run.settings, limits)        # a reopened trace's prompt is checked too
+        with device_slot("the fault run"), st.spinner("Generating with the fault…"):
+            target_model = model if dtype in (None, str(model.dtype).removeprefix("torch.")) else \
+                low_precision_copy(model, mkey, dtype)
+            reports[dv.run_key(run)] = run_doctor(target_model, s.prompt, injections=specs, norm_eps=norm_eps,
+                                                  **{**s.generation_kwargs(), "max_new_tokens": int(max_new)})
+    except EngineError as e:
+        st.error(str(e))
+report = reports.get(dv.run_key(run))
+if report is not None:
+    st.markdown(f"**{', '.join(report.injections) or 'no fault'}** ({report.dtype}"
+                + (f", RMSNorm ε {report.norm_eps}" if report.norm_eps is not None else "") + f") · stop: "
+                f"{report.result.stop_reason}" + (f" · {report.error}" if report.error else ""))
+    if report.first_nonfinite is None:
+        st.success("The fault produced no NaN or Inf: every stage stayed finite.")
+    else:
+        show_nonfinite(report.first_nonfinite, report.probe, "nd_fault", fp16=report.dtype == "float16")
+    st.code(report.result.text or "(nothing)", language=None, wrap_lines=True)
+
+st.subheader("Precision: fp32 vs float16 / bfloat16")
+st.caption("The run's tokens through this model and through a lower-precision copy; each runs on its own "
+           "activations, so the error shown is the accumulated one (‖low − ref‖ / ‖ref‖ over all positions).")
+c1, c2 = st.columns(2)
+low_dtype = c1.selectbox("Compare with", ["float16", "bfloat16"], key="nd_prec_dtype")
+thr = c2.number_input("Divergence threshold (relative error; 0 = 8 × unit roundoff)", 0.0, 10.0, 0.0,
+                      format="%.4f", key="nd_prec_thr")
+precs = st.session_state.setdefault("nd_precs", {})            # run_key -> the last comparison
+if st.button("Compare precisions", key="nd_prec_run"):
+    ids = run.ids[:MAX_PRECISION_POSITIONS]
+    try:
+        with device_slot("the precision comparison"), st.spinner(f"Two forwards over {len(ids)} positions…"):
+            precs[dv.run_key(run)] = precision_compare(model, low_precision_copy(model, mkey, low_dtype), ids,
+                                                       threshold=thr or None)
+    except EngineError as e:
+        st.error(str(e))
+prec = precs.get(dv.run_key(run))
+if prec is not None:
+    df = dv.precision_frame(prec)
+    d = prec.divergence
+    worst = df.loc[df["rel_err"].idxmax()]
+    msg = (f"{prec.dtype}: divergence begins at **`{d['stage']}`** (relative error {d['rel_err']:.3g} > "
+           f"{prec.threshold:.3g})" if d else f"{prec.dtype}: no stage exceeds relative error {prec.threshold:.3g}")
+    st.markdown(msg + f" · largest error {worst['rel_err']:.3g} at `{worst['stage']}` · top-1 prediction agreement "
+                f"{prec.top1_agreement:.1%}")
+    st.plotly_chart(dv.precision_figure(df, prec.threshold, d), key="nd_prec_line")
+    st.plotly_chart(dv.precision_heatmap(df), key="nd_prec_heat")
+    st.dataframe(df.drop(columns=["order"]), key="nd_prec_table", hide_index=True)

@@ -1,0 +1,93 @@
+"""Repetition doctor: loops in the generated tokens (start, period, count), the text with each repeat
+highlighted, the chosen token's probability and the entropy per step, attention from each looping token to
+its earlier copy, and the same prompt and seed under repetition penalties side by side (on a button)."""
+import streamlit as st
+
+from engine.loops import MIN_TOKENS, find_loops
+from inspector import repetition_views as rv
+from inspector.attention import memo, run_key
+from inspector.tokens import token_labels
+from engine import EngineError
+from inspector.run import check_settings
+from pages.common import device_slot, get_model, require_run, server_limits
+
+st.header("Repetition")
+run = require_run()
+res, key = run.result, run_key(run)
+
+c1, c2 = st.columns(2)
+min_count = c1.number_input("Minimum full repeats", 2, 20, 2, key="rep_min_count")
+min_tokens = c2.number_input("Minimum tokens in a loop", 1, 200, MIN_TOKENS, key="rep_min_tokens")
+loops = find_loops(res.token_ids, min_count=int(min_count), min_tokens=int(min_tokens))
+st.caption("A loop is a stretch of the generated tokens that repeats with a period p (each token equals the one "
+           "p steps earlier) at least the minimum number of full times, as long as it can be extended. Start and "
+           "end are generation steps; positions are absolute.")
+if not loops:
+    st.success(f"No loop in the {len(res.token_ids)} generated tokens.")
+else:
+    n_tail = sum(lp.end == len(res.token_ids) for lp in loops)
+    st.warning(f"{len(loops)} loop(s) in {len(res.token_ids)} generated tokens"
+               + (" — the generation ends inside one." if n_tail else "."))
+    st.dataframe(rv.loops_frame(loops, res.steps, run.n_prompt), key="rep_loops", hide_index=True)
+st.html(rv.highlight_html(res.steps, loops))
+
+st.subheader("Probability and entropy per step")
+st.plotly_chart(rv.curves_figure(rv.curves_frame(res.steps), loops), key="rep_curves")
+st.caption("A model stuck in a loop usually grows more and more certain: the chosen token's probability climbs "
+           "towards 1 and the entropy falls with each repeat.")
+
+model = get_model()
+if model is None or model.name != run.model_name:
+    st.warning(f"This run was made with **{run.model_name}**; choose that model in the sidebar to see attention "
+               "and to compare penalty settings.")
+    st.stop()
+
+if loops:
+    st.subheader("Attention to the earlier copy")
+    k = st.selectbox("Loop", list(range(len(loops))), key="rep_loop",
+                     format_func=lambda i: f"loop {i + 1}: start {loops[i].start}, period {loops[i].period}")
+    lp = loops[k]
+    store = st.session_state.setdefault("rep_attn", {})           # (run_key, loop) -> CopyAttention
+    if (key, lp) not in store:
+        try:
+            with device_slot("the attention"), st.spinner("One forward over the run's tokens…"):
+                memo(store, (key, lp), lambda: rv.copy_attention(model, run.ids, run.n_prompt, lp), max_entries=4)
+        except EngineError as e:
+            st.error(str(e))
+            st.stop()
+    ca = store[(key, lp)]
+    if not ca.queries:
+        st.info("This loop has no token after its first repeat to look back from.")
+    else:
+        which = st.radio("Attention from each looping token to", ["to_copy", "to_next"], horizontal=True,
+                         key="rep_attn_which", format_func=lambda w: {"to_copy": "its earlier copy (p back)",
+                                                                      "to_next": "the token after its copy"}[w])
+        st.plotly_chart(rv.copy_attention_figure(ca, which), key="rep_attn_heat")
+        st.caption("Mean attention weight over the looping tokens, per layer and head. Heads reading the token "
+                   "after the earlier copy are induction heads: they are what lets a loop continue itself.")
+        st.dataframe(rv.copy_attention_table(ca, token_labels(model.tokenizer, run.ids)), key="rep_attn_table",
+                     hide_index=True)
+
+st.subheader("Which settings break the loop?")
+st.caption("The same prompt, seed and sampling settings, each penalty alone (the others off). A setting breaks "
+           "the loop when its generation holds no loop at all.")
+chosen = st.multiselect("Settings to try", list(rv.PENALTY_VARIANTS), default=list(rv.PENALTY_VARIANTS),
+                        key="rep_variants")
+tables = st.session_state.setdefault("rep_tables", {})         # run_key -> the comparison table
+if st.button("Generate with each setting", key="rep_compare", disabled=not chosen):
+    bar = st.progress(0.0, text="generating")
+    done = []
+
+    def step(label: str) -> None:
+        bar.progress(len(done) / len(chosen), text=label)
+        done.append(label)
+    try:
+        settings, _ = check_settings(model, run.settings, server_limits(show_error=False))
+        with device_slot("the penalty comparison"):
+            tables[key] = rv.compare_penalties(model, settings, {c: rv.PENALTY_VARIANTS[c] for c in chosen},
+                                               baseline=(res.token_ids, res.text), on_variant=step)
+    except EngineError as e:
+        st.error(str(e))
+    bar.empty()
+if key in tables:
+    st.dataframe(tables[key], key="rep_table_view", hide_index=True)

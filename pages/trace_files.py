@@ -1,0 +1,61 @@
+"""Trace files: save the current run (tokens, per-step sampling records, per-stage statistics, logits, timing
+marks, cache memory, loops, first non-finite value) to one file, or open one as the current run.
+
+A reopened trace is the app's run like any other: Overview, Tokens, Sampling, Timeline, Activations'
+statistics, Repetition and the NaN doctor's "This run" read only what the trace holds. Pages that run the
+model again (Attention, the logit lens, fault injection, precision, penalty comparison) need the model the
+trace was made with chosen in the sidebar. Files are safetensors + JSON: nothing is unpickled."""
+import streamlit as st
+
+from engine import EngineError
+from engine.trace import from_bytes, summary
+from inspector.attention import run_key
+from inspector.doctor_views import record_from_trace, trace_bytes
+from pages.common import current_run, keep_run, server_limits
+
+st.header("Trace files")
+
+st.subheader("Save the current run")
+run = current_run()
+if run is None:
+    st.info("Enter a prompt in the sidebar and press **Run** to make a run to save (or open a trace below).")
+else:
+    files = st.session_state.setdefault("tf_bytes", {})              # run_key -> the file's bytes
+    if run_key(run) not in files:
+        files.clear()                                                # one file kept: the current run's
+        files[run_key(run)] = trace_bytes(run)
+    data = files[run_key(run)]
+    st.caption(f"{run.model_name} · {run.n_prompt} prompt + {len(run.result.token_ids)} generated tokens · "
+               f"{len(run.probe.stats)} statistics blocks · {len(run.probe.captures)} captures · "
+               f"{len(data) / 2**20:.2f} MiB")
+    st.download_button("Download trace", data=data, file_name=f"run-{int(run.created)}.trace",
+                       mime="application/octet-stream", key="tf_download")
+    st.caption("Headless: `python -m engine trace \"prompt\" [generation flags] --out run.trace` writes the same "
+               "format.")
+
+st.subheader("Open a trace")
+up = st.file_uploader("Trace file (.trace / .safetensors)", type=["trace", "safetensors"], key="tf_upload")
+if up is not None:
+    try:
+        trace = from_bytes(up.getvalue())
+    except EngineError as e:
+        st.error(f"Could not open {up.name}: {e}")
+        st.stop()
+    info = summary(trace)
+    c = st.columns(4)
+    c[0].metric("Prompt tokens", info["prompt_tokens"])
+    c[1].metric("Generated tokens", info["generated_tokens"])
+    c[2].metric("Stop reason", info["stop_reason"])
+    c[3].metric("Loops", info["loops"])
+    nf = trace.first_nonfinite
+    st.markdown(f"Model **{trace.model_name}** · KV cache {info['cache'].get('bytes_used', 0) / 2**20:.2f} MiB used · "
+                + ("every stage finite" if nf is None else
+                   f"first non-finite: `{nf['stage']}` layer {nf['layer']}, position {nf['position']}, step {nf['step']}"))
+    for lp in trace.loops:
+        st.markdown(f"- loop: start {lp.start}, period {lp.period}, count {lp.count}")
+    if trace.interventions or trace.extra.get("injections"):
+        st.caption(f"Made with: {', '.join(trace.extra.get('injections') or trace.interventions)}")
+    st.code(trace.result.text or "(nothing)", language=None, wrap_lines=True)
+    if st.button("Open as the current run", key="tf_open", type="primary"):
+        keep_run(record_from_trace(trace), server_limits(show_error=False).max_runs_kept)
+        st.success(f"Opened {up.name}: every page now shows this run.")
