@@ -10,6 +10,8 @@ from .errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,20 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "config") -> "ModelConfig":
+        """The config, or ModelLoadError naming the key whose value is unusable."""
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{where}: must be a JSON object of settings, got {type(raw).__name__}")
+        for key in POSITIVE_INTS:
+            v = raw.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ModelLoadError(f"{where}: {key}={v!r} must be a whole number >= 1")
+        try:
+            return cls._from_dict(raw, where)
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise ModelLoadError(f"{where}: invalid value: {e}") from None
+
+    @classmethod
+    def _from_dict(cls, raw: dict, where: str) -> "ModelConfig":
         def need(key: str):
             if key not in raw:
                 raise ModelLoadError(f"{where}: missing required key {key!r}")

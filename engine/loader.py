@@ -56,6 +56,9 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
         tokenizer = Tokenizer.from_dir(model_dir)
     except FileNotFoundError as e:
         raise ModelLoadError(str(e)) from None
+    except Exception as e:  # tokenizers raises a bare Exception for a bad tokenizer.json, json a JSONDecodeError
+        raise ModelLoadError(f"{model_dir}: cannot read the tokenizer (tokenizer.json, tokenizer_config.json): {e}"
+                             ) from None
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(f"{model_dir}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
                              f"vocabulary has {cfg.vocab_size}: they do not belong together")

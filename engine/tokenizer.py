@@ -37,6 +37,7 @@ CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>
 # input are picked per call, so user text is never altered and cannot forge a marker.
 _MARK_RANGE = range(0xF0000, 0xFFFFE)
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class TokenizerError(InputError, ValueError):
@@ -48,6 +49,15 @@ class UnknownTokenError(TokenizerError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+def _check_text(text: str) -> str:
+    """text, or TokenizerError if it holds a lone surrogate (not valid Unicode: the tokenizers binding would
+    raise TypeError). Typical source: bytes decoded with errors='surrogateescape', e.g. a command-line argument."""
+    if m := _SURROGATE.search(text):
+        raise TokenizerError(f"the text has a lone surrogate U+{ord(m.group()):04X} at character {m.start() + 1}: "
+                             "it is not valid Unicode (invalid UTF-8 input?)")
+    return text
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -177,13 +187,13 @@ class Tokenizer:
     def encode(self, text: str, *, allow_special: bool = False, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special-token text counts as control tokens only if `allow_special`."""
         backend = self._backend if allow_special else self._plain
-        return list(backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        return list(backend.encode(_check_text(text), add_special_tokens=add_special_tokens).ids)
 
     def encode_with_offsets(self, text: str, *, allow_special: bool = False
                             ) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids plus each token's (start, end) character span in `text` (a split character: its whole span)."""
         backend = self._backend if allow_special else self._plain
-        enc = backend.encode(text, add_special_tokens=False)
+        enc = backend.encode(_check_text(text), add_special_tokens=False)
         return list(enc.ids), [(int(s), int(e)) for s, e in enc.offsets]
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
@@ -251,8 +261,12 @@ class Tokenizer:
         return env.from_string(self.chat_template)
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self.special_tokens)
+        _check_text("".join(_strings(messages)))
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self.special_tokens)
+        except (jinja2.TemplateError, TypeError) as e:   # a broken template: syntax, raise_exception, not a str
+            raise TokenizerError(f"the model's chat template failed: {type(e).__name__}: {e}") from None
 
     def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """The chat template applied to `messages`, as text."""

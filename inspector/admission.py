@@ -1,0 +1,148 @@
+"""Admission to the device: at most `max_concurrent` runs at once over the whole process; the others wait in a
+first-come-first-served queue of at most `max_queue`, and each waiting user is told their place.
+
+    with shared_admission(limits).slot(on_wait=lambda n: show(f"You are number {n} in the queue")):
+        ...generate...
+
+Memory on the device grows with the runs in flight (a KV cache and a probe each), so bounding them bounds
+memory; a queue that is full, or a wait longer than the timeout, is a clear ServerBusyError rather than
+an out-of-memory crash. The admission object holds counters only, never a run. Nothing here knows Streamlit.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from engine import EngineError
+
+from .limits import Limits, env_name
+
+HEARTBEAT_S = 1.0     # a waiting run calls on_wait at least this often, so its UI can be stopped or rerun
+
+
+class ServerBusyError(EngineError):
+    """The queue is full, or a run waited longer than the queue timeout: try again later."""
+
+
+@dataclass(frozen=True)
+class AdmissionState:
+    running: int
+    waiting: int
+    max_concurrent: int
+    max_queue: int
+    admitted: int          # runs admitted since the process started
+    refused: int           # runs told the server is busy
+    peak_running: int
+    peak_waiting: int
+
+
+class Admission:
+    def __init__(self, max_concurrent: int = 2, max_queue: int = 32, *, heartbeat_s: float = HEARTBEAT_S) -> None:
+        self._cond = threading.Condition()
+        self._queue: deque[object] = deque()       # one ticket per waiting run, first come first served
+        self._running = 0
+        self._admitted = self._refused = self._peak_running = self._peak_waiting = 0
+        self.heartbeat_s = heartbeat_s
+        self.max_concurrent, self.max_queue = 1, 0
+        self.configure(max_concurrent, max_queue)
+
+    def configure(self, max_concurrent: int, max_queue: int) -> None:
+        """Change the bounds (runs already admitted or waiting keep their place)."""
+        if max_concurrent < 1 or max_queue < 0:
+            raise ValueError(f"need max_concurrent >= 1 and max_queue >= 0, got {max_concurrent}, {max_queue}")
+        with self._cond:
+            self.max_concurrent, self.max_queue = int(max_concurrent), int(max_queue)
+            self._cond.notify_all()
+
+    def state(self) -> AdmissionState:
+        with self._cond:
+            return AdmissionState(self._running, len(self._queue), self.max_concurrent, self.max_queue,
+                                  self._admitted, self._refused, self._peak_running, self._peak_waiting)
+
+    @contextmanager
+    def slot(self, on_wait: Callable[[int], None] | None = None, timeout: float | None = None) -> Iterator[None]:
+        """Hold one of the device slots for the body. While waiting, on_wait(position) is called (1 = next)
+        when the position changes and every heartbeat; an exception it raises leaves the queue cleanly."""
+        self._acquire(on_wait, timeout)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    def _admit(self) -> None:
+        self._running += 1
+        self._admitted += 1
+        self._peak_running = max(self._peak_running, self._running)
+
+    def _acquire(self, on_wait: Callable[[int], None] | None, timeout: float | None) -> None:
+        ticket = object()
+        start = time.monotonic()
+        with self._cond:
+            if not self._queue and self._running < self.max_concurrent:
+                self._admit()
+                return
+            if len(self._queue) >= self.max_queue:
+                self._refused += 1
+                raise ServerBusyError(
+                    f"The server is busy: {self._running} runs are generating and {len(self._queue)} are "
+                    f"waiting, the most this server queues ({env_name('max_queue')}={self.max_queue}). "
+                    "Try again in a minute.")
+            self._queue.append(ticket)
+            self._peak_waiting = max(self._peak_waiting, len(self._queue))
+            told, told_at = 0, 0.0
+            try:
+                while True:
+                    position = self._queue.index(ticket) + 1
+                    if position == 1 and self._running < self.max_concurrent:
+                        self._queue.popleft()
+                        self._admit()
+                        self._cond.notify_all()          # everyone behind moved up one place
+                        return
+                    now = time.monotonic()
+                    if timeout is not None and now - start >= timeout:
+                        self._refused += 1
+                        raise ServerBusyError(
+                            f"The server is busy: this run waited {timeout:.0f} s in the queue without a free slot "
+                            f"({env_name('queue_timeout_s')}). Try again later.")
+                    if on_wait is not None and (position != told or now - told_at >= self.heartbeat_s):
+                        told, told_at = position, now
+                        self._cond.release()             # never call back into the UI holding the lock
+                        try:
+                            on_wait(position)
+                        finally:
+                            self._cond.acquire()
+                        continue
+                    wait = self.heartbeat_s if on_wait is not None else 1.0
+                    if timeout is not None:
+                        wait = min(wait, max(0.0, timeout - (now - start)))
+                    self._cond.wait(wait)
+            except BaseException:
+                if ticket in self._queue:
+                    self._queue.remove(ticket)
+                    self._cond.notify_all()
+                raise
+
+
+_shared = Admission(Limits().max_concurrent_runs, Limits().max_queue)
+
+
+def shared_admission(limits: Limits | None = None) -> Admission:
+    """The one admission object of this process, set to the given (or environment's) limits."""
+    limits = limits or Limits.from_env()
+    if (_shared.max_concurrent, _shared.max_queue) != (limits.max_concurrent_runs, limits.max_queue):
+        _shared.configure(limits.max_concurrent_runs, limits.max_queue)
+    return _shared
+
+
+def slot(on_wait: Callable[[int], None] | None = None, *, timeout: float | None = None,
+         limits: Limits | None = None):
+    """shared_admission(limits).slot(...): hold a device slot of the process-wide queue for a `with` body
+    (timeout: the limits' queue_timeout_s unless given)."""
+    limits = limits or Limits.from_env()
+    return shared_admission(limits).slot(on_wait, limits.queue_timeout_s if timeout is None else timeout)

@@ -1,0 +1,139 @@
+"""Server limits (one dataclass read from environment variables) and the checks a prompt passes before the
+engine sees it.
+
+A limit keeps one user from taking the machine from the others: a classroom server sets them lower than a
+laptop does. Every limit has an environment variable, a default and a one-line meaning (`LIMITS` below);
+docs/CLASSROOM.md lists the same table. Nothing here knows Streamlit.
+
+Prompt policy (`check_text`), applied to the prompt and the system message alike:
+* not text, empty or only whitespace -> refused;
+* longer than `max_prompt_chars` characters -> refused before anything is tokenized;
+* lone surrogates (U+D800-U+DFFF: not valid Unicode, e.g. bytes decoded with errors='surrogateescape')
+  -> each replaced with U+FFFD, and the run says so;
+* control characters other than tab, newline and carriage return (the rest of C0, DEL, C1) -> refused,
+  naming the character and where it is: they are almost always pasted by accident, several of them have
+  no token in common vocabularies (SmolLM2 silently drops six), and they are invisible in the app.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import unicodedata
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+from engine import InputError
+
+ENV_PREFIX = "LLM_INSPECTOR_"
+ALLOWED_CONTROLS = "\t\n\r"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+_CONTROL_NAMES = {0: "NUL", 0x1B: "ESC", 0x7F: "DEL", 0x85: "NEL", 0x0B: "vertical tab", 0x0C: "form feed"}
+
+
+class LimitError(InputError):
+    """A request over one of this server's limits (the message names the limit and its variable)."""
+
+
+class PromptError(InputError):
+    """A prompt (or system message) this app refuses to send to the engine."""
+
+
+class LimitsConfigError(ValueError):
+    """An LLM_INSPECTOR_* limit variable that is not a valid number."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_chars: int = 20_000       # characters, checked before tokenizing
+    max_prompt_tokens: int = 4_096       # tokens of the prompt as the model sees it (chat template included)
+    max_new_tokens: int = 1_024          # tokens one run may generate
+    max_runs_kept: int = 3               # runs (with everything their probe captured) each session keeps
+    max_concurrent_runs: int = 2         # generations on the device at the same time, all sessions together
+    max_queue: int = 32                  # runs that may wait for a slot; one more gets "server busy"
+    queue_timeout_s: float = 600.0       # longest wait in the queue before giving up with "server busy"
+    max_models: int = 4                  # (model, device, dtype) combinations loaded at once in this process
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            low = 0 if f.name == "max_queue" else 1
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < low:
+                raise LimitsConfigError(f"{env_name(f.name)} must be a number >= {low}, got {v!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Limits":
+        """Limits from LLM_INSPECTOR_MAX_* variables (unset or empty: the default)."""
+        env = os.environ if env is None else env
+        values = {}
+        for f in fields(cls):
+            raw = env.get(env_name(f.name), "").strip().replace("_", "")
+            if not raw:
+                continue
+            try:
+                values[f.name] = float(raw) if f.type == "float" else int(raw)
+            except ValueError:
+                kind = "a number" if f.type == "float" else "a whole number"
+                raise LimitsConfigError(f"{env_name(f.name)} must be {kind}, got {raw!r}") from None
+        return cls(**values)
+
+    def table(self) -> list[tuple[str, str, str, str]]:
+        """(variable, value, default, meaning) for each limit: for the docs and the app."""
+        default = Limits()
+        return [(env_name(name), _fmt(getattr(self, name)), _fmt(getattr(default, name)), meaning)
+                for name, meaning in LIMITS.items()]
+
+
+LIMITS = {
+    "max_prompt_chars": "longest prompt (and system message) in characters; checked before tokenizing",
+    "max_prompt_tokens": "longest prompt in tokens, as the model sees it (chat template included)",
+    "max_new_tokens": "most tokens one run may generate (also the sidebar's maximum)",
+    "max_runs_kept": "runs each browser session keeps, with everything their probe captured; older runs "
+                     "and what pages derived from them are dropped",
+    "max_concurrent_runs": "generations running on the device at the same time, over all sessions",
+    "max_queue": "runs that may wait for a free slot (each user sees their place); one more is told the "
+                 "server is busy",
+    "queue_timeout_s": "seconds a run may wait in the queue before it gives up with 'server busy'",
+    "max_models": "(model, device, dtype) combinations this process keeps loaded; asking for one more is "
+                  "refused with a message",
+}
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def _fmt(v: float) -> str:
+    return f"{v:,.0f}" if float(v).is_integer() else f"{v:,}"
+
+
+def describe_char(c: str) -> str:
+    """'U+001B (ESC)' for the error messages."""
+    name = _CONTROL_NAMES.get(ord(c)) or unicodedata.name(c, "")
+    return f"U+{ord(c):04X}" + (f" ({name})" if name else "")
+
+
+def check_text(text: object, limits: Limits, what: str = "prompt", *, allow_empty: bool = False
+               ) -> tuple[str, list[str]]:
+    """The text to send to the engine and notes for the user, or PromptError/LimitError saying what is wrong."""
+    if not isinstance(text, str):
+        raise PromptError(f"the {what} must be text, got {type(text).__name__}")
+    if len(text) > limits.max_prompt_chars:
+        raise LimitError(f"the {what} is {len(text):,} characters long; this server accepts at most "
+                         f"{limits.max_prompt_chars:,} ({env_name('max_prompt_chars')})")
+    notes = []
+    surrogates = _SURROGATE.findall(text)
+    if surrogates:
+        text = _SURROGATE.sub("\ufffd", text)
+        notes.append(f"The {what} contained {len(surrogates)} lone surrogate code point"
+                     f"{'s' if len(surrogates) > 1 else ''} (not valid Unicode, first {describe_char(surrogates[0])}); "
+                     "each was replaced with U+FFFD (�).")
+    if m := _CONTROL.search(text):
+        count = len(_CONTROL.findall(text))
+        raise PromptError(f"the {what} contains the control character {describe_char(m.group())} at character "
+                          f"{m.start() + 1:,}" + (f" ({count} control characters in all)" if count > 1 else "")
+                          + "; only tab, newline and carriage return are allowed. Remove it and run again.")
+    if not allow_empty and not text.strip():
+        raise PromptError(f"the {what} is empty" + (" (only whitespace)" if text else ""))
+    return text, notes
