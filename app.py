@@ -1,7 +1,7 @@
 """LLM Inspector: the frame. Sidebar (model, prompt, settings, Run) and navigation between the pages."""
 import streamlit as st
 
-from pages.common import sidebar
+from pages.common import frame, sidebar
 
 st.set_page_config(page_title="LLM Inspector", page_icon=":material/biotech:", layout="wide")
 
@@ -22,4 +22,5 @@ PAGES = [
 
 nav = st.navigation(PAGES)
 sidebar()
-nav.run()
+with frame():
+    nav.run()

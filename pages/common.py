@@ -16,10 +16,12 @@ import os
 import threading
 import time
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import streamlit as st
 import torch
+from streamlit.runtime.pages_manager import PagesManager
 
 from engine import EngineError, Model, ModelLoadError, load_model
 from engine.loader import pick_device, pick_dtype
@@ -272,6 +274,7 @@ def keep_run(record: RunRecord, max_runs: int) -> None:
             del st.session_state[key]
     st.session_state[RUNS_KEY] = runs
     st.session_state[RUN_KEY] = record
+    st.session_state.pop("selected_step", None)   # the debugger's step belongs to the debugger's run
     gone = {(id(r), r.created) for r in dropped}
     for key in list(st.session_state.keys()) if gone else []:
         store = st.session_state[key]
@@ -293,12 +296,40 @@ def history(limits: Limits) -> None:
 
     def show() -> None:    # only when the user picks: a run another page published stays current otherwise
         st.session_state[RUN_KEY] = by_time[st.session_state["sb_history"]]
+        st.session_state.pop("selected_step", None)
 
     st.sidebar.selectbox(f"Run shown (this session keeps {limits.max_runs_kept})", list(reversed(by_time)),
                          format_func=labels.get, key="sb_history", on_change=show)
 
 
+_IN_FRAME: ContextVar[bool] = ContextVar("llm_inspector_in_frame", default=False)
+
+
+@contextmanager
+def frame():
+    """app.py runs the chosen page inside this, so a page can tell it has the sidebar around it."""
+    token = _IN_FRAME.set(True)
+    try:
+        yield
+    finally:
+        _IN_FRAME.reset(token)
+
+
+def ensure_frame() -> None:
+    """Streamlit treats a folder named pages/ beside app.py as an old-style multipage app until app.py's
+    st.navigation runs: on a freshly started server, the first request for a page URL runs that page alone,
+    without the sidebar. A page that finds itself outside app.py switches Streamlit to app.py's
+    navigation and reruns once, which brings the sidebar back on the same URL."""
+    if _IN_FRAME.get():
+        return
+    PagesManager.uses_pages_directory = False
+    if not st.session_state.get("_frame_rerun"):
+        st.session_state["_frame_rerun"] = True
+        st.rerun()
+
+
 def current_run() -> RunRecord | None:
+    ensure_frame()
     return st.session_state.get(RUN_KEY)
 
 

@@ -7,7 +7,7 @@ from engine import EngineError, Probe, SamplingParams
 from engine.generate import prompt_ids
 from inspector import compare as cmp
 from inspector.tokens import visible
-from pages.common import device_slot, get_model, model_choices, shared_model
+from pages.common import device_slot, ensure_frame, get_model, model_choices, shared_model
 
 RESULT = "cmp_result"
 DTYPES = ["sidebar's", "float32", "bfloat16", "float16"]
@@ -15,6 +15,7 @@ IV_KINDS = ["none", "zero heads", "scale a stage"]
 s = st.session_state
 
 st.header("Compare two runs")
+ensure_frame()
 model = get_model()
 if model is None:
     st.stop()

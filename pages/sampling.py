@@ -31,8 +31,10 @@ if st.session_state.get("smp_for_run") != run.created:
     st.session_state["smp_for_run"] = run.created
 
 c1, c2 = st.columns([3, 1])
+# the step the debugger stopped at, when this run comes from it; otherwise the first
+default_step = min(int(st.session_state.get("selected_step") or 0), len(result.steps) - 1)
 step = int(c1.number_input(f"Step (0 = after the prefill; {len(result.steps)} in this run)", 0,
-                           len(result.steps) - 1, 0, key="smp_step"))
+                           len(result.steps) - 1, default_step, key="smp_step"))
 top_n = int(c2.number_input("Tokens shown", 5, 60, 20, key="smp_top_n"))
 chosen = result.token_ids[step]
 context, generated = smp.step_context(result, step)
