@@ -28,7 +28,7 @@ def prefill_seconds(model: Model, ids: list[int], probe: Probe | None) -> float:
 
 def run_app_bench(model: Model, lengths: tuple[int, ...] = (512, 2048), repeats: int = 2) -> None:
     g = torch.Generator().manual_seed(1)
-    print(f"\napp: full inspection (statistics of every stage incl. attention maps, logits kept) vs plain prefill")
+    print("\napp: full inspection (statistics of every stage incl. attention maps, logits kept) vs plain prefill")
     print(f"{'prompt tokens':>13s} {'plain s':>9s} {'inspected s':>12s} {'ratio':>6s} {'kept MiB':>9s}")
     for n in lengths:
         n = min(n, model.context_length - 1)

@@ -4,28 +4,15 @@ from collections import OrderedDict
 
 import streamlit as st
 
-from engine import EngineError
 from inspector.activations import (STATS, layer_stages, layer_summary, lines_figure, logit_lens,
                                    logit_lens_figure, nonfinite_cells, position_layer, position_layer_figure,
                                    stage_table)
 from inspector.attention import memo, run_key
 from inspector.tokens import token_labels
-from pages.common import device_slot, get_model, require_run
+from pages.common import get_model, on_demand, require_run
 
 LENS_K = 10
 LENS_AUTO = 512      # positions from here on compute the lens only when asked (a forward over them all)
-
-
-def on_demand(store, k, what: str, compute, **bounds):
-    """memo(store, k, compute), holding a device slot (queue shown) and a spinner only when it computes."""
-    if k in store:
-        return memo(store, k, compute, **bounds)
-    try:
-        with device_slot(what), st.spinner(f"Computing {what}…"):
-            return memo(store, k, compute, **bounds)
-    except EngineError as e:
-        st.error(str(e))
-        st.stop()
 
 
 st.header("Activations")

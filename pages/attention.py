@@ -6,34 +6,16 @@ from collections import OrderedDict
 
 import streamlit as st
 
-from engine import EngineError
 from inspector.attention import (MAX_CELLS, attention_pattern, entropy_figure, entropy_overview, head_view,
-                                 heatmap_figure, memo, pool, run_key, top_attended, top_attended_figure, window)
+                                 heatmap_figure, pool, run_key, top_attended, top_attended_figure, window)
 from inspector.tokens import token_labels
-from pages.common import device_slot, get_model, require_run
+from pages.common import on_demand, require_run_and_model
 
 OVERVIEW_AUTO = 512   # longer runs compute the layers × heads overview only when asked
 
 
-def on_demand(store, k, what: str, compute, **bounds):
-    """memo(store, k, compute), holding a device slot (queue shown) and a spinner only when it computes."""
-    if k in store:
-        return memo(store, k, compute, **bounds)
-    try:
-        with device_slot(what), st.spinner(f"Computing {what}…"):
-            return memo(store, k, compute, **bounds)
-    except EngineError as e:
-        st.error(str(e))
-        st.stop()
-
-
 st.header("Attention")
-run = require_run()
-model = get_model()
-if model is None or model.name != run.model_name:
-    st.warning(f"This run was made with **{run.model_name}**; choose that model in the sidebar (or press Run "
-               "again) to compute its attention.")
-    st.stop()
+run, model = require_run_and_model("compute its attention")
 cfg, ids = model.config, run.ids
 T, key = len(ids), run_key(run)
 labels = token_labels(model.tokenizer, ids)

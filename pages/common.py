@@ -340,3 +340,29 @@ def require_run() -> RunRecord:
         st.info("Enter a prompt in the sidebar and press **Run** to inspect a generation.")
         st.stop()
     return run
+
+
+def require_run_and_model(purpose: str = "inspect it"):
+    """The current run and the loaded model it was made with; otherwise a message and the page stops."""
+    run = require_run()
+    model = get_model()
+    if model is None:
+        st.stop()
+    if model.name != run.model_name:
+        st.warning(f"This run was made with **{run.model_name}**; the sidebar now shows **{model.name}**. "
+                   f"Choose that model in the sidebar (or press Run again) to {purpose}.")
+        st.stop()
+    return run, model
+
+
+def on_demand(store, k, what: str, compute, **bounds):
+    """memo(store, k, compute), holding a device slot (queue shown) and a spinner only when it computes."""
+    from inspector.attention import memo
+    if k in store:
+        return memo(store, k, compute, **bounds)
+    try:
+        with device_slot(what), st.spinner(f"Computing {what}…"):
+            return memo(store, k, compute, **bounds)
+    except EngineError as e:
+        st.error(str(e))
+        st.stop()

@@ -2,17 +2,10 @@
 import streamlit as st
 
 from inspector import kv_cache as kv
-from pages.common import get_model, require_run
+from pages.common import require_run_and_model
 
 st.header("KV cache")
-run = require_run()
-model = get_model()
-if model is None:
-    st.stop()
-if run.model_name != model.name:
-    st.warning(f"This run was made with **{run.model_name}**; the sidebar now shows **{model.name}**. "
-               "Press Run to inspect the chosen model.")
-    st.stop()
+run, model = require_run_and_model()
 
 cfg, cache = model.config, run.result.cache
 shape = kv.KVShape.from_config(cfg)

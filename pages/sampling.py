@@ -8,20 +8,13 @@ import streamlit as st
 
 from engine import InputError, SamplingParams
 from inspector import sampling as smp
-from pages.common import get_model, require_run
+from pages.common import require_run_and_model
 
 DEFAULTS = [None, *smp.PRESETS]           # A: the run's own settings
 LABELS = "ABCDE"
 
 st.header("Sampling")
-run = require_run()
-model = get_model()
-if model is None:
-    st.stop()
-if run.model_name != model.name:
-    st.warning(f"This run was made with **{run.model_name}**; the sidebar now shows **{model.name}**. "
-               "Press Run to inspect the chosen model.")
-    st.stop()
+run, model = require_run_and_model()
 result = run.result
 tok = model.tokenizer
 if st.session_state.get("smp_for_run") != run.created:

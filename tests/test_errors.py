@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from conftest import tiny_config, tiny_tensors, write_model_dir
 from engine import EngineError, InputError, ModelLoadError, UnsupportedModelError, load_model
