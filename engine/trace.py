@@ -50,7 +50,7 @@ class Trace:
 
     @property
     def ids(self) -> list[int]:
-        return self.result.prompt_ids + self.result.token_ids
+        return self.result.all_ids
 
     @property
     def n_prompt(self) -> int:

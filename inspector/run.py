@@ -70,7 +70,7 @@ class RunRecord:
     @property
     def ids(self) -> list[int]:
         """Prompt and generated ids: every position of the run."""
-        return self.result.prompt_ids + self.result.token_ids
+        return self.result.all_ids
 
     @property
     def n_prompt(self) -> int:

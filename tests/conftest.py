@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -103,6 +105,24 @@ def hf_reference(bundled_dir):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM.from_pretrained(str(bundled_dir), dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def app_file(tmp_path_factory) -> Path:
+    """The app for AppTest: a copy of app.py whose page folder is called `views/`.
+
+    A folder named `pages/` beside the main script puts Streamlit in its v1 multipage mode, and AppTest
+    re-decides that at every run (PagesManager.uses_pages_directory), so a run after switch_page would
+    execute the page file alone, without app.py's sidebar. The copied pages still import pages.common from
+    the repository (its root is on sys.path). The real layout is covered by tests/test_browser.py."""
+    root = Path(__file__).resolve().parents[1]
+    app = root / "app.py"
+    out = tmp_path_factory.mktemp("app")
+    (out / "app.py").write_text(app.read_text().replace('st.Page("pages/', 'st.Page("views/'))
+    (out / "views").mkdir()
+    for p in re.findall(r'st\.Page\("([^"]+)"', app.read_text()):
+        shutil.copy(root / p, out / "views" / Path(p).name)
+    return out / "app.py"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,7 +6,6 @@ import base64
 import html
 import json
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -21,30 +20,6 @@ from inspector.tokens import chat_messages
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["overview", "tokens", "attention", "activations"]
 PROMPT = "Say <b>hi</b> & <script>alert(1)</script> 👋"
-
-
-@pytest.fixture(scope="session")
-def app_file(tmp_path_factory) -> Path:
-    """The app to test: app.py itself, or a copy of it that works around two things outside these pages.
-
-    * A folder named `pages/` next to the main script switches Streamlit into its v1 multipage mode
-      (PagesManager.uses_pages_directory), in which every rerun after the first runs the page file alone,
-      without app.py's frame and sidebar. The copy calls the folder `views/`.
-    * Pages that app.py lists but that are not written yet are stubbed."""
-    app = ROOT / "app.py"
-    listed = re.findall(r'st\.Page\("([^"]+)"', app.read_text())
-    if not (ROOT / "pages").is_dir() and all((ROOT / p).is_file() for p in listed):
-        return app
-    out = tmp_path_factory.mktemp("app")
-    (out / "app.py").write_text(app.read_text().replace('st.Page("pages/', 'st.Page("views/'))
-    (out / "views").mkdir()
-    for p in listed:
-        target = out / "views" / Path(p).name
-        if (ROOT / p).is_file():
-            shutil.copy(ROOT / p, target)
-        else:
-            target.write_text("import streamlit as st\nst.write('page not written yet')\n")
-    return out / "app.py"
 
 
 def page(app_file: Path, name: str) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,30 +16,6 @@ from engine.model import Model
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["kv_cache", "sampling", "timeline"]
 MAX_NEW = 6
-
-
-@pytest.fixture(scope="session")
-def app_file(tmp_path_factory) -> Path:
-    """app.py, or a copy of the frame whose page folder is called `views/`.
-
-    Workaround for the repository layout: a folder named `pages/` next to the main script puts Streamlit
-    in its v1 multipage mode (PagesManager.uses_pages_directory, re-decided at every AppTest run), in
-    which a run after switch_page executes the page file alone, without app.py's sidebar. The pages
-    import pages.common from the repository as before (the repository root is on sys.path)."""
-    app = ROOT / "app.py"
-    listed = re.findall(r'st\.Page\("([^"]+)"', app.read_text())
-    if not (ROOT / "pages").is_dir():
-        return app
-    out = tmp_path_factory.mktemp("app")
-    (out / "app.py").write_text(app.read_text().replace('st.Page("pages/', 'st.Page("views/'))
-    (out / "views").mkdir()
-    for p in listed:
-        target = out / "views" / Path(p).name
-        if (ROOT / p).is_file():
-            shutil.copy(ROOT / p, target)
-        else:                      # another page not written yet
-            target.write_text("import streamlit as st\nst.write('page not written yet')\n")
-    return out / "app.py"
 
 
 @pytest.fixture
