@@ -6,6 +6,12 @@ import json
 import os
 import re
 import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -123,6 +129,39 @@ def app_file(tmp_path_factory) -> Path:
     for p in re.findall(r'st\.Page\("([^"]+)"', app.read_text()):
         shutil.copy(root / p, out / "views" / Path(p).name)
     return out / "app.py"
+
+
+@contextmanager
+def streamlit_server(env: dict, log: Path, *args: str):
+    """`streamlit run app.py` on a free 127.0.0.1 port; yields (url, process) once healthy; always stopped."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port",
+           str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false", *args]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if urllib.request.urlopen(url + "/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < end, "the server did not come up:\n" + log.read_text()[-3000:]
+            time.sleep(0.5)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 def pytest_collection_modifyitems(config, items):

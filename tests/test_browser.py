@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from conftest import streamlit_server
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
@@ -23,45 +21,18 @@ PROMPT = "What is the capital of France?"
 pytestmark = pytest.mark.browser
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def page_titles() -> list[str]:
     return re.findall(r'st\.Page\("pages/\w+\.py", title="([^"]+)"', (ROOT / "app.py").read_text())
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     if not Path(CHROMIUM).exists():
         pytest.skip("Debian's chromium is not installed (scripts/setup.sh --test installs it)")
     pytest.importorskip("playwright")
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "LLM_INSPECTOR_MODEL"}
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
-                             "--server.address", "127.0.0.1", "--server.port", str(port),
-                             "--browser.gatherUsageStats", "false"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            try:
-                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("the app did not start: " + proc.stdout.read1().decode(errors="replace"))
+    with streamlit_server(env, tmp_path_factory.mktemp("server") / "streamlit.log") as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def wait_idle(page, timeout_s: float = 240) -> None:

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
-import sys
 import time
 import tomllib
 import urllib.error
@@ -20,6 +17,7 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
+from conftest import streamlit_server
 from inspector.run import RunSettings, inspect_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,44 +93,15 @@ def test_browser_cannot_make_the_server_load_a_path(monkeypatch, tmp_path, tiny_
 
 # ---- the live server --------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
-    port = _free_port()
     log = tmp_path_factory.mktemp("server") / "streamlit.log"
     env = dict(os.environ, LLM_INSPECTOR_MODEL=str(tiny_model_dir), LLM_INSPECTOR_MAX_CONCURRENT_RUNS="2",
                LLM_INSPECTOR_MAX_QUEUE="16", LLM_INSPECTOR_MAX_NEW_TOKENS="128", LLM_INSPECTOR_MAX_RUNS_KEPT="1",
                LLM_INSPECTOR_MODEL_ROOTS="")
-    cmd = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port",
-           str(port), "--server.address", "127.0.0.1", "--server.disconnectedSessionTTL", "2",
-           "--server.fileWatcherType", "none", "--browser.gatherUsageStats", "false"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        end = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if urllib.request.urlopen(url + "/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < end, "the server did not come up:\n" + log.read_text()[-3000:]
-            time.sleep(0.5)
+    with streamlit_server(env, log, "--server.disconnectedSessionTTL", "2", "--server.fileWatcherType", "none") as (
+            url, proc):
         yield url, proc, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 def test_server_listens_on_localhost_only_with_xsrf(server):
