@@ -1,7 +1,8 @@
 """LLM Inspector: the frame. Sidebar (model, prompt, settings, Run) and navigation between the pages."""
 import streamlit as st
 
-from pages.common import frame, sidebar
+from pages.frame import frame
+from pages.sidebar import sidebar
 
 st.set_page_config(page_title="LLM Inspector", page_icon=":material/biotech:", layout="wide")
 

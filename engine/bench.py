@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from .bench_inspect import run_inspection_bench
 from .probe import Probe
 
 
@@ -52,12 +53,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def run_bench(a: argparse.Namespace) -> int:
-    from .cli import load
-
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    model = load(a)
+def run_bench(model, a: argparse.Namespace) -> int:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, model.config.vocab_size - 100, (a.prompt_tokens,), generator=g).tolist()
     hf = _hf_load(model)
@@ -86,7 +82,6 @@ def run_bench(a: argparse.Namespace) -> int:
               "(target decode >= 1.3)")
     else:
         print("ratio a/c: transformers is not installed; no reference measured")
-    if getattr(a, "app", False):
-        from inspector.bench_app import run_app_bench
-        run_app_bench(model)
+    if a.app:
+        run_inspection_bench(model)
     return 0

@@ -8,7 +8,7 @@ probe's statistics of that step's forward) and returns a message when it fires.
 
 Stage conditions read StatsBlock rows (engine.stats.STAT_NAMES: absmax column 4, nan 5, inf 6) of the blocks
 whose `step` is the step's index, so the run's probe must record statistics of those stages
-(inspector.run.inspection_probe does, for every stage).
+(engine.probe.inspection_probe does, for every stage).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Generation: prefill, decode one token at a time, sample, detokenise. Steppable for the debugger.
 
-    run = GenerationRun(model, "prompt", max_new_tokens=32, temperature=0.7, seed=1, probe=probe)
+    run = GenerationRun(model, "prompt", params=SamplingParams(temperature=0.7), max_new_tokens=32, seed=1,
+                        probe=probe)
     while (step := run.step()) is not None: ...      # or: result = run.run()
 """
 from __future__ import annotations
@@ -80,19 +81,21 @@ def prompt_ids(model, prompt_or_ids, *, chat: bool = False, system: str | None =
 
 
 class GenerationRun:
-    def __init__(self, model, prompt_or_ids, *, max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, no_repeat_ngram: int = 0,
+    def __init__(self, model, prompt_or_ids, *, params: SamplingParams | None = None, max_new_tokens: int = 64,
                  seed: int = 0, stop: list[str] | str | None = None, chat: bool = False,
                  system: str | None = None, allow_special: bool = False, ignore_eos: bool = False,
-                 probe: Probe | None = None,
+                 use_cache: bool = True, probe: Probe | None = None,
                  on_token: Callable[[Step], None] | None = None) -> None:
+        """use_cache=False recomputes the whole sequence at every step (a fresh cache each time): the same
+        tokens as with the cache up to rounding, at the cost of a full forward per token (Compare runs)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63:
             raise InputError(f"seed must be a whole number in [0, 2**63), got {seed!r}")
-        self.params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, frequency_penalty,
-                                     presence_penalty, no_repeat_ngram)
+        if params is not None and not isinstance(params, SamplingParams):
+            raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
+        self.params = params or SamplingParams()
+        self.use_cache = use_cache
         self.stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
         self.model, self.probe, self.on_token, self.seed = model, probe, on_token, seed
         t0 = time.perf_counter()
@@ -124,7 +127,11 @@ class GenerationRun:
         if probe is not None:
             probe.step = index
         t0 = time.perf_counter()
-        ids = self.prompt_ids if index == 0 else self.token_ids[-1:]
+        if self.use_cache:
+            ids = self.prompt_ids if index == 0 else self.token_ids[-1:]
+        else:           # the whole sequence again, into a fresh cache of the same size
+            ids = self.prompt_ids + self.token_ids
+            self.cache = model.new_cache(self.cache.max_len)
         logits = model.forward(torch.tensor(ids), self.cache, probe, last_only=True)[0].float().cpu()
         t1 = time.perf_counter()
         self.timings["prefill" if index == 0 else "decode"] += t1 - t0

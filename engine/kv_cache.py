@@ -20,9 +20,6 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self._pos = 0
 
-    def reset(self) -> None:
-        self._pos = 0
-
     def get_pos(self) -> int:
         return self._pos
 

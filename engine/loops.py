@@ -87,11 +87,6 @@ def tail_loop(tokens: Sequence[int], **kw) -> Loop | None:
     return min(ends, key=lambda r: (r.start, r.period)) if ends else None
 
 
-def loop_of(loops: Sequence[Loop], index: int) -> Loop | None:
-    """The first loop (by start) that covers token `index`."""
-    return next((r for r in loops if r.start <= index < r.end), None)
-
-
 def repeats(loop: Loop) -> list[tuple[int, int]]:
     """(first, end) index ranges of each repeat of a loop, the last one possibly partial."""
     return [(s, min(s + loop.period, loop.end)) for s in range(loop.start, loop.end, loop.period)]

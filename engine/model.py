@@ -6,6 +6,7 @@ when the probe asks for them, otherwise torch's fused scaled_dot_product_attenti
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,13 +18,39 @@ import torch.nn.functional as F
 from .config import ModelConfig
 from .errors import InputError
 from .kv_cache import KVCache
-from .probe import Probe
+from .probe import NO_PROBE, NoProbe, Probe
 from .rope import apply_rope, rope_tables
-from .stages import LayerNames, hook_names
-from .weights import Weights
+from .stages import hook_names
+from .weights import LayerWeights, Weights
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
+
+
+ATTN_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo")
+MLP_WEIGHTS = ("mlp_norm", "w_gate_up", "w_down")
+PRECISION_UNITS = ("blocks.{i}.attn", "blocks.{i}.mlp", "blocks.{i}.resid", "final_norm", "logits")
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in the wider of the stream's and the weight's dtypes, output in the weight's (the dtype the
+    following matmul runs in). With equal dtypes (every model without a precision plan) it is plain rms_norm."""
+    if x.dtype == w.dtype:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    wide = torch.promote_types(x.dtype, w.dtype)
+    return F.rms_norm(x.to(wide), (x.shape[-1],), w.to(wide), eps).to(w.dtype)
+
+
+def _split_unit(unit: str, num_layers: int) -> tuple[int | None, str]:
+    """'blocks.3.mlp' -> (3, 'mlp'); 'final_norm' -> (None, 'final_norm'); anything else is an InputError."""
+    if unit in ("final_norm", "logits"):
+        return None, unit
+    parts = unit.split(".")
+    if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] in ("attn", "mlp", "resid"):
+        if int(parts[1]) < num_layers:
+            return int(parts[1]), parts[2]
+    raise InputError(f"unknown precision unit {unit!r}; units are {', '.join(PRECISION_UNITS)} "
+                     f"with i in [0, {num_layers})")
 
 
 class Model:
@@ -37,7 +64,8 @@ class Model:
         self.name = name
         self.path = path
         self.cos, self.sin = rope_tables(cfg, cfg.max_position_embeddings, device, dtype)
-        self._names = [LayerNames(i) for i in range(cfg.num_layers)]
+        self.resid_fp32_from: int | None = None    # precision plan (see with_fp32)
+        self.fp32_units: list[str] = []
         self._live_hooks = 0
         self._lock = threading.Lock()
 
@@ -77,10 +105,12 @@ class Model:
                 self._live_hooks -= n
 
     # ---- forward --------------------------------------------------------------------------------
-    @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, probe: Probe | None = None, *,
-                last_only: bool = False) -> torch.Tensor:
-        """ids (T,) at the cache's position -> logits (T, V), or (1, V) with last_only. Advances the cache."""
+                last_only: bool = False, grad: bool = False) -> torch.Tensor:
+        """ids (T,) at the cache's position -> logits (T, V), or (1, V) with last_only. Advances the cache.
+
+        grad=True runs outside inference mode so a replace hook may hand in a tensor that requires grad
+        (gradient x input attribution); the weights never require grad."""
         if ids.dim() != 1 or ids.numel() == 0:
             raise InputError(f"forward needs a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
         T, pos = ids.shape[0], cache.get_pos()
@@ -92,87 +122,70 @@ class Model:
             raise InputError(f"token id {hi if hi >= self.config.vocab_size else lo} is outside the "
                              f"vocabulary [0, {self.config.vocab_size})")
         ids = ids.to(self.device)
-        with self.attached(probe, pos):
-            logits = self._forward(ids, cache, probe, pos, last_only)
+        with torch.inference_mode(not grad), self.attached(probe, pos):
+            logits = self._forward(ids, cache, probe or NO_PROBE, pos, last_only)
         cache.advance(T)
         return logits
 
-    def _forward(self, ids, cache: KVCache, p: Probe | None, pos: int, last_only: bool) -> torch.Tensor:
+    def _forward(self, ids, cache: KVCache, probe: Probe | NoProbe, pos: int, last_only: bool) -> torch.Tensor:
         cfg, w = self.config, self.weights
         T = ids.shape[0]
-        eps = cfg.rms_norm_eps if p is None or p.norm_eps is None else p.norm_eps
-        embed, norm, lm_head = w.embed, w.norm, w.lm_head
-        if p is not None:
-            embed, norm = p.weight("embed.weight", embed), p.weight("final_norm.weight", norm)
-            lm_head = p.weight("lm_head.weight", lm_head)
+        eps = cfg.rms_norm_eps if probe.norm_eps is None else probe.norm_eps
+        embed, norm = probe.weight("embed.weight", w.embed), probe.weight("final_norm.weight", w.norm)
+        lm_head = probe.weight("lm_head.weight", w.lm_head)
         cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]                 # (T, 1, hd)
         mask = None
         if T > 1 and pos > 0:   # a chunk after earlier positions: causal within, full view of the past
-            mask = torch.arange(pos + T, device=ids.device)[None, :] <= (pos + torch.arange(T, device=ids.device))[:, None]
-
-        if p is not None and p.timing:
-            p.mark("start")
-        x = F.embedding(ids, embed)                                             # (T, d)
-        if p is not None:
-            x = p("embed", x)
-            if p.timing:
-                p.mark("embed")
+            mask = torch.arange(pos + T, device=ids.device)[None, :] <= (pos + torch.arange(T, device=ids.device))[:,
+                                                                                                                   None]
+        if probe.timing:
+            probe.mark("start")
+        x = probe("embed", F.embedding(ids, embed))                             # (T, d)
+        if probe.timing:
+            probe.mark("embed")
         for i, lw in enumerate(w.layers):
-            if p is not None:
-                lw = p.layer_weights(i, lw)
-            x = self._block(i, lw, x, cache, p, cos, sin, pos, mask, eps)
-            if p is not None and p.timing:
-                p.mark(f"blocks.{i}")
-        x = F.rms_norm(x, (cfg.hidden_size,), norm, eps)
-        if p is not None:
-            x = p("final_norm", x)
+            if i == self.resid_fp32_from:
+                x = x.float()     # precision plan: the residual stream stays in fp32 from this layer on
+            x = self._block(probe.layer(i), probe.layer_weights(i, lw), x, cache, i, cos, sin, mask, eps)
+            if probe.timing:
+                probe.mark(f"blocks.{i}")
+        x = probe("final_norm", _norm(x, norm, eps))
         if last_only:
             x = x[-1:]
-            if p is not None:
-                p.move_to(pos + T - 1)   # the one logits row belongs to the last position
-        logits = x @ lm_head                                         # (T, V)
-        if p is not None:
-            logits = p("logits", logits)
-            if p.timing:
-                p.mark("logits")
+            probe.move_to(pos + T - 1)   # the one logits row belongs to the last position
+        logits = probe("logits", x.to(lm_head.dtype) @ lm_head)                 # (T, V)
+        if probe.timing:
+            probe.mark("logits")
         return logits
 
-    def _block(self, i, lw, x, cache: KVCache, p: Probe | None, cos, sin, pos: int, mask, eps: float) -> torch.Tensor:
-        cfg, n = self.config, self._names[i]
+    def _block(self, p, lw: LayerWeights, x, cache: KVCache, i: int, cos, sin, mask, eps: float) -> torch.Tensor:
+        """One transformer block. p offers each stage under blocks.{i}.<name> (a no-op without a probe).
+        Each half computes in its weights' dtype (a precision plan may hold some units in fp32) and adds
+        its output to the residual stream in the stream's dtype."""
+        cfg = self.config
         T, H, K, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = F.rms_norm(x, (cfg.hidden_size,), lw.attn_norm, eps)
-        if p is not None:
-            h = p(n.attn_norm, h)
+        h = p("attn_norm", _norm(x, lw.attn_norm, eps))                         # (T, d)
         qkv = (h @ lw.wqkv if lw.bqkv is None else torch.addmm(lw.bqkv, h, lw.wqkv)).view(T, H + 2 * K, hd)
-        if p is None:
-            qk = apply_rope(qkv[:, :H + K], cos, sin)                           # (T, H+K, hd): one rotation for q and k
-            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + K:]
-        else:
-            q, k, v = qkv.split([H, K, K], dim=1)                               # (T, heads, hd) each
-            q, k, v = p(n.q, q), p(n.k, k), p(n.v, v)
-            q, k = p(n.q_rot, apply_rope(q, cos, sin)), p(n.k_rot, apply_rope(k, cos, sin))
+        q, k, v = qkv.split([H, K, K], dim=1)                                   # (T, heads, hd) each
+        q, k, v = p("attn.q", q), p("attn.k", k), p("attn.v", v)
+        q, k = p("attn.q_rot", apply_rope(q, cos, sin)), p("attn.k_rot", apply_rope(k, cos, sin))
         keys, values = cache.update(i, k.transpose(0, 1), v.transpose(0, 1))     # (K, S, hd)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)      # no-ops unless a precision plan differs
         qh = q.transpose(0, 1)                                                  # (H, T, hd)
-        if p is not None and (p.wants(n.scores) or p.wants(n.pattern)):
-            z = self._explicit_attention(qh, keys, values, p, n, mask)
+        if p.wants("attn.scores") or p.wants("attn.pattern"):
+            z = self._explicit_attention(qh, keys, values, p, mask)
         elif T == 1:
             z = self._decode_attention(qh, keys, values)
         else:
             z = self._fused_attention(qh, keys, values, mask)
-        z = z.transpose(0, 1)                                                   # (T, H, hd)
-        if p is not None:
-            z = p(n.z, z)
-        attn_out = z.reshape(T, H * hd) @ lw.wo                         # (T, d)
-        if p is None:
-            x = x + attn_out
-            h = F.rms_norm(x, (cfg.hidden_size,), lw.mlp_norm, eps)
-            gate, up = (h @ lw.w_gate_up).chunk(2, dim=-1)                # (T, F) each
-            return x + (F.silu(gate) * up) @ lw.w_down
-        x = p(n.resid_mid, x + p(n.attn_out, attn_out))
-        h = p(n.mlp_norm, F.rms_norm(x, (cfg.hidden_size,), lw.mlp_norm, eps))
-        gate, up = (h @ lw.w_gate_up).chunk(2, dim=-1)
-        act = p(n.act, F.silu(p(n.gate, gate)) * p(n.up, up))
-        return p(n.resid_post, x + p(n.mlp_out, act @ lw.w_down))
+        z = p("attn.z", z.transpose(0, 1))                                      # (T, H, hd)
+        attn_out = p("attn_out", (z.reshape(T, H * hd) @ lw.wo).to(x.dtype))    # (T, d)
+        x = p("resid_mid", x + attn_out)
+        h = p("mlp_norm", _norm(x, lw.mlp_norm, eps))
+        gate, up = (h @ lw.w_gate_up).chunk(2, dim=-1)                          # (T, F) each
+        act = p("mlp.act", F.silu(p("mlp.gate", gate)) * p("mlp.up", up))
+        mlp_out = p("mlp_out", (act @ lw.w_down).to(x.dtype))                   # (T, d)
+        return p("resid_post", x + mlp_out)
 
     def _decode_attention(self, qh, keys, values) -> torch.Tensor:
         """One query position: grouped matmuls, no copies of the cache. (H, 1, hd) out.
@@ -196,7 +209,7 @@ class Model:
                                            is_causal=mask is None, enable_gqa=gqa)
         return z[0]
 
-    def _explicit_attention(self, qh, keys, values, p: Probe, n: LayerNames, mask) -> torch.Tensor:
+    def _explicit_attention(self, qh, keys, values, p, mask) -> torch.Tensor:
         """Attention with scores and pattern as tensors, for hooks that ask for them. (H, T, hd) out.
 
         Query heads sharing a KV head are stacked (K, G*T, hd) so GQA needs no copies of the cache."""
@@ -206,8 +219,8 @@ class Model:
         if T > 1:
             allowed = mask if mask is not None else torch.ones(T, S, dtype=torch.bool, device=qh.device).tril()
             scores = scores.masked_fill(~allowed, float("-inf"))
-        scores = p(n.scores, scores)
-        pattern = p(n.pattern, torch.softmax(scores.float(), dim=-1).to(qh.dtype))
+        scores = p("attn.scores", scores)
+        pattern = p("attn.pattern", torch.softmax(scores.float(), dim=-1).to(qh.dtype))
         grouped = pattern.reshape(K, -1, S)                                              # (K, G*T, S)
         if T > 1 and not bool(torch.isfinite(values).all()):
             # 0 * NaN = NaN: a matmul would let a NaN value at position j leak into rows t < j that give it
@@ -233,6 +246,37 @@ class Model:
         x = F.rms_norm(resid.to(self.device, self.dtype), (self.config.hidden_size,), self.weights.norm,
                        self.config.rms_norm_eps)
         return (x @ self.weights.lm_head).float().cpu()
+
+    def with_fp32(self, units: list[str] | tuple[str, ...], source: "Model | None" = None) -> "Model":
+        """A precision plan: this (lower-precision) model with the named units computed in fp32.
+
+        Units: blocks.{i}.attn, blocks.{i}.mlp, blocks.{i}.resid (the residual stream in fp32 from layer i
+        on), final_norm, logits. Only those units' weights are copied to fp32 (from source when given, e.g.
+        the fp32 model, else upcast from this one); every other weight is shared with this model."""
+        units = list(dict.fromkeys(units))
+        src = source or self
+        layers, resid_from = list(self.weights.layers), None
+        norm, lm_head = self.weights.norm, self.weights.lm_head
+        for unit in units:
+            layer, part = _split_unit(unit, self.config.num_layers)
+            if part == "resid":
+                resid_from = layer if resid_from is None else min(resid_from, layer)
+            elif part in ("attn", "mlp"):
+                fields = ATTN_WEIGHTS if part == "attn" else MLP_WEIGHTS
+                lw = src.weights.layers[layer]
+                layers[layer] = dataclasses.replace(layers[layer], **{
+                    f: None if getattr(lw, f) is None else getattr(lw, f).to(torch.float32, copy=True)
+                    for f in fields})
+            elif part == "final_norm":
+                norm = src.weights.norm.to(torch.float32, copy=True)
+            else:
+                lm_head = src.weights.lm_head.to(torch.float32, copy=True)
+        weights = Weights(self.weights.embed, layers, norm, lm_head)
+        plan = Model(self.config, weights, self.tokenizer, device=self.device, dtype=self.dtype,
+                     name=f"{self.name} [fp32: {', '.join(units) or 'none'}]", path=self.path)
+        plan.resid_fp32_from = resid_from
+        plan.fp32_units = units
+        return plan
 
     def generate(self, prompt_or_ids, **kwargs):
         """See engine.generate.generate."""

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .errors import EngineError
+from .stages import LAYER_STAGES
 from .stats import StatRecord, StatsBatcher, StatsBlock
 
 HEADS_FIRST = ("attn.scores", "attn.pattern")
@@ -77,6 +78,7 @@ class Probe:
         self._replace_specs: list[tuple[list[str], HookFn, frozenset | None]] = []
         self._plans: dict[str, _Plan] = {}
         self._batcher = StatsBatcher()
+        self._layer_views: dict[int, LayerProbe] = {}
         self._active = False
         self.timing = timing
         self.step = 0
@@ -169,6 +171,13 @@ class Probe:
     def wants(self, name: str) -> bool:
         return bool(self.plan(name))
 
+    def layer(self, i: int) -> "LayerProbe":
+        """The view block i offers its stages through: "attn.q" arrives here as "blocks.{i}.attn.q"."""
+        view = self._layer_views.get(i)
+        if view is None:
+            view = self._layer_views[i] = LayerProbe(self, i)
+        return view
+
     def __call__(self, name: str, x: Any) -> Any:
         if not self._active:
             raise EngineError(f"probe offered stage {name!r} outside a forward call (hooks are call-scoped)")
@@ -186,7 +195,7 @@ class Probe:
         if p.stats and isinstance(x, torch.Tensor) and x.is_floating_point():
             t = x.transpose(0, 1) if heads_first else x
             self._batcher.add(name, layer, t, p.masked)
-        for layers, positions in p.capture:
+        for _, positions in p.capture:
             self.captures.append(self._capture(name, layer, x, positions, heads_first))
         return x
 
@@ -250,6 +259,58 @@ class Probe:
                 g, t = (int(v) for v in bad.nonzero()[0])
                 return StatRecord(b.step, b.names[g], b.layers[g], b.pos0, b.values[g]), b.pos0 + t
         return None
+
+
+def inspection_probe(*, timing: bool = True) -> Probe:
+    """What the app records for every run: statistics of every stage at every step, and each step's logits
+    (for the sampling views)."""
+    return Probe(timing=timing).record_stats("*").capture("logits")
+
+
+class LayerProbe:
+    """One block's view of a probe; the only place the "blocks.{i}." prefix is added to a stage name."""
+    __slots__ = ("probe", "names")
+
+    def __init__(self, probe: Probe, i: int) -> None:
+        self.probe = probe
+        self.names = {stage: f"blocks.{i}.{stage}" for stage in LAYER_STAGES}
+
+    def __call__(self, stage: str, x: Any) -> Any:
+        return self.probe(self.names[stage], x)
+
+    def wants(self, stage: str) -> bool:
+        return self.probe.wants(self.names[stage])
+
+
+class NoProbe:
+    """What the forward talks to when no probe is given: every stage passes through unchanged, so the
+    unprobed forward is the same code as the probed one at the cost of a few no-op calls per block."""
+    timing = False
+    norm_eps = None
+
+    def __call__(self, name: str, x: Any) -> Any:
+        return x
+
+    def layer(self, i: int) -> "NoProbe":
+        return self
+
+    def wants(self, name: str) -> bool:
+        return False
+
+    def weight(self, name: str, original: torch.Tensor) -> torch.Tensor:
+        return original
+
+    def layer_weights(self, i: int, lw):
+        return lw
+
+    def move_to(self, pos0: int) -> None:
+        pass
+
+    def mark(self, label: str) -> None:
+        pass
+
+
+NO_PROBE = NoProbe()
 
 
 def _patterns(p: str | list[str]) -> list[str]:

@@ -13,8 +13,9 @@ import torch
 from .errors import InputError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingParams:
+    """The sampler's settings, passed whole (never field by field, never positionally)."""
     temperature: float = 0.0
     top_k: int = 0                    # 0 = off
     top_p: float = 1.0                # 1 = off
@@ -23,6 +24,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # OpenAI style, per occurrence in generated tokens
     presence_penalty: float = 0.0     # OpenAI style, once per token present in generated tokens
     no_repeat_ngram: int = 0          # ban tokens completing an n-gram already in the context; 0 = off
+
+    def changed(self) -> dict:
+        """The settings that differ from the defaults (greedy, every filter and penalty off)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -9,17 +9,6 @@ SAMPLER_STAGES = ("sampler.penalties", "sampler.temperature", "sampler.top_k", "
                   "sampler.min_p", "sampler.probs")
 
 
-class LayerNames:
-    """Precomputed names of one block's stages (no string formatting in the forward)."""
-    __slots__ = ("attn_norm", "q", "k", "v", "q_rot", "k_rot", "scores", "pattern", "z", "attn_out",
-                 "resid_mid", "mlp_norm", "gate", "up", "act", "mlp_out", "resid_post", "prefix")
-
-    def __init__(self, i: int) -> None:
-        p = self.prefix = f"blocks.{i}."
-        for slot, stage in zip(self.__slots__[:-1], LAYER_STAGES):
-            setattr(self, slot, p + stage)
-
-
 def hook_names(num_layers: int) -> list[str]:
     names = ["tokenizer", "embed"]
     for i in range(num_layers):

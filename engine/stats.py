@@ -124,19 +124,3 @@ def _masked_fast(X: torch.Tensor) -> torch.Tensor | None:
     mean, std = mean.masked_fill(none, float("nan")), std.masked_fill(none, float("nan"))
     zero = torch.zeros_like(mean)
     return torch.stack([lo, hi, mean, std, torch.maximum(lo.abs(), hi.abs()), zero, zero], dim=-1)
-
-
-def reference_stats(x: torch.Tensor, masked: bool = False) -> torch.Tensor:
-    """Slow, obvious per-position statistics of one tensor (T, ...): the test oracle for StatsBatcher."""
-    x = x.detach().double().reshape(x.shape[0], -1)
-    rows = []
-    for r in x.tolist():
-        kept = [v for v in r if v == v and not (masked and v == float("-inf"))]
-        fin = [v for v in r if v == v and abs(v) != float("inf")]
-        n_nan = sum(1 for v in r if v != v)
-        n_inf = sum(1 for v in r if abs(v) == float("inf") and not (masked and v == float("-inf")))
-        mean = sum(fin) / len(fin) if fin else float("nan")
-        std = (sum((v - mean) ** 2 for v in fin) / len(fin)) ** 0.5 if fin else float("nan")
-        lo, hi = (min(kept), max(kept)) if kept else (float("inf"), float("-inf"))
-        rows.append([lo, hi, mean, std, max(abs(lo), abs(hi)), n_nan, n_inf])
-    return torch.tensor(rows, dtype=torch.float32)

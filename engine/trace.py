@@ -1,4 +1,5 @@
-"""Trace files: one run in one safetensors file, reopened without unpickling anything.
+"""Trace: the one record of a run (its settings, the engine's result, the probe with everything it kept),
+and trace files: one run in one safetensors file, reopened as the same type without unpickling anything.
 
 Layout: every tensor the run's probe kept is a safetensors tensor (`stats.{i}.values` (G, T, 7),
 `stats.{i}.names` / `stats.{i}.layers` int32 (G,), `capture.{i}`); everything else (settings, tokens,
@@ -23,23 +24,25 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from .doctor import locate_nonfinite
 from .errors import EngineError
 from .generate import Candidate, GenerationResult, Step
 from .loops import Loop, find_loops
 from .probe import Capture, Probe
 from .sampling import SamplingParams
+from .settings import RunSettings
 from .stats import StatsBlock
 
 FORMAT, VERSION, META_KEY = "llm-inspector-trace", 1, "llm_inspector_trace"
 MAX_HEADER = 100_000_000          # safetensors' own limit on the JSON header
 
 
-@dataclass
+@dataclass(eq=False)
 class Trace:
-    """One run, as saved. Attribute names match inspector.run.RunRecord (settings here is a plain dict)."""
-    settings: dict
+    """One run: what the app keeps per session, what the CLI writes, what a trace file reopens as."""
+    settings: RunSettings
     result: GenerationResult
-    probe: Probe
+    probe: Probe | None
     model_name: str
     seconds: float
     created: float = field(default_factory=time.time)
@@ -47,6 +50,7 @@ class Trace:
     first_nonfinite: dict | None = None      # step, stage, layer, position (engine.doctor.NonFinite.as_dict())
     interventions: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # JSON-able notes (injections, model dtype, ...)
+    notes: list[str] = field(default_factory=list)   # what the app changed or wants the user to know
 
     @property
     def ids(self) -> list[int]:
@@ -57,25 +61,17 @@ class Trace:
         return len(self.result.prompt_ids)
 
 
-def trace_of(run, *, extra: dict | None = None) -> Trace:
-    """A Trace of a RunRecord-like object (settings: dataclass or dict, result, probe, model_name, seconds)."""
-    s = run.settings
-    settings = dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(s)
-    return make_trace(settings, run.result, run.probe, run.model_name, run.seconds,
-                      created=getattr(run, "created", None), extra=extra)
-
-
-def make_trace(settings: dict, result: GenerationResult, probe: Probe | None, model_name: str, seconds: float, *,
-               created: float | None = None, extra: dict | None = None) -> Trace:
+def make_trace(settings: RunSettings, result: GenerationResult, probe: Probe | None, model_name: str,
+               seconds: float, *, created: float | None = None, extra: dict | None = None,
+               notes: list[str] | None = None) -> Trace:
     """A Trace of one generation; loops and the first non-finite value are computed here."""
-    from .doctor import locate_nonfinite
     probe = probe if probe is not None else result.probe
     nf = locate_nonfinite(probe) if probe is not None else None
     inter = [f"replace {'|'.join(pats)}" for pats, _, _ in probe._replace_specs] if probe else []
     inter += [f"weight {name}" for name in (probe._weight_overrides if probe else {})]
-    return Trace(dict(settings), result, probe, model_name, float(seconds),
+    return Trace(settings, result, probe, model_name, float(seconds),
                  time.time() if created is None else float(created), find_loops(result.token_ids),
-                 None if nf is None else nf.as_dict(), inter, dict(extra or {}))
+                 None if nf is None else nf.as_dict(), inter, dict(extra or {}), list(notes or []))
 
 
 # ---- writing --------------------------------------------------------------------------------------
@@ -90,7 +86,8 @@ def to_bytes(trace: Trace) -> bytes:
     blocks = []
     for i, b in enumerate(p.stats if p is not None else []):
         tensors[f"stats.{i}.values"] = b.values.detach().cpu().contiguous()
-        tensors[f"stats.{i}.names"] = torch.tensor([names.setdefault(n, len(names)) for n in b.names], dtype=torch.int32)
+        tensors[f"stats.{i}.names"] = torch.tensor([names.setdefault(n, len(names)) for n in b.names],
+                                                   dtype=torch.int32)
         tensors[f"stats.{i}.layers"] = torch.tensor([-1 if x is None else x for x in b.layers], dtype=torch.int32)
         blocks.append({"step": b.step, "pos0": b.pos0})
     caps = []
@@ -108,16 +105,16 @@ def to_bytes(trace: Trace) -> bytes:
         "stats": blocks, "captures": caps, "marks": [list(m) for m in p.marks],
         "capture_specs": [[pats, _sets(layers), _sets(pos)] for pats, layers, pos in p._capture_specs],
         "stats_specs": list(p._stats_specs)}
-    meta = {"format": FORMAT, "version": VERSION, "settings": trace.settings, "result": result, "probe": probe,
+    meta = {"format": FORMAT, "version": VERSION, "settings": trace.settings.as_dict(), "result": result,
+            "probe": probe,
             "model_name": trace.model_name, "seconds": trace.seconds, "created": trace.created,
             "loops": [lp.as_dict() for lp in trace.loops], "first_nonfinite": trace.first_nonfinite,
-            "interventions": trace.interventions, "extra": trace.extra}
+            "interventions": trace.interventions, "extra": trace.extra, "notes": trace.notes}
     return st_save(tensors, metadata={META_KEY: json.dumps(meta)})
 
 
-def save_trace(trace_or_run, path: str | Path, *, extra: dict | None = None) -> Path:
-    """Write a Trace (or a RunRecord-like run, converted with trace_of) to path."""
-    trace = trace_or_run if isinstance(trace_or_run, Trace) else trace_of(trace_or_run, extra=extra)
+def save_trace(trace: Trace, path: str | Path) -> Path:
+    """Write a Trace to path."""
     path = Path(path)
     path.write_bytes(to_bytes(trace))
     return path
@@ -154,7 +151,8 @@ def _probe(m: dict | None, t: dict[str, torch.Tensor]) -> Probe | None:
     p.stats = [StatsBlock(b["step"], b["pos0"], [names[j] for j in t[f"stats.{i}.names"].tolist()],
                           [None if x < 0 else x for x in t[f"stats.{i}.layers"].tolist()], t[f"stats.{i}.values"])
                for i, b in enumerate(m["stats"])]
-    p.captures = [Capture(c["step"], c["name"], c["layer"], c["positions"], t[f"capture.{i}"] if c["tensor"] else c["value"])
+    p.captures = [Capture(c["step"], c["name"], c["layer"], c["positions"],
+                          t[f"capture.{i}"] if c["tensor"] else c["value"])
                   for i, c in enumerate(m["captures"])]
     p.marks = [tuple(x) for x in m["marks"]]
     return p
@@ -169,9 +167,9 @@ def from_bytes(data: bytes) -> Trace:
         r["steps"] = [Step(**{**s, "top": [Candidate(**c) for c in s["top"]]}) for s in r["steps"]]
         r["params"] = SamplingParams(**r["params"])
         result = GenerationResult(**r, probe=probe)
-        return Trace(meta["settings"], result, probe, meta["model_name"], meta["seconds"], meta["created"],
-                     [Loop(**x) for x in meta["loops"]], meta["first_nonfinite"], meta["interventions"],
-                     meta["extra"])
+        return Trace(RunSettings.from_dict(meta["settings"]), result, probe, meta["model_name"], meta["seconds"],
+                     meta["created"], [Loop(**x) for x in meta["loops"]], meta["first_nonfinite"],
+                     meta["interventions"], meta["extra"], list(meta.get("notes", [])))
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise EngineError(f"damaged trace file: {type(e).__name__}: {e}") from None
 

@@ -4,11 +4,20 @@ from collections import OrderedDict
 
 import streamlit as st
 
-from inspector.activations import (STATS, layer_stages, layer_summary, lines_figure, logit_lens,
-                                   logit_lens_figure, nonfinite_cells, position_layer, position_layer_figure,
-                                   stage_table)
-from inspector.attention import memo, run_key
-from inspector.tokens import token_labels
+from inspector.session.memo import memo, run_key
+from inspector.views.activations import (
+    STATS,
+    layer_stages,
+    layer_summary,
+    lines_figure,
+    logit_lens,
+    logit_lens_figure,
+    nonfinite_cells,
+    position_layer,
+    position_layer_figure,
+    stage_table,
+)
+from inspector.views.tokens import token_labels
 from pages.common import get_model, on_demand, require_run
 
 LENS_K = 10

@@ -6,9 +6,20 @@ from collections import OrderedDict
 
 import streamlit as st
 
-from inspector.attention import (MAX_CELLS, attention_pattern, entropy_figure, entropy_overview, head_view,
-                                 heatmap_figure, pool, run_key, top_attended, top_attended_figure, window)
-from inspector.tokens import token_labels
+from inspector.session.memo import run_key
+from inspector.views.attention import (
+    MAX_CELLS,
+    attention_pattern,
+    entropy_figure,
+    entropy_overview,
+    head_view,
+    heatmap_figure,
+    pool,
+    top_attended,
+    top_attended_figure,
+    window,
+)
+from inspector.views.tokens import token_labels
 from pages.common import on_demand, require_run_and_model
 
 OVERVIEW_AUTO = 512   # longer runs compute the layers × heads overview only when asked

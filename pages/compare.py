@@ -5,9 +5,12 @@ import streamlit as st
 
 from engine import EngineError, Probe, SamplingParams
 from engine.generate import prompt_ids
-from inspector import compare as cmp
-from inspector.tokens import visible
-from pages.common import device_slot, ensure_frame, get_model, model_choices, shared_model
+from inspector.session.models import model_choices, shared_model
+from inspector.views import compare as cmp
+from inspector.views.tokens import visible
+from pages.common import device_slot, get_model
+from pages.frame import ensure_frame
+from pages.widgets import sampling_form
 
 RESULT = "cmp_result"
 DTYPES = ["sidebar's", "float32", "bfloat16", "float16"]
@@ -29,11 +32,7 @@ seed = int(c2.number_input("Seed (both runs)", 0, 2**31 - 1, int(s.get("sb_seed"
 def config_panel(k: str, temperature: float) -> cmp.RunConfig | None:
     """One run's configuration from its widgets (keys cmp_*_a / cmp_*_b)."""
     st.markdown(f"**Run {k.upper()}**")
-    temp = st.slider("Temperature", 0.0, 2.0, temperature, 0.05, key=f"cmp_t_{k}")
-    c = st.columns(3)
-    top_k = c[0].number_input("Top-k", 0, 1000, 0, key=f"cmp_k_{k}")
-    top_p = c[1].slider("Top-p", 0.01, 1.0, 1.0, 0.01, key=f"cmp_p_{k}")
-    rep = c[2].slider("Repetition", 0.5, 2.0, 1.0, 0.05, key=f"cmp_rep_{k}")
+    params = sampling_form(f"cmp_{k}", SamplingParams(temperature=temperature))
     c = st.columns(2)
     dtype = c[0].selectbox("Dtype", DTYPES, key=f"cmp_dtype_{k}")
     cache = c[1].toggle("KV cache", True, key=f"cmp_cache_{k}", help="Off: the whole sequence is recomputed "
@@ -55,14 +54,15 @@ def config_panel(k: str, temperature: float) -> cmp.RunConfig | None:
         c = st.columns(2)
         stage = c[0].text_input("Stages (glob)", "blocks.0.mlp.act", key=f"cmp_iv_pattern_{k}")
         iv = cmp.Intervention("scale", stage, factor=c[1].number_input("Factor", value=0.5, key=f"cmp_iv_factor_{k}"))
+    if params is None:
+        return None
     try:
-        params = SamplingParams(temperature=temp, top_k=int(top_k), top_p=top_p, repetition_penalty=rep)
         if iv is not None:
             iv.apply(model, Probe())                # validate the stage and heads now
     except EngineError as e:
         st.error(str(e))
         return None
-    return cmp.RunConfig(k.upper(), params, dtype, cache, iv)
+    return cmp.RunConfig(label=k.upper(), params=params, dtype=dtype, cache=cache, intervention=iv)
 
 
 cols = st.columns(2)
@@ -108,8 +108,8 @@ if res is None:
 tok = model.tokenizer
 ta, tb, d = res["a"], res["b"], res["divergence"]
 na, da, nb, db = res["names"]
-st.caption(f"{res['cfg_a'].describe()} ({na}, {da.removeprefix('torch.')}, {ta.seconds:.2f} s) — "
-           f"{res['cfg_b'].describe()} ({nb}, {db.removeprefix('torch.')}, {tb.seconds:.2f} s)")
+st.caption(f"{res['cfg_a'].describe()} ({na}, {da.removeprefix('torch.')}, {cmp.seconds(ta):.2f} s) — "
+           f"{res['cfg_b'].describe()} ({nb}, {db.removeprefix('torch.')}, {cmp.seconds(tb):.2f} s)")
 m = st.columns(3)
 m[0].metric("First divergence", "none" if d is None else f"step {d}")
 m[1].metric("Tokens A / B", f"{len(ta.token_ids)} / {len(tb.token_ids)}")

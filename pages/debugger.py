@@ -2,22 +2,30 @@
 Run to end / Reset; conditional breakpoints; new sampler settings after a break. After every step the run so
 far is this session's current run (st.session_state["run"]) and the step shown is st.session_state
 ["selected_step"], so every other page shows the run's state at that step."""
-from dataclasses import asdict
 from fnmatch import fnmatchcase
 
 import streamlit as st
 
-from engine import EngineError, InputError, SamplingParams
+from engine import EngineError, InputError, RunSettings, SamplingParams
 from engine.breakpoints import AbsAbove, EntropyBelow, NonFinite, RepeatedNgram, TokenIs
-from inspector.run import RunSettings
-from inspector.stepper import Debugger, candidates_table, describe_step, params_table, token_ids_for
-from inspector.tokens import steps_table
-from pages.common import RUN_KEY, current_run, device_slot, get_model, server_limits, settings_from_sidebar
+from inspector.session.stepper import Debugger
+from inspector.views.debugger import candidates_table, describe_step, params_table, token_ids_for
+from inspector.views.sampling import describe as describe_params
+from inspector.views.tokens import steps_table
+from pages.common import RUN_KEY, current_run, device_slot, get_model, server_limits
+from pages.sidebar import settings_from_sidebar
+from pages.widgets import (
+    FILTERS,
+    PENALTIES,
+    SAMPLER_WIDGETS,
+    sampling_params_from,
+    sampling_widgets,
+    set_sampling_widgets,
+    widget_key,
+)
 
 DBG, BPS, SELECTED = "dbg", "dbg_bps", "selected_step"
 KINDS = ["NaN / Inf", "|value| above", "Entropy below", "Repeated n-gram", "Token"]
-PARAM_KEYS = dict(temperature="dbg_t", top_k="dbg_k", top_p="dbg_p", min_p="dbg_minp", repetition_penalty="dbg_rep",
-                  frequency_penalty="dbg_freq", presence_penalty="dbg_pres", no_repeat_ngram="dbg_ngram")
 s = st.session_state
 
 st.header("Debugger")
@@ -35,11 +43,6 @@ def sidebar_settings() -> RunSettings:
     return RunSettings(prompt="What is the capital of France?")
 
 
-def sync_param_widgets(params: SamplingParams) -> None:
-    for k, v in asdict(params).items():
-        s[PARAM_KEYS[k]] = int(v) if k in ("top_k", "no_repeat_ngram") else float(v)
-
-
 def new_debugger(old: Debugger | None) -> Debugger | None:
     """A fresh run from the sidebar's settings (checked against the server's limits, as the sidebar's Run is)."""
     if old is not None and current_run() is old.published:     # the pages stop showing the old run
@@ -52,12 +55,8 @@ def new_debugger(old: Debugger | None) -> Debugger | None:
         st.error(f"Could not start the run: {e}")
         return None
     s[DBG] = dbg
-    sync_param_widgets(dbg.run.params)
+    set_sampling_widgets("dbg", dbg.run.params)
     return dbg
-
-
-def widget_params(current: SamplingParams) -> SamplingParams:
-    return SamplingParams(**{k: s.get(key, getattr(current, k)) for k, key in PARAM_KEYS.items()})
 
 
 def publish(dbg: Debugger) -> None:
@@ -83,7 +82,7 @@ if dbg is not None and (do_step or do_cont or do_end):
         st.info(f"The run has ended ({dbg.run.stop_reason}); press Reset for a new one.")
     else:
         try:
-            if dbg.set_params(widget_params(dbg.run.params)):
+            if dbg.set_params(sampling_params_from("dbg", dbg.run.params)):
                 st.toast(f"New sampler settings from step {len(dbg.steps)} on")
             dbg.breakpoints = list(s[BPS])
             live = st.empty()
@@ -150,19 +149,12 @@ with st.expander(f"Breakpoints ({len(s[BPS])})", expanded=True):
             st.rerun()
 
 # ---- the sampler for the next steps -----------------------------------------------------------------
-if any(key not in s for key in PARAM_KEYS.values()):      # first visit, or back from another page
-    sync_param_widgets(dbg.run.params if dbg is not None else SamplingParams(
-        **{k: getattr(sidebar_settings(), k) for k in PARAM_KEYS}))
+if any(widget_key("dbg", name) not in s for name in SAMPLER_WIDGETS):   # first visit, or back from another page
+    set_sampling_widgets("dbg", dbg.run.params if dbg is not None else sidebar_settings().params)
 with st.expander("Sampler for the next steps (applied at Step / Continue)", expanded=bool(dbg and dbg.message)):
-    p = st.columns(4)
-    p[0].slider("Temperature", 0.0, 2.0, step=0.05, key="dbg_t")
-    p[1].number_input("Top-k (0 = off)", 0, 1000, key="dbg_k")
-    p[2].slider("Top-p", 0.01, 1.0, step=0.01, key="dbg_p")
-    p[3].slider("Min-p", 0.0, 1.0, step=0.01, key="dbg_minp")
-    p[0].slider("Repetition penalty", 0.5, 2.0, step=0.05, key="dbg_rep")
-    p[1].slider("Frequency penalty", -2.0, 2.0, step=0.1, key="dbg_freq")
-    p[2].slider("Presence penalty", -2.0, 2.0, step=0.1, key="dbg_pres")
-    p[3].number_input("No-repeat n-gram", 0, 10, key="dbg_ngram")
+    p = st.columns(2)
+    sampling_widgets("dbg", SamplingParams(), FILTERS, p[0])
+    sampling_widgets("dbg", SamplingParams(), PENALTIES, p[1])
 if dbg is None:
     st.stop()
 
@@ -196,7 +188,7 @@ m[0].metric("Chosen token", repr(step.text) if tok is None else repr(tok.decode(
 m[1].metric("p (sampling)", f"{step.prob:.4f}")
 m[2].metric("Entropy (nats)", f"{step.entropy:.3f}")
 m[3].metric("Tokens kept", f"{step.kept:,}")
-st.caption(f"Sampler at this step: {dbg.params_at(view)}")
+st.caption(f"Sampler at this step: {describe_params(dbg.params_at(view))}")
 left, right = st.columns([2, 3])
 left.dataframe(candidates_table(step, tok), hide_index=True, key="dbg_candidates",
                column_config={"model_prob": st.column_config.NumberColumn(format="%.4f")})

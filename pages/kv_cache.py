@@ -1,7 +1,7 @@
 """KV cache: what the run's cache costs, how it grew, what GQA saves, and projections for other models."""
 import streamlit as st
 
-from inspector import kv_cache as kv
+from inspector.views import kv_cache as kv
 from pages.common import require_run_and_model
 
 st.header("KV cache")

@@ -5,8 +5,9 @@ import streamlit as st
 
 from engine import EngineError
 from engine.doctor import PRESETS, cast_model, locate_nonfinite, precision_compare, run_doctor
-from inspector import doctor_views as dv
-from inspector.run import check_settings
+from inspector.session.memo import run_key
+from inspector.session.run import check_settings
+from inspector.views import doctor as dv
 from pages.common import device_slot, get_model, require_run, server_limits
 
 MAX_PRECISION_POSITIONS = 256
@@ -84,11 +85,11 @@ if st.button("Run with the fault", key="nd_inject", type="primary"):
         with device_slot("the fault run"), st.spinner("Generating with the fault…"):
             target_model = model if dtype in (None, str(model.dtype).removeprefix("torch.")) else \
                 low_precision_copy(model, mkey, dtype)
-            reports[dv.run_key(run)] = run_doctor(target_model, s.prompt, injections=specs, norm_eps=norm_eps,
+            reports[run_key(run)] = run_doctor(target_model, s.prompt, injections=specs, norm_eps=norm_eps,
                                                   **{**s.generation_kwargs(), "max_new_tokens": int(max_new)})
     except EngineError as e:
         st.error(str(e))
-report = reports.get(dv.run_key(run))
+report = reports.get(run_key(run))
 if report is not None:
     st.markdown(f"**{', '.join(report.injections) or 'no fault'}** ({report.dtype}"
                 + (f", RMSNorm ε {report.norm_eps}" if report.norm_eps is not None else "") + f") · stop: "
@@ -111,11 +112,11 @@ if st.button("Compare precisions", key="nd_prec_run"):
     ids = run.ids[:MAX_PRECISION_POSITIONS]
     try:
         with device_slot("the precision comparison"), st.spinner(f"Two forwards over {len(ids)} positions…"):
-            precs[dv.run_key(run)] = precision_compare(model, low_precision_copy(model, mkey, low_dtype), ids,
+            precs[run_key(run)] = precision_compare(model, low_precision_copy(model, mkey, low_dtype), ids,
                                                        threshold=thr or None)
     except EngineError as e:
         st.error(str(e))
-prec = precs.get(dv.run_key(run))
+prec = precs.get(run_key(run))
 if prec is not None:
     df = dv.precision_frame(prec)
     d = prec.divergence

@@ -1,7 +1,7 @@
 """Overview: what went in, what came out, why it stopped, how long it took, and every step's choice."""
 import streamlit as st
 
-from inspector.tokens import steps_table, token_counts
+from inspector.views.tokens import steps_table, token_counts
 from pages.common import get_model, require_run
 
 st.header("Overview")

@@ -3,12 +3,12 @@ highlighted, the chosen token's probability and the entropy per step, attention 
 its earlier copy, and the same prompt and seed under repetition penalties side by side (on a button)."""
 import streamlit as st
 
-from engine.loops import MIN_TOKENS, find_loops
-from inspector import repetition_views as rv
-from inspector.attention import memo, run_key
-from inspector.tokens import token_labels
 from engine import EngineError
-from inspector.run import check_settings
+from engine.loops import MIN_TOKENS, find_loops
+from inspector.session.memo import memo, run_key
+from inspector.session.run import check_settings
+from inspector.views import repetition as rv
+from inspector.views.tokens import token_labels
 from pages.common import device_slot, get_model, require_run, server_limits
 
 st.header("Repetition")

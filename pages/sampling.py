@@ -2,13 +2,13 @@
 and seeded draws against the computed probabilities. Every control here is display-only: nothing re-runs
 the model, all of it is recomputed from the logits the run captured."""
 import time
-from dataclasses import asdict
 
 import streamlit as st
 
-from engine import InputError, SamplingParams
-from inspector import sampling as smp
+from engine import SamplingParams
+from inspector.views import sampling as smp
 from pages.common import require_run_and_model
+from pages.widgets import sampling_form
 
 DEFAULTS = [None, *smp.PRESETS]           # A: the run's own settings
 LABELS = "ABCDE"
@@ -19,7 +19,7 @@ result = run.result
 tok = model.tokenizer
 if st.session_state.get("smp_for_run") != run.created:
     # a new run: setting A follows its settings again, and the step must exist in it
-    for k in [k for k in st.session_state if k == "smp_step" or (k.startswith("smp_") and k.endswith("_0"))]:
+    for k in [k for k in st.session_state if k == "smp_step" or k.startswith("smp_0_")]:
         del st.session_state[k]
     st.session_state["smp_for_run"] = run.created
 
@@ -39,28 +39,12 @@ st.caption(f"At step {step} the run chose **{tok.decode([chosen])!r}** (id {chos
 n = int(st.number_input("Settings side by side", 3, 5, 3, key="smp_n"))
 settings: dict[str, SamplingParams] = {}
 for i, col in enumerate(st.columns(n)):
-    d = asdict(result.params) if DEFAULTS[i] is None else DEFAULTS[i]
+    default = result.params if DEFAULTS[i] is None else SamplingParams(**DEFAULTS[i])
     with col.container(border=True):
         st.markdown(f"**{LABELS[i]}**" + (" · the run's settings" if DEFAULTS[i] is None else ""))
-        kw = dict(
-            temperature=st.slider("Temperature", 0.0, 2.0, float(d.get("temperature", 1.0)), 0.05, key=f"smp_t_{i}"),
-            top_k=st.number_input("Top-k (0 = off)", 0, 1000, int(d.get("top_k", 0)), key=f"smp_k_{i}"),
-            top_p=st.slider("Top-p", 0.01, 1.0, float(d.get("top_p", 1.0)), 0.01, key=f"smp_p_{i}"),
-            min_p=st.slider("Min-p", 0.0, 1.0, float(d.get("min_p", 0.0)), 0.01, key=f"smp_minp_{i}"))
-        with st.expander("Penalties"):
-            kw.update(
-                repetition_penalty=st.slider("Repetition", 0.5, 2.0, float(d.get("repetition_penalty", 1.0)), 0.05,
-                                             key=f"smp_rep_{i}"),
-                frequency_penalty=st.slider("Frequency", -2.0, 2.0, float(d.get("frequency_penalty", 0.0)), 0.1,
-                                            key=f"smp_freq_{i}"),
-                presence_penalty=st.slider("Presence", -2.0, 2.0, float(d.get("presence_penalty", 0.0)), 0.1,
-                                           key=f"smp_pres_{i}"),
-                no_repeat_ngram=st.number_input("No-repeat n-gram", 0, 10, int(d.get("no_repeat_ngram", 0)),
-                                                key=f"smp_ngram_{i}"))
-        try:
-            settings[LABELS[i]] = SamplingParams(**kw)
-        except InputError as e:
-            st.error(str(e))
+        params = sampling_form(f"smp_{i}", default)
+        if params is not None:
+            settings[LABELS[i]] = params
 if len(settings) < n:
     st.stop()
 

@@ -1,7 +1,7 @@
 """Timeline: where the run's time went, by phase and step, and per layer when timing marks were recorded."""
 import streamlit as st
 
-from inspector import timeline as tl
+from inspector.views import timeline as tl
 from pages.common import get_model, require_run
 
 st.header("Timeline")

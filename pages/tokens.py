@@ -2,7 +2,7 @@
 how the streaming detokenizer assembles multi-byte characters. Nothing here runs the model."""
 import streamlit as st
 
-from inspector.tokens import chat_messages, run_token_table, spans_html, stream_table, token_counts
+from inspector.views.tokens import chat_messages, run_token_table, spans_html, stream_table, token_counts
 from pages.common import get_model, require_run
 
 st.header("Tokens")

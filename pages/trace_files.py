@@ -8,10 +8,11 @@ trace was made with chosen in the sidebar. Files are safetensors + JSON: nothing
 import streamlit as st
 
 from engine import EngineError
-from engine.trace import from_bytes, summary
-from inspector.attention import run_key
-from inspector.doctor_views import record_from_trace, trace_bytes
-from pages.common import current_run, keep_run, server_limits
+from engine.trace import from_bytes, summary, to_bytes
+from inspector.session.memo import run_key
+from inspector.session.run import track
+from pages.common import current_run, server_limits
+from pages.sidebar import keep_run
 
 st.header("Trace files")
 
@@ -23,7 +24,7 @@ else:
     files = st.session_state.setdefault("tf_bytes", {})              # run_key -> the file's bytes
     if run_key(run) not in files:
         files.clear()                                                # one file kept: the current run's
-        files[run_key(run)] = trace_bytes(run)
+        files[run_key(run)] = to_bytes(run)
     data = files[run_key(run)]
     st.caption(f"{run.model_name} · {run.n_prompt} prompt + {len(run.result.token_ids)} generated tokens · "
                f"{len(run.probe.stats)} statistics blocks · {len(run.probe.captures)} captures · "
@@ -50,12 +51,13 @@ if up is not None:
     nf = trace.first_nonfinite
     st.markdown(f"Model **{trace.model_name}** · KV cache {info['cache'].get('bytes_used', 0) / 2**20:.2f} MiB used · "
                 + ("every stage finite" if nf is None else
-                   f"first non-finite: `{nf['stage']}` layer {nf['layer']}, position {nf['position']}, step {nf['step']}"))
+                   f"first non-finite: `{nf['stage']}` layer {nf['layer']}, position {nf['position']}, "
+                   f"step {nf['step']}"))
     for lp in trace.loops:
         st.markdown(f"- loop: start {lp.start}, period {lp.period}, count {lp.count}")
     if trace.interventions or trace.extra.get("injections"):
         st.caption(f"Made with: {', '.join(trace.extra.get('injections') or trace.interventions)}")
     st.code(trace.result.text or "(nothing)", language=None, wrap_lines=True)
     if st.button("Open as the current run", key="tf_open", type="primary"):
-        keep_run(record_from_trace(trace), server_limits(show_error=False).max_runs_kept)
+        keep_run(track(trace), server_limits(show_error=False).max_runs_kept)
         st.success(f"Opened {up.name}: every page now shows this run.")

@@ -2,62 +2,16 @@
 bundled model itself, each built once per test session."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from engine.sources import bundled_gguf
-
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096)
-
-
-def tiny_config(**overrides) -> dict:
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
-           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
-           "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32", **TINY}
-    cfg.update(overrides)
-    return cfg
-
-
-def tiny_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights, scaled so activations stay O(1) through the layers."""
-    g = torch.Generator().manual_seed(seed)
-    d, f, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    hd = cfg.get("head_dim") or d // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-
-    def r(*shape, scale=None):
-        return torch.randn(*shape, generator=g) * (scale if scale is not None else shape[-1] ** -0.5)
-
-    t = {"model.embed_tokens.weight": r(V, d, scale=1.0), "model.norm.weight": 1 + 0.1 * r(d, scale=1.0)}
-    if not cfg.get("tie_word_embeddings"):
-        t["lm_head.weight"] = r(V, d)
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        t |= {p + "input_layernorm.weight": 1 + 0.1 * r(d, scale=1.0),
-              p + "self_attn.q_proj.weight": r(q, d), p + "self_attn.k_proj.weight": r(kv, d),
-              p + "self_attn.v_proj.weight": r(kv, d), p + "self_attn.o_proj.weight": r(d, q),
-              p + "post_attention_layernorm.weight": 1 + 0.1 * r(d, scale=1.0),
-              p + "mlp.gate_proj.weight": r(f, d), p + "mlp.up_proj.weight": r(f, d),
-              p + "mlp.down_proj.weight": r(d, f)}
-        if cfg.get("model_type") == "qwen2" or cfg.get("attention_bias"):
-            t |= {p + "self_attn.q_proj.bias": 0.1 * r(q, scale=1.0),
-                  p + "self_attn.k_proj.bias": 0.1 * r(kv, scale=1.0),
-                  p + "self_attn.v_proj.bias": 0.1 * r(kv, scale=1.0)}
-    return t
+from tests.helpers import write_model_dir
 
 
 @pytest.fixture(scope="session")
@@ -69,17 +23,6 @@ def tokenizer_files(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tokenizer")
     write_tokenizer_dir(gguf.GGUFReader(str(bundled_gguf())), out)
     return out
-
-
-def write_model_dir(path: Path, tokenizer_files: Path, cfg: dict | None = None,
-                    tensors: dict[str, torch.Tensor] | None = None) -> Path:
-    cfg = cfg or tiny_config()
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg))
-    save_file(tensors if tensors is not None else tiny_tensors(cfg), str(path / "model.safetensors"))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (path / name).write_bytes((tokenizer_files / name).read_bytes())
-    return path
 
 
 @pytest.fixture(scope="session")
@@ -131,40 +74,15 @@ def app_file(tmp_path_factory) -> Path:
     return out / "app.py"
 
 
-@contextmanager
-def streamlit_server(env: dict, log: Path, *args: str):
-    """`streamlit run app.py` on a free 127.0.0.1 port; yields (url, process) once healthy; always stopped."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port",
-           str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false", *args]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        end = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if urllib.request.urlopen(url + "/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < end, "the server did not come up:\n" + log.read_text()[-3000:]
-            time.sleep(0.5)
-        yield url, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+TIERS = ("unit", "reference", "model", "app", "browser", "cuda")
 
 
 def pytest_collection_modifyitems(config, items):
+    """Each test's tier is its folder's (tests/<tier>/), unless the test names another with a marker."""
+    for item in items:
+        folder = Path(str(item.fspath)).parent.name
+        if folder in TIERS and not any(item.get_closest_marker(t) for t in TIERS):
+            item.add_marker(getattr(pytest.mark, folder))
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
         for item in items:

@@ -1,0 +1,28 @@
+"""Command line: python -m engine <command> (see README 'Command line'). One module per group of commands,
+each with add_commands(sub); the shared argument builders live in args.py."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import EngineError
+from . import bench, debug, run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine", description="LLM Inspector engine")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for group in (run, bench, debug):
+        group.add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except EngineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

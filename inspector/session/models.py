@@ -1,0 +1,143 @@
+"""The models this server offers and holds: a fixed list of choices (the browser picks a label, never a
+path) and a process-wide registry that loads each (source, device, dtype) once and shares it with every
+session.
+
+Models come only from model_choices(): the server default ($LLM_INSPECTOR_MODEL), the bundled model, models
+under $LLM_INSPECTOR_MODEL_ROOTS and the local hub cache.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from engine import EngineError, Model, ModelLoadError, load_model
+from engine.loader import pick_device, pick_dtype
+from engine.sources import find_in_hub_cache, hub_cache_dirs
+
+from .limits import Limits, LimitsConfigError, env_name
+
+BUNDLED = "SmolLM2-135M-Instruct (bundled)"
+LOAD_RETRY_S = 30          # a model that failed to load is not tried again for this long (all sessions)
+CHOICES_TTL_S = 60
+log = logging.getLogger("llm_inspector")
+_choices: list = []        # [when, {label: source}]
+_choices_lock = threading.Lock()
+
+
+def model_roots() -> list[Path]:
+    """Folders whose models the browser may choose from ($LLM_INSPECTOR_MODEL_ROOTS, os.pathsep separated)."""
+    raw = os.environ.get("LLM_INSPECTOR_MODEL_ROOTS", "")
+    return [Path(p).expanduser() for p in raw.split(os.pathsep) if p.strip()]
+
+
+def model_choices() -> dict[str, str | None]:
+    """Display label -> source, for the bundled model, models under the roots and the hub cache (the
+    folders are listed again at most once a minute)."""
+    now = time.monotonic()
+    with _choices_lock:
+        if _choices and now - _choices[0] < CHOICES_TTL_S:
+            return dict(_choices[1])
+    choices = _list_choices()
+    with _choices_lock:
+        _choices[:] = [now, choices]
+    return dict(choices)
+
+
+def _list_choices() -> dict[str, str | None]:
+    choices: dict[str, str | None] = {}
+    default = os.environ.get("LLM_INSPECTOR_MODEL")
+    if default:
+        choices[f"{Path(default).name} (server default)"] = default
+    choices[BUNDLED] = None
+    for root in model_roots():
+        if not root.is_dir():
+            continue
+        for p in sorted(root.iterdir()):
+            if (p / "config.json").is_file() or p.suffix == ".gguf":
+                choices[f"{p.name} ({root})"] = str(p)
+    for hub in hub_cache_dirs():
+        if hub.is_dir():
+            for repo in sorted(hub.glob("models--*--*")):
+                repo_id = repo.name.removeprefix("models--").replace("--", "/", 1)
+                snap = find_in_hub_cache(repo_id)
+                if snap is not None and (snap / "config.json").is_file():
+                    choices[f"{repo_id} (hub cache)"] = repo_id
+    return choices
+
+
+def _max_models() -> int:
+    try:
+        return Limits.from_env().max_models
+    except LimitsConfigError:
+        return Limits().max_models
+
+
+# ---- the shared model -----------------------------------------------------------------------------------------
+# A process-wide registry rather than st.cache_resource: a cached function that draws a progress bar made
+# outside it cannot be replayed for the next session (CacheReplayClosureError), and any client may ask
+# Streamlit to clear its caches, which would drop the model every session shares.
+class _Slot:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.model: Model | None = None
+        self.error: tuple[float, str] | None = None     # (when, message) of the last failed load
+
+
+_models: dict[tuple, _Slot] = {}
+_models_lock = threading.Lock()
+
+
+def shared_model(source: str | None, device: str, dtype: str, _progress=None) -> Model:
+    """The model for (source, device, dtype), loaded at most once per process and shared by all sessions.
+    Raises ModelLoadError (with the reason) for a model that cannot be loaded or would exceed max_models."""
+    dev = pick_device(device)
+    key = (source, str(dev), str(pick_dtype(None if dtype == "auto" else dtype, dev)))
+    limit = _max_models()
+    with _models_lock:
+        slot = _models.get(key)
+        if slot is None:
+            loaded = [k for k, s in _models.items() if s.model is not None]
+            if len(loaded) >= limit:
+                names = "; ".join(f"{k[0] or 'bundled'} ({k[1]}, {k[2].removeprefix('torch.')})" for k in loaded)
+                raise ModelLoadError(f"this server keeps at most {limit} model(s) loaded ({env_name('max_models')}) "
+                                     f"and that many are: {names}. Choose one of those.")
+            slot = _models[key] = _Slot()
+    if not slot.lock.acquire(blocking=False):
+        if _progress:
+            _progress(0.0, "another session is loading this model…")
+        slot.lock.acquire()
+    try:
+        if slot.model is None:
+            if slot.error and time.monotonic() - slot.error[0] < LOAD_RETRY_S:
+                raise ModelLoadError(slot.error[1])
+            try:
+                slot.model = load_model(source, device=dev, dtype=key[2].removeprefix("torch."), progress=_progress)
+            except Exception as e:
+                log.warning("loading model %r failed", source, exc_info=not isinstance(e, EngineError))
+                msg = str(e) if isinstance(e, EngineError) else f"{source}: {type(e).__name__}: {e}"
+                slot.error = (time.monotonic(), msg)
+                raise ModelLoadError(msg) from None
+            slot.error = None
+        return slot.model
+    finally:
+        slot.lock.release()
+
+
+def _forget_choices() -> None:
+    """List the model folders again at the next call (tests change the environment)."""
+    with _choices_lock:
+        _choices.clear()
+
+
+def _forget_models() -> None:
+    """Forget every loaded model and the listed choices (tests and admins start afresh)."""
+    with _models_lock:
+        _models.clear()
+    _forget_choices()
+
+
+model_choices.clear = _forget_choices
+shared_model.clear = _forget_models

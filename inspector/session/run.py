@@ -1,0 +1,78 @@
+"""One inspected run for the app: the user's RunSettings checked against the server's limits, a device
+slot, then the engine's generation with full inspection, kept as the one run record (engine.Trace).
+
+This is the code path every page (and the concurrency tests) use: the model is shared, the probe, cache,
+RNG and result belong to this run alone. Before the engine sees a request it is checked against the
+server's limits (session.limits) and then waits for a device slot (session.admission).
+
+Nothing at module level holds a run: a record lives exactly as long as the session (or caller) that
+keeps it. `live_runs()` counts the records still alive through weak references, which never keep one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from typing import Callable
+
+from engine import Model, RunSettings, Step, Trace, inspection_probe, make_trace
+from engine.generate import prompt_ids
+
+from .admission import Admission, shared_admission
+from .limits import LimitError, Limits, check_text, env_name
+
+_live: "weakref.WeakSet[Trace]" = weakref.WeakSet()
+
+
+def track(trace: Trace) -> Trace:
+    """Count a run record as alive (weakly: counting never keeps one) and return it."""
+    _live.add(trace)
+    return trace
+
+
+def live_runs() -> int:
+    """Run records alive in this process (all sessions), counted without keeping any alive."""
+    return len(_live)
+
+
+def check_settings(model: Model, settings: RunSettings, limits: Limits) -> tuple[RunSettings, list[str]]:
+    """Settings safe to hand to the engine, and notes for the user; PromptError / LimitError / InputError
+    (each an engine InputError naming what is wrong) before any device work or queueing."""
+    prompt, notes = check_text(settings.prompt, limits, "prompt")
+    system = settings.system
+    if system is not None:
+        system, more = check_text(system, limits, "system message", allow_empty=True)
+        notes += more
+    n_new = settings.max_new_tokens
+    if isinstance(n_new, int) and not isinstance(n_new, bool) and n_new > limits.max_new_tokens:
+        raise LimitError(f"{n_new:,} new tokens asked for; this server generates at most {limits.max_new_tokens:,} "
+                         f"per run ({env_name('max_new_tokens')})")
+    settings = dataclasses.replace(settings, prompt=prompt, system=system)
+    ids = prompt_ids(model, prompt, chat=settings.chat, system=system, allow_special=settings.allow_special)
+    if len(ids) > limits.max_prompt_tokens:
+        raise LimitError(f"the prompt is {len(ids):,} tokens long (as the model sees it); this server accepts at "
+                         f"most {limits.max_prompt_tokens:,} ({env_name('max_prompt_tokens')})")
+    if not settings.allow_special:
+        tok = model.tokenizer
+        special = sorted({tok.token_text(i) for i in tok.encode(prompt, allow_special=True) if tok.is_special(i)})
+        if special:
+            notes.append(f"The prompt contains special-token text ({', '.join(special[:5])}); it was read as plain "
+                         "text. Turn on 'Special-token text in the prompt acts as control tokens' to use it as "
+                         "control tokens.")
+    return settings, notes
+
+
+def inspect_run(model: Model, settings: RunSettings, on_token: Callable[[Step], None] | None = None, *,
+                limits: Limits | None = None, on_queue: Callable[[int], None] | None = None,
+                admission: Admission | None = None) -> Trace:
+    """Check the request, wait for a device slot (on_queue(position) while waiting), generate with full
+    inspection. Limits default to the environment's, admission to the process-wide queue."""
+    limits = limits or Limits.from_env()
+    settings, notes = check_settings(model, settings, limits)
+    admission = admission or shared_admission(limits)
+    with admission.slot(on_wait=on_queue, timeout=limits.queue_timeout_s):
+        probe = inspection_probe(timing=settings.timing)
+        t0 = time.perf_counter()
+        result = model.generate(settings.prompt, probe=probe, on_token=on_token, **settings.generation_kwargs())
+        seconds = time.perf_counter() - t0
+    return track(make_trace(settings, result, probe, model.name, seconds, notes=notes))

@@ -1,0 +1,173 @@
+"""Attention maps for the Attention page: one layer's pattern computed on demand, the head average, a
+layers × heads entropy overview, "where does this token look", and downsampling so a 2,048-token map
+stays a few hundred cells a side.
+
+Nothing here is stored per layer up front: a map costs one forward that materialises only the chosen
+layer's pattern (and stops right after that layer), and the page memoises what it has shown (inspector.session.memo).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+
+from engine import Probe
+
+MAX_CELLS = 256      # most cells a side a heatmap shows; longer sequences are windowed or pooled
+MAX_QUERIES = 256    # query rows the entropy overview evaluates per layer (all of them when fewer)
+
+
+class _StopForward(Exception):
+    """Raised from a hook once the forward has produced what was asked; later layers are not run."""
+
+
+def attention_pattern(model, ids: Sequence[int], layer: int) -> torch.Tensor:
+    """Layer `layer`'s attention pattern over all positions of ids: float32 CPU (heads, T, T), rows sum to 1.
+
+    One forward with a fresh cache: only this layer materialises its pattern (the others keep the fused
+    kernel) and the forward stops right after it, so later layers and the lm_head cost nothing."""
+    if not 0 <= layer < model.config.num_layers:
+        raise ValueError(f"layer {layer} is outside 0..{model.config.num_layers - 1}")
+    ids_t = torch.as_tensor([int(i) for i in ids], dtype=torch.long)
+
+    def stop(x, ctx):
+        raise _StopForward
+
+    probe = Probe().capture(f"blocks.{layer}.attn.pattern").replace(f"blocks.{layer}.attn.z", stop)
+    try:
+        model.forward(ids_t, model.new_cache(len(ids_t)), probe, last_only=True)
+    except _StopForward:
+        pass
+    (cap,) = probe.captured(f"blocks.{layer}.attn.pattern")
+    return cap.value.float()                                                  # (H, T, T)
+
+
+def head_view(pattern: torch.Tensor, head: int | None) -> np.ndarray:
+    """(T, S) map of one head, or the mean over heads (head None); rows still sum to 1."""
+    m = pattern.mean(0) if head is None else pattern[head]
+    return m.double().numpy()
+
+
+def row_entropy(pattern: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of each attention row: (..., T, S) -> (..., T); 0·log 0 counts as 0."""
+    return torch.special.entr(pattern.double()).sum(-1)
+
+
+def query_rows(T: int, max_queries: int = MAX_QUERIES) -> torch.Tensor:
+    """Query positions the overview evaluates: all when T <= max_queries, else evenly spaced incl. the last."""
+    if T <= max_queries:
+        return torch.arange(T)
+    return torch.linspace(0, T - 1, max_queries).round().long().unique()
+
+
+def entropy_overview(model, ids: Sequence[int], max_queries: int = MAX_QUERIES) -> np.ndarray:
+    """Mean attention entropy (nats) per (layer, head), (L, H), from one forward.
+
+    No pattern is materialised: hooks on q_rot and k_rot (the fused attention path stays on) rebuild the
+    softmax rows of up to max_queries query positions per layer, (H, R, T) at a time, exactly as the
+    engine's explicit attention does (scaled dot product, causal mask, GQA heads sharing a KV head).
+    Exact when T <= max_queries; otherwise a mean over evenly spaced query rows."""
+    cfg = model.config
+    T = len(ids)
+    rows = query_rows(T, max_queries)
+    q_of: dict[int, torch.Tensor] = {}
+    out = torch.zeros(cfg.num_layers, cfg.num_heads, dtype=torch.float64)
+    masked = torch.arange(T)[None, :] > rows[:, None]                         # (R, T) keys after the query
+
+    def keep_q(x, ctx):
+        q_of[ctx.layer] = x.index_select(0, rows.to(x.device)).float()        # (R, H, hd), on the device
+
+    def on_k(x, ctx):
+        q = q_of.pop(ctx.layer)
+        k = x.float().repeat_interleave(cfg.kv_groups, dim=1)                   # (T, H, hd)
+        scores = torch.einsum("rhd,thd->hrt", q, k) * cfg.head_dim ** -0.5      # (H, R, T)
+        pattern = torch.softmax(scores.masked_fill(masked.to(x.device), float("-inf")), dim=-1)
+        out[ctx.layer] = torch.special.entr(pattern).sum(-1).mean(-1).double().cpu()
+
+    probe = Probe().replace("blocks.*.attn.q_rot", keep_q).replace("blocks.*.attn.k_rot", on_k)
+    ids_t = torch.as_tensor([int(i) for i in ids], dtype=torch.long)
+    model.forward(ids_t, model.new_cache(T), probe, last_only=True)
+    return out.numpy()
+
+
+def pool(m: np.ndarray, max_side: int = MAX_CELLS, how: str = "max") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Downsample a (T, S) map to at most max_side cells a side by blocks of b = ceil(n / max_side).
+
+    how="max": the largest weight in each block (sharp, single-token attention stays visible).
+    how="mass": mean over the block's query rows of the summed weight on its keys, so rows still sum to 1.
+    Returns the pooled map and the first position of each row block and column block."""
+    T, S = m.shape
+    br, bc = max(1, math.ceil(T / max_side)), max(1, math.ceil(S / max_side))
+    nr, nc = math.ceil(T / br), math.ceil(S / bc)
+    fill = -np.inf if how == "max" else 0.0
+    padded = np.full((nr * br, nc * bc), fill)
+    padded[:T, :S] = m
+    blocks = padded.reshape(nr, br, nc, bc)
+    if how == "max":
+        out = blocks.max(axis=(1, 3))
+    elif how == "mass":
+        counts = np.minimum(br, T - np.arange(nr) * br)                        # real rows per block
+        out = blocks.sum(axis=3).sum(axis=1) / counts[:, None]
+    else:
+        raise ValueError(f"unknown pooling {how!r} (max or mass)")
+    return out, np.arange(nr) * br, np.arange(nc) * bc
+
+
+def window(m: np.ndarray, start: int, size: int = MAX_CELLS) -> tuple[np.ndarray, np.ndarray]:
+    """Rows and columns [start, start + size) of a (T, S) map (clamped into range), and their positions."""
+    n = m.shape[0]
+    start = max(0, min(int(start), max(0, n - size)))
+    pos = np.arange(start, min(n, start + size))
+    return m[np.ix_(pos, pos)], pos
+
+
+def heatmap_figure(z: np.ndarray, rows: Sequence[int], cols: Sequence[int], labels: Sequence[str], *,
+                   title: str = "", block: int = 1) -> go.Figure:
+    """Query (y) × key (x) heatmap at absolute positions; token labels on the axes when they fit, and on
+    hover always. block > 1: each cell covers `block` positions (the label names its first)."""
+    rows, cols = list(map(int, rows)), list(map(int, cols))
+
+    def lab(p: int) -> str:
+        end = min(len(labels), p + block) - 1
+        return labels[p] if block == 1 or end == p else f"{labels[p]} … {labels[end]}"
+
+    # Categorical axes: labels start with the position, so they are unique and hover shows the token.
+    ylab, xlab = [lab(p) for p in rows], [lab(p) for p in cols]
+    fig = go.Figure(go.Heatmap(z=z, x=xlab, y=ylab, colorscale="Viridis", zmin=0,
+                               hovertemplate="query %{y}<br>key %{x}<br>weight %{z:.4f}<extra></extra>"))
+    fig.update_xaxes(title="key", type="category", tickangle=-60, showticklabels=len(cols) <= 96)
+    fig.update_yaxes(title="query", type="category", autorange="reversed", showticklabels=len(rows) <= 96)
+    fig.update_layout(title=title, height=min(900, 300 + 10 * len(rows)), margin=dict(l=10, r=10, t=40, b=10))
+    return fig
+
+
+def entropy_figure(ent: np.ndarray) -> go.Figure:
+    """Layers (y) × heads (x) heatmap of mean attention entropy; low = focused heads."""
+    L, H = ent.shape
+    fig = go.Figure(go.Heatmap(z=ent, x=list(range(H)), y=list(range(L)), colorscale="Magma",
+                               hovertemplate="layer %{y} head %{x}<br>entropy %{z:.3f} nats<extra></extra>",
+                               colorbar=dict(title="nats")))
+    fig.update_xaxes(title="head", dtick=1)
+    fig.update_yaxes(title="layer", autorange="reversed")
+    fig.update_layout(height=max(250, 18 * L + 80), margin=dict(l=10, r=10, t=30, b=10))
+    return fig
+
+
+def top_attended(m: np.ndarray, query: int, labels: Sequence[str], k: int = 10) -> pd.DataFrame:
+    """The k key positions query `query` attends to most in map m (T, S), largest first."""
+    row = np.asarray(m[query], dtype=float)
+    order = np.argsort(-row, kind="stable")[:max(1, min(k, query + 1))]
+    return pd.DataFrame({"position": order, "token": [labels[i] for i in order], "weight": row[order]})
+
+
+def top_attended_figure(df: pd.DataFrame) -> go.Figure:
+    fig = go.Figure(go.Bar(x=df["weight"], y=df["token"], orientation="h",
+                           hovertemplate="%{y}<br>weight %{x:.4f}<extra></extra>"))
+    fig.update_yaxes(autorange="reversed", type="category")
+    fig.update_xaxes(title="attention weight", range=[0, max(1e-9, float(df["weight"].max())) * 1.05])
+    fig.update_layout(height=120 + 24 * len(df), margin=dict(l=10, r=10, t=10, b=10))
+    return fig

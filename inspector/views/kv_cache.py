@@ -1,0 +1,182 @@
+"""KV-cache memory: the formula, the engine's own numbers, growth over a run, GQA savings, projections.
+
+    bytes = 2 (K and V) · layers · kv_heads · head_dim · positions · batch · bytes_per_element
+
+Everything here is arithmetic over a config and a run's result; no Streamlit, no model calls.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+
+# Bytes per stored element. fp8/int8 caches are what vLLM/TensorRT-LLM call "kv_cache_dtype=fp8".
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8 / int8": 1}
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What a KV cache's size depends on: layers, KV heads, head size (and query heads, for the MHA comparison)."""
+    layers: int
+    kv_heads: int
+    head_dim: int
+    num_heads: int
+
+    @classmethod
+    def from_config(cls, cfg) -> "KVShape":
+        """From an engine ModelConfig."""
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads)
+
+    def bytes(self, positions: int, batch: int = 1, bytes_per_element: int = 2) -> int:
+        return kv_bytes(self.layers, self.kv_heads, self.head_dim, positions, batch, bytes_per_element)
+
+    def mha_bytes(self, positions: int, batch: int = 1, bytes_per_element: int = 2) -> int:
+        """The same cache if every query head had its own K and V (full multi-head attention)."""
+        return kv_bytes(self.layers, self.num_heads, self.head_dim, positions, batch, bytes_per_element)
+
+
+# Published configs (config.json of each model): layers, num_key_value_heads, head_dim, num_attention_heads.
+KNOWN_MODELS: dict[str, KVShape] = {
+    "Llama-3-8B": KVShape(32, 8, 128, 32),
+    "Llama-3-70B": KVShape(80, 8, 128, 64),
+    "Llama-2-7B": KVShape(32, 32, 128, 32),
+    "Mistral-7B": KVShape(32, 8, 128, 32),
+    "Qwen2-7B": KVShape(28, 4, 128, 28),
+    "SmolLM2-135M": KVShape(30, 3, 64, 9),
+}
+
+
+def kv_bytes(layers: int, kv_heads: int, head_dim: int, positions: int, batch: int = 1,
+             bytes_per_element: int = 2) -> int:
+    return 2 * layers * kv_heads * head_dim * positions * batch * bytes_per_element
+
+
+def bytes_per_element(dtype: torch.dtype | str) -> int:
+    if isinstance(dtype, str):
+        if dtype in DTYPE_BYTES:
+            return DTYPE_BYTES[dtype]
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def run_positions(cache: dict[str, int]) -> tuple[int, int]:
+    """(allocated, used) positions of a run, from its result.cache byte counts."""
+    bpt = cache["bytes_per_token"]
+    return cache["bytes_allocated"] // bpt, cache["bytes_used"] // bpt
+
+
+def formula_vs_engine(shape: KVShape, bpe: int, cache: dict[str, int]) -> pd.DataFrame:
+    """The formula next to the engine's measured KVCache numbers for this run (they must agree)."""
+    allocated, used = run_positions(cache)
+    rows = [("bytes per token", 1, shape.bytes(1, 1, bpe), cache["bytes_per_token"]),
+            ("allocated", allocated, shape.bytes(allocated, 1, bpe), cache["bytes_allocated"]),
+            ("used", used, shape.bytes(used, 1, bpe), cache["bytes_used"])]
+    df = pd.DataFrame(rows, columns=["quantity", "positions", "formula_bytes", "engine_bytes"])
+    df["match"] = df["formula_bytes"] == df["engine_bytes"]
+    return df
+
+
+def per_layer_table(shape: KVShape, bpe: int, allocated_positions: int, used_positions: int) -> pd.DataFrame:
+    """Every layer holds the same K and V slabs: (kv_heads, positions, head_dim) each."""
+    per_pos = 2 * shape.kv_heads * shape.head_dim * bpe
+    df = pd.DataFrame({"layer": range(shape.layers)})
+    df["allocated_bytes"] = per_pos * allocated_positions
+    df["used_bytes"] = per_pos * used_positions
+    df["used_pct"] = 100.0 * used_positions / max(1, allocated_positions)
+    return df
+
+
+def per_layer_figure(df: pd.DataFrame) -> go.Figure:
+    fig = go.Figure([go.Bar(x=df["layer"], y=df["allocated_bytes"], name="allocated", marker_color="#c7d2e0"),
+                     go.Bar(x=df["layer"], y=df["used_bytes"], name="used", marker_color="#3b6fb6")])
+    fig.update_layout(barmode="overlay", xaxis_title="layer", yaxis_title="bytes", height=300,
+                      margin=dict(t=30, b=40), legend=dict(orientation="h", y=1.12))
+    return fig
+
+
+def growth_table(result) -> pd.DataFrame:
+    """Cache use after each step of a GenerationResult.
+
+    Step s's forward writes its positions, so afterwards the cache holds Step.position positions
+    (the prompt after the prefill, one more per decode step; the last chosen token is never written)."""
+    bpt, allocated = result.cache["bytes_per_token"], result.cache["bytes_allocated"]
+    df = pd.DataFrame({"step": [s.index for s in result.steps],
+                       "positions": [s.position for s in result.steps]}, dtype="int64")
+    df["used_bytes"] = df["positions"] * bpt
+    df["allocated_bytes"] = allocated
+    return df
+
+
+def growth_figure(df: pd.DataFrame) -> go.Figure:
+    fig = go.Figure([go.Scatter(x=df["step"], y=df["used_bytes"], mode="lines+markers", name="used",
+                                customdata=df["positions"],
+                                hovertemplate="step %{x}<br>%{customdata} positions<br>%{y:,} B<extra></extra>"),
+                     go.Scatter(x=df["step"], y=df["allocated_bytes"], mode="lines", name="allocated",
+                                line=dict(dash="dash", color="#888"))])
+    fig.update_layout(xaxis_title="step (0 = prefill)", yaxis_title="bytes", yaxis_rangemode="tozero",
+                      height=320, margin=dict(t=30, b=40), legend=dict(orientation="h", y=1.12))
+    return fig
+
+
+def gqa_table(shape: KVShape, bpe: int, positions: dict[str, int]) -> pd.DataFrame:
+    """Grouped-query attention against full multi-head attention (kv_heads = num_heads), same formula."""
+    rows = []
+    for label, n in positions.items():
+        gqa, mha = shape.bytes(n, 1, bpe), shape.mha_bytes(n, 1, bpe)
+        rows.append((label, n, gqa, mha, mha - gqa, mha / gqa if gqa else float("nan")))
+    return pd.DataFrame(rows, columns=["cache", "positions", "gqa_bytes", "mha_bytes", "saved_bytes", "mha_over_gqa"])
+
+
+def cuda_memory_table(device: torch.device | str) -> pd.DataFrame | None:
+    """torch's CUDA allocator counters for the model's device; None when it is not a CUDA device."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    rows = [("memory_allocated", torch.cuda.memory_allocated(device)),
+            ("max_memory_allocated", torch.cuda.max_memory_allocated(device)),
+            ("memory_reserved", torch.cuda.memory_reserved(device))]
+    df = pd.DataFrame(rows, columns=["counter", "bytes"])
+    df["readable"] = df["bytes"].map(human_bytes)
+    return df
+
+
+def projection_table(shapes: dict[str, KVShape], context_lengths: list[int], batch: int = 1,
+                     dtype: str = "bfloat16") -> pd.DataFrame:
+    """Long table: model × context length -> cache bytes (and what full MHA would need)."""
+    bpe = bytes_per_element(dtype)
+    rows = [(name, s.layers, s.kv_heads, s.head_dim, n, batch, dtype, s.bytes(n, batch, bpe), s.mha_bytes(n, batch,
+                                                                                                          bpe))
+            for name, s in shapes.items() for n in context_lengths]
+    df = pd.DataFrame(rows, columns=["model", "layers", "kv_heads", "head_dim", "context", "batch", "dtype",
+                                     "bytes", "mha_bytes"])
+    df["GiB"] = df["bytes"] / 2 ** 30
+    return df
+
+
+def projection_pivot(df: pd.DataFrame) -> pd.DataFrame:
+    """Models as rows, context lengths as columns, GiB in the cells."""
+    return df.pivot(index="model", columns="context", values="GiB").reindex(df["model"].unique())
+
+
+def projection_figure(df: pd.DataFrame) -> go.Figure:
+    fig = go.Figure()
+    for name, g in df.groupby("model", sort=False):
+        fig.add_trace(go.Scatter(x=g["context"], y=g["GiB"], mode="lines+markers", name=name,
+                                 hovertemplate=name + "<br>%{x:,} positions<br>%{y:.3f} GiB<extra></extra>"))
+    fig.update_layout(xaxis_type="log", yaxis_type="log", xaxis_title="context length (positions)",
+                      yaxis_title="KV cache (GiB)", height=380, margin=dict(t=30, b=40))
+    return fig

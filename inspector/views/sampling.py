@@ -1,0 +1,236 @@
+"""The sampler, replayed from a run's captured logits: several settings side by side, the chain stage by
+stage, and an empirical check of the draws. Nothing here runs the model (display-only by construction).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+
+from engine.sampling import SamplingParams, sampler_chain
+
+TokenText = Callable[[int], str]
+STAGES = ("sampler.penalties", "sampler.temperature", "sampler.top_k", "sampler.top_p", "sampler.min_p",
+          "sampler.probs")
+KEPT, CUT, CHOSEN = "#3b6fb6", "#c7d2e0", "#e4572e"
+# The sampling page's settings B, C, D, E (A is the run's own); also what the benchmark compares.
+PRESETS = (dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=40, min_p=0.05),
+           dict(temperature=1.5, top_p=0.95), dict(temperature=0.3))
+
+
+def step_logits(probe, step: int) -> torch.Tensor:
+    """The logits the run sampled from at a step: (V,) float32, from the probe's 'logits' captures."""
+    caps = probe.captured("logits", step=step)
+    if not caps:
+        raise KeyError(f"no logits captured at step {step}")
+    return caps[0].value[-1].float()
+
+
+def step_context(result, step: int) -> tuple[list[int], list[int]]:
+    """(context, generated) as the sampler saw them at a step: prompt + tokens before it, tokens before it."""
+    generated = list(result.token_ids[:step])
+    return list(result.prompt_ids) + generated, generated
+
+
+def describe(p: SamplingParams) -> str:
+    parts = ["greedy" if p.temperature == 0 else f"T={p.temperature:g}"]
+    parts += [f"{name}={v:g}" for name, v, off in (("top-k", p.top_k, 0), ("top-p", p.top_p, 1.0),
+              ("min-p", p.min_p, 0.0), ("rep", p.repetition_penalty, 1.0), ("freq", p.frequency_penalty, 0.0),
+              ("pres", p.presence_penalty, 0.0), ("no-repeat", p.no_repeat_ngram, 0)) if v != off]
+    return " ".join(parts)
+
+
+def kept_count(probs: torch.Tensor) -> int:
+    return int((probs > 0).sum())
+
+
+def chains(logits: torch.Tensor, settings: dict[str, SamplingParams], context: list[int],
+           generated: list[int]) -> dict[str, dict[str, torch.Tensor]]:
+    """engine.sampling.sampler_chain for each setting: {label: {stage: tensor}}."""
+    return {label: sampler_chain(logits, p, context, generated) for label, p in settings.items()}
+
+
+def entropy_nats(probs: torch.Tensor) -> float:
+    """Shannon entropy in nats, 0 · log 0 = 0 (engine.sampling.entropy's value, in one fused op)."""
+    return float(torch.special.entr(probs).sum())
+
+
+def compare(logits: torch.Tensor, settings: dict[str, SamplingParams], context: list[int], generated: list[int],
+            token_text: TokenText, top_n: int = 20, chosen: int | None = None,
+            stages: dict[str, dict[str, torch.Tensor]] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Each setting's distribution over its top_n tokens, and one summary row per setting.
+
+    Tokens are ranked by the logits after penalties and temperature (the order top-k, top-p and min-p cut
+    in), so what a setting keeps is a prefix of its ranking. `before` is the probability before the
+    truncating stages, `prob` the final sampling probability (0 for cut tokens). `stages` may pass
+    chains() already computed for these settings."""
+    stages = stages or chains(logits, settings, context, generated)
+    tokens, summary = [], []
+    for label, params in settings.items():
+        probs, scaled = stages[label]["sampler.probs"], stages[label]["sampler.temperature"]
+        before = torch.softmax(scaled, dim=-1)
+        keep = probs > 0
+        top = torch.topk(scaled, min(top_n, scaled.shape[-1])).indices.tolist()
+        b, p = before[top].tolist(), probs[top].tolist()
+        for rank, i in enumerate(top):
+            tokens.append((label, rank + 1, i, token_text(i), b[rank], p[rank], p[rank] > 0, i == chosen))
+        summary.append((label, describe(params), int(keep.sum()), entropy_nats(probs), entropy_nats(before),
+                        float(before[keep].sum()), None if chosen is None else float(probs[chosen])))
+    tok = pd.DataFrame(tokens, columns=["setting", "rank", "token_id", "token", "before", "prob", "kept", "chosen"])
+    summ = pd.DataFrame(summary, columns=["setting", "params", "kept", "entropy", "entropy_before",
+                                          "mass_kept", "chosen_prob"])
+    return tok, summ
+
+
+def compare_figure(tokens: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
+    """One panel per setting: bars of each token's probability before truncation (blue kept, grey cut, red
+    the token the run chose), the final probability as dots, a dashed line where the kept set ends.
+
+    Built in one go.Figure call: make_subplots + add_trace + add_vline validate the figure again at every
+    step and cost ~8x more, which matters for a page redrawn at every slider move."""
+    labels, gap = list(summary["setting"]), 0.03
+    width = (1 - gap * (len(labels) - 1)) / len(labels)
+    data, shapes, notes = [], [], []
+    layout = dict(height=420, margin=dict(t=50, b=110), legend=dict(orientation="h", y=-0.45), barmode="overlay")
+    for c, (label, kept, h) in enumerate(zip(labels, summary["kept"], summary["entropy"])):
+        ax = "" if c == 0 else str(c + 1)
+        d = tokens[tokens["setting"] == label]
+        x = [f"{r}. {t!r}"[:24] for r, t in zip(d["rank"], d["token"])]
+        colours = [CHOSEN if ch else (KEPT if k else CUT) for ch, k in zip(d["chosen"], d["kept"])]
+        data.append(go.Bar(x=x, y=d["before"].tolist(), marker_color=colours, name="before truncation",
+                           showlegend=c == 0, customdata=d["token_id"].tolist(), xaxis="x" + ax, yaxis="y" + ax,
+                           hovertemplate="%{x}<br>id %{customdata}<br>p before cut %{y:.4f}<extra></extra>"))
+        data.append(go.Scatter(x=x, y=d["prob"].tolist(), mode="markers", marker=dict(color="black", size=6),
+                               name="sampling probability", showlegend=c == 0, xaxis="x" + ax, yaxis="y" + ax,
+                               hovertemplate="%{x}<br>p %{y:.4f}<extra></extra>"))
+        lo = c * (width + gap)
+        layout["xaxis" + ax] = dict(domain=[lo, lo + width], anchor="y" + ax, tickangle=-60, tickfont=dict(size=9))
+        layout["yaxis" + ax] = dict(anchor="x" + ax, **({"title": "probability"} if c == 0 else
+                                                       {"matches": "y", "showticklabels": False}))
+        notes.append(dict(text=f"{label}: kept {int(kept):,}, H={h:.2f}", x=lo + width / 2, y=1.0, xref="paper",
+                          yref="paper", xanchor="center", yanchor="bottom", showarrow=False))
+        n_kept = int(d["kept"].sum())
+        if 0 < n_kept < len(d):   # the cut falls inside the shown tokens
+            shapes.append(dict(type="line", x0=n_kept - 0.5, x1=n_kept - 0.5, y0=0, y1=1, xref="x" + ax,
+                               yref=f"y{ax} domain", line=dict(dash="dash", color=CHOSEN)))
+    return go.Figure(data=data, layout=dict(layout, shapes=shapes, annotations=notes))
+
+
+def chain_table(stages: dict[str, torch.Tensor], token_text: TokenText, top_n: int = 5) -> pd.DataFrame:
+    """One row per stage in order: tokens still in play, entropy, and the top tokens at that stage."""
+    rows = []
+    for name in STAGES:
+        x = stages[name]
+        probs = x if name == "sampler.probs" else torch.softmax(x, dim=-1)
+        kept = kept_count(probs)
+        top = torch.topk(probs, min(top_n, kept))
+        rows.append((name.removeprefix("sampler."), kept, entropy_nats(probs),
+                     ", ".join(f"{token_text(int(i))!r} {float(p):.3f}" for p, i in zip(top.values, top.indices))))
+    return pd.DataFrame(rows, columns=["stage", "kept", "entropy", "top tokens (prob at this stage)"])
+
+
+def chain_figure(chain: pd.DataFrame) -> go.Figure:
+    return go.Figure(go.Bar(x=chain["stage"].tolist(), y=chain["kept"].tolist(), text=chain["kept"].tolist(),
+                            marker_color=KEPT),
+                     layout=dict(yaxis=dict(type="log", title="tokens kept"), height=280, margin=dict(t=20, b=40)))
+
+
+def empirical(probs: torch.Tensor, n: int = 1000, seed: int = 0, token_text: TokenText | None = None,
+              top_n: int = 15) -> tuple[pd.DataFrame, dict[str, float]]:
+    """n seeded draws (torch.multinomial with a torch.Generator, as engine.sampling.draw does) against probs.
+
+    Table: the most likely tokens plus any drawn, observed count/frequency vs probability. Stats: total
+    variation distance, and Pearson's chi-square over tokens expected >= 5 times (the rest pooled)."""
+    g = torch.Generator().manual_seed(int(seed))
+    draws = torch.multinomial(probs, n, replacement=True, generator=g)
+    counts = torch.bincount(draws, minlength=probs.shape[0]).double()
+    freq, p = counts / n, probs.double()
+    stats = {"draws": float(n), "tv_distance": float(0.5 * (freq - p).abs().sum())}
+    stats.update(chi_square(counts, p * n))
+    shown = torch.topk(p, min(top_n, kept_count(probs))).indices.tolist()
+    shown += [i for i in torch.nonzero(counts).flatten().tolist() if i not in shown]
+    shown = sorted(shown, key=lambda i: -float(p[i]))
+    df = pd.DataFrame({"token_id": shown,
+                       "token": [token_text(i) if token_text else str(i) for i in shown],
+                       "count": [int(counts[i]) for i in shown],
+                       "observed": [float(freq[i]) for i in shown],
+                       "probability": [float(p[i]) for i in shown]})
+    df["difference"] = df["observed"] - df["probability"]
+    return df, stats
+
+
+def chi_square(observed: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
+    """Pearson's chi-square; cells expected < 5 are pooled into one (dropped if that one is still < 5)."""
+    big = expected >= 5
+    obs, exp = observed[big].tolist(), expected[big].tolist()
+    rest_o, rest_e = float(observed[~big].sum()), float(expected[~big].sum())
+    if rest_e >= 5:
+        obs.append(rest_o)
+        exp.append(rest_e)
+    dof = len(obs) - 1
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    # p = Q(dof/2, stat/2), the upper regularised incomplete gamma (torch has it; no scipy needed)
+    pval = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64))) if dof > 0 else math.nan
+    return {"chi_square": stat, "dof": float(dof), "p_value": pval}
+
+
+def redraw(logits: torch.Tensor, settings: dict[str, SamplingParams], chain_setting: str, context: list[int],
+           generated: list[int], token_text: TokenText, chosen: int | None = None, n_draws: int = 1000,
+           seed: int = 0, top_n: int = 20) -> dict:
+    """Everything the sampling page shows for one step: comparison, chain, empirical check (and figures)."""
+    stages = chains(logits, settings, context, generated)
+    tokens, summary = compare(logits, settings, context, generated, token_text, top_n, chosen, stages)
+    chain = chain_table(stages[chain_setting], token_text)
+    emp, stats = empirical(stages[chain_setting]["sampler.probs"], n_draws, seed, token_text)
+    return {"tokens": tokens, "summary": summary, "compare_fig": compare_figure(tokens, summary),
+            "chain": chain, "chain_fig": chain_figure(chain), "empirical": emp, "stats": stats}
+
+
+def redraw_seconds(logits: torch.Tensor, settings: dict[str, SamplingParams] | None = None,
+                   context: list[int] | None = None, generated: list[int] | None = None,
+                   token_text: TokenText | None = None, n_draws: int = 1000, repeats: int = 5,
+                   threads: int | None = None) -> float:
+    """Best-of-`repeats` wall time of `redraw` (three or more settings + chain + n_draws draws, figures
+    included): the server-side cost of redrawing the sampling page from cached logits (V,).
+
+    Defaults: the page's opening settings for a greedy run (A greedy, B T=0.7 top-p 0.9, C T=1 top-k 40
+    min-p 0.05), an empty context, token ids as text. threads: run the measurement with that many torch
+    intra-op threads (restored afterwards); for benchmarks only, never in the server (the setting is
+    process-wide). At 49k-element tensors the work is the same on one thread, and on an oversubscribed
+    machine the thread pool's waits dominate."""
+    settings = settings or default_settings(SamplingParams())
+    context, generated, token_text = list(context or []), list(generated or []), token_text or str
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            redraw(logits, settings, next(iter(settings)), context, generated, token_text, n_draws=n_draws)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return best
+
+
+def default_settings(run_params: SamplingParams, n: int = 3) -> dict[str, SamplingParams]:
+    """What the sampling page opens with: A = the run's own settings, then the presets."""
+    return {"ABCDE"[i]: run_params if i == 0 else SamplingParams(**PRESETS[i - 1]) for i in range(n)}
+
+
+def redraw_seconds_for_run(model, record, step: int | None = None, n_draws: int = 1000, repeats: int = 5,
+                           threads: int | None = None) -> float:
+    """redraw_seconds on an inspected run (engine.Trace) with the page's opening settings, at
+    `step` (default: the last, whose context is longest): the benchmark's entry point."""
+    result = record.result
+    step = len(result.steps) - 1 if step is None else step
+    context, generated = step_context(result, step)
+    tok = model.tokenizer
+    return redraw_seconds(step_logits(record.probe, step), default_settings(result.params), context, generated,
+                          lambda i: tok.decode([i]), n_draws=n_draws, repeats=repeats, threads=threads)

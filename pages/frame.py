@@ -1,0 +1,34 @@
+"""app.py runs every page inside frame(); a page opened by URL on a fresh server (Streamlit's pages/ folder
+detection) switches to app.py's navigation so the sidebar is there."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import streamlit as st
+from streamlit.runtime.pages_manager import PagesManager
+
+_IN_FRAME: ContextVar[bool] = ContextVar("llm_inspector_in_frame", default=False)
+
+
+@contextmanager
+def frame():
+    """app.py runs the chosen page inside this, so a page can tell it has the sidebar around it."""
+    token = _IN_FRAME.set(True)
+    try:
+        yield
+    finally:
+        _IN_FRAME.reset(token)
+
+
+def ensure_frame() -> None:
+    """Streamlit treats a folder named pages/ beside app.py as an old-style multipage app until app.py's
+    st.navigation runs: on a freshly started server, the first request for a page URL runs that page alone,
+    without the sidebar. A page that finds itself outside app.py switches Streamlit to app.py's
+    navigation and reruns once, which brings the sidebar back on the same URL."""
+    if _IN_FRAME.get():
+        return
+    PagesManager.uses_pages_directory = False
+    if not st.session_state.get("_frame_rerun"):
+        st.session_state["_frame_rerun"] = True
+        st.rerun()

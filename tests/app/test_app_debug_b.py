@@ -1,0 +1,176 @@
+"""AppTest of the Debugger and Compare pages on the tiny random model (the sidebar's server-default choice
+through LLM_INSPECTOR_MODEL), inside a frame like app.py's: the sidebar, then the page."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from engine import GenerationRun, SamplingParams
+from inspector.session.models import model_choices
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "Tell me about caches."
+MAX_NEW = 8
+FRAME = '''import streamlit as st
+from pages.sidebar import sidebar
+nav = st.navigation([st.Page("views/overview.py", title="Overview", default=True),
+                     st.Page("views/debugger.py", title="Debugger"), st.Page("views/compare.py", title="Compare")])
+sidebar()
+nav.run()
+'''
+
+
+@pytest.fixture(scope="module")
+def app_file(tmp_path_factory) -> Path:
+    """The frame with the pages copied to views/: a folder called pages/ next to the main script would put
+    Streamlit in its v1 multipage mode (see tests/test_app_pages_b.py)."""
+    out = tmp_path_factory.mktemp("debug_app")
+    (out / "views").mkdir()
+    for name in ("overview", "debugger", "compare"):
+        shutil.copy(ROOT / "pages" / f"{name}.py", out / "views" / f"{name}.py")
+    (out / "app.py").write_text(FRAME)
+    return out / "app.py"
+
+
+@pytest.fixture
+def at(monkeypatch, tiny_model_dir, app_file) -> AppTest:
+    """The app with the tiny model already in the shared cache (loaded outside any script run, so a cache
+    hit replays no progress-bar calls), the sidebar's prompt set."""
+
+    from inspector.session.models import shared_model
+    monkeypatch.setenv("LLM_INSPECTOR_MODEL", str(tiny_model_dir))
+    model_choices.clear()
+    shared_model.clear()
+    shared_model(str(tiny_model_dir), "cpu", "auto")
+    at = AppTest.from_file(str(app_file), default_timeout=120).run()
+    assert not at.exception, at.exception
+    at.sidebar.text_area(key="sb_prompt").set_value(PROMPT)
+    at.sidebar.number_input(key="sb_max_new").set_value(MAX_NEW).run()
+    return at
+
+
+def greedy(model, **kw) -> list[int]:
+    return GenerationRun(model, PROMPT, chat=True, max_new_tokens=MAX_NEW, **kw).run().token_ids
+
+
+def find_df(at: AppTest, *cols):
+    """The first dataframe holding these columns (AppTest does not expose a dataframe's key)."""
+    for el in at.dataframe:
+        if set(cols) <= set(el.value.columns):
+            return el.value
+    raise AssertionError(f"no dataframe with columns {cols}")
+
+
+def click(at: AppTest, key: str) -> AppTest:
+    at.button(key=key).click().run()
+    assert not at.exception, at.exception
+    assert not at.error, [e.value for e in at.error]
+    assert all(w.value.startswith("Breakpoint: ") for w in at.warning), [w.value for w in at.warning]
+    return at
+
+
+def test_debugger_steps_breaks_changes_settings_and_publishes(at, tiny_model):
+    ref = greedy(tiny_model)
+    at.switch_page("views/debugger.py").run()
+    assert not at.exception and any("Press **Step**" in i.value for i in at.info)
+    assert "run" not in at.session_state
+    for n in (1, 2):                                            # Step: exactly one more token each time
+        click(at, "dbg_step")
+        run = at.session_state["run"]
+        assert run.result.token_ids == ref[:n] and at.session_state["selected_step"] == n - 1
+        assert at.number_input(key="dbg_view_step").value == n - 1
+    assert "tiny-llama" in run.model_name and run.result.stop_reason == "running"
+    steps = find_df(at, "step", "top5")
+    assert steps["step"].tolist() == [0, 1]
+    # a token breakpoint on greedy token 4 (by id): Continue pauses right after it
+    at.selectbox(key="dbg_bp_kind").set_value("Token").run()
+    at.text_input(key="dbg_bp_token").set_value(str(ref[4])).run()
+    click(at, "dbg_bp_add")
+    assert any("token id in" in m.value for m in at.markdown)
+    click(at, "dbg_continue")
+    run = at.session_state["run"]
+    assert run.result.token_ids == ref[:5] and at.session_state["selected_step"] == 4
+    assert any("Breakpoint: step 4: chose token" in w.value for w in at.warning)
+    # new sampler settings after the break: the rest follows them (top-3 at T = 1, seeded as the run)
+    at.slider(key="dbg_temperature").set_value(1.0)
+    at.number_input(key="dbg_top_k").set_value(3)
+    click(at, "dbg_bp_rm_0")
+    assert not any("token id in" in m.value for m in at.markdown)
+    click(at, "dbg_run_end")
+    run = at.session_state["run"]
+    assert run.result.stop_reason == "max_new_tokens" and len(run.result.token_ids) == MAX_NEW
+    assert run.result.params.temperature == 1.0 and run.result.params.top_k == 3
+    assert run.settings.params.temperature == 1.0
+    cont = GenerationRun(tiny_model, run.result.prompt_ids + ref[:5], max_new_tokens=MAX_NEW - 5,
+                         params=SamplingParams(temperature=1.0, top_k=3)).run().token_ids
+    assert run.result.token_ids == ref[:5] + cont
+    log = find_df(at, "from_step", "temperature")
+    assert log["from_step"].tolist() == [0, 5] and log["temperature"].tolist() == [0.0, 1.0]
+    # choosing a step to show is display-only and publishes it for the other pages
+    at.number_input(key="dbg_view_step").set_value(2).run()
+    assert at.session_state["selected_step"] == 2 and at.session_state["run"].result.token_ids == run.result.token_ids
+    assert [m.value for m in at.metric if m.label == "Entropy (nats)"] == [f"{run.result.steps[2].entropy:.3f}"]
+    # the other pages show the debugger's run
+    at.switch_page("views/overview.py").run()
+    assert not at.exception
+    table = find_df(at, "step", "id", "top5")
+    assert table["id"].tolist() == run.result.token_ids
+    # back on the debugger: the same run and step; Reset starts over and keeps breakpoints
+    at.switch_page("views/debugger.py").run()
+    assert at.number_input(key="dbg_view_step").value == 2 and at.slider(key="dbg_temperature").value == 1.0
+    click(at, "dbg_reset")
+    assert "run" not in at.session_state and "selected_step" not in at.session_state
+    assert at.slider(key="dbg_temperature").value == 0.0
+    click(at, "dbg_step")
+    assert at.session_state["run"].result.token_ids == ref[:1]
+
+
+def test_debugger_entropy_breakpoint_pauses_at_the_first_low_step(at, tiny_model):
+    ref = GenerationRun(tiny_model, PROMPT, chat=True, max_new_tokens=MAX_NEW).run()
+    e = [s.entropy for s in ref.steps]
+    # the first new low after step 0, and a threshold just above it: no earlier step is below
+    first = next(k for k in range(1, len(e)) if e[k] < min(e[:k]))
+    threshold = (e[first] + min(e[:first])) / 2
+    at.switch_page("views/debugger.py").run()
+    at.selectbox(key="dbg_bp_kind").set_value("NaN / Inf").run()
+    at.text_input(key="dbg_bp_stage").set_value("blocks.9.*").run()            # the tiny model has 2 layers
+    assert any("no stage matches 'blocks.9.*'" in e.value for e in at.error) and at.button(key="dbg_bp_add").disabled
+    at.selectbox(key="dbg_bp_kind").set_value("Entropy below").run()
+    at.number_input(key="dbg_bp_entropy").set_value(threshold).run()
+    click(at, "dbg_bp_add")
+    click(at, "dbg_continue")
+    assert len(at.session_state["run"].result.steps) == first + 1
+    assert any(f"step {first}: entropy" in w.value for w in at.warning)
+
+
+def test_compare_page_shows_the_divergence_step(at, tiny_model):
+    a = greedy(tiny_model, seed=4)
+    b = greedy(tiny_model, seed=4, params=SamplingParams(temperature=1.0))
+    d = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    at.switch_page("views/compare.py").run()
+    assert not at.exception and any("press **Compare**" in i.value for i in at.info)
+    at.number_input(key="cmp_max_new").set_value(MAX_NEW)
+    at.number_input(key="cmp_seed").set_value(4)
+    assert at.slider(key="cmp_a_temperature").value == 0.0 and at.slider(key="cmp_b_temperature").value == 1.0
+    click(at, "cmp_run")
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["First divergence"] == f"step {d}"
+    table = find_df(at, "id_a", "id_b")
+    assert table["id_a"].tolist() == a and table["id_b"].tolist() == b
+    diff = find_df(at, "stage", "rel_error")
+    assert diff.set_index("stage").loc["sampler.probs", "rel_error"] > 0
+    assert any("first stage above 1e-6: **sampler.probs**" in c.value for c in at.caption)
+    # cache off and greedy on both sides: no divergence; zeroing heads: the first different stage is named
+    at.slider(key="cmp_b_temperature").set_value(0.0)
+    at.toggle(key="cmp_cache_b").set_value(False).run()
+    click(at, "cmp_run")
+    assert {m.label: m.value for m in at.metric}["First divergence"] == "none"
+    at.toggle(key="cmp_cache_b").set_value(True)
+    at.selectbox(key="cmp_iv_b").set_value("zero heads").run()
+    at.number_input(key="cmp_iv_layer_b").set_value(1)
+    at.text_input(key="cmp_iv_heads_b").set_value("0, 1, 2, 3").run()
+    click(at, "cmp_run")
+    assert any("**blocks.1.attn.z**" in c.value for c in at.caption)

@@ -1,0 +1,81 @@
+"""The real app, served on localhost, driven by headless Chromium: run the bundled model once, then visit
+every page through the sidebar navigation; fail on any Streamlit exception box; save a screenshot of each
+page (out/screenshots/, or $LLM_INSPECTOR_SCREENSHOTS)."""
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+from tests.helpers import streamlit_server
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--no-first-run", "--disable-quic", "--disable-sync"]
+PROMPT = "What is the capital of France?"
+
+pytestmark = pytest.mark.browser
+
+
+def page_titles() -> list[str]:
+    return re.findall(r'st\.Page\("pages/\w+\.py", title="([^"]+)"', (ROOT / "app.py").read_text())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (scripts/setup.sh --test installs it)")
+    pytest.importorskip("playwright")
+    env = {k: v for k, v in os.environ.items() if k != "LLM_INSPECTOR_MODEL"}
+    with streamlit_server(env, tmp_path_factory.mktemp("server") / "streamlit.log") as (url, _):
+        yield url
+
+
+def wait_idle(page, timeout_s: float = 240) -> None:
+    """Until the script has finished running (the 'Running...' status widget is gone for a moment)."""
+    deadline = time.time() + timeout_s
+    quiet = 0
+    while time.time() < deadline:
+        running = page.locator('[data-testid="stStatusWidget"]').count() > 0
+        quiet = 0 if running else quiet + 1
+        if quiet >= 3:
+            return
+        page.wait_for_timeout(400)
+    raise AssertionError("the app was still running after %.0f s" % timeout_s)
+
+
+def test_every_page_in_chromium(server):
+    from playwright.sync_api import sync_playwright
+
+    shots = Path(os.environ.get("LLM_INSPECTOR_SCREENSHOTS", ROOT / "out" / "screenshots"))
+    shots.mkdir(parents=True, exist_ok=True)
+    titles = page_titles()
+    assert len(titles) >= 7
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1440, "height": 1000})
+        page.goto(server)
+        page.wait_for_selector('[data-testid="stSidebar"] textarea', timeout=180_000)
+        wait_idle(page)
+        box = page.locator('[data-testid="stSidebar"] textarea').first
+        box.fill(PROMPT)
+        box.press("Control+Enter")
+        wait_idle(page)
+        page.locator('[data-testid="stSidebar"] button:has-text("Run")').first.click()
+        page.wait_for_timeout(1000)
+        wait_idle(page)
+        assert "Paris" in page.inner_text("body"), "the bundled model's answer did not appear"
+        for title in titles:
+            page.locator('[data-testid="stSidebarNav"] a', has_text=title).first.click()
+            page.wait_for_timeout(800)
+            wait_idle(page)
+            slug = re.sub(r"\W+", "_", title.lower()).strip("_")
+            page.screenshot(path=str(shots / f"{slug}.png"), full_page=True)
+            errors = page.locator('[data-testid="stException"]')
+            assert errors.count() == 0, f"{title}: {errors.first.inner_text()[:500]}"
+            body = page.inner_text('[data-testid="stMain"]')
+            assert "press **Run**" not in body and "press Run" not in body, f"{title}: the run was lost"
+        browser.close()

@@ -1,0 +1,93 @@
+"""The layout promises of README 'Layout': a stage's hook name is written where the stage is computed, the
+engine imports nothing from the app, no import circles, pure views stay pure, files and functions stay small."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from engine.stages import hook_names
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("engine", "inspector", "pages")
+
+
+def _sources(*dirs: str) -> dict[str, Path]:
+    """Module name -> file, for every .py file under the given top-level folders."""
+    out = {}
+    for d in dirs:
+        for p in sorted((ROOT / d).rglob("*.py")):
+            mod = ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            out[mod] = p
+    return out
+
+
+def _imports(mod: str, path: Path, known: set[str]) -> set[str]:
+    """Modules of this repository that `mod` imports (a package's __init__ counts as the package)."""
+    pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != mod:
+                found.add(name)
+    return found
+
+
+def test_every_hook_name_is_written_where_its_stage_is_computed():
+    text = "\n".join(p.read_text() for p in (ROOT / "engine").rglob("*.py"))
+    stages = {re.sub(r"^blocks\.\d+\.", "", n) for n in hook_names(2)}
+    missing = [s for s in sorted(stages) if not re.search(r'\(\s*"' + re.escape(s) + r'"\s*,', text)]
+    assert not missing, f"no line in engine/ offers these stages by name: {missing}"
+
+
+def test_the_engine_imports_nothing_from_the_app_and_there_are_no_import_circles():
+    mods = _sources(*PACKAGES)
+    graph = {m: _imports(m, p, set(mods)) for m, p in mods.items()}
+    upward = [(m, d) for m, deps in graph.items() if m.startswith("engine") for d in deps
+              if not d.startswith("engine")]
+    assert not upward, upward
+    state: dict[str, int] = {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for d in graph[m]:
+            assert state.get(d) != 1, "import circle: " + " -> ".join(stack[stack.index(d):] + [d]) \
+                if d in stack else d
+            if d not in state:
+                visit(d, stack + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_pure_views_use_no_streamlit_threads_or_environment():
+    for mod, path in _sources("inspector/views").items():
+        text = path.read_text()
+        for banned in ("streamlit", "threading", "os.environ", "getenv"):
+            assert banned not in text, f"{mod} uses {banned}"
+
+
+def test_no_file_over_400_lines_and_no_function_over_80_outside_tests():
+    for mod, path in _sources(*PACKAGES).items():
+        text = path.read_text()
+        assert text.count("\n") <= 400, f"{mod}: {text.count(chr(10))} lines"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert node.end_lineno - node.lineno < 80, f"{mod}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
