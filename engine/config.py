@@ -10,6 +10,11 @@ from .errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Upper bounds no real model reaches: a config past them is damaged or hostile, and would make the loader
+# allocate absurd tensors (rope tables, caches) before any weight is read.
+SIZE_BOUNDS = {"num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+               "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "head_dim": 1024, "vocab_size": 1 << 22,
+               "max_position_embeddings": 1 << 22}
 POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "max_position_embeddings")
 
@@ -73,9 +78,9 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ModelLoadError(f"{where}: must be a JSON object of settings, got {type(raw).__name__}")
         for key in POSITIVE_INTS:
-            v = raw.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ModelLoadError(f"{where}: {key}={v!r} must be a whole number >= 1")
+            v, most = raw.get(key), SIZE_BOUNDS.get(key, 1 << 24)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= most):
+                raise ModelLoadError(f"{where}: {key}={v!r} must be a whole number in [1, {most:,}]")
         try:
             return cls._from_dict(raw, where)
         except (TypeError, ValueError, ZeroDivisionError) as e:
@@ -109,7 +114,9 @@ class ModelConfig:
 
         # transformers >= 5 writes rope settings under rope_parameters; older configs at the top level.
         rope_params = raw.get("rope_parameters") or {}
-        rope_theta = float(rope_params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        if not isinstance(rope_params, dict):
+            raise ModelLoadError(f"{where}: rope_parameters must be a JSON object, got {type(rope_params).__name__}")
+        rope_theta = _positive(rope_params.get("rope_theta", raw.get("rope_theta", 10000.0)), "rope_theta", where)
         scaling_raw = raw.get("rope_scaling")
         if scaling_raw is None and rope_params.get("rope_type", "default") != "default":
             scaling_raw = rope_params
@@ -139,9 +146,9 @@ class ModelConfig:
             rms_norm_eps=eps,
             rope_theta=rope_theta,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_flag(raw, "tie_word_embeddings", where),
             # Qwen2 always has q/k/v biases; Llama only with attention_bias.
-            attention_bias=(model_type == "qwen2") or bool(raw.get("attention_bias", False)),
+            attention_bias=(model_type == "qwen2") or _flag(raw, "attention_bias", where),
             rope_scaling=rope_scaling,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -152,15 +159,35 @@ def _parse_rope_scaling(raw: dict | None, where: str) -> RopeScaling:
     if not raw:
         return RopeScaling()
     if not isinstance(raw, dict):
-        raise UnsupportedModelError(f"{where}: rope_scaling must be an object, got {raw!r}")
+        raise ModelLoadError(f"{where}: rope_scaling must be a JSON object, got {str(raw)[:40]!r}")
     kind = raw.get("rope_type", raw.get("type", "default"))
     if kind not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"{where}: unsupported rope_scaling type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    return RopeScaling(
-        rope_type=kind,
-        factor=float(raw.get("factor", 1.0)),
-        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
-    )
+    low = _positive(raw.get("low_freq_factor", 1.0), "rope_scaling.low_freq_factor", where)
+    high = _positive(raw.get("high_freq_factor", 4.0), "rope_scaling.high_freq_factor", where)
+    if kind == "llama3" and not high > low:
+        raise ModelLoadError(f"{where}: rope_scaling needs high_freq_factor > low_freq_factor, got {high} <= {low}")
+    original = raw.get("original_max_position_embeddings", 8192)
+    if isinstance(original, bool) or not isinstance(original, int) or not 1 <= original <= 1 << 24:
+        raise ModelLoadError(f"{where}: rope_scaling.original_max_position_embeddings={original!r} must be a whole "
+                             "number in [1, 2**24]")
+    return RopeScaling(rope_type=kind, factor=_positive(raw.get("factor", 1.0), "rope_scaling.factor", where),
+                       low_freq_factor=low, high_freq_factor=high, original_max_position_embeddings=original)
+
+
+def _positive(v, name: str, where: str) -> float:
+    """A JSON number that must be finite and > 0 (rope theta and factors: 0 or NaN would make every angle NaN)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ModelLoadError(f"{where}: {name}={v!r} must be a finite number > 0")
+    return float(v)
+
+
+def _flag(raw: dict, key: str, where: str) -> bool:
+    """A JSON boolean; the string "false" is refused rather than read as True."""
+    v = raw.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ModelLoadError(f"{where}: {key} must be true or false, got {v!r}")
+    return v

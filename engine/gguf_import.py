@@ -7,6 +7,7 @@ leaves a half-written model behind.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -113,7 +114,11 @@ def dequantized_tensors(reader, cfg: dict, progress: Progress | None = None) -> 
     out: dict[str, torch.Tensor] = {}
     tensors = [t for t in reader.tensors if t.name not in SKIPPED]
     for n, t in enumerate(tensors):
-        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        try:
+            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except (NotImplementedError, ValueError, KeyError, TypeError) as e:
+            raise UnsupportedModelError(f"tensor {t.name}: quantization type {getattr(t.tensor_type, 'name', '?')} "
+                                        f"cannot be dequantised here ({type(e).__name__})") from None
         shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims innermost first
         arr = arr.reshape(shape)
         if t.name.endswith("attn_q.weight") or t.name.endswith("attn_q.bias"):
@@ -144,6 +149,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress |
         raise ModelLoadError(f"{gguf_path}: not a readable GGUF file: {e}") from None
     cfg = config_from_gguf(reader)
     tensors = dequantized_tensors(reader, cfg, progress)
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        raise ModelLoadError(f"{gguf_path.name}: the GGUF file carries no tokenizer (tokenizer.ggml.tokens)")
     tok_json, tok_cfg = tokenizer_files_from_gguf(reader)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -156,8 +163,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress |
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False), encoding="utf-8")
         gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
-        (tmp / "import.json").write_text(json.dumps({"source": str(gguf_path), "import_version": IMPORT_VERSION,
-                                                     "source_size": gguf_path.stat().st_size}))
+        (tmp / "import.json").write_text(json.dumps({"import_version": IMPORT_VERSION, **source_facts(gguf_path)}))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
@@ -168,12 +174,30 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress |
     return out_dir
 
 
+def source_facts(gguf_path: Path) -> dict:
+    """What identifies a GGUF file's content: resolved path, size, modification time and SHA-256."""
+    st = gguf_path.stat()
+    digest = hashlib.sha256()
+    with open(gguf_path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return {"source": str(gguf_path.resolve()), "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns,
+            "source_sha256": digest.hexdigest()}
+
+
 def is_imported(out_dir: Path, gguf_path: Path) -> bool:
+    """An import of this file's current content is there. Path, size and time stamp unchanged: trusted; any
+    of them changed: the content is hashed again and must match."""
     marker = out_dir / "import.json"
     if not marker.is_file():
         return False
     try:
         meta = json.loads(marker.read_text())
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, OSError, RecursionError):
         return False
-    return meta.get("import_version") == IMPORT_VERSION and meta.get("source_size") == gguf_path.stat().st_size
+    if not isinstance(meta, dict) or meta.get("import_version") != IMPORT_VERSION:
+        return False
+    st = gguf_path.stat()
+    same = (meta.get("source"), meta.get("source_size"), meta.get("source_mtime_ns")) == (
+        str(gguf_path.resolve()), st.st_size, st.st_mtime_ns)
+    return same or meta.get("source_sha256") == source_facts(gguf_path)["source_sha256"]

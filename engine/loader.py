@@ -19,7 +19,10 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 def pick_device(device: str | torch.device | None) -> torch.device:
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise EngineError(f"unsupported device {str(device)[:40]!r}; use cpu or cuda") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise EngineError("device 'cuda' was asked for but no CUDA GPU is available")
     if dev.type not in ("cpu", "cuda"):

@@ -5,6 +5,7 @@ cache directory ($LLM_INSPECTOR_CACHE, default ~/.cache/llm-inspector) and re-us
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import re
@@ -37,16 +38,36 @@ def bundled_gguf() -> Path:
     return path
 
 
+def import_dir_for(gguf_path: Path) -> Path:
+    """Where the import of this file lives: one folder per resolved path."""
+    gguf_path = gguf_path.resolve()
+    return cache_dir() / "models" / f"{gguf_path.stem}-{hashlib.sha256(str(gguf_path).encode()).hexdigest()[:16]}"
+
+
 def imported_dir(gguf_path: Path, progress: Progress | None = None) -> Path:
-    """The HF-layout directory for a GGUF file, importing it on first use."""
-    out = cache_dir() / "models" / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
+    """The HF-layout directory for a GGUF file, importing it on first use. Keyed by the file's resolved path
+    (two files of equal name and size never share an import); reuse also checks the file's content."""
+    gguf_path = gguf_path.resolve()
+    out = import_dir_for(gguf_path)
     with _import_lock:
         if not is_imported(out, gguf_path):
-            import_gguf(gguf_path, out, progress)
+            try:
+                out.parent.mkdir(parents=True, exist_ok=True)      # fail before minutes of dequantising
+                import_gguf(gguf_path, out, progress)
+            except PermissionError as e:
+                raise ModelLoadError(f"cannot write the import cache ({e.strerror}): set LLM_INSPECTOR_CACHE to "
+                                     "a writable folder") from None
+            except OSError as e:
+                raise ModelLoadError(f"cannot write the import cache ({e.strerror or e}): set "
+                                     "LLM_INSPECTOR_CACHE to a writable folder with space") from None
     return out
 
 
 def hub_cache_dirs() -> list[Path]:
+    """The local Hugging Face hub cache folders searched for org/name; none when LLM_INSPECTOR_HUB_CACHE is
+    off (a server that must offer only its own models)."""
+    if os.environ.get("LLM_INSPECTOR_HUB_CACHE", "on").strip().lower() in ("0", "off", "false", "no"):
+        return []
     env = os.environ.get("HF_HUB_CACHE")
     if env:
         return [Path(env)]

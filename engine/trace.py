@@ -25,13 +25,13 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .doctor import locate_nonfinite
-from .errors import EngineError
 from .generate import Candidate, GenerationResult, Step
 from .loops import Loop, find_loops
-from .probe import Capture, Probe
+from .probe import Capture, Probe, split_name
 from .sampling import SamplingParams
 from .settings import RunSettings
 from .stats import StatsBlock
+from .trace_check import TraceBounds, TraceError, check_meta, need
 
 FORMAT, VERSION, META_KEY = "llm-inspector-trace", 1, "llm_inspector_trace"
 MAX_HEADER = 100_000_000          # safetensors' own limit on the JSON header
@@ -121,22 +121,29 @@ def save_trace(trace: Trace, path: str | Path) -> Path:
 
 
 # ---- reading --------------------------------------------------------------------------------------
-def _meta(data: bytes) -> dict:
+def _meta(data: bytes, bounds: TraceBounds) -> tuple[dict, dict]:
+    """The trace's JSON metadata and the safetensors header (tensor names -> dtype, shape, offsets)."""
     if len(data) < 8:
-        raise EngineError("not a trace file: too short to be safetensors")
+        raise TraceError("not a trace file: too short to be safetensors")
+    if len(data) > bounds.max_bytes:
+        raise TraceError(f"the file is {len(data) / 2**20:,.0f} MiB; this server opens traces of at most "
+                         f"{bounds.max_bytes / 2**20:,.0f} MiB")
     (n,) = struct.unpack("<Q", data[:8])
     if n > min(MAX_HEADER, len(data) - 8):
-        raise EngineError("not a trace file: bad safetensors header")
+        raise TraceError("not a trace file: bad safetensors header")
     try:
         header = json.loads(data[8:8 + n])
         meta = json.loads(header["__metadata__"][META_KEY])
+    except RecursionError:
+        raise TraceError("damaged trace file: its JSON is nested too deeply") from None
     except (ValueError, KeyError, TypeError):
-        raise EngineError("not an LLM Inspector trace (a safetensors file without the trace metadata)") from None
+        raise TraceError("not an LLM Inspector trace (a safetensors file without the trace metadata)") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise EngineError("not an LLM Inspector trace")
+        raise TraceError("not an LLM Inspector trace")
     if meta.get("version") != VERSION:
-        raise EngineError(f"trace format version {meta.get('version')} is not supported (this reads {VERSION})")
-    return meta
+        raise TraceError(f"trace format version {str(meta.get('version'))[:20]} is not supported "
+                         f"(this reads {VERSION})")
+    return meta, header
 
 
 def _probe(m: dict | None, t: dict[str, torch.Tensor]) -> Probe | None:
@@ -147,10 +154,15 @@ def _probe(m: dict | None, t: dict[str, torch.Tensor]) -> Probe | None:
     p._capture_specs = [(pats, None if ly is None else frozenset(ly), None if ps is None else frozenset(ps))
                         for pats, ly, ps in m["capture_specs"]]
     p._stats_specs = list(m["stats_specs"])
-    names = m["stat_names"]
-    p.stats = [StatsBlock(b["step"], b["pos0"], [names[j] for j in t[f"stats.{i}.names"].tolist()],
-                          [None if x < 0 else x for x in t[f"stats.{i}.layers"].tolist()], t[f"stats.{i}.values"])
-               for i, b in enumerate(m["stats"])]
+    names, layers = m["stat_names"], [split_name(n)[0] for n in m["stat_names"]]
+    p.stats = []
+    for i, b in enumerate(m["stats"]):
+        idx, lay = t[f"stats.{i}.names"].tolist(), t[f"stats.{i}.layers"].tolist()
+        need(all(0 <= j < len(names) for j in idx), f"statistics block {i} names a stage that is not listed")
+        need(all((None if x < 0 else x) == layers[j] for j, x in zip(idx, lay)),
+             f"statistics block {i}: a layer index disagrees with its stage name")
+        p.stats.append(StatsBlock(b["step"], b["pos0"], [names[j] for j in idx], [layers[j] for j in idx],
+                                  t[f"stats.{i}.values"]))
     p.captures = [Capture(c["step"], c["name"], c["layer"], c["positions"],
                           t[f"capture.{i}"] if c["tensor"] else c["value"])
                   for i, c in enumerate(m["captures"])]
@@ -158,24 +170,43 @@ def _probe(m: dict | None, t: dict[str, torch.Tensor]) -> Probe | None:
     return p
 
 
-def from_bytes(data: bytes) -> Trace:
-    meta = _meta(data)
+def from_bytes(data: bytes, bounds: TraceBounds | None = None) -> Trace:
+    """A trace from a file's bytes, validated against bounds (the server's limits, the loaded model) before
+    anything is built. Loops and the first non-finite value are recomputed, never taken from the file."""
+    bounds = bounds or TraceBounds()
+    meta, header = _meta(data, bounds)
+    check_meta(meta, header, bounds)
+    settings = RunSettings.from_dict(meta["settings"])
     try:
         tensors = st_load(data)
-        r = dict(meta["result"])
-        probe = _probe(meta["probe"], tensors)
-        r["steps"] = [Step(**{**s, "top": [Candidate(**c) for c in s["top"]]}) for s in r["steps"]]
-        r["params"] = SamplingParams(**r["params"])
-        result = GenerationResult(**r, probe=probe)
-        return Trace(RunSettings.from_dict(meta["settings"]), result, probe, meta["model_name"], meta["seconds"],
-                     meta["created"], [Loop(**x) for x in meta["loops"]], meta["first_nonfinite"],
-                     meta["interventions"], meta["extra"], list(meta.get("notes", [])))
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise EngineError(f"damaged trace file: {type(e).__name__}: {e}") from None
+    except Exception as e:          # safetensors raises its own error types for bad offsets and the like
+        raise TraceError(f"damaged trace file: its tensors cannot be read ({type(e).__name__})") from None
+    probe = _probe(meta["probe"], tensors)
+    r = meta["result"]
+    try:
+        steps = [Step(**{**s, "top": [Candidate(**c) for c in s["top"]]}) for s in r["steps"]]
+        params = SamplingParams(**r["params"])
+    except TypeError as e:
+        raise TraceError(f"damaged trace file: {e}") from None
+    result = GenerationResult(r["prompt_ids"], r["token_ids"], r["text"], steps, r["stop_reason"], params,
+                              r["seed"], r["timings"], r["cache"], probe)
+    nf = locate_nonfinite(probe) if probe is not None else None
+    return Trace(settings, result, probe, meta["model_name"], meta["seconds"], meta["created"],
+                 find_loops(result.token_ids), None if nf is None else nf.as_dict(), meta.get("interventions", []),
+                 meta["extra"], list(meta.get("notes", [])))
 
 
-def load_trace(path: str | Path) -> Trace:
-    return from_bytes(Path(path).read_bytes())
+def load_trace(path: str | Path, bounds: TraceBounds | None = None) -> Trace:
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > (bounds or TraceBounds()).max_bytes:
+            raise TraceError(f"{path.name} is {size / 2**20:,.0f} MiB; traces of at most "
+                             f"{(bounds or TraceBounds()).max_bytes / 2**20:,.0f} MiB are opened")
+        data = path.read_bytes()
+    except OSError as e:
+        raise TraceError(f"cannot read {path.name}: {e.strerror or e}") from None
+    return from_bytes(data, bounds)
 
 
 def summary(trace: Trace) -> dict[str, Any]:

@@ -86,9 +86,20 @@ def _shard_files(model_dir: Path) -> dict[str, Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from None
-        return {name: model_dir / fname for name, fname in weight_map.items()}
+        except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
+            raise ModelLoadError(f"{index.name}: not a valid safetensors index ({type(e).__name__})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in weight_map.items()):
+            raise ModelLoadError(f"{index.name}: weight_map must map tensor names to file names")
+        root = model_dir.resolve()
+        files = {}
+        for name, fname in weight_map.items():
+            path = (model_dir / fname).resolve()
+            if path.parent != root or path.suffix != ".safetensors":
+                raise ModelLoadError(f"{index.name}: {name!r} points at {fname!r}; shards must be .safetensors "
+                                     "files in the model's own folder")
+            files[name] = path
+        return files
     if single.is_file():
         return {name: single for name in _keys(single)}
     if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")) or any(model_dir.glob("*.pth")):

@@ -3,22 +3,42 @@ on-demand model work, and the per-session memo around it. Widgets only; the mode
 queue live in inspector.session."""
 from __future__ import annotations
 
+import hashlib
 import logging
 from contextlib import contextmanager
 
 import streamlit as st
 import torch
+from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from engine import EngineError, Model, Trace
-from inspector.session.admission import slot
-from inspector.session.limits import Limits, LimitsConfigError
+from inspector.session.admission import set_client_resolver, slot
+from inspector.session.budget import enforce
+from inspector.session.limits import LimitError, Limits, LimitsConfigError, check_run_positions
 from inspector.session.memo import memo
 from inspector.session.models import model_choices, shared_model
 from pages.frame import ensure_frame
 
 RUN_KEY = "run"            # the run the pages show
+CLIENT_COOKIE = "_streamlit_xsrf"    # set once per browser by Streamlit (XSRF protection): shared by its tabs
 RUNS_KEY = "runs"          # the runs this session keeps, oldest first (at most max_runs_kept)
 log = logging.getLogger("llm_inspector")
+
+
+def client_key() -> str | None:
+    """Who is asking, for fair admission: the browser (all its tabs share Streamlit's XSRF cookie), else this
+    session. Only a hash is kept. None outside a script run."""
+    try:
+        cookie = st.context.cookies.get(CLIENT_COOKIE)
+    except Exception:          # no script run context (a worker thread, a test calling functions directly)
+        cookie = None
+    if isinstance(cookie, str) and cookie:
+        return "browser:" + hashlib.sha256(cookie.encode()).hexdigest()[:16]
+    ctx = get_script_run_ctx()
+    return None if ctx is None else "session:" + ctx.session_id
+
+
+set_client_resolver(client_key)
 
 
 def server_limits(show_error: bool = True) -> Limits:
@@ -66,7 +86,17 @@ def device_slot(what: str = "this computation"):
 
 def current_run() -> Trace | None:
     ensure_frame()
+    keep_within_budget()
     return st.session_state.get(RUN_KEY)
+
+
+def keep_within_budget() -> None:
+    """Hold this session to its memory budget; say what was dropped to make room."""
+    limits = server_limits(show_error=False)
+    dropped = enforce(st.session_state, limits.max_session_mb << 20)
+    if dropped:
+        st.toast(f"This session reached its memory budget ({limits.max_session_mb} MiB) and dropped: "
+                 + "; ".join(dropped[:4]) + ("; …" if len(dropped) > 4 else "") + ". Recomputed when needed.")
 
 
 def require_run() -> Trace:
@@ -85,8 +115,13 @@ def require_run_and_model(purpose: str = "inspect it"):
     if model is None:
         st.stop()
     if model.name != run.model_name:
-        st.warning(f"This run was made with **{run.model_name}**; the sidebar now shows **{model.name}**. "
-                   f"Choose that model in the sidebar (or press Run again) to {purpose}.")
+        st.warning(f"This run was made with **{plain(run.model_name)}**; the sidebar now shows "
+                   f"**{plain(model.name)}**. Choose that model in the sidebar (or press Run again) to {purpose}.")
+        st.stop()
+    try:      # a run from a trace file: the model work pages do on it stays within this server's limits
+        check_run_positions(run.ids, model, server_limits(show_error=False))
+    except LimitError as e:
+        st.error(plain(e))
         st.stop()
     return run, model
 
@@ -101,3 +136,12 @@ def on_demand(store, k, what: str, compute, **bounds):
     except EngineError as e:
         st.error(str(e))
         st.stop()
+
+
+_MD_SPECIAL = "\\`*_{}[]()#!|<>~$"
+
+
+def plain(text: object) -> str:
+    """Text from outside (a file, a model's config) made safe to put inside Markdown: every character that
+    Markdown or HTML could act on is escaped, so a link, image or tag shows as the characters it is."""
+    return "".join("\\" + c if c in _MD_SPECIAL else c for c in str(text))

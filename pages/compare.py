@@ -3,16 +3,20 @@ KV cache on/off, an intervention. A token-aligned table, the first step where th
 every stage differs at that step. Only the Compare button runs the model; the rest is display."""
 import streamlit as st
 
-from engine import EngineError, Probe, SamplingParams
+from engine import EngineError, Probe, RunSettings, SamplingParams
 from engine.generate import prompt_ids
+from inspector.session.limits import LimitError
 from inspector.session.models import model_choices, shared_model
+from inspector.session.run import check_settings
 from inspector.views import compare as cmp
 from inspector.views.tokens import visible
-from pages.common import device_slot, get_model
+from pages.common import device_slot, get_model, server_limits
 from pages.frame import ensure_frame
 from pages.widgets import sampling_form
 
 RESULT = "cmp_result"
+MAX_RECOMPUTED_POSITIONS = 16_384     # KV cache off: positions computed over all steps, per configuration
+MAX_ATTENTION_POSITIONS = 1_024       # attention maps: (heads, T, T) of one layer at a time
 DTYPES = ["sidebar's", "float32", "bfloat16", "float16"]
 IV_KINDS = ["none", "zero heads", "scale a stage"]
 s = st.session_state
@@ -24,8 +28,10 @@ if model is None:
     st.stop()
 prompt = s.get("sb_prompt", "What is the capital of France?")
 st.caption(f"Prompt (from the sidebar): {prompt!r} · chat format {'on' if s.get('sb_chat', True) else 'off'}")
+limits = server_limits(show_error=False)
 c1, c2 = st.columns(2)
-max_new = int(c1.number_input("Max new tokens", 1, 256, 16, key="cmp_max_new"))
+max_new = int(c1.number_input("Max new tokens", 1, min(256, limits.max_new_tokens), min(16, limits.max_new_tokens),
+                              key="cmp_max_new"))
 seed = int(c2.number_input("Seed (both runs)", 0, 2**31 - 1, int(s.get("sb_seed", 0)), key="cmp_seed"))
 
 
@@ -83,12 +89,30 @@ def model_for(dtype: str):
     return shared_model(source, model.device.type, dtype)
 
 
+def checked_ids(cfg_a, cfg_b) -> list[int]:
+    """The prompt's ids after the same server-side checks as a Run (the widgets' bounds are not a guard), and
+    the comparison's own bounds: recomputing without a cache and attention maps cost O(positions²)."""
+    settings, _ = check_settings(model, RunSettings(prompt=prompt, chat=bool(s.get("sb_chat", True)),
+                                                    allow_special=bool(s.get("sb_allow_special", False)),
+                                                    max_new_tokens=max_new, params=cfg_a.params, seed=seed), limits)
+    ids = prompt_ids(model, settings.prompt, chat=settings.chat, allow_special=settings.allow_special)
+    n = len(ids) + max_new
+    if not (cfg_a.cache and cfg_b.cache) and n * max_new > MAX_RECOMPUTED_POSITIONS:
+        raise LimitError(f"KV cache off recomputes every position at every step: {len(ids):,} prompt tokens and "
+                         f"{max_new} new tokens would be {n * max_new:,} positions; this page recomputes at most "
+                         f"{MAX_RECOMPUTED_POSITIONS:,}. Use fewer tokens or keep the cache on.")
+    if attention_maps and n > MAX_ATTENTION_POSITIONS:
+        raise LimitError(f"attention maps in the comparison are limited to {MAX_ATTENTION_POSITIONS:,} positions "
+                         f"(this run has {n:,}); turn them off or shorten the prompt")
+    return ids
+
+
 if st.button("Compare", key="cmp_run", type="primary", disabled=None in configs):
     cfg_a, cfg_b = configs
     try:
+        ids = checked_ids(cfg_a, cfg_b)
         with device_slot("the comparison"), st.spinner("Running both configurations…"):
             ma, mb = model_for(cfg_a.dtype), model_for(cfg_b.dtype)
-            ids = prompt_ids(ma, prompt, chat=s.get("sb_chat", True), allow_special=s.get("sb_allow_special", False))
             ta = cmp.run_config(ma, ids, cfg_a, max_new_tokens=max_new, seed=seed)
             tb = cmp.run_config(mb, ids, cfg_b, max_new_tokens=max_new, seed=seed)
             d = cmp.first_divergence(ta.token_ids, tb.token_ids)

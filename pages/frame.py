@@ -16,6 +16,9 @@ def frame():
     """app.py runs the chosen page inside this, so a page can tell it has the sidebar around it."""
     token = _IN_FRAME.set(True)
     try:
+        for problem in unsafe_settings():
+            st.warning(f"Unsafe server setting: {problem}. See docs/CLASSROOM.md, or start with scripts/serve.sh.",
+                       icon="⚠️")
         yield
     finally:
         _IN_FRAME.reset(token)
@@ -32,3 +35,23 @@ def ensure_frame() -> None:
     if not st.session_state.get("_frame_rerun"):
         st.session_state["_frame_rerun"] = True
         st.rerun()
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def unsafe_settings() -> list[str]:
+    """What in this server's Streamlit settings exposes it more than a classroom should."""
+    problems = []
+    address = (st.get_option("server.address") or "").strip()
+    listens_widely = address not in LOOPBACK
+    if listens_widely:
+        if not st.get_option("server.enableXsrfProtection"):
+            problems.append("XSRF protection is off while the app listens beyond this computer")
+        if not st.get_option("server.enableCORS"):
+            problems.append("CORS protection is off while the app listens beyond this computer")
+        if not st.get_option("server.allowedHosts"):
+            problems.append("no allowed host names (server.allowedHosts): open to DNS rebinding")
+    if st.get_option("client.showErrorDetails") in ("full", True, "stacktrace"):
+        problems.append("full error details (stack traces with server paths) are shown to every browser")
+    return problems

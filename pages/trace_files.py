@@ -5,14 +5,44 @@ A reopened trace is the app's run like any other: Overview, Tokens, Sampling, Ti
 statistics, Repetition and the NaN doctor's "This run" read only what the trace holds. Pages that run the
 model again (Attention, the logit lens, fault injection, precision, penalty comparison) need the model the
 trace was made with chosen in the sidebar. Files are safetensors + JSON: nothing is unpickled."""
+import hashlib
+
 import streamlit as st
 
 from engine import EngineError
 from engine.trace import from_bytes, summary, to_bytes
+from engine.trace_check import TraceBounds
 from inspector.session.memo import run_key
 from inspector.session.run import track
-from pages.common import current_run, server_limits
+from pages.common import current_run, get_model, plain, server_limits
 from pages.sidebar import keep_run
+
+OPENED = "tf_opened"       # (sha256 of the upload, the parsed trace or the error): parsed once per upload
+
+
+def opened_trace(up):
+    """The uploaded file as a Trace, validated against this server's limits and the loaded model; parsed once
+    per upload (a rerun reuses it). A file that fails shows one message and the page stops."""
+    data = up.getvalue()
+    digest = hashlib.sha256(data).hexdigest()
+    cached = st.session_state.get(OPENED)
+    if cached is None or cached[0] != digest:
+        limits, model = server_limits(show_error=False), get_model()
+        bounds = TraceBounds(max_prompt_tokens=limits.max_prompt_tokens, max_new_tokens=limits.max_new_tokens,
+                             vocab_size=model.config.vocab_size if model else None,
+                             num_layers=model.config.num_layers if model else None)
+        try:
+            cached = (digest, from_bytes(data, bounds))
+        except EngineError as e:
+            cached = (digest, str(e))
+        except Exception as e:     # a parser failure the checks did not foresee: still one clear message
+            cached = (digest, f"the file could not be read ({type(e).__name__})")
+        st.session_state[OPENED] = cached
+    if isinstance(cached[1], str):
+        st.error(f"Could not open {plain(up.name)}: {plain(cached[1])}")
+        st.stop()
+    return cached[1]
+
 
 st.header("Trace files")
 
@@ -37,11 +67,7 @@ else:
 st.subheader("Open a trace")
 up = st.file_uploader("Trace file (.trace / .safetensors)", type=["trace", "safetensors"], key="tf_upload")
 if up is not None:
-    try:
-        trace = from_bytes(up.getvalue())
-    except EngineError as e:
-        st.error(f"Could not open {up.name}: {e}")
-        st.stop()
+    trace = opened_trace(up)
     info = summary(trace)
     c = st.columns(4)
     c[0].metric("Prompt tokens", info["prompt_tokens"])
@@ -49,15 +75,17 @@ if up is not None:
     c[2].metric("Stop reason", info["stop_reason"])
     c[3].metric("Loops", info["loops"])
     nf = trace.first_nonfinite
-    st.markdown(f"Model **{trace.model_name}** · KV cache {info['cache'].get('bytes_used', 0) / 2**20:.2f} MiB used · "
-                + ("every stage finite" if nf is None else
-                   f"first non-finite: `{nf['stage']}` layer {nf['layer']}, position {nf['position']}, "
-                   f"step {nf['step']}"))
+    # strings from the file are shown as text, never as Markdown (no links, images or HTML from a stranger)
+    st.text(f"Model: {trace.model_name} · KV cache {info['cache'].get('bytes_used', 0) / 2**20:.2f} MiB used")
+    st.markdown("every stage finite" if nf is None else
+                f"first non-finite: `{nf['stage']}` layer {nf['layer']}, position {nf['position']}, "
+                f"step {nf['step']}")
     for lp in trace.loops:
         st.markdown(f"- loop: start {lp.start}, period {lp.period}, count {lp.count}")
-    if trace.interventions or trace.extra.get("injections"):
-        st.caption(f"Made with: {', '.join(trace.extra.get('injections') or trace.interventions)}")
+    made_with = trace.extra.get("injections") or trace.interventions
+    if made_with:
+        st.text(f"Made with: {', '.join(map(str, made_with))}")
     st.code(trace.result.text or "(nothing)", language=None, wrap_lines=True)
     if st.button("Open as the current run", key="tf_open", type="primary"):
         keep_run(track(trace), server_limits(show_error=False).max_runs_kept)
-        st.success(f"Opened {up.name}: every page now shows this run.")
+        st.success("Opened the file: every page now shows this run.")

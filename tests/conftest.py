@@ -89,3 +89,29 @@ def pytest_collection_modifyitems(config, items):
             if "cuda" in item.keywords:
                 item.add_marker(skip)
     os.environ.setdefault("LLM_INSPECTOR_CACHE", str(Path.home() / ".cache" / "llm-inspector"))
+
+
+@pytest.fixture
+def page(monkeypatch):
+    """page(name, run, model, source) -> an AppTest of pages/<name>.py with `run` as the session's run; the
+    sidebar's shared-model loader returns the given, already loaded model."""
+    from streamlit.runtime.pages_manager import PagesManager
+    from streamlit.testing.v1 import AppTest
+
+    import inspector.session.models as models
+    monkeypatch.setattr(PagesManager, "uses_pages_directory", None)
+    root = Path(__file__).resolve().parents[1]
+
+    def make(name: str, run, model, source: str | None):
+        monkeypatch.setattr(models, "load_model", lambda *a, **k: model)
+        if source is None:
+            monkeypatch.delenv("LLM_INSPECTOR_MODEL", raising=False)
+        else:
+            monkeypatch.setenv("LLM_INSPECTOR_MODEL", source)
+        models.shared_model.clear()
+        models.shared_model(source, "cpu", "auto")       # cached outside a script run: no replayed progress bar
+        at = AppTest.from_file(str(root / "pages" / f"{name}.py"), default_timeout=600)
+        if run is not None:
+            at.session_state["run"] = run
+        return at
+    return make

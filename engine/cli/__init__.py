@@ -6,13 +6,13 @@ import argparse
 import sys
 
 from ..errors import EngineError
-from . import bench, debug, run
+from . import bench, debug, run, show
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine", description="LLM Inspector engine")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for group in (run, bench, debug):
+    for group in (run, bench, debug, show):
         group.add_commands(sub)
     return parser
 
@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except EngineError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:       # an unwritable --csv / --out, a full disk: the file and the reason, no traceback
+        print(f"error: {e.filename or ''}: {e.strerror or e}".replace(": : ", ": "), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

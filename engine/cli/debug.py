@@ -6,8 +6,13 @@
 
 The doctor's JSON: first_nonfinite ({step, stage, layer, position, stage_in_layer, stats} or null), lead_up
 (statistics of the stages before it at that position), loops ([{start, period, count, end}], indices into
-the generated tokens), and with --compare a precision report. Non-finite numbers are written as the strings
-"NaN", "Infinity" and "-Infinity" so that the output is strict JSON.
+the generated tokens), stop_reason and nonfinite_logits, and with --compare a precision report. Non-finite
+numbers are written as the strings "NaN", "Infinity" and "-Infinity" so that the output is strict JSON.
+
+stop_reason: the engine's (eos, stop_string, max_new_tokens, context), "non-finite logits" (a step's logits
+held NaN/Inf: nothing was drawn from them; nonfinite_logits = {step, position, nan, inf} names that step),
+"nonfinite" (a stage went NaN/Inf while the logits stayed finite; --keep-going carries on), or "error" (a
+sampler stage could not be drawn from; see error).
 """
 from __future__ import annotations
 
@@ -77,7 +82,7 @@ def cmd_trace(a: argparse.Namespace) -> int:
                        extra={"injections": rep.injections, "norm_eps": eps, "error": rep.error,
                               "dtype": str(model.dtype).removeprefix("torch."), "device": model.device.type})
     path = save_trace(trace, a.out)
-    print(json.dumps(_strict({"out": str(path), "bytes": path.stat().st_size, **summary(trace)})))
+    print(json.dumps(strict_json({"out": str(path), "bytes": path.stat().st_size, **summary(trace)})))
     return 0
 
 
@@ -90,26 +95,30 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     if a.compare:
         out["precision"] = precision_compare(model, cast_model(model, a.compare), rep.result.prompt_ids).as_dict()
     if a.json:
-        print(json.dumps(_strict(out)))
+        print(json.dumps(strict_json(out)))
     else:
         print(_human(out))
     return 0
 
 
-def _strict(x):
+def strict_json(x):
     """Non-finite floats -> 'NaN' / 'Infinity' / '-Infinity' (strict JSON has no such numbers)."""
     if isinstance(x, float) and not math.isfinite(x):
         return "NaN" if x != x else ("Infinity" if x > 0 else "-Infinity")
     if isinstance(x, dict):
-        return {k: _strict(v) for k, v in x.items()}
+        return {k: strict_json(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_strict(v) for v in x]
+        return [strict_json(v) for v in x]
     return x
 
 
 def _human(r: dict) -> str:
     lines = [f"{r['prompt_tokens']} prompt tokens, {r['generated_tokens']} generated ({r['model_dtype']}); "
              f"stop: {r['stop_reason']}" + (f"; {r['error']}" if r["error"] else "")]
+    if r.get("nonfinite_logits"):
+        b = r["nonfinite_logits"]
+        lines.append(f"step {b['step']} (position {b['position']}): the logits held {b['nan']} NaN and {b['inf']} Inf "
+                     "values; no token was drawn from them")
     if r["injections"] or r["norm_eps"] is not None:
         lines.append(f"faults: {', '.join(r['injections']) or '-'}; RMSNorm eps: {r['norm_eps']}")
     nf = r["first_nonfinite"]

@@ -1,5 +1,7 @@
 """Admission to the device: at most `max_concurrent` runs at once over the whole process; the others wait in a
-first-come-first-served queue of at most `max_queue`, and each waiting user is told their place.
+first-come-first-served queue of at most `max_queue`, and each waiting user is told their place. Fair between
+clients: one client (a browser, with all its tabs) has at most `per_client_running` runs generating and
+`per_client_queued` waiting; its next run waits behind its own, never in front of other clients' runs.
 
     with shared_admission(limits).slot(on_wait=lambda n: show(f"You are number {n} in the queue")):
         ...generate...
@@ -40,10 +42,28 @@ class AdmissionState:
     peak_waiting: int
 
 
+_client_resolver: Callable[[], "str | None"] = lambda: None
+
+
+def set_client_resolver(fn: Callable[[], "str | None"]) -> None:
+    """How slot() learns which client asks when the caller does not say (the app registers one that reads
+    the browser's cookie); it is called in the asking thread."""
+    global _client_resolver
+    _client_resolver = fn
+
+
+@dataclass(eq=False)
+class _Ticket:
+    client: str | None
+
+
 class Admission:
-    def __init__(self, max_concurrent: int = 2, max_queue: int = 32, *, heartbeat_s: float = HEARTBEAT_S) -> None:
+    def __init__(self, max_concurrent: int = 2, max_queue: int = 32, *, heartbeat_s: float = HEARTBEAT_S,
+                 per_client_running: int = 1, per_client_queued: int = 1) -> None:
         self._cond = threading.Condition()
-        self._queue: deque[object] = deque()       # one ticket per waiting run, first come first served
+        self._queue: deque[_Ticket] = deque()      # one ticket per waiting run, first come first served
+        self._client_running: dict[str, int] = {}
+        self.per_client_running, self.per_client_queued = per_client_running, per_client_queued
         self._running = 0
         self._admitted = self._refused = self._peak_running = self._peak_waiting = 0
         self.heartbeat_s = heartbeat_s
@@ -64,28 +84,56 @@ class Admission:
                                   self._admitted, self._refused, self._peak_running, self._peak_waiting)
 
     @contextmanager
-    def slot(self, on_wait: Callable[[int], None] | None = None, timeout: float | None = None) -> Iterator[None]:
+    def slot(self, on_wait: Callable[[int], None] | None = None, timeout: float | None = None, *,
+             client: str | None = None) -> Iterator[None]:
         """Hold one of the device slots for the body. While waiting, on_wait(position) is called (1 = next)
-        when the position changes and every heartbeat; an exception it raises leaves the queue cleanly."""
-        self._acquire(on_wait, timeout)
+        when the position changes and every heartbeat; an exception it raises leaves the queue cleanly.
+        client: who asks (default: the registered resolver's answer; None = a client of its own)."""
+        ticket = _Ticket(client if client is not None else _client_resolver())
+        self._acquire(ticket, on_wait, timeout)
         try:
             yield
         finally:
             with self._cond:
                 self._running -= 1
+                if ticket.client is not None:
+                    self._client_running[ticket.client] -= 1
+                    if not self._client_running[ticket.client]:
+                        del self._client_running[ticket.client]
                 self._cond.notify_all()
 
-    def _admit(self) -> None:
+    def _admit(self, ticket: _Ticket) -> None:
         self._running += 1
         self._admitted += 1
         self._peak_running = max(self._peak_running, self._running)
+        if ticket.client is not None:
+            self._client_running[ticket.client] = self._client_running.get(ticket.client, 0) + 1
 
-    def _acquire(self, on_wait: Callable[[int], None] | None, timeout: float | None) -> None:
-        ticket = object()
+    def _may_run(self, ticket: _Ticket) -> bool:
+        return ticket.client is None or self._client_running.get(ticket.client, 0) < self.per_client_running
+
+    def _next(self) -> _Ticket | None:
+        """The first waiting ticket whose client may start another run now."""
+        return next((t for t in self._queue if self._may_run(t)), None)
+
+    def _refuse_client(self, ticket: _Ticket) -> None:
+        if ticket.client is None:
+            return
+        waiting = sum(t.client == ticket.client for t in self._queue)
+        running = self._client_running.get(ticket.client, 0)
+        if running >= self.per_client_running and waiting >= self.per_client_queued:
+            self._refused += 1
+            raise ServerBusyError(
+                f"You already have {running} run(s) generating and {waiting} waiting (in another tab?), the most "
+                f"one browser may have ({env_name('max_running_per_client')}, {env_name('max_queued_per_client')}). "
+                "Wait for them to finish.")
+
+    def _acquire(self, ticket: _Ticket, on_wait: Callable[[int], None] | None, timeout: float | None) -> None:
         start = time.monotonic()
         with self._cond:
-            if not self._queue and self._running < self.max_concurrent:
-                self._admit()
+            self._refuse_client(ticket)
+            if self._running < self.max_concurrent and self._may_run(ticket) and self._next() is None:
+                self._admit(ticket)
                 return
             if len(self._queue) >= self.max_queue:
                 self._refused += 1
@@ -99,9 +147,9 @@ class Admission:
             try:
                 while True:
                     position = self._queue.index(ticket) + 1
-                    if position == 1 and self._running < self.max_concurrent:
-                        self._queue.popleft()
-                        self._admit()
+                    if self._running < self.max_concurrent and self._next() is ticket:
+                        self._queue.remove(ticket)
+                        self._admit(ticket)
                         self._cond.notify_all()          # everyone behind moved up one place
                         return
                     now = time.monotonic()
@@ -137,12 +185,16 @@ def shared_admission(limits: Limits | None = None) -> Admission:
     limits = limits or Limits.from_env()
     if (_shared.max_concurrent, _shared.max_queue) != (limits.max_concurrent_runs, limits.max_queue):
         _shared.configure(limits.max_concurrent_runs, limits.max_queue)
+    with _shared._cond:
+        _shared.per_client_running = limits.max_running_per_client
+        _shared.per_client_queued = limits.max_queued_per_client
     return _shared
 
 
 def slot(on_wait: Callable[[int], None] | None = None, *, timeout: float | None = None,
-         limits: Limits | None = None):
+         limits: Limits | None = None, client: str | None = None):
     """shared_admission(limits).slot(...): hold a device slot of the process-wide queue for a `with` body
     (timeout: the limits' queue_timeout_s unless given)."""
     limits = limits or Limits.from_env()
-    return shared_admission(limits).slot(on_wait, limits.queue_timeout_s if timeout is None else timeout)
+    return shared_admission(limits).slot(on_wait, limits.queue_timeout_s if timeout is None else timeout,
+                                         client=client)

@@ -54,6 +54,9 @@ class Limits:
     max_queue: int = 32                  # runs that may wait for a slot; one more gets "server busy"
     queue_timeout_s: float = 600.0       # longest wait in the queue before giving up with "server busy"
     max_models: int = 4                  # (model, device, dtype) combinations loaded at once in this process
+    max_running_per_client: int = 1      # runs one browser (all its tabs) may have generating at once
+    max_queued_per_client: int = 1       # runs one browser may have waiting in the queue
+    max_session_mb: int = 400            # memory one browser session may keep (runs, maps, traces, reports)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -95,8 +98,12 @@ LIMITS = {
     "max_queue": "runs that may wait for a free slot (each user sees their place); one more is told the "
                  "server is busy",
     "queue_timeout_s": "seconds a run may wait in the queue before it gives up with 'server busy'",
-    "max_models": "(model, device, dtype) combinations this process keeps loaded; asking for one more is "
-                  "refused with a message",
+    "max_models": "(model, device, dtype) combinations this process keeps loaded, low-precision copies "
+                  "included; asking for one more is refused with a message",
+    "max_running_per_client": "runs one browser (all its tabs together) may have generating at once",
+    "max_queued_per_client": "runs one browser may have waiting in the queue; one more is refused",
+    "max_session_mb": "MiB one browser session may keep (runs, attention maps, traces, uploads, reports); "
+                      "past it the oldest derived data is dropped, and the user told",
 }
 
 
@@ -137,3 +144,15 @@ def check_text(text: object, limits: Limits, what: str = "prompt", *, allow_empt
     if not allow_empty and not text.strip():
         raise PromptError(f"the {what} is empty" + (" (only whitespace)" if text else ""))
     return text, notes
+
+
+def check_run_positions(ids, model, limits: Limits) -> None:
+    """A run's token ids before a page runs the model over them again (attention maps, the logit lens, copy
+    attention): at most a prompt's and a generation's worth of positions, each id in the vocabulary."""
+    n, most = len(ids), limits.max_prompt_tokens + limits.max_new_tokens
+    if n > min(most, model.context_length):
+        raise LimitError(f"this run has {n:,} positions; this server runs the model over at most "
+                         f"{min(most, model.context_length):,} ({env_name('max_prompt_tokens')} + "
+                         f"{env_name('max_new_tokens')})")
+    if n and not 0 <= min(ids) <= max(ids) < model.config.vocab_size:
+        raise LimitError(f"this run holds token ids outside the model's vocabulary [0, {model.config.vocab_size:,})")

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from engine import EngineError, Model, ModelLoadError, load_model
+from engine.doctor import cast_model
 from engine.loader import pick_device, pick_dtype
 from engine.sources import find_in_hub_cache, hub_cache_dirs
 
@@ -57,7 +58,7 @@ def _list_choices() -> dict[str, str | None]:
             continue
         for p in sorted(root.iterdir()):
             if (p / "config.json").is_file() or p.suffix == ".gguf":
-                choices[f"{p.name} ({root})"] = str(p)
+                choices[f"{p.name} (server models)"] = str(p)
     for hub in hub_cache_dirs():
         if hub.is_dir():
             for repo in sorted(hub.glob("models--*--*")):
@@ -99,11 +100,7 @@ def shared_model(source: str | None, device: str, dtype: str, _progress=None) ->
     with _models_lock:
         slot = _models.get(key)
         if slot is None:
-            loaded = [k for k, s in _models.items() if s.model is not None]
-            if len(loaded) >= limit:
-                names = "; ".join(f"{k[0] or 'bundled'} ({k[1]}, {k[2].removeprefix('torch.')})" for k in loaded)
-                raise ModelLoadError(f"this server keeps at most {limit} model(s) loaded ({env_name('max_models')}) "
-                                     f"and that many are: {names}. Choose one of those.")
+            _check_room(limit)
             slot = _models[key] = _Slot()
     if not slot.lock.acquire(blocking=False):
         if _progress:
@@ -117,13 +114,59 @@ def shared_model(source: str | None, device: str, dtype: str, _progress=None) ->
                 slot.model = load_model(source, device=dev, dtype=key[2].removeprefix("torch."), progress=_progress)
             except Exception as e:
                 log.warning("loading model %r failed", source, exc_info=not isinstance(e, EngineError))
-                msg = str(e) if isinstance(e, EngineError) else f"{source}: {type(e).__name__}: {e}"
-                slot.error = (time.monotonic(), msg)
-                raise ModelLoadError(msg) from None
+                msg = str(e) if isinstance(e, EngineError) else f"{type(e).__name__}: {e}"
+                slot.error = (time.monotonic(), redact(msg, source))
+                raise ModelLoadError(slot.error[1]) from None
             slot.error = None
         return slot.model
     finally:
         slot.lock.release()
+
+
+def _check_room(limit: int) -> None:
+    """Under _models_lock: every model counts, loading or loaded, and every low-precision copy."""
+    held = [(k, s) for k, s in _models.items() if s.model is not None or s.lock.locked()]
+    if len(held) >= limit:
+        names = "; ".join(f"{label(k[0])} ({k[1]}, {k[2].removeprefix('torch.')})" for k, _ in held)
+        raise ModelLoadError(f"this server keeps at most {limit} model(s) loaded ({env_name('max_models')}) "
+                             f"and that many are: {names}. Choose one of those.")
+
+
+def shared_copy(model: Model, dtype: str) -> Model:
+    """The shared model's weights in another dtype (fp16/bf16 for precision checks): made once per process,
+    counted against max_models like any loaded model, never the shared model itself."""
+    key = ("copy", model.name, str(model.device), str(pick_dtype(dtype, model.device)))
+    with _models_lock:
+        slot = _models.get(key)
+        if slot is None:
+            _check_room(_max_models())
+            slot = _models[key] = _Slot()
+        slot.lock.acquire()
+    try:
+        if slot.model is None:
+            slot.model = cast_model(model, dtype)
+        return slot.model
+    finally:
+        slot.lock.release()
+
+
+def label(source: str | None) -> str:
+    """What a browser is told a model is called: a folder or file name, or a hub id, never a server path."""
+    if source is None:
+        return BUNDLED
+    if source == "copy":
+        return "a low-precision copy"
+    p = Path(source)
+    return p.name if (p.is_absolute() or source.startswith((".", "~"))) else source
+
+
+def redact(message: str, source: str | None) -> str:
+    """A load error as a browser may see it: the server's folders replaced by the model's name."""
+    if source:
+        p = Path(source).expanduser()
+        for folder in {str(p.resolve()), str(p), str(p.resolve().parent), str(p.parent)} - {".", ""}:
+            message = message.replace(folder, label(source) if folder.endswith(p.name) else "…")
+    return message.replace(str(Path.home()), "~")
 
 
 def _forget_choices() -> None:

@@ -7,10 +7,21 @@ and the sampler settings in force from each step on. Published to every page as 
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
-from engine import GenerationRun, Model, RunSettings, SamplingParams, Step, Trace, inspection_probe, make_trace
+from engine import (
+    GenerationRun,
+    InputError,
+    Model,
+    RunSettings,
+    SamplingParams,
+    Step,
+    Trace,
+    inspection_probe,
+    make_trace,
+)
 from engine.breakpoints import Breakpoint, run_until
 
 from .limits import Limits
@@ -30,7 +41,8 @@ class Debugger:
         self.breakpoints: list[Breakpoint] = list(breakpoints or [])
         self.params_log: list[tuple[int, SamplingParams]] = [(0, self.run.params)]   # (first step, params)
         self.message: str | None = None          # what the last break said
-        self.published: Trace | None = None  # the last record() made
+        self.published: Trace | None = None   # the last record() made
+        self._stepping = threading.Lock()
 
     @property
     def steps(self) -> list[Step]:
@@ -42,11 +54,16 @@ class Debugger:
 
     def advance(self, max_steps: int | None = None, *, use_breakpoints: bool = True) -> list[Step]:
         """Step until a breakpoint fires, the run ends, or max_steps. The fired message is kept in .message."""
+        # A double click can start two script runs of one session at once; stepping one run from two threads
+        # would skip a KV-cache position and attend to a zero slot. The second one is refused instead.
+        if not self._stepping.acquire(blocking=False):
+            raise InputError("this run is already stepping (a second click?); wait for it to finish")
         t0 = time.perf_counter()
         try:
             steps, self.message = run_until(self.run, self.breakpoints if use_breakpoints else (), max_steps)
         finally:
             self.seconds += time.perf_counter() - t0
+            self._stepping.release()
         return steps
 
     def step(self) -> list[Step]:

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Serve LLM Inspector with the safe defaults, from any working directory (Streamlit reads .streamlit/config.toml
+# only from the folder it is started in; this script passes every safety setting on the command line too).
+#
+#   bash scripts/serve.sh                                  # this computer only: http://127.0.0.1:8501
+#   LLM_INSPECTOR_ADDRESS=0.0.0.0 LLM_INSPECTOR_HOSTS=inspector.school.example bash scripts/serve.sh
+#
+# LLM_INSPECTOR_ADDRESS  interface to listen on (default 127.0.0.1; behind a reverse proxy keep 127.0.0.1)
+# LLM_INSPECTOR_PORT     port (default 8501)
+# LLM_INSPECTOR_HOSTS    comma-separated host names browsers use to reach the app (DNS-rebinding guard);
+#                        default localhost,127.0.0.1
+# Extra arguments are passed to `streamlit run` (they cannot turn the protections below off silently: the app
+# shows a warning when it runs with unsafe settings).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+hosts=()
+IFS=',' read -r -a names <<< "${LLM_INSPECTOR_HOSTS:-localhost,127.0.0.1}"
+for h in "${names[@]}"; do
+  [ -n "$h" ] && hosts+=(--server.allowedHosts "$h")
+done
+exec "${PYTHON:-python3}" -m streamlit run app.py \
+  --server.address "${LLM_INSPECTOR_ADDRESS:-127.0.0.1}" \
+  --server.port "${LLM_INSPECTOR_PORT:-8501}" \
+  --server.headless true \
+  --server.enableXsrfProtection true \
+  --server.enableCORS true \
+  --server.maxUploadSize 256 \
+  --server.enableAgentApi false \
+  --client.showErrorDetails type \
+  --client.toolbarMode minimal \
+  --browser.gatherUsageStats false \
+  "${hosts[@]}" "$@"

@@ -1,0 +1,100 @@
+"""Hostile input through the app, the way a browser sends it: crafted trace uploads, forged widget values on
+the Compare page, Markdown in a file's strings. Each gives a visible message, no exception box, and the
+session's own run (and the model) are unchanged."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine import RunSettings
+from engine.trace import to_bytes
+from inspector.session.run import inspect_run
+from tests.unit.test_hostile_traces import CASES, setitem, with_meta
+
+pytestmark = pytest.mark.app
+UPLOADS = ["stage of layer 200000000", "200,000 generated ids", "JSON nested 100,000 deep", "a huge declared capture",
+           "offsets past the end", "id past the vocabulary", "random bytes", "25,000 captures"]
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model):
+    return inspect_run(tiny_model, RunSettings(prompt="one two three four", chat=False, max_new_tokens=3))
+
+
+@pytest.mark.parametrize("name", UPLOADS)
+def test_a_crafted_upload_is_one_message_and_the_run_stays(page, tiny_model, tiny_model_dir, run, name):
+    at = page("trace_files", run, tiny_model, str(tiny_model_dir)).run()
+    data = CASES[name][0](to_bytes(run))
+    t0 = time.perf_counter()
+    at.file_uploader(key="tf_upload").set_value(("crafted.trace", data, "application/octet-stream")).run()
+    assert time.perf_counter() - t0 < 5
+    assert not at.exception, at.exception
+    assert len(at.error) == 1 and at.error[0].value.startswith("Could not open crafted.trace: ")
+    assert at.session_state["run"] is run and len(at.button) == 0        # nothing to open, nothing replaced
+    assert tiny_model.generate(run.result.prompt_ids, max_new_tokens=3).token_ids == run.result.token_ids
+
+
+def test_strings_from_a_file_are_text_never_markdown(page, tiny_model, tiny_model_dir, run):
+    evil = "![x](http://198.51.100.7/pixel.png) [click](javascript:alert(1)) <img src=x onerror=alert(1)>"
+    data = with_meta(to_bytes(run), setitem("model_name", evil))
+    at = page("trace_files", run, tiny_model, str(tiny_model_dir)).run()
+    at.file_uploader(key="tf_upload").set_value(("x.trace", data, "application/octet-stream")).run()
+    assert not at.exception
+    assert any(evil in t.value for t in at.text)                          # shown as the characters it is
+    assert not any("198.51.100.7" in m.value for m in at.markdown)
+
+
+def test_a_reupload_is_parsed_once(page, tiny_model, tiny_model_dir, run, monkeypatch):
+    import engine.trace
+    import pages  # noqa: F401
+    calls = []
+    real = engine.trace.from_bytes
+    monkeypatch.setattr(engine.trace, "from_bytes", lambda *a, **k: calls.append(1) or real(*a, **k))
+    at = page("trace_files", run, tiny_model, str(tiny_model_dir)).run()
+    at.file_uploader(key="tf_upload").set_value(("ok.trace", to_bytes(run), "application/octet-stream")).run()
+    at.run()
+    at.run()
+    assert not at.exception and len(calls) <= 1 and at.session_state["tf_opened"][1].result.token_ids
+
+
+def forge(monkeypatch, key: str, value) -> None:
+    """The widget with this key hands the page a value its bounds do not allow, as a forged message would with
+    a Streamlit release that does not clamp (today's clamps; the page must not rely on it)."""
+    from streamlit.delta_generator import DeltaGenerator
+    for name in ("number_input", "slider"):
+        real = getattr(DeltaGenerator, name)
+
+        def fake(self, *a, _real=real, **k):
+            out = _real(self, *a, **k)
+            return value if k.get("key") == key else out
+        monkeypatch.setattr(DeltaGenerator, name, fake)
+
+
+@pytest.mark.parametrize("value, words", [
+    (10**6, "1,000,000 new tokens asked for; this server generates at most 8 per run"),
+    (9, "9 new tokens asked for; this server generates at most 8 per run"),
+])
+def test_forged_compare_length_is_refused_server_side(page, tiny_model, tiny_model_dir, run, value, words,
+                                                      monkeypatch):
+    monkeypatch.setenv("LLM_INSPECTOR_MAX_NEW_TOKENS", "8")
+    forge(monkeypatch, "cmp_max_new", value)
+    at = page("compare", run, tiny_model, str(tiny_model_dir))
+    at.session_state["sb_prompt"] = "one two three"
+    at.run()
+    at.button(key="cmp_run").click().run()
+    assert not at.exception, at.exception
+    assert any(words in e.value for e in at.error), [e.value for e in at.error]
+    assert "cmp_result" not in at.session_state
+
+
+def test_compare_without_cache_is_bounded(page, tiny_model, tiny_model_dir, run, monkeypatch):
+    at = page("compare", run, tiny_model, str(tiny_model_dir))
+    at.session_state["sb_prompt"] = "word " * 3000
+    at.session_state["sb_chat"] = False
+    at.run()
+    at.number_input(key="cmp_max_new").set_value(200)
+    at.toggle(key="cmp_cache_b").set_value(False)
+    at.button(key="cmp_run").click().run()
+    assert not at.exception
+    assert any("KV cache off recomputes every position" in e.value for e in at.error), [e.value for e in at.error]

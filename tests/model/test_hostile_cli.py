@@ -1,0 +1,43 @@
+"""`python -m engine show` on every crafted trace: `error: …` and exit status 2, under 5 s each, and the
+process stays far below 2 GiB however large the file says its tensors are."""
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import RunSettings
+from engine.trace import to_bytes
+from inspector.session.run import inspect_run
+from tests.unit.test_hostile_traces import CASES
+
+pytestmark = pytest.mark.model
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_show_refuses_every_crafted_trace(tiny_model, tmp_path):
+    good = to_bytes(inspect_run(tiny_model, RunSettings(prompt="Hi there", chat=False, max_new_tokens=4)))
+    ok = tmp_path / "good.trace"
+    ok.write_bytes(good)
+    r = subprocess.run([sys.executable, "-m", "engine", "show", str(ok), "--json"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and '"generated_tokens": 4' in r.stdout, r.stderr
+    slow = []
+    for i, (name, (craft, _words)) in enumerate(CASES.items()):
+        f = tmp_path / f"crafted-{i}.trace"
+        f.write_bytes(craft(good))
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "engine", "show", str(f)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        took = time.perf_counter() - t0
+        assert r.returncode == 2, (name, r.stdout, r.stderr[-500:])
+        assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr, (name, r.stderr[-500:])
+        if took >= 5:
+            slow.append((name, round(took, 1)))
+    assert not slow, slow
+    peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    assert peak_mib < 2048, peak_mib
