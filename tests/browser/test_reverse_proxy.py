@@ -1,0 +1,124 @@
+"""The reverse-proxy recipe of docs/CLASSROOM.md, run as written: scripts/serve.sh started from another folder,
+nginx (Debian's) in front with TLS, a password and the WebSocket upgrade, all on 127.0.0.1. Without the
+password nothing is served; with it the page loads and Streamlit's WebSocket opens through the proxy; a
+Host name the app was not told about is refused (DNS rebinding)."""
+from __future__ import annotations
+
+import base64
+import http.client
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+ROOT = Path(__file__).resolve().parents[2]
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def upgrade(conn: http.client.HTTPConnection, host: str, auth: str | None) -> int:
+    """Ask for Streamlit's WebSocket; the HTTP status of the answer (101 = switched)."""
+    headers = {"Host": host, "Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13",
+               "Sec-WebSocket-Key": base64.b64encode(os.urandom(16)).decode(), "Origin": f"https://{host}"}
+    if auth:
+        headers["Authorization"] = auth
+    conn.request("GET", "/_stcore/stream", headers=headers)
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+@pytest.fixture
+def served(tmp_path):
+    if NGINX is None:
+        pytest.skip("nginx is not installed (scripts/setup.sh --test installs Debian's nginx-light)")
+    app_port, proxy_port = free_port(), free_port()
+    env = dict(os.environ, LLM_INSPECTOR_PORT=str(app_port), LLM_INSPECTOR_HOSTS="localhost")
+    log = open(tmp_path / "app.log", "w")
+    app = subprocess.Popen(["bash", str(ROOT / "scripts" / "serve.sh")], cwd=tmp_path, env=env, stdout=log,
+                           stderr=subprocess.STDOUT)          # started from another folder on purpose
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost"], check=True, capture_output=True)
+    hashed = subprocess.run(["openssl", "passwd", "-apr1", "s3cret"], check=True, capture_output=True, text=True)
+    (tmp_path / "htpasswd").write_text(f"class:{hashed.stdout.strip()}\n")
+    conf = (ROOT / "docs" / "nginx-llm-inspector.conf").read_text()
+    # test-only prelude: a foreground nginx whose workers may read the test's private temporary folder
+    prelude = (f"daemon off; user root; pid {tmp_path}/nginx.pid; error_log {tmp_path}/nginx-error.log;\n"
+               f"events {{}}\nhttp {{\naccess_log off; client_body_temp_path {tmp_path}; proxy_temp_path {tmp_path};")
+    for k, v in {"LISTEN": f"127.0.0.1:{proxy_port}", "CERT": cert, "KEY": key, "HTPASSWD": tmp_path / "htpasswd",
+                 "UPSTREAM": f"127.0.0.1:{app_port}", "PRELUDE": prelude, "POSTLUDE": "}"}.items():
+        conf = conf.replace("{{" + k + "}}", str(v))
+    (tmp_path / "nginx.conf").write_text(conf)
+    proxy = subprocess.Popen([NGINX, "-c", str(tmp_path / "nginx.conf"), "-p", str(tmp_path)],
+                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "nginx.out", "w"))
+    try:
+        end = time.monotonic() + 120
+        while True:
+            assert app.poll() is None, (tmp_path / "app.log").read_text()[-2000:]
+            assert proxy.poll() is None, (tmp_path / "nginx.out").read_text()[-2000:]
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{app_port}/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < end, "the app did not come up"
+            time.sleep(0.5)
+        yield app_port, proxy_port
+    finally:
+        for p in (proxy, app):
+            p.terminate()
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        log.close()
+
+
+def test_the_documented_proxy_serves_only_with_the_password_and_upgrades_the_websocket(served):
+    app_port, proxy_port = served
+    tls = ssl.create_default_context()
+    tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE         # the test's own self-signed certificate
+    good = "Basic " + base64.b64encode(b"class:s3cret").decode()
+    bad = "Basic " + base64.b64encode(b"class:guess").decode()
+
+    def https():
+        return http.client.HTTPSConnection("127.0.0.1", proxy_port, context=tls, timeout=30)
+
+    for auth in (None, bad):
+        c = https()
+        c.request("GET", "/", headers={"Host": "localhost", **({"Authorization": auth} if auth else {})})
+        assert c.getresponse().status == 401
+        c.close()
+    c = https()
+    c.request("GET", "/", headers={"Host": "localhost", "Authorization": good})
+    r = c.getresponse()
+    assert r.status == 200 and b"<title>" in r.read()
+    c.close()
+    assert upgrade(https(), "localhost", None) == 401
+    assert upgrade(https(), "localhost", good) == 101                  # Streamlit's socket through the proxy
+    direct = http.client.HTTPConnection("127.0.0.1", app_port, timeout=30)
+    assert upgrade(direct, "rebound.attacker.example", None) != 101     # a host the app was not told about
+
+
+def test_serve_sh_applies_the_safe_settings_from_any_folder(served, tmp_path):
+    app_port, _ = served
+    with urllib.request.urlopen(f"http://127.0.0.1:{app_port}/_stcore/host-config", timeout=10) as r:
+        config = r.read().decode()
+    assert "allowedOrigins" in config
+    listening = subprocess.run(["ss", "-ltnH", f"sport = :{app_port}"], capture_output=True, text=True).stdout
+    local = [line.split()[3] for line in listening.splitlines() if line.strip()]
+    if local:                                   # the app listens on the loopback interface only
+        assert all(addr.startswith("127.0.0.1:") for addr in local), local
