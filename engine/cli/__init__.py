@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..errors import EngineError
-from . import bench, debug, run, show
+from . import args, bench, debug, prescribe, run, show
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
     for group in (run, bench, debug, show):
         group.add_commands(sub)
+    prescribe.add_commands(sub, args)
     return parser
 
 

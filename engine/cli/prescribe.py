@@ -1,0 +1,176 @@
+"""Command line for the prescribing doctors: `python -m engine quant ...`, and the doctor's --why-loop,
+--rescue and --fp32.
+
+    python -m engine quant "PROMPT" [--formats Q8_0,Q4_0] [--threshold T] [--embed] [generation flags] [--json]
+    python -m engine doctor "PROMPT" [generation flags] --why-loop --json
+        -> adds causes: [{kind, change, loop_gone, text_after, tokens, stopped, detail}] and why_loop
+    python -m engine doctor "PROMPT" --dtype float16 [--preset P | --inject ...] --rescue --json
+        -> adds rescue: {fp32: [units], reruns, finite, top1_agreement, complement, trials, ...}
+    python -m engine doctor "PROMPT" --dtype float16 [--preset P | --inject ...] --fp32 UNIT[,UNIT...]
+        -> the doctor runs with those units in fp32 (engine.model.Model.with_fp32); adds fp32: [units]
+
+The doctor calls doctor_model(model, args) on its loaded model before run_doctor (so --fp32 changes the
+run), then extend_doctor(model, args, report_dict) with that same model. Bad input is an InputError.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import sys
+from dataclasses import fields
+
+import torch
+
+from ..errors import InputError
+from ..loader import load_model
+from ..model import Model
+from ..quant import FORMATS, THRESHOLD, check_formats, quant_report
+from ..rescue import MAX_NEW_TOKENS, find_rescue
+from ..sampling import SamplingParams
+from ..settings import RunSettings
+from ..why_loop import HORIZON, MAX_RERUNS, why_loop
+
+
+def add_commands(sub, common) -> None:
+    """Register `quant` on the engine CLI's subparsers; common: the shared argument builders."""
+    q = sub.add_parser("quant", help="quantization damage per stage: Q8_0 / Q5_x / Q4_x copies vs the model")
+    common.prompt_args(q), common.sampling_args(q), common.model_args(q)
+    q.add_argument("--formats", default="Q8_0,Q4_0", help=f"comma-separated GGUF formats (e.g. {','.join(FORMATS)})")
+    q.add_argument("--threshold", type=float, default=THRESHOLD,
+                   help="relative error of the residual stream that counts as 'over' (first_layer_over)")
+    q.add_argument("--embed", action="store_true", help="also quantize the token embedding (tied lm_head)")
+    q.add_argument("--json", action="store_true", help="print the report as JSON")
+    q.set_defaults(fn=functools.partial(cmd_quant, common=common))
+
+
+def add_doctor_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--why-loop", action="store_true",
+                   help=f"on a loop, rerun with candidate causes removed ({HORIZON} tokens each, at most "
+                        f"{MAX_RERUNS} reruns) and list them")
+    p.add_argument("--rescue", action="store_true",
+                   help="find the smallest set of units that must run in fp32 (needs --dtype float16/bfloat16)")
+    p.add_argument("--rescue-tokens", type=int, default=MAX_NEW_TOKENS,
+                   help=f"generated tokens the rescue compares (default {MAX_NEW_TOKENS}; float16 on a CPU is slow)")
+    p.add_argument("--fp32", default=None, metavar="UNIT[,UNIT...]",
+                   help="run these units in fp32: blocks.I.attn, blocks.I.mlp, blocks.I.resid, final_norm, logits")
+
+
+def parse_units(text: str) -> list[str]:
+    units = [u.strip() for u in text.split(",") if u.strip()]
+    if not units:
+        raise InputError("--fp32 needs at least one unit, e.g. --fp32 blocks.11.mlp,blocks.11.resid")
+    return units
+
+
+def fp32_source(model: Model, a: argparse.Namespace) -> Model:
+    """The float32 weights (the model itself when it is float32; else the same source loaded again)."""
+    if model.dtype == torch.float32:
+        return model
+    return load_model(a.model, device=a.device, dtype="float32")
+
+
+def doctor_model(model: Model, a: argparse.Namespace) -> Model:
+    """The model the doctor should run: with --fp32, model.with_fp32(units) (fp32 copies from the float32
+    weights, not upcast from the low-precision ones); else model itself."""
+    if not getattr(a, "fp32", None):
+        return model
+    units = parse_units(a.fp32)
+    if model.dtype == torch.float32:
+        raise InputError("--fp32 keeps units of a float16 / bfloat16 run in fp32; add --dtype float16 or bfloat16")
+    return model.with_fp32(units, source=fp32_source(model, a))
+
+
+def settings_of(a: argparse.Namespace, **changes) -> RunSettings:
+    """The run the doctor's flags describe (sampler settings by SamplingParams' own field names)."""
+    params = SamplingParams(**{f.name: getattr(a, f.name) for f in fields(SamplingParams) if hasattr(a, f.name)})
+    kw = dict(prompt=a.prompt, chat=getattr(a, "chat", False), system=getattr(a, "system", None),
+              allow_special=getattr(a, "allow_special", False), max_new_tokens=a.max_new_tokens, params=params,
+              seed=getattr(a, "seed", 0), ignore_eos=getattr(a, "ignore_eos", False))
+    return RunSettings(**{**kw, **changes})
+
+
+def _progress(what: str):
+    def show(f: float, msg: str) -> None:
+        print(f"\r[{what} {f * 100:5.1f}%] {msg[:60]:60s}", end="" if f < 1 else "\n", file=sys.stderr, flush=True)
+    return show
+
+
+def extend_doctor(model: Model, a: argparse.Namespace, report: dict) -> dict:
+    """Add fp32 (the plan that ran), causes / why_loop (--why-loop) and rescue (--rescue) to the doctor's
+    report dict (run_doctor(...).as_dict()); model is the model the doctor ran."""
+    if getattr(a, "fp32", None):
+        report["fp32"] = list(model.fp32_units)
+    if getattr(a, "rescue", False):
+        if model.fp32_units:
+            raise InputError("--rescue searches for the fp32 units itself; leave out --fp32")
+        if model.dtype == torch.float32:
+            raise InputError("--rescue looks for the units a float16 / bfloat16 run needs in fp32; add --dtype "
+                             "float16 (or a preset with a dtype, e.g. --preset fp16-overflow)")
+        if a.rescue_tokens < 1:
+            raise InputError(f"--rescue-tokens must be >= 1, got {a.rescue_tokens}")
+        ref = fp32_source(model, a)
+        rep = find_rescue(ref, model, settings_of(a), injections=report.get("injections", []),
+                          norm_eps=report.get("norm_eps"), max_new_tokens=min(a.max_new_tokens, a.rescue_tokens),
+                          on_progress=_progress("rescue"))
+        report["rescue"] = rep.as_dict()
+    if getattr(a, "why_loop", False):
+        rep = why_loop(model, settings_of(a, max_new_tokens=HORIZON), on_progress=_progress("why-loop"))
+        d = rep.as_dict()
+        report["causes"] = d.pop("causes")
+        report["why_loop"] = d
+    return report
+
+
+def human_lines(report: dict) -> list[str]:
+    """Plain-text lines for what extend_doctor added (the doctor prints them after its own)."""
+    lines = []
+    if "fp32" in report:
+        lines.append(f"fp32 units: {', '.join(report['fp32'])}")
+    if "rescue" in report:
+        r = report["rescue"]
+        what = "none needed" if r["fp32"] == [] else ("none found" if r["fp32"] is None else ", ".join(r["fp32"]))
+        lines.append(f"fp32 rescue set: {what} ({r['reruns']} reruns, bound {r['bound']}); finite {r['finite']}, "
+                     f"top-1 agreement {r['top1_agreement']:.3f}" + (f"; {r['note']}" if r["note"] else ""))
+        if r["complement"]:
+            c = r["complement"]
+            lines.append(f"  complement ({c['units']} units): finite {c['finite']}, fixes it: {c['fixes']}")
+    if "why_loop" in report:
+        w = report["why_loop"]
+        lines.append(f"why the loop: {w['status']} ({w['reruns']} reruns)")
+        for c in report["causes"]:
+            lines.append(f"  [{'gone' if c['loop_gone'] else 'kept'}] {c['kind']:8s} {c['change']}: "
+                         f"{c['text_after'][:60]!r}")
+    return lines
+
+
+def strict(x):
+    """Non-finite floats -> 'NaN' / 'Infinity' / '-Infinity' (strict JSON has no such numbers)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "NaN" if x != x else ("Infinity" if x > 0 else "-Infinity")
+    if isinstance(x, dict):
+        return {k: strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict(v) for v in x]
+    return x
+
+
+def cmd_quant(a: argparse.Namespace, common) -> int:
+    formats = check_formats(a.formats.split(","))           # before the model loads
+    model = common.load(a)
+    settings = settings_of(a, params=common.sampling_params(a))
+    report = quant_report(model, settings, formats, threshold=a.threshold, embed=a.embed,
+                          on_progress=_progress("quant")).as_dict()
+    if a.json:
+        print(json.dumps(strict(report)))
+        return 0
+    print(f"{report['reference']}: {report['positions']} positions, {report['steps']} generated steps; "
+          f"threshold {report['threshold']:g} (relative error of the residual stream)")
+    print(f"{'format':8s} {'KL mean':>10s} {'same top':>9s} {'first layer over':>17s}  resid_post error by layer")
+    for fmt, r in report["formats"].items():
+        resid = [x["rel_err"] for x in r["per_stage"] if x["stage_in_layer"] == "resid_post"]
+        over = "-" if r["first_layer_over"] is None else str(r["first_layer_over"])
+        print(f"{fmt:8s} {r['kld_mean']:10.4g} {r['same_top']:9.3f} {over:>17s}  "
+              + " ".join(f"{e:.3f}" for e in resid[::max(1, len(resid) // 10)]))
+    return 0

@@ -1,0 +1,203 @@
+"""Sections for the prescribing doctors, called from the pages: why the run loops (Repetition page), the
+fp32 rescue set (NaN doctor page) and quantization damage per stage (the Quantization page).
+
+Each takes the current run (engine.Trace) and the model it was made with. Model work happens only on a
+button press, inside a device slot with a progress bar, and is kept in this session keyed by the run and
+the choices that change the result; display-only controls never re-run the model.
+"""
+from __future__ import annotations
+
+import shlex
+
+import streamlit as st
+import torch
+
+from engine import EngineError
+from engine.doctor import PRESETS, cast_model
+from engine.quant import FORMATS, THRESHOLD, compare_formats
+from engine.rescue import MAX_NEW_TOKENS, find_rescue
+from engine.why_loop import HORIZON, MAX_RERUNS, why_loop
+from inspector.session.memo import memo, run_key
+from inspector.views import prescribe as pv
+from pages.common import device_slot
+
+MAX_QUANT_POSITIONS = 256
+QUANT_CHOICES = (*FORMATS, "F16", "BF16", "F32")
+
+
+def _progress_bar(start: str):
+    bar = st.progress(0.0, text=start)
+    return bar, lambda f, msg: bar.progress(min(max(float(f), 0.0), 1.0), text=msg)
+
+
+def _reference_note(model) -> None:
+    if model.dtype != torch.float32:
+        st.caption(f"The model is loaded in {str(model.dtype).removeprefix('torch.')}: its weights upcast to "
+                   "float32 serve as the fp32 reference here, not the original float32 weights.")
+
+
+def _compute(store: dict, key, what: str, compute) -> None:
+    """Run compute in a device slot with a progress bar (compute(on_progress)); keep it in store."""
+    bar, on_progress = _progress_bar(f"{what}…")
+    try:
+        with device_slot(what):
+            memo(store, key, lambda: compute(on_progress), max_entries=4)
+    except EngineError as e:
+        st.error(str(e))
+    finally:
+        bar.empty()
+
+
+# ---- Repetition page ------------------------------------------------------------------------------
+def why_loop_section(run, model) -> None:
+    st.subheader("Why does it loop?")
+    st.caption(f"Reruns this run's prompt and seed for {HORIZON} tokens, then tests each candidate cause by "
+               "removing it and rerunning: the copy heads (zeroed, top 1, 2, 4, 8), the sampler (each penalty, "
+               "no-repeat n-gram and temperature, weakest first), the numerics (another dtype) and the prompt (each "
+               "span left out). A cause counts only with its rerun: the loop is gone when the rerun's "
+               f"{HORIZON} tokens hold no loop and no 3-token sequence three times.")
+    budget = int(st.number_input("Most reruns", 5, MAX_RERUNS, MAX_RERUNS, key="wl_budget"))
+    store = st.session_state.setdefault("wl_reports", {})
+    key = (*run_key(run), budget)
+    if st.button("Find the cause", key="wl_run", type="primary"):
+        _compute(store, key, "the loop diagnosis",
+                 lambda progress: why_loop(model, run.settings, max_reruns=budget, on_progress=progress))
+    report = store.get(key)
+    if report is not None:
+        show_why_loop(report)
+
+
+def show_why_loop(report) -> None:
+    if report.status == "no loop":
+        st.success(f"No loop in {report.horizon} tokens from the same prompt and seed: there is nothing to explain "
+                   f"({report.reruns} rerun).")
+        return
+    lp, gone = report.loop, [c for c in report.causes if c.loop_gone]
+    where = f" from step {lp['start']} with period {lp['period']} (×{lp['count']})" if lp else ""
+    st.warning(f"The rerun loops{where}. {len(gone)} of {len(report.causes)} changes break it.")
+    c = st.columns(3)
+    c[0].metric("Reruns", f"{report.reruns} / {report.max_reruns}")
+    c[1].metric("Changes that break the loop", len(gone))
+    c[2].metric("Top copy head", f"L{report.copy_heads[0]['layer']} h{report.copy_heads[0]['head']}"
+                if report.copy_heads else "—")
+    st.dataframe(pv.causes_frame(report), key="wl_causes", hide_index=True)
+    st.plotly_chart(pv.causes_figure(report), key="wl_causes_fig")
+    st.caption("Each bar is one rerun: how many tokens it generated before its loop came back. A full green bar: "
+               "the loop stayed away for the whole horizon.")
+    if report.copy_heads:
+        st.markdown("**Copy heads** (mean attention from the looping tokens to their copy one period back)")
+        st.dataframe(pv.copy_heads_frame(report), key="wl_heads", hide_index=True)
+    for s in report.skipped:
+        st.info(f"Not tried: {s}")
+
+
+# ---- NaN doctor page ------------------------------------------------------------------------------
+def _rescue_choices() -> tuple[list[str], float | None, str]:
+    """The section's fault picker: (injection specs, RMSNorm epsilon, low dtype)."""
+    c1, c2, c3 = st.columns([2, 2, 1])
+    preset = c1.selectbox("Fault", ["fp16-overflow", *[p for p in PRESETS if p != "fp16-overflow"], "none",
+                                    "custom"], key="rs_preset")
+    custom = c2.text_input("Injections (KIND@STAGE[:N], comma-separated)", "scale=1e6@blocks.5.mlp_out",
+                           key="rs_inject", disabled=preset != "custom")
+    dtype = c3.selectbox("Low precision", ["float16", "bfloat16"], key="rs_dtype")
+    if preset == "custom":
+        return [s.strip() for s in custom.split(",") if s.strip()], None, dtype
+    if preset == "none":
+        return [], None, dtype
+    return list(PRESETS[preset].injections), PRESETS[preset].norm_eps, dtype
+
+
+def rescue_section(run, model) -> None:
+    st.subheader("fp32 rescue set")
+    st.caption("Which units must compute in fp32 for a float16 / bfloat16 run (with a fault, or as it is) to stay "
+               "finite and agree with fp32 on ≥ 99 % of its top-1 tokens? Bisection over attn, mlp, resid (the "
+               "residual stream in fp32 from that layer on), final_norm and logits; the set is then verified, and "
+               "its complement is shown not to fix the run.")
+    _reference_note(model)
+    specs, norm_eps, dtype = _rescue_choices()
+    tokens = int(st.number_input("Generated tokens compared", 1, 16, MAX_NEW_TOKENS, key="rs_tokens"))
+    store = st.session_state.setdefault("rs_reports", {})
+    key = (*run_key(run), tuple(specs), norm_eps, dtype, tokens)
+
+    def compute(progress):
+        ref = model if model.dtype == torch.float32 else cast_model(model, "float32")
+        low = cast_model(ref, dtype)             # dropped with this call: one extra model at a time
+        return find_rescue(ref, low, run.settings, injections=specs, norm_eps=norm_eps, max_new_tokens=tokens,
+                           on_progress=progress)
+    if st.button("Find the rescue set", key="rs_run", type="primary"):
+        _compute(store, key, "the fp32 rescue search", compute)
+    report = store.get(key)
+    if report is not None:
+        show_rescue(report, run, model.config.num_layers, norm_eps)
+
+
+def show_rescue(report, run, num_layers: int, norm_eps) -> None:
+    faults = ", ".join(report.injections) or "no fault"
+    if report.fp32 is None:
+        st.error(f"{report.dtype}, {faults}: no fp32 set found. {report.note}")
+    elif not report.fp32:
+        st.success(f"{report.dtype}, {faults}: {report.note}")
+    else:
+        st.warning(f"{report.dtype}, {faults} ({', '.join(report.trigger)}): keep **{', '.join(report.fp32)}** in "
+                   f"fp32. Verified: finite {report.finite}, top-1 agreement {report.top1_agreement:.1%}.")
+    c = st.columns(3)
+    c[0].metric("Units in fp32", "—" if report.fp32 is None else len(report.fp32))
+    c[1].metric("Reruns", f"{report.reruns} (bound {report.bound})")
+    if report.complement:
+        c[2].metric("Complement fixes it", "yes" if report.complement["fixes"] else "no",
+                    help=f"{report.complement['units']} units in fp32, every one but the set")
+    if report.fp32:
+        st.plotly_chart(pv.rescue_figure(report, num_layers), key="rs_units_fig")
+        s = run.settings
+        cmd = (f"python -m engine doctor {shlex.quote(s.prompt)}" + (" --chat" if s.chat else "")
+               + f" --dtype {report.dtype}" + "".join(f" --inject {shlex.quote(i)}" for i in report.injections)
+               + ("" if norm_eps is None else f" --norm-eps {norm_eps:g}")
+               + f" --max-new-tokens {report.tokens} --fp32 {','.join(report.fp32)}")
+        st.markdown("Check it with the doctor from the command line:")
+        st.code(cmd, language="bash", wrap_lines=True)
+    st.dataframe(pv.rescue_trials_frame(report), key="rs_trials", hide_index=True)
+    st.caption(f"Every rerun reads the same {report.positions} positions (the prompt and the fp32 run's "
+               f"{report.tokens} tokens) in one forward, stopping at the first non-finite stage.")
+
+
+# ---- Quantization page ----------------------------------------------------------------------------
+def quantization_section(run, model) -> None:
+    st.caption("The model's block matrices re-quantized with the gguf package's own quantizers and dequantized, "
+               "then run over this run's tokens beside the float32 weights: the relative error of every stage, "
+               "layer by layer, and per generated step the KL divergence and whether the top token agrees. The "
+               "bundled model's reference weights are themselves Q4_1 (dequantized): Q4_1 reproduces them, and "
+               "other formats quantize them a second time.")
+    _reference_note(model)
+    c1, c2, c3 = st.columns([3, 1, 1])
+    formats = c1.multiselect("Formats", list(QUANT_CHOICES), default=["Q8_0", "Q4_0"], key="qz_formats")
+    threshold = c2.number_input("Threshold", 0.001, 1.0, THRESHOLD, format="%.3f", key="qz_threshold",
+                                help="relative error of the residual stream that counts as 'over'")
+    embed = c3.checkbox("Quantize the embedding too", key="qz_embed")
+    ids = run.ids[:MAX_QUANT_POSITIONS]
+    if len(ids) <= run.n_prompt:
+        st.info("This run generated no token within the first positions: nothing to compare per step.")
+        return
+    store = st.session_state.setdefault("qz_reports", {})
+    key = (*run_key(run), tuple(formats), embed)
+
+    def compute(progress):
+        ref = model if model.dtype == torch.float32 else cast_model(model, "float32")
+        return compare_formats(ref, ids, run.n_prompt, formats, embed=embed, text=run.result.text,
+                               on_progress=progress)
+    if st.button("Quantize and compare", key="qz_run", type="primary", disabled=not formats):
+        _compute(store, key, "the quantization comparison", compute)
+    report = store.get(key)
+    if report is not None:
+        show_quant(report.with_threshold(float(threshold)))
+
+
+def show_quant(report) -> None:
+    st.dataframe(pv.quant_summary_frame(report), key="qz_summary", hide_index=True)
+    log_y = st.toggle("Logarithmic error axis", key="qz_log")
+    st.plotly_chart(pv.quant_layers_figure(report, log_y=log_y), key="qz_layers")
+    st.caption(f"The error of the residual stream after each block: each line is one format. Where a line "
+               f"crosses the dashed threshold ({report.threshold:g}) is that format's first layer over.")
+    st.plotly_chart(pv.quant_steps_figure(report), key="qz_steps")
+    fmt = st.selectbox("Every stage of one format", [r.format for r in report.formats], key="qz_heat_fmt")
+    st.plotly_chart(pv.quant_heatmap(report, fmt), key="qz_heat")
+    st.dataframe(pv.quant_stage_frame(report), key="qz_table", hide_index=True)

@@ -1,0 +1,276 @@
+"""The prescribing doctors on the tiny model: why a generation loops (engine.why_loop), the fp32 rescue set
+(engine.rescue), quantization damage (engine.quant), their CLI (engine.cli.prescribe) and views."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections import Counter
+from dataclasses import fields
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import InputError, Model, RunSettings, SamplingParams
+from engine.cli.prescribe import add_commands, add_doctor_flags, doctor_model, extend_doctor
+from engine.doctor import cast_model, run_doctor
+from engine.quant import compare_formats, requantize
+from engine.rescue import complement, find_rescue, forward_order, precision_units
+from engine.weights import Weights
+from engine.why_loop import loops_in, prompt_spans, repeated_ngram, why_loop
+from inspector.views import prescribe as pv
+
+pytestmark = pytest.mark.unit
+PROMPT = "I like apples. I like apples. I like"
+OVERFLOW = "scale=1e6@blocks.1.mlp_out"       # tiny mlp_out is O(1): fine in fp32, past 65,504 in float16
+
+
+def no_trigram_thrice(tokens) -> bool:
+    grams = Counter(tuple(tokens[i:i + 3]) for i in range(len(tokens) - 2))
+    return all(n < 3 for n in grams.values())
+
+
+@pytest.fixture(scope="module")
+def looper(tiny_model) -> Model:
+    """The tiny model made to loop by its weights alone: attention and MLP outputs are zero (wo, w_down = 0),
+    so the stream is the current token's embedding, and the unembedding maps the prompt's last token A ->
+    1000 -> 2000 -> A. No head can matter; only the sampler can break it."""
+    w, cfg = tiny_model.weights, tiny_model.config
+    a = tiny_model.tokenizer.encode(PROMPT)[-1]
+    layers = [dataclasses.replace(lw, wo=torch.zeros_like(lw.wo), w_down=torch.zeros_like(lw.w_down))
+              for lw in w.layers]
+    head = w.lm_head.clone()
+    e = F.rms_norm(w.embed, (cfg.hidden_size,), w.norm, cfg.rms_norm_eps)
+    cycle = [a, 1000, 2000]
+    for src, dst in zip(cycle, cycle[1:] + cycle[:1]):
+        head[:, dst] = 20 * e[src] / e[src].norm()
+    return Model(cfg, Weights(w.embed, layers, w.norm, head), tiny_model.tokenizer, device=tiny_model.device,
+                 dtype=tiny_model.dtype, name="tiny looper")
+
+
+@pytest.fixture(scope="module")
+def tiny_fp16(tiny_model) -> Model:
+    return cast_model(tiny_model, "float16")
+
+
+# ---- why the loop ---------------------------------------------------------------------------------
+def test_repeated_ngram_finds_the_first_trigram_seen_three_times():
+    assert repeated_ngram([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]) == (1, 2, 3)
+    assert repeated_ngram([1, 2, 3, 9, 1, 2, 3, 8]) is None
+    assert loops_in([5, 6] * 4) and loops_in([7, 1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3])
+    assert not loops_in(list(range(64)))
+
+
+def test_prompt_spans_are_sentences_covering_the_prompt_then_words_and_at_most_six():
+    spans = prompt_spans(PROMPT)
+    assert [PROMPT[a:b] for a, b in spans] == ["I like apples.", " I like apples.", " I like"]
+    assert "".join(PROMPT[a:b] for a, b in spans) == PROMPT
+    words = prompt_spans("one two three")
+    assert [("one two three")[a:b] for a, b in words] == ["one", " two", " three"]
+    many = "A. " * 20 + "end"
+    assert len(prompt_spans(many)) == 6 and prompt_spans(many)[0][0] == 0 and prompt_spans(many)[-1][1] == len(many)
+
+
+def test_a_loop_free_control_reports_no_loop_and_no_causes(tiny_model):
+    report = why_loop(tiny_model, RunSettings(prompt="Tell me about caches.", chat=False))
+    assert report.status == "no loop" and report.causes == [] and report.reruns == 1
+    assert report.as_dict()["causes"] == []
+
+
+def test_a_loop_made_by_the_unembedding_is_broken_by_no_repeat_ngram_and_not_by_heads(looper):
+    report = why_loop(looper, RunSettings(prompt=PROMPT, chat=False))
+    assert report.status == "loop" and report.loop["period"] == 3 and report.loop["start"] == 0
+    kinds = {c.kind for c in report.causes}
+    assert kinds == {"heads", "sampler", "numerics", "prompt"} and report.reruns <= 40
+    heads = [c for c in report.causes if c.kind == "heads"]
+    assert [c.detail["k"] for c in heads] == [1, 2, 4, 8] and not any(c.loop_gone for c in heads)
+    gone = [c for c in report.causes if c.loop_gone]
+    assert [c.change for c in gone] == ["no_repeat_ngram 0 -> 3"]          # 8, 6, 4 were tried first
+    assert gone[0].detail["tried"] == [8, 6, 4, 3] and gone[0].tokens == 64
+    ids = looper.tokenizer.encode(gone[0].text_after)
+    assert no_trigram_thrice(ids) and gone[0].text_after
+    assert report.causes[0] is gone[0]                                       # loop-breaking first
+    for c in report.causes[1:]:
+        assert not c.loop_gone and c.stopped == "loop" and c.text_after and c.tokens < 64
+
+
+def test_the_rerun_budget_is_kept_and_what_was_left_out_is_said(looper):
+    report = why_loop(looper, RunSettings(prompt=PROMPT, chat=False), max_reruns=7)
+    assert report.reruns == 7 and report.skipped
+    assert "sampler" in report.skipped[0] and len(report.causes) == 4 + 1     # heads; the rungs run so far
+    assert report.as_dict() == why_loop(looper, RunSettings(prompt=PROMPT, chat=False), max_reruns=7).as_dict()
+
+
+# ---- fp32 rescue ----------------------------------------------------------------------------------
+def test_units_are_searched_resid_latest_first_and_the_complement_drops_covering_resid_units():
+    units = precision_units(3)
+    assert units[:3] == ["blocks.2.resid", "blocks.1.resid", "blocks.0.resid"]
+    assert units[3:5] == ["blocks.0.attn", "blocks.0.mlp"] and units[-2:] == ["final_norm", "logits"]
+    rest = complement(units, ["blocks.1.resid"])
+    assert "blocks.0.resid" not in rest and "blocks.1.resid" not in rest and "blocks.2.resid" in rest
+    assert complement(units, ["blocks.1.mlp"]) == [u for u in units if u != "blocks.1.mlp"]
+    assert forward_order(["logits", "blocks.1.resid", "final_norm", "blocks.1.mlp", "blocks.0.attn"]) == \
+        ["blocks.0.attn", "blocks.1.mlp", "blocks.1.resid", "final_norm", "logits"]
+
+
+def test_a_stream_overflow_is_rescued_by_that_layers_resid_and_its_complement_fails(tiny_model, tiny_fp16):
+    report = find_rescue(tiny_model, tiny_fp16, RunSettings(prompt=PROMPT, chat=False), injections=[OVERFLOW])
+    assert report.trigger[0] == "nonfinite" and report.trials[0].first_nonfinite == "blocks.1.mlp_out"
+    assert report.fp32 == ["blocks.1.resid"] and report.verified and report.finite
+    assert report.top1_agreement >= 0.99 and report.reruns <= report.bound == 3 + 5
+    assert report.complement["fixes"] is False and not report.complement["finite"]
+    d = report.as_dict()
+    assert {"fp32", "reruns", "finite", "top1_agreement"} <= set(d) and len(d["trials"]) == d["reruns"]
+
+
+def test_an_mlp_overflow_needs_the_mlp_and_its_resid_within_the_bound(tiny_model, tiny_fp16):
+    report = find_rescue(tiny_model, tiny_fp16, RunSettings(prompt=PROMPT, chat=False),
+                         injections=["scale=1e6@blocks.1.mlp.up"])
+    assert report.fp32 == ["blocks.1.mlp", "blocks.1.resid"] and report.reruns <= report.bound
+    assert report.trials[-2].label == "the set + blocks.1.resid" and report.trials[-2].passes()
+
+
+def test_a_healthy_run_needs_no_unit_and_a_fault_fp32_cannot_survive_is_not_rescued(tiny_model, tiny_fp16):
+    healthy = find_rescue(tiny_model, tiny_fp16, RunSettings(prompt=PROMPT, chat=False))
+    assert healthy.fp32 == [] and healthy.trigger == [] and healthy.reruns == 1
+    nan = find_rescue(tiny_model, tiny_fp16, RunSettings(prompt=PROMPT, chat=False),
+                      injections=["nan@blocks.1.mlp.act:3"])
+    assert nan.fp32 is None and nan.reruns == 0 and "fp32 run itself is not finite" in nan.note
+
+
+# ---- quantization ---------------------------------------------------------------------------------
+def test_requantize_runs_its_blocks_along_the_input_dimension():
+    """Output columns of scale 1 and 0.001 side by side: blocks along the input (GGUF's rows) keep every
+    column's relative error at Q4_0's level; blocks across outputs would crush the small columns."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 32, generator=g) * torch.tensor([1.0, 1e-3] * 16)           # (in, out)
+    back = requantize(w, "Q4_0")
+    assert back.shape == w.shape and back.dtype == torch.float32
+    rel = (back - w).norm(dim=0) / w.norm(dim=0)
+    assert float(rel.max()) < 0.2
+    assert torch.equal(requantize(w, "F32"), w)
+
+
+def test_requantize_names_unknown_formats_and_rows_that_are_not_whole_blocks():
+    with pytest.raises(InputError, match="unknown GGUF format"):
+        requantize(torch.zeros(64, 4), "Q3_Z")
+    with pytest.raises(InputError, match="Q8_0 cannot quantize"):
+        requantize(torch.zeros(40, 4), "Q8_0")
+
+
+def test_f32_compares_to_exactly_zero_and_q8_0_damages_less_than_q4_0(tiny_model):
+    ids = tiny_model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 2)
+    report = compare_formats(tiny_model, ids, 4, ["F32", "Q8_0", "Q4_0"])
+    f32, q8, q4 = (report.result(f) for f in ("F32", "Q8_0", "Q4_0"))
+    assert all(r["rel_err"] == 0.0 for r in f32.per_stage) and f32.kld_mean == 0.0 and f32.same_top == 1.0
+    assert len(f32.kld) == report.steps == len(ids) - 4
+    assert q8.kld_mean < q4.kld_mean and q8.same_top >= q4.same_top
+    names = [r["stage"] for r in q8.per_stage]
+    assert names[0] == "embed" and names[-1] == "logits" and not any("pattern" in n for n in names)
+    loose = report.with_threshold(1e-9)
+    assert loose.result("Q4_0").first_layer_over == 0 and loose.result("F32").first_layer_over is None
+    assert report.result("Q4_0").kld == loose.result("Q4_0").kld
+
+
+# ---- command line ---------------------------------------------------------------------------------
+def stand_in_common(model: Model) -> SimpleNamespace:
+    """What engine/cli/args.py gives subcommand modules, small enough for a test."""
+    def model_args(p):
+        p.add_argument("--model"), p.add_argument("--device"), p.add_argument("--dtype")
+
+    def prompt_args(p):
+        p.add_argument("prompt"), p.add_argument("--chat", action="store_true"), p.add_argument("--system")
+        p.add_argument("--allow-special", action="store_true")
+
+    def sampling_args(p):
+        p.add_argument("--max-new-tokens", type=int, default=64), p.add_argument("--seed", type=int, default=0)
+        for f in fields(SamplingParams):
+            p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+
+    def sampling_params(a):
+        return SamplingParams(**{f.name: getattr(a, f.name) for f in fields(SamplingParams)})
+    return SimpleNamespace(model_args=model_args, prompt_args=prompt_args, sampling_args=sampling_args,
+                           sampling_params=sampling_params, load=lambda a: model)
+
+
+def parser_for(model: Model) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    add_commands(sub, stand_in_common(model))
+    d = sub.add_parser("doctor")
+    common = stand_in_common(model)
+    common.prompt_args(d), common.sampling_args(d), common.model_args(d)
+    d.add_argument("--ignore-eos", action="store_true")
+    add_doctor_flags(d)
+    return parser
+
+
+def test_quant_command_prints_strict_json_per_format(tiny_model, capsys):
+    a = parser_for(tiny_model).parse_args(["quant", "Hello there", "--formats", "F32,Q8_0", "--max-new-tokens", "4",
+                                           "--json"])
+    assert a.fn(a) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["formats"]) == {"F32", "Q8_0"} and out["steps"] == 4
+    for r in out["formats"].values():
+        assert {"kld_mean", "same_top", "first_layer_over", "per_stage"} <= set(r)
+    assert out["formats"]["F32"]["kld_mean"] == 0.0
+    for bad in (",", "Q9_9"):
+        a = parser_for(tiny_model).parse_args(["quant", "Hello", "--formats", bad])
+        with pytest.raises(InputError):
+            a.fn(a)
+
+
+def test_doctor_fp32_runs_the_plan_and_rescue_and_why_loop_extend_the_report(tiny_model, tiny_model_dir, tiny_fp16):
+    parser = parser_for(tiny_fp16)
+    base = ["doctor", PROMPT, "--model", str(tiny_model_dir), "--device", "cpu", "--max-new-tokens", "6"]
+    a = parser.parse_args(base + ["--fp32", "blocks.1.resid"])
+    plan = doctor_model(tiny_fp16, a)
+    assert plan.fp32_units == ["blocks.1.resid"] and plan.resid_fp32_from == 1
+    fixed = run_doctor(plan, PROMPT, injections=[OVERFLOW], max_new_tokens=6)
+    assert fixed.first_nonfinite is None
+    rest = complement(precision_units(2), ["blocks.1.resid"])
+    broken = run_doctor(doctor_model(tiny_fp16, parser.parse_args(base + ["--fp32", ",".join(rest)])), PROMPT,
+                        injections=[OVERFLOW], max_new_tokens=6)
+    assert broken.first_nonfinite is not None and broken.first_nonfinite.stage == "blocks.1.mlp_out"
+    assert extend_doctor(plan, a, fixed.as_dict())["fp32"] == ["blocks.1.resid"]
+    a = parser.parse_args(base + ["--rescue", "--why-loop"])
+    out = extend_doctor(tiny_fp16, a, {"injections": [OVERFLOW], "norm_eps": None})
+    assert out["rescue"]["fp32"] == ["blocks.1.resid"] and out["rescue"]["tokens"] == 6
+    assert out["why_loop"]["status"] == "no loop" and out["causes"] == []
+    json.dumps(out)
+
+
+def test_doctor_flags_refuse_what_cannot_work(tiny_model, tiny_fp16):
+    parser = parser_for(tiny_model)
+    with pytest.raises(InputError, match="--dtype float16"):
+        doctor_model(tiny_model, parser.parse_args(["doctor", "x", "--fp32", "blocks.0.mlp"]))
+    with pytest.raises(InputError, match="unknown precision unit"):
+        doctor_model(tiny_fp16, parser.parse_args(["doctor", "x", "--device", "cpu", "--fp32", "blocks.9.mlp"]))
+    with pytest.raises(InputError, match="at least one unit"):
+        doctor_model(tiny_fp16, parser.parse_args(["doctor", "x", "--fp32", " , "]))
+    with pytest.raises(InputError, match="add --dtype float16"):
+        extend_doctor(tiny_model, parser.parse_args(["doctor", "x", "--rescue"]), {"injections": []})
+
+
+# ---- views ----------------------------------------------------------------------------------------
+def test_views_name_their_axes_and_colorscales(looper, tiny_model, tiny_fp16):
+    wl = why_loop(looper, RunSettings(prompt=PROMPT, chat=False), max_reruns=7)
+    df = pv.causes_frame(wl)
+    assert list(df.columns) == pv.CAUSE_COLUMNS and len(df) == len(wl.causes)
+    fig = pv.causes_figure(wl)
+    assert fig.layout.xaxis.title.text and fig.layout.yaxis.title.text
+    rs = find_rescue(tiny_model, tiny_fp16, RunSettings(prompt=PROMPT, chat=False), injections=[OVERFLOW])
+    grid = pv.rescue_grid(["blocks.0.resid", "blocks.1.mlp"], 2)
+    assert grid.loc["layer 0", "resid"] == 2 and grid.loc["layer 1", "resid"] == 1 and grid.loc["layer 1", "mlp"] == 2
+    heat = pv.rescue_figure(rs, 2)
+    assert heat.data[0].colorscale and heat.layout.xaxis.title.text and heat.layout.yaxis.title.text
+    assert len(pv.rescue_trials_frame(rs)) == rs.reruns
+    ids = tiny_model.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    qr = compare_formats(tiny_model, ids, 3, ["Q8_0", "Q4_0"])
+    lines = pv.quant_layers_figure(qr)
+    assert [t.name for t in lines.data] == ["Q8_0", "Q4_0"] and lines.layout.xaxis.title.text == "layer"
+    qh = pv.quant_heatmap(qr, "Q4_0")
+    assert qh.data[0].colorscale and qh.layout.yaxis.title.text and qh.layout.xaxis.title.text
+    assert list(pv.quant_summary_frame(qr)["format"]) == ["Q8_0", "Q4_0"]
