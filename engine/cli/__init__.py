@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..errors import EngineError
-from . import args, bench, debug, prescribe, run, show
+from . import args, bench, debug, explain, prescribe, run, show
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     for group in (run, bench, debug, show):
         group.add_commands(sub)
     prescribe.add_commands(sub, args)
+    explain.add_commands(sub, args)
     return parser
 
 

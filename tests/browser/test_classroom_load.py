@@ -1,0 +1,159 @@
+"""A room on one server: 30 browser sessions (each its own Playwright context, so its own cookies) run a
+1,024-token prompt and then open Attention at 3 layers, Compare, the NaN doctor and Repetition. The server's
+memory stays under weights + sessions × budget, no session sees another's text, each session's tokens equal
+its single-user run, and one browser with 10 tabs delays the other students by at most one run's time.
+A 4-layer random model keeps this inside CI's time on 2 cores; the paths are the ones the bundled model takes."""
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import psutil
+import pytest
+
+from engine import RunSettings
+from inspector.session.run import inspect_run
+from tests.browser.test_load_server import TIMEOUT_S, _open, _ready, _set_max_new
+from tests.helpers import streamlit_server, tiny_config, write_model_dir
+
+pytestmark = pytest.mark.browser
+SESSIONS = int(os.environ.get("LLM_INSPECTOR_ROOM_SESSIONS", "30"))
+BUDGET_MB, NEW = 64, 4
+PAGES = ["Attention", "Compare runs", "NaN doctor", "Repetition"]
+
+
+@pytest.fixture(scope="module")
+def room(tmp_path_factory, tokenizer_files):
+    d = write_model_dir(tmp_path_factory.mktemp("room") / "room-llama", tokenizer_files,
+                        tiny_config(num_hidden_layers=4))
+    log = tmp_path_factory.mktemp("room-log") / "streamlit.log"
+    env = dict(os.environ, LLM_INSPECTOR_MODEL=str(d), LLM_INSPECTOR_MAX_CONCURRENT_RUNS="2",
+               LLM_INSPECTOR_MAX_QUEUE="64", LLM_INSPECTOR_MAX_NEW_TOKENS="16", LLM_INSPECTOR_MAX_PROMPT_TOKENS="2048",
+               LLM_INSPECTOR_MAX_RUNS_KEPT="1", LLM_INSPECTOR_MAX_SESSION_MB=str(BUDGET_MB),
+               LLM_INSPECTOR_MODEL_ROOTS="", LLM_INSPECTOR_HUB_CACHE="off")
+    with streamlit_server(env, log, "--server.disconnectedSessionTTL", "2", "--server.fileWatcherType", "none") as (
+            url, proc):
+        yield url, proc, log, d
+
+
+def prompt_of(k: int, tok) -> str:
+    """A prompt of exactly 1,024 tokens (the model's own tokenizer), different for every student."""
+    words = [f"Student {k} asks:"] + [f"token{(k * 7919 + i) % 9973}" for i in range(2000)]
+    text = " ".join(words)
+    ids = tok.encode(text)[:1024]
+    return tok.decode(ids)
+
+
+def run_in(page, prompt: str) -> None:
+    _set_max_new(page, NEW)
+    box = page.get_by_role("textbox", name="Prompt", exact=True)
+    box.fill(prompt)
+    box.press("Control+Enter")
+
+
+def generated_text(page) -> str:
+    page.get_by_text("Generated text", exact=True).wait_for(timeout=TIMEOUT_S * 1000)
+    return page.locator('[data-testid="stMain"] [data-testid="stCode"] code').nth(1).text_content()
+
+
+def visit(page, title: str) -> None:
+    page.get_by_role("link", name=title, exact=True).first.click()
+    page.get_by_role("heading").first.wait_for(timeout=TIMEOUT_S * 1000)
+    page.wait_for_timeout(500)
+    while page.get_by_text(re.compile("Running|Computing")).count():
+        page.wait_for_timeout(250)
+
+
+def exceptions(page) -> int:
+    return page.locator('[data-testid="stException"]').count()
+
+
+def press_run_in(tabs) -> dict[int, float]:
+    """Press Run in every tab at once; the time each one's text appears."""
+    t0, done = time.monotonic(), {}
+    for _, page in tabs:
+        page.get_by_role("button", name="Run", exact=True).click()
+    end = t0 + TIMEOUT_S
+    while len(done) < len(tabs):
+        assert time.monotonic() < end, f"only {sorted(done)} finished"
+        for k, (_, page) in enumerate(tabs):
+            if k not in done and (page.get_by_text("Generated text", exact=True).count()
+                                  or page.get_by_text(re.compile("You already have")).count()):
+                done[k] = time.monotonic() - t0
+        time.sleep(0.05)
+    return done
+
+
+def test_a_room_of_thirty(room, browser, tiny_model):
+    url, proc, log, model_dir = room
+    from engine import load_model
+    model = load_model(model_dir, device="cpu", dtype="float32")
+    prompts = [prompt_of(k, model.tokenizer) for k in range(SESSIONS)]
+    want = [inspect_run(model, RunSettings(prompt=p, max_new_tokens=NEW)).result.text for p in prompts]
+    rss0 = psutil.Process(proc.pid).memory_info().rss
+    tabs = [_open(browser, url, wait=False) for _ in range(SESSIONS)]
+    for _, page in tabs:
+        _ready(page)
+    for (_, page), p in zip(tabs, prompts):
+        run_in(page, p)
+    press_run_in(tabs)
+    got = [generated_text(page) for _, page in tabs]
+    assert [g.strip("\n") for g in got] == [w.strip("\n") for w in want]   # each its own, none another's
+    peak = psutil.Process(proc.pid).memory_info().rss
+    for k, (_, page) in enumerate(tabs):
+        for title in PAGES:
+            visit(page, title)
+            assert not exceptions(page), (k, title)
+            if title == "Attention":
+                for layer in (1, 2, 3):
+                    page.get_by_label("Layer", exact=True).first.click()
+                    page.get_by_role("option", name=f"Layer {layer}", exact=True).click()
+                    page.wait_for_timeout(300)
+                    assert not exceptions(page), (k, layer)
+            if title == "Compare runs":
+                page.get_by_role("button", name="Compare", exact=True).click()
+                page.get_by_text("First divergence").wait_for(timeout=TIMEOUT_S * 1000)
+        peak = max(peak, psutil.Process(proc.pid).memory_info().rss)
+    bound = rss0 + SESSIONS * BUDGET_MB * 2**20
+    print(f"room of {SESSIONS}: server RSS {rss0 / 2**20:.0f} MiB before, peak {peak / 2**20:.0f} MiB "
+          f"(bound {bound / 2**20:.0f} MiB)")
+    assert peak < bound
+    for ctx, _ in tabs:
+        ctx.close()
+    assert proc.poll() is None and "Traceback" not in log.read_text()
+
+
+def test_ten_tabs_of_one_browser_delay_the_others_by_at_most_one_run(room, browser):
+    url, proc, log, model_dir = room
+    from engine import load_model
+    tok = load_model(model_dir, device="cpu", dtype="float32").tokenizer
+    others = [_open(browser, url) for _ in range(4)]
+    for k, (_, page) in enumerate(others):
+        run_in(page, prompt_of(100 + k, tok))
+    alone = press_run_in(others)
+    one_run = min(alone.values())
+    greedy_ctx = browser.new_context()                       # one browser: ten tabs share its cookies
+    greedy = []
+    for k in range(10):
+        page = greedy_ctx.new_page()
+        page.goto(url, timeout=TIMEOUT_S * 1000)
+        _ready(page)
+        run_in(page, prompt_of(200 + k, tok))
+        greedy.append((greedy_ctx, page))
+    for ctx, _ in others:
+        ctx.close()
+    others = [_open(browser, url) for _ in range(4)]           # fresh sessions: no earlier text on screen
+    for k, (_, page) in enumerate(others):
+        run_in(page, prompt_of(300 + k, tok))
+    for _, page in greedy:
+        page.get_by_role("button", name="Run", exact=True).click()
+    with_greedy = press_run_in(others)
+    refused = sum(page.get_by_text(re.compile("You already have")).count() > 0 for _, page in greedy)
+    print(f"four students alone: {max(alone.values()):.1f} s; with a ten-tab browser: "
+          f"{max(with_greedy.values()):.1f} s; one run {one_run:.1f} s; tabs refused {refused}")
+    assert refused >= 8
+    assert max(with_greedy.values()) <= max(alone.values()) + one_run + 5      # 5 s: the browser's own work
+    greedy_ctx.close()
+    for ctx, _ in others:
+        ctx.close()
