@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers import tiny_config
 from safetensors.torch import load_file, save_file
 from streamlit.runtime.pages_manager import PagesManager
 from streamlit.testing.v1 import AppTest
@@ -28,6 +27,7 @@ from inspector.session.admission import shared_admission
 from inspector.session.limits import Limits
 from inspector.session.models import model_choices
 from inspector.session.run import inspect_run
+from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = "What is the capital of France?"

@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
-from tests.helpers import tiny_config, tiny_tensors, write_model_dir
 from safetensors.torch import save_file
 
 from engine import load_model
+from tests.helpers import tiny_config, tiny_tensors, write_model_dir
 
 transformers = pytest.importorskip("transformers")
 

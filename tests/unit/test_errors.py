@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
-from tests.helpers import tiny_config, tiny_tensors, write_model_dir
 
 from engine import EngineError, InputError, ModelLoadError, UnsupportedModelError, load_model
 from engine.sampling import SamplingParams
+from tests.helpers import tiny_config, tiny_tensors, write_model_dir
 
 
 def load(path):
