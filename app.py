@@ -1,8 +1,12 @@
-"""LLM Inspector: the frame. Sidebar (model, prompt, settings, Run) and navigation between the pages."""
+"""LLM Inspector: the frame. The sidebar (prompt, Run, the pages, model, settings), then the page.
+
+Projector mode (the sidebar's toggle, or ?projector=1 in the URL) makes the type bigger here and every chart
+bigger and higher-contrast (pages.widgets.chart)."""
 import streamlit as st
 
 from pages.frame import frame
 from pages.sidebar import sidebar
+from pages.widgets import PROJECTOR, projector
 
 st.set_page_config(page_title="LLM Inspector", page_icon=":material/biotech:", layout="wide")
 
@@ -18,10 +22,31 @@ PAGES = [
     st.Page("pages/compare.py", title="Compare runs", icon=":material/compare_arrows:"),
     st.Page("pages/nan_doctor.py", title="NaN doctor", icon=":material/healing:"),
     st.Page("pages/repetition.py", title="Repetition", icon=":material/repeat:"),
+    st.Page("pages/explain.py", title="Explain", icon=":material/lightbulb:"),
+    st.Page("pages/quantization.py", title="Quantization", icon=":material/compress:"),
     st.Page("pages/trace_files.py", title="Trace files", icon=":material/save:"),
 ]
 
-nav = st.navigation(PAGES)
+# Type for a room: the page's text, metrics and captions larger (charts are restyled by pages.widgets.chart).
+PROJECTOR_CSS = """<style>
+[data-testid="stMain"] [data-testid="stMarkdownContainer"] p,
+[data-testid="stMain"] [data-testid="stMarkdownContainer"] li { font-size: 1.3rem; line-height: 1.5; }
+[data-testid="stMain"] [data-testid="stCaptionContainer"] { font-size: 1.1rem; }
+[data-testid="stMain"] [data-testid="stMetricValue"] { font-size: 2.6rem; }
+[data-testid="stMain"] [data-testid="stMetricLabel"] p { font-size: 1.15rem; }
+[data-testid="stMain"] label p { font-size: 1.1rem; }
+[data-testid="stMain"] h1 { font-size: 3rem; } [data-testid="stMain"] h2 { font-size: 2.3rem; }
+[data-testid="stMain"] h3 { font-size: 1.9rem; }
+</style>"""
+
+KEPT = PROJECTOR + "_kept"     # a page switch made by the script drops sidebar widget values; this copy stays
+if PROJECTOR not in st.session_state:          # a shared link decides the first screen; later, the last choice
+    st.session_state[PROJECTOR] = st.session_state.get(
+        KEPT, st.query_params.get("projector", "") in ("1", "true", "on", "yes"))
+st.session_state[KEPT] = bool(st.session_state[PROJECTOR])
+nav = st.navigation(PAGES, position="hidden")     # the sidebar lists the pages (pages.widgets)
 sidebar()
+if projector():
+    st.html(PROJECTOR_CSS)
 with frame():
     nav.run()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from types import SimpleNamespace
 from typing import Iterator, Protocol, Sequence
 
 from .errors import EngineError, InputError
@@ -151,6 +152,20 @@ def check_all(run, step, breakpoints: Sequence[Breakpoint]) -> str | None:
     return "; ".join(fired) if fired else None
 
 
+def _fired_at_nonfinite_stop(run, breakpoints: Sequence[Breakpoint]) -> str | None:
+    """A run that stopped because a step's logits were NaN/Inf drew no token at that step, but its forward ran:
+    the breakpoints on stage values (NaN/Inf, |value|) still say where it went wrong."""
+    if getattr(run, "stop_reason", None) != "non-finite logits":
+        return None
+    stopped = SimpleNamespace(index=len(run.steps))
+    for bp in breakpoints:
+        if isinstance(bp, (NonFinite, AbsAbove)):
+            fired = bp.check(run, stopped, run.probe)
+            if fired is not None:
+                return fired
+    return None
+
+
 def run_until(run, breakpoints: Sequence[Breakpoint] = (), max_steps: int | None = None):
     """Step the run until a breakpoint fires (that step included), the run ends, or max_steps steps.
     Returns (the steps taken, the fired message or None)."""
@@ -160,7 +175,7 @@ def run_until(run, breakpoints: Sequence[Breakpoint] = (), max_steps: int | None
     while max_steps is None or len(steps) < max_steps:
         step = run.step()
         if step is None:
-            break
+            return steps, _fired_at_nonfinite_stop(run, breakpoints)
         steps.append(step)
         fired = check_all(run, step, breakpoints)
         if fired is not None:

@@ -22,7 +22,7 @@ from fnmatch import fnmatchcase
 import torch
 
 from .errors import EngineError, InputError
-from .generate import GenerationResult, GenerationRun
+from .generate import GenerationResult, GenerationRun, nonfinite_stop
 from .model import Model
 from .probe import GLOBAL_WEIGHTS, HEADS_FIRST, WEIGHT_SLOTS, HookContext, Probe, split_name
 from .stats import STAT_NAMES
@@ -207,6 +207,7 @@ class DoctorReport:
         return {"model_dtype": self.dtype, "injections": self.injections, "norm_eps": self.norm_eps,
                 "prompt_tokens": len(r.prompt_ids), "generated_tokens": len(r.token_ids), "token_ids": r.token_ids,
                 "text": r.text, "stop_reason": r.stop_reason, "error": self.error,
+                "nonfinite_logits": nonfinite_stop(r),
                 "first_nonfinite": None if self.first_nonfinite is None else self.first_nonfinite.as_dict(),
                 "lead_up": self.lead_up, "loops": [lp.as_dict() for lp in find_loops(r.token_ids)]}
 
@@ -215,7 +216,10 @@ def run_doctor(model: Model, prompt, *, injections=(), norm_eps: float | None = 
                stop_at_nonfinite: bool = True, lead_up_k: int = 10, **gen) -> DoctorReport:
     """Generate with statistics of every stage (and the faults); stop at the first step that produced a NaN/Inf.
 
-    A sampler that cannot draw from a non-finite distribution ends the run (report.error) instead of raising."""
+    Stop reasons beyond the engine's: a step whose logits hold NaN/Inf ends the run with "non-finite logits"
+    (the engine draws nothing from them; engine.generate.nonfinite_stop names the step); with stop_at_nonfinite, a
+    step whose stages held a NaN/Inf while its logits stayed finite ends it with "nonfinite"; a sampler stage
+    that cannot be drawn from (a fault planted after the logits) ends it with "error" (report.error)."""
     specs = [i if isinstance(i, str) else i.spec for i in injections]
     if probe is None:
         probe = fault_probe(model, injections, norm_eps)
@@ -274,18 +278,26 @@ class PrecisionReport:
 
 
 def precision_compare(ref: Model, low: Model, ids, *, threshold: float | None = None,
-                      stages=DEFAULT_STAGES) -> PrecisionReport:
+                      stages=DEFAULT_STAGES, on_progress=None) -> PrecisionReport:
     """Both models' forward over ids; per stage, ||low - ref|| / ||ref|| over all positions (Frobenius).
 
     Each model runs on its own activations, so the error shown is the accumulated one. Divergence begins
     at the first stage whose relative error exceeds `threshold` (default 8 × the low dtype's unit roundoff,
-    i.e. about three bits lost beyond one rounding: 0.0039 for float16, 0.031 for bfloat16)."""
+    i.e. about three bits lost beyond one rounding: 0.0039 for float16, 0.031 for bfloat16).
+    on_progress(done, total): after each layer of either forward (2 × num_layers in all)."""
     ids = [int(i) for i in ids]
     threshold = 8 * UNIT_ROUNDOFF.get(low.dtype, 2.0 ** -11) if threshold is None else threshold
     pats = [stages] if isinstance(stages, str) else list(stages)
     names = [n for n in ref.hook_names() if any(fnmatchcase(n, p) for p in pats)
              and not n.endswith(SKIP) and n not in ("tokenizer", "detokenizer") and not n.startswith("sampler.")]
-    ref_logits = ref.logits(ids, cap := Probe().capture(names))
+    layers = ref.config.num_layers
+    done = [0]
+
+    def tick(x: torch.Tensor, ctx: HookContext) -> None:                 # reads, never replaces
+        done[0] += 1
+        if on_progress is not None:
+            on_progress(done[0], 2 * layers)
+    ref_logits = ref.logits(ids, cap := Probe().capture(names).replace("blocks.*.resid_post", tick))
     want = {c.name: c.value for c in cap.captures}
     rows: list[dict] = []
 
@@ -295,7 +307,7 @@ def precision_compare(ref: Model, low: Model, ids, *, threshold: float | None = 
         rows.append({"stage": ctx.name, "layer": ctx.layer, "stage_in_layer": split_name(ctx.name)[1],
                      "rel_err": rel if math.isfinite(rel) else float("inf"),
                      "max_abs_err": float((a - b).abs().max()), "ref_absmax": float(b.abs().max())})
-    low_logits = low.logits(ids, Probe().replace(names, compare))
+    low_logits = low.logits(ids, Probe().replace(names, compare).replace("blocks.*.resid_post", tick))
     agree = float((low_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
     div = next((r for r in rows if not r["rel_err"] <= threshold), None)
     return PrecisionReport(str(low.dtype).removeprefix("torch."), threshold, rows, div, agree)

@@ -3,6 +3,14 @@
     run = GenerationRun(model, "prompt", params=SamplingParams(temperature=0.7), max_new_tokens=32, seed=1,
                         probe=probe)
     while (step := run.step()) is not None: ...      # or: result = run.run()
+
+Stop reasons: eos, stop_string, max_new_tokens, context; "non-finite logits" when a step's logits hold a NaN or
+Inf (nothing is sampled from them: that step draws no token; nonfinite_stop(result) names it); "stopped" when
+on_token or on_progress returned STOP.
+
+Long prompts are prefilled in chunks of PREFILL_CHUNK positions (the same attention, causal within a chunk and
+over the cache before it), so on_progress can report the prefill by chunk and layer and a stop can land
+between them, and no attention map larger than chunk x prompt is ever materialised.
 """
 from __future__ import annotations
 
@@ -15,8 +23,44 @@ import torch
 from .errors import InputError
 from .probe import Probe
 from .sampling import SamplingParams, draw, entropy, sampler_chain
+from .stats import StatsBlock
 
 TOP_CANDIDATES = 10
+PREFILL_CHUNK = 512          # prompts longer than this are prefilled this many positions at a time
+NONFINITE = "non-finite logits"
+STOPPED = "stopped"
+
+
+class _Stop:
+    def __repr__(self) -> str:
+        return "STOP"
+
+
+STOP = _Stop()               # returned by on_token / on_progress: end the run here (stop reason "stopped")
+
+
+class _Stopped(Exception):
+    """Raised inside a prefill forward when on_progress asked to stop; the run ends without a token."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a prefill stands, told to on_progress before each block of each chunk and once at its end."""
+    done: int            # prompt positions prefilled before this chunk
+    chunk_end: int       # this chunk covers positions [done, chunk_end)
+    total: int           # prompt positions
+    layer: int           # the block about to run; == layers once the chunk's forward is done
+    layers: int
+
+    @property
+    def fraction(self) -> float:
+        return (self.done + (self.chunk_end - self.done) * self.layer / self.layers) / self.total
+
+    @property
+    def chunks(self) -> tuple[int, int]:
+        """(this chunk's number from 1, how many chunks)."""
+        n = -(-self.total // PREFILL_CHUNK) if self.total > PREFILL_CHUNK else 1
+        return min(n, self.done // PREFILL_CHUNK + 1), n
 
 
 @dataclass
@@ -46,7 +90,7 @@ class GenerationResult:
     token_ids: list[int]
     text: str
     steps: list[Step]
-    stop_reason: str                   # eos | stop_string | max_new_tokens | context
+    stop_reason: str                   # eos | stop_string | max_new_tokens | context | non-finite logits | stopped
     params: SamplingParams
     seed: int
     timings: dict[str, float]          # tokenize, prefill, decode (total), per_token_decode
@@ -85,9 +129,14 @@ class GenerationRun:
                  seed: int = 0, stop: list[str] | str | None = None, chat: bool = False,
                  system: str | None = None, allow_special: bool = False, ignore_eos: bool = False,
                  use_cache: bool = True, probe: Probe | None = None,
-                 on_token: Callable[[Step], None] | None = None) -> None:
+                 on_token: Callable[[Step], object] | None = None,
+                 on_progress: Callable[[Progress], object] | None = None) -> None:
         """use_cache=False recomputes the whole sequence at every step (a fresh cache each time): the same
-        tokens as with the cache up to rounding, at the cost of a full forward per token (Compare runs)."""
+        tokens as with the cache up to rounding, at the cost of a full forward per token (Compare runs).
+
+        on_token(step) after each token and on_progress(Progress) during the prefill may return STOP to end
+        the run. An on_token callable with an `on_progress` attribute brings that too (callers that can only
+        pass on_token, such as the app's inspected run, hear the prefill this way)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63:
@@ -98,6 +147,7 @@ class GenerationRun:
         self.use_cache = use_cache
         self.stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
         self.model, self.probe, self.on_token, self.seed = model, probe, on_token, seed
+        self.on_progress = on_progress or getattr(on_token, "on_progress", None)
         t0 = time.perf_counter()
         self.prompt_ids = prompt_ids(model, prompt_or_ids, chat=chat, system=system, allow_special=allow_special)
         self.timings = {"tokenize": time.perf_counter() - t0, "prefill": 0.0, "decode": 0.0}
@@ -120,21 +170,25 @@ class GenerationRun:
         return self.stop_reason is not None
 
     def step(self) -> Step | None:
-        """Run one forward + sample + detokenize. None once the run has stopped."""
+        """Run one forward + sample + detokenize. None once the run has stopped (also when this step's logits
+        held a NaN or Inf: then no token is drawn and the run stops with NONFINITE)."""
         if self.done:
             return None
         model, probe, index = self.model, self.probe, len(self.steps)
         if probe is not None:
             probe.step = index
         t0 = time.perf_counter()
-        if self.use_cache:
-            ids = self.prompt_ids if index == 0 else self.token_ids[-1:]
-        else:           # the whole sequence again, into a fresh cache of the same size
-            ids = self.prompt_ids + self.token_ids
-            self.cache = model.new_cache(self.cache.max_len)
-        logits = model.forward(torch.tensor(ids), self.cache, probe, last_only=True)[0].float().cpu()
+        try:
+            logits = self._forward(index)
+        except _Stopped:
+            self.stop_reason = STOPPED
+            return None
+        finally:
+            self.timings["prefill" if index == 0 else "decode"] += time.perf_counter() - t0
         t1 = time.perf_counter()
-        self.timings["prefill" if index == 0 else "decode"] += t1 - t0
+        if not bool(torch.isfinite(logits).all()):
+            self._stop_nonfinite()
+            return None
 
         context = self.prompt_ids + self.token_ids
         with model.attached(probe, self.cache.get_pos()):
@@ -161,9 +215,52 @@ class GenerationRun:
         self.token_ids.append(token)
         self.text += piece
         self._check_stop(is_eos)
-        if self.on_token:
-            self.on_token(step)
+        if self.on_token and self.on_token(step) is STOP and not self.done:
+            self.stop_reason = STOPPED
+            self.text += self.detok.flush()
         return step
+
+    def _forward(self, index: int) -> torch.Tensor:
+        """This step's logits (V,) float32 on the CPU: the prefill (in chunks for a long prompt) or one token."""
+        model = self.model
+        if not self.use_cache:      # the whole sequence again, into a fresh cache of the same size
+            self.cache = model.new_cache(self.cache.max_len)
+            ids = self.prompt_ids + self.token_ids
+        elif index == 0:
+            return self._prefill()
+        else:
+            ids = self.token_ids[-1:]
+        return model.forward(torch.tensor(ids), self.cache, self.probe, last_only=True)[0].float().cpu()
+
+    def _prefill(self) -> torch.Tensor:
+        """The prompt into the cache, PREFILL_CHUNK positions at a time when it is longer than that. Only the
+        last chunk's logits are the step's: what the probe kept of the other chunks' last logits rows is
+        dropped, so it holds what one forward over the prompt would have left, however the prompt was split."""
+        ids, probe, n = self.prompt_ids, self.probe, len(self.prompt_ids)
+        size = PREFILL_CHUNK if n > PREFILL_CHUNK else n
+        layers = self.model.config.num_layers
+        logits = None
+        for a in range(0, n, size):
+            b = min(n, a + size)
+            seen = (len(probe.captures), len(probe.stats)) if probe is not None else (0, 0)
+            forward_probe = probe
+            if self.on_progress is not None:
+                forward_probe = _Reporting(probe, lambda i, a=a, b=b: self._tell(Progress(a, b, n, i, layers)))
+            logits = self.model.forward(torch.tensor(ids[a:b]), self.cache, forward_probe, last_only=True)
+            if b < n and probe is not None:
+                _drop_logits(probe, *seen)
+            self._tell(Progress(a, b, n, layers, layers))
+        return logits[0].float().cpu()
+
+    def _tell(self, progress: Progress) -> None:
+        if self.on_progress is not None and self.on_progress(progress) is STOP:
+            raise _Stopped
+
+    def _stop_nonfinite(self) -> None:
+        """Logits holding NaN or Inf are no distribution: stop here and draw nothing. Which step and position
+        follow from the result (nonfinite_stop), so a saved run keeps them without a field of its own."""
+        self.stop_reason = NONFINITE
+        self.text += self.detok.flush()
 
     def _check_stop(self, is_eos: bool) -> None:
         if is_eos:
@@ -193,6 +290,56 @@ class GenerationRun:
                                 self.stop_reason or "running", self.params, self.seed, timings,
                                 {"bytes_allocated": c.bytes_allocated, "bytes_used": c.bytes_used,
                                  "bytes_per_token": c.bytes_per_token}, self.probe)
+
+
+def _drop_logits(probe: Probe, captures_before: int, stats_before: int) -> None:
+    """Forget the "logits" captures and statistics rows a probe took since the given counts."""
+    probe.captures[captures_before:] = [c for c in probe.captures[captures_before:] if c.name != "logits"]
+    kept = []
+    for blk in probe.stats[stats_before:]:
+        rows = [g for g, name in enumerate(blk.names) if name != "logits"]
+        if len(rows) == len(blk.names):
+            kept.append(blk)
+        elif rows:
+            kept.append(StatsBlock(blk.step, blk.pos0, [blk.names[g] for g in rows], [blk.layers[g] for g in rows],
+                                   blk.values[rows]))
+    probe.stats[stats_before:] = kept
+
+
+class _Reporting:
+    """The run's probe as one prefill chunk's forward sees it: the forward asks for each block's weights once,
+    just before the block runs, and that is when the layer is reported. Everything else is the probe's own
+    (a run without a probe gets an empty one), so captures, statistics and marks are exactly as without it."""
+
+    def __init__(self, probe: Probe | None, report: Callable[[int], None]) -> None:
+        self._probe, self._report = (probe if probe is not None else Probe()), report
+
+    def __getattr__(self, name: str):
+        return getattr(self._probe, name)
+
+    def __call__(self, name: str, x):
+        return self._probe(name, x)
+
+    def layer_weights(self, i: int, lw):
+        self._report(i)
+        return self._probe.layer_weights(i, lw)
+
+
+def nonfinite_stop(result: GenerationResult) -> dict | None:
+    """Where a run stopped on non-finite logits: {step, position, nan, inf}, or None for any other stop.
+
+    The step is the one after the last token drawn and its logits belong to the last position fed (cache on
+    or off, the same position). The NaN / Inf counts come from the run's probe when it recorded statistics of
+    the "logits" stage (the app's inspected runs, the doctor), else they are None."""
+    if result.stop_reason != NONFINITE:
+        return None
+    step, position = len(result.steps), len(result.all_ids) - 1
+    nan = inf = None
+    for rec in (result.probe.stat_records("logits") if result.probe is not None else []):
+        if rec.step == step and rec.pos0 <= position < rec.pos0 + rec.values.shape[0]:
+            row = rec.values[position - rec.pos0]
+            nan, inf = int(row[5]), int(row[6])
+    return {"step": step, "position": position, "nan": nan, "inf": inf}
 
 
 def generate(model, prompt_or_ids, **kwargs) -> GenerationResult:

@@ -6,6 +6,7 @@ import streamlit as st
 
 from inspector.session.memo import memo, run_key
 from inspector.views.activations import (
+    MAX_POSITIONS,
     STATS,
     layer_stages,
     layer_summary,
@@ -15,10 +16,12 @@ from inspector.views.activations import (
     nonfinite_cells,
     position_layer,
     position_layer_figure,
+    position_window,
     stage_table,
 )
 from inspector.views.tokens import token_labels
 from pages.common import get_model, on_demand, require_run
+from pages.widgets import chart
 
 LENS_K = 10
 LENS_AUTO = 512      # positions from here on compute the lens only when asked (a forward over them all)
@@ -44,7 +47,7 @@ stat = c2.selectbox("Statistic", STATS, index=STATS.index("rms"), key="act_stat"
 log_y = c3.toggle("Log scale", False, key="act_log")
 table = stage_table(summary, chosen)
 if chosen:
-    st.plotly_chart(lines_figure(table, stat, log_y=log_y), key="act_lines")
+    chart(lines_figure(table, stat, log_y=log_y), key="act_lines")
 st.dataframe(table, key="act_table", hide_index=True)
 with st.expander("Stages outside the layers (embed, final_norm, logits, sampler)"):
     st.dataframe(summary[summary["layer"].isna()], key="act_other", hide_index=True)
@@ -59,10 +62,18 @@ bad = memo(cache, (key, "nonfinite"), lambda: nonfinite_cells(blocks), max_entri
 model = get_model()
 same_model = model is not None and model.name == run.model_name
 labels = token_labels(model.tokenizer, run.ids) if same_model else [str(i) for i in range(len(run.ids))]
-st.plotly_chart(position_layer_figure(matrix, labels, heat_stat, bad[bad["stage"] == heat_stage]),
-                key="act_heat")
-st.caption("Step 0 (the prefill) gives the prompt positions; each later step one position. A red ✕ marks a "
-           "cell holding NaN or Inf.")
+heat_bad = bad[bad["stage"] == heat_stage]
+start = 0
+if len(matrix) > MAX_POSITIONS:
+    start = st.slider(f"Positions from ({MAX_POSITIONS} shown; default: around the first NaN/Inf, else the last)", 0,
+                      len(matrix) - MAX_POSITIONS, position_window(matrix.index, heat_bad), key="act_heat_from")
+skip_first = st.toggle("Leave position 0 out of the colour scale", True, key="act_heat_skip0",
+                       help="The first token carries activations many times larger than any other (the "
+                            "attention sink's massive activations); counted in, they wash every other cell out.")
+chart(position_layer_figure(matrix, labels, heat_stat, heat_bad, start=start, skip_first=skip_first),
+      key="act_heat")
+st.caption("Step 0 (the prefill) gives the prompt positions; each later step one position. Colours span a robust "
+           "range of the cells (extremes take the end colours). A red ✕ marks a cell holding NaN or Inf.")
 
 st.subheader("NaN / Inf")
 if len(bad):
@@ -86,7 +97,7 @@ st.caption(f"What each layer's residual stream at {labels[pos]!r} predicts next 
 if (key, "lens", pos) in cache or pos < LENS_AUTO or st.button("Compute the logit lens", key="act_lens_btn"):
     lens = on_demand(cache, (key, "lens", pos), f"the logit lens over {pos + 1} positions",
                      lambda: logit_lens(model, ids, pos, LENS_K), max_entries=16)
-    st.plotly_chart(logit_lens_figure(lens, k), key="act_lens")
+    chart(logit_lens_figure(lens, k), key="act_lens")
     st.dataframe(lens[lens["rank"] < k], key="act_lens_table", hide_index=True)
 else:
     st.info(f"Position {pos}: one forward over {pos + 1} positions (seconds on a CPU). Press the button.")

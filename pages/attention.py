@@ -14,13 +14,17 @@ from inspector.views.attention import (
     entropy_overview,
     head_view,
     heatmap_figure,
+    key_window,
+    mass_shown,
     pool,
     top_attended,
     top_attended_figure,
-    window,
+    window_rows_cols,
+    zmax_without_sink,
 )
 from inspector.views.tokens import token_labels
 from pages.common import on_demand, require_run_and_model
+from pages.widgets import chart
 
 OVERVIEW_AUTO = 512   # longer runs compute the layers × heads overview only when asked
 
@@ -45,26 +49,41 @@ elapsed = time.perf_counter() - t0
 m = head_view(pattern, head)                                                    # (T, T)
 
 what = "average of heads" if head is None else f"head {head}"
+hide = st.toggle("Hide the attention sink (position 0)", False, key="att_hide_sink",
+                 help="Most heads park spare attention on the first token. Its column is always left out of the "
+                      "colour scale (it would wash every other cell out); this hides the column itself.")
 if T <= MAX_CELLS:
-    z, rows, block = m, list(range(T)), 1
+    z, rows, cols = window_rows_cols(m, 0, 0, T, hide_sink=hide)
+    block = 1
     note = "Each row is a query position's attention over the key positions; rows sum to 1."
 else:
     view = st.radio("Positions shown", ["Window", "Whole sequence, pooled"], horizontal=True, key="att_view")
     if view == "Window":
-        start = st.slider("Window start", 0, T - MAX_CELLS, T - MAX_CELLS, key="att_window")
-        z, pos = window(m, start, MAX_CELLS)
-        rows, block = list(pos), 1
-        note = f"Positions {pos[0]}–{pos[-1]} of {T}; weight on keys before the window is not shown."
+        w1, w2 = st.columns(2)
+        q0 = w1.slider("Queries from", 0, T - MAX_CELLS, T - MAX_CELLS, key="att_window")
+        k_default = key_window(m, range(q0, q0 + MAX_CELLS), MAX_CELLS)
+        k0 = w2.slider("Keys from (default: where these queries look)", 0, T - MAX_CELLS, k_default,
+                       key=f"att_key_window_{layer}_{head}")
+        z, rows, cols = window_rows_cols(m, q0, k0, MAX_CELLS, hide_sink=hide)
+        share, sink = mass_shown(m, rows, cols)
+        block = 1
+        note = (f"Queries {rows[0]}–{rows[-1]} and keys {cols[0]}–{cols[-1]} of {T} positions: {share:.0%} of these "
+                f"queries' attention falls on the keys shown ({sink:.0%} on position 0).")
     else:
         how = st.selectbox("Pooling", ["max", "mass"], key="att_pool",
                            format_func=lambda h: {"max": "max weight in each block",
                                                   "mass": "attention mass (rows still sum to 1)"}[h])
-        z, rows, _ = pool(m, MAX_CELLS, how)
+        src = m.copy()
+        if hide:
+            src[:, 0] = 0.0
+        z, rows, cols = pool(src, MAX_CELLS, how)
         block = int(rows[1] - rows[0]) if len(rows) > 1 else 1
-        note = f"{T} positions pooled into blocks of {block} ({how})."
-st.plotly_chart(heatmap_figure(z, rows, rows, labels, title=f"Layer {layer}, {what}", block=block),
-                key="att_map")
-st.caption(note + (" (memoised)" if cached else f" Computed in {elapsed:.2f} s."))
+        note = f"{T} positions pooled into blocks of {block} ({how})" + (
+            "; position 0's weight left out, so rows sum to less than 1." if hide else ".")
+chart(heatmap_figure(z, rows, cols, labels, title=f"Layer {layer}, {what}", block=block,
+                     zmax=zmax_without_sink(z, cols)), key="att_map")
+st.caption(note + " Colours run from 0 to a high quantile of the weights off position 0; brighter cells are "
+           "clipped to the top colour." + (" (memoised)" if cached else f" Computed in {elapsed:.2f} s."))
 
 st.subheader("Where does this token look?")
 q1, q2 = st.columns([3, 1])
@@ -72,7 +91,7 @@ query = q1.slider("Query position", 0, T - 1, T - 1, key="att_query")
 k = q2.slider("Top-k", 1, 32, 10, key="att_topk")
 top = top_attended(m, query, labels, k)
 st.caption(f"Query {labels[query]} (layer {layer}, {what})")
-st.plotly_chart(top_attended_figure(top), key="att_bars")
+chart(top_attended_figure(top), key="att_bars")
 st.dataframe(top, key="att_top_table", hide_index=True)
 
 st.subheader("All layers × heads: attention entropy")
@@ -84,6 +103,6 @@ ok = (key in overviews) or T <= OVERVIEW_AUTO or st.button("Compute the overview
 if ok:
     ent = on_demand(overviews, key, "the attention entropy of every layer and head",
                     lambda: entropy_overview(model, ids), max_entries=4)
-    st.plotly_chart(entropy_figure(ent), key="att_entropy")
+    chart(entropy_figure(ent), key="att_entropy")
 else:
     st.info(f"{T} positions: one full forward (several seconds on a CPU). Press the button to compute it.")

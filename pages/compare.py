@@ -12,7 +12,7 @@ from inspector.views import compare as cmp
 from inspector.views.tokens import visible
 from pages.common import device_slot, get_model, server_limits
 from pages.frame import ensure_frame
-from pages.widgets import sampling_form
+from pages.widgets import chart, sampling_form
 
 RESULT = "cmp_result"
 MAX_RECOMPUTED_POSITIONS = 16_384     # KV cache off: positions computed over all steps, per configuration
@@ -147,7 +147,7 @@ st.subheader("Token by token")
 st.dataframe(table, hide_index=True, key="cmp_table",
              column_config={"prob_a": st.column_config.NumberColumn(format="%.4f"),
                             "prob_b": st.column_config.NumberColumn(format="%.4f")})
-st.plotly_chart(cmp.tokens_figure(table), key="cmp_tokens_fig")
+chart(cmp.tokens_figure(table), key="cmp_tokens_fig")
 
 st.subheader("Stages at the divergence step")
 if res["diff"] is None:
@@ -160,7 +160,7 @@ st.caption(f"Both configurations replayed over the prompt and the {res['diff_ste
            f"own way (cache on: prefill then one token at a time; off: one full forward), every stage captured at "
            f"the position whose logits chose step {res['diff_step']}'s token. Relative error ||B − A|| / ||A||; "
            f"first stage above 1e-6: **{first or 'none'}**.")
-st.plotly_chart(cmp.differences_figure(diff), key="cmp_diff_fig")
+chart(cmp.differences_figure(diff), key="cmp_diff_fig")
 st.dataframe(diff, hide_index=True, key="cmp_diff",
              column_config={"rel_error": st.column_config.NumberColumn(format="%.3e"),
                             "max_abs_diff": st.column_config.NumberColumn(format="%.3e")})

@@ -17,6 +17,7 @@ from inspector.session.memo import memo, run_key
 from inspector.views import explain as xv
 from inspector.views.tokens import token_labels
 from pages.common import device_slot, require_run_and_model
+from pages.widgets import chart
 
 MAX_PATCH_TOKENS = 128       # the grid's cost grows with positions² x layers; beyond this it takes minutes
 MAX_ATTRIBUTION_TOKENS = 128
@@ -58,7 +59,7 @@ def show_attribution(e) -> None:
                "final residual stream is the embedding plus every attention and MLP output; with the final "
                "RMSNorm's scale frozen at its value for this position, each part's share of the logit difference "
                "is exact, and the parts add up to it (the residual error is the forward's float rounding).")
-    st.plotly_chart(xv.layer_figure(e), key="ex_layers")
+    chart(xv.layer_figure(e), key="ex_layers")
     left, right = st.columns([3, 2])
     left.plotly_chart(xv.head_heatmap(e), key="ex_heads")
     right.markdown("**Largest components**")
@@ -99,12 +100,12 @@ def show_patching(r, labels: list[str]) -> None:
     c[1].metric("p_corrupt", f"{r.p_corrupt:.6g}")
     c[2].metric("Partial runs", f"{r.runs:,} in {r.seconds['total']:.1f} s")
     site = st.radio("Site", list(r.grid), horizontal=True, key="ex_site")
-    st.plotly_chart(xv.patching_heatmap(r, site, labels), key="ex_grid")
+    chart(xv.patching_heatmap(r, site, labels), key="ex_grid")
     with st.expander("The grid as a table (rows: layers; columns: positions)"):
         st.dataframe(pd.DataFrame(r.grid[site], columns=labels), key="ex_grid_table")
     st.dataframe(xv.patching_top(r, labels), key="ex_patch_top", hide_index=True)
     if r.head_scan is not None:
-        st.plotly_chart(xv.head_scan_heatmap(r), key="ex_head_scan")
+        chart(xv.head_scan_heatmap(r), key="ex_head_scan")
         st.caption("Each head zeroed (its attention output at every position) in the clean run: the change in the "
                    "target's logit. Blue: the head pushes against the target; red: the target needs it.")
 
@@ -117,8 +118,8 @@ def show_inputs(a, labels: list[str]) -> None:
     verdict = "beats" if a.areas[best] < a.areas["random"] else "does not beat"
     st.markdown(f"**{xv.METHOD_LABELS[best]}** is the more faithful method here: its deletion curve falls "
                 f"fastest, and it {verdict} random orders (lower area = the prediction fell sooner).")
-    st.plotly_chart(xv.attribution_figure(a, labels), key="ex_attr_bars")
-    st.plotly_chart(xv.deletion_figure(a), key="ex_deletion")
+    chart(xv.attribution_figure(a, labels), key="ex_attr_bars")
+    chart(xv.deletion_figure(a), key="ex_deletion")
     st.dataframe(xv.attribution_frame(a, labels), key="ex_attr_table", hide_index=True)
 
 

@@ -3,6 +3,7 @@ import streamlit as st
 
 from inspector.views import kv_cache as kv
 from pages.common import require_run_and_model
+from pages.widgets import chart, metric_columns
 
 st.header("KV cache")
 run, model = require_run_and_model()
@@ -14,7 +15,7 @@ allocated, used = kv.run_positions(cache)
 st.caption(f"bytes = 2 (K and V) · {shape.layers} layers · {shape.kv_heads} KV heads · {shape.head_dim} head_dim · "
            f"positions · batch · {bpe} bytes per element")
 
-c = st.columns(5)
+c = metric_columns(5)
 c[0].metric("Bytes per token", f"{cache['bytes_per_token']:,}")
 c[1].metric("Allocated", kv.human_bytes(cache["bytes_allocated"]), f"{allocated:,} positions", delta_color="off")
 c[2].metric("Used", kv.human_bytes(cache["bytes_used"]), f"{used:,} positions", delta_color="off")
@@ -35,11 +36,11 @@ st.subheader("Growth across the run")
 st.caption("After step 0 (prefill) the cache holds the prompt; each decode step writes one more position. "
            "The last chosen token is never written. The dashed line is what was preallocated.")
 growth = kv.growth_table(run.result)
-st.plotly_chart(kv.growth_figure(growth), key="kv_growth")
+chart(kv.growth_figure(growth), key="kv_growth")
 
 st.subheader("Per layer")
 layers = kv.per_layer_table(shape, bpe, allocated, used)
-st.plotly_chart(kv.per_layer_figure(layers), key="kv_layers")
+chart(kv.per_layer_figure(layers), key="kv_layers")
 with st.expander("Per-layer table"):
     st.dataframe(layers, hide_index=True, key="kv_layers_table")
 
@@ -69,8 +70,9 @@ shapes = {(f"{model.name} (this model)" if n == "this model" else n):
           (shape if n == "this model" else kv.KNOWN_MODELS[n]) for n in names}
 if contexts and shapes:
     proj = kv.projection_table(shapes, sorted(contexts), int(batch), dtype)
-    st.plotly_chart(kv.projection_figure(proj), key="kv_calc_fig")
-    st.caption("GiB of KV cache (K and V, all layers) per model and context length:")
+    chart(kv.projection_figure(proj), key="kv_calc_fig")
+    st.caption("GiB of KV cache (K and V, all layers) per model and context length. Models whose caches are "
+               "the same size share one line (the legend names them all).")
     st.dataframe(kv.projection_pivot(proj).style.format("{:,.3f}"), key="kv_calc_table")
 else:
     st.info("Choose at least one model and one context length.")

@@ -4,19 +4,23 @@ bfloat16 relative error per stage. Model work happens only on a button press and
 import streamlit as st
 
 from engine import EngineError
-from engine.doctor import PRESETS, cast_model, locate_nonfinite, precision_compare, run_doctor
+from engine.doctor import PRESETS, locate_nonfinite, precision_compare, run_doctor
+from engine.generate import nonfinite_stop
 from inspector.session.memo import run_key
+from inspector.session.models import shared_copy
 from inspector.session.run import check_settings
 from inspector.views import doctor as dv
-from pages.common import device_slot, get_model, require_run, server_limits
+from pages.common import device_slot, get_model, plain, require_run, server_limits
+from pages.prescriptions import rescue_section
+from pages.widgets import chart
 
 MAX_PRECISION_POSITIONS = 256
 
 
-@st.cache_resource(show_spinner=False, max_entries=2)
-def low_precision_copy(_model, key: tuple, dtype: str):
-    """The shared model's weights converted to dtype: one copy per process, never the shared model itself."""
-    return cast_model(_model, dtype)
+def low_precision_copy(model, key: tuple, dtype: str):
+    """The shared model's weights converted to dtype: one copy per process, counted against max_models
+    (inspector.session.models.shared_copy), never the shared model itself."""
+    return shared_copy(model, dtype)
 
 
 def show_nonfinite(nf, probe, key: str, fp16: bool) -> None:
@@ -26,11 +30,22 @@ def show_nonfinite(nf, probe, key: str, fp16: bool) -> None:
                                        ("Layer", "—" if nf.layer is None else nf.layer), ("Position", nf.position)]):
         col.metric(label, value)
     prof = dv.profile_frame(probe, nf.step, nf.position)
-    st.plotly_chart(dv.profile_figure(prof, nf.stage, fp16_line=fp16), key=f"{key}_profile")
+    chart(dv.profile_figure(prof, nf.stage, fp16_line=fp16), key=f"{key}_profile")
     st.caption("Largest magnitude of every stage at this position, in forward order. Red crosses: stages holding a "
-               "NaN or Inf. The table shows the statistics leading up to the first one.")
-    i = int(prof.index[prof["stage"] == nf.stage][0])
-    st.dataframe(prof.iloc[max(0, i - 10): i + 4].drop(columns=["order"]), key=f"{key}_leadup", hide_index=True)
+               "NaN or Inf. The table: the stages leading up to the first one (marked ◀), and the two after it.")
+    lead = dv.lead_up_frame(prof, nf.stage)
+    st.dataframe(lead, key=f"{key}_leadup", hide_index=True, height=38 * (len(lead) + 1),
+                 column_config={"where": st.column_config.TextColumn("", width="medium")})
+
+
+def show_stop(result) -> None:
+    """The run's stop reason, said plainly when the logits went non-finite."""
+    b = nonfinite_stop(result)
+    if b:
+        held = "NaN or Inf" if b["nan"] is None else f"{b['nan']:,} NaN and {b['inf']:,} Inf"
+        st.error(f"Stop reason **non-finite logits**: at step {b['step']} (position {b['position']}) the logits held "
+                 f"{held} values. Nothing was sampled from them: the run ends there with "
+                 f"{len(result.token_ids)} tokens.")
 
 
 st.header("NaN / Inf doctor")
@@ -39,6 +54,7 @@ res = run.result
 
 st.subheader("This run")
 nf = locate_nonfinite(run.probe)
+show_stop(res)
 if nf is None:
     st.success(f"Every stage stayed finite at every step of this run ({sum(len(b.names) for b in run.probe.stats):,} "
                "stage records checked).")
@@ -47,7 +63,7 @@ else:
 
 model = get_model()
 if model is None or model.name != run.model_name:
-    st.warning(f"This run was made with **{run.model_name}**; choose that model in the sidebar to inject faults "
+    st.warning(f"This run was made with **{plain(run.model_name)}**; choose that model in the sidebar to inject faults "
                "or compare precisions.")
     st.stop()
 mkey = (model.name, id(model))
@@ -79,21 +95,34 @@ limits = server_limits(show_error=False)
 max_new = st.number_input("Max new tokens", 1, limits.max_new_tokens, min(8, run.settings.max_new_tokens,
                                                                           limits.max_new_tokens), key="nd_max_new")
 reports = st.session_state.setdefault("nd_reports", {})        # run_key -> the last fault run on it
-if st.button("Run with the fault", key="nd_inject", type="primary"):
+autorun = st.session_state.pop("nd_autorun", False)           # a demo asked for the fault run
+if st.button("Run with the fault", key="nd_inject", type="primary") or autorun:
+    bar, text, pieces = st.progress(0.0, text="generating with the fault"), st.empty(), []
+
+    def on_token(step) -> None:
+        pieces.append(step.text)
+        bar.progress(min(1.0, (step.index + 1) / int(max_new)), text=f"token {step.index + 1} of at most {max_new}")
+        text.code("".join(pieces), language=None, wrap_lines=True)
     try:
         s, _ = check_settings(model, run.settings, limits)        # a reopened trace's prompt is checked too
-        with device_slot("the fault run"), st.spinner("Generating with the fault…"):
+        with device_slot("the fault run"):
+            if dtype not in (None, str(model.dtype).removeprefix("torch.")):
+                bar.progress(0.0, text=f"a {dtype} copy of the weights (once per server)")
             target_model = model if dtype in (None, str(model.dtype).removeprefix("torch.")) else \
                 low_precision_copy(model, mkey, dtype)
             reports[run_key(run)] = run_doctor(target_model, s.prompt, injections=specs, norm_eps=norm_eps,
-                                                  **{**s.generation_kwargs(), "max_new_tokens": int(max_new)})
+                                               on_token=on_token,
+                                               **{**s.generation_kwargs(), "max_new_tokens": int(max_new)})
     except EngineError as e:
         st.error(str(e))
+    bar.empty()
+    text.empty()
 report = reports.get(run_key(run))
 if report is not None:
-    st.markdown(f"**{', '.join(report.injections) or 'no fault'}** ({report.dtype}"
+    st.markdown(f"`{', '.join(report.injections) or 'no fault'}` ({report.dtype}"
                 + (f", RMSNorm ε {report.norm_eps}" if report.norm_eps is not None else "") + f") · stop: "
-                f"{report.result.stop_reason}" + (f" · {report.error}" if report.error else ""))
+                f"**{report.result.stop_reason}**" + (f" · {report.error}" if report.error else ""))
+    show_stop(report.result)
     if report.first_nonfinite is None:
         st.success("The fault produced no NaN or Inf: every stage stayed finite.")
     else:
@@ -110,12 +139,18 @@ thr = c2.number_input("Divergence threshold (relative error; 0 = 8 × unit round
 precs = st.session_state.setdefault("nd_precs", {})            # run_key -> the last comparison
 if st.button("Compare precisions", key="nd_prec_run"):
     ids = run.ids[:MAX_PRECISION_POSITIONS]
+    bar = st.progress(0.0, text=f"a {low_dtype} copy of the weights (once per server)")
     try:
-        with device_slot("the precision comparison"), st.spinner(f"Two forwards over {len(ids)} positions…"):
-            precs[run_key(run)] = precision_compare(model, low_precision_copy(model, mkey, low_dtype), ids,
-                                                       threshold=thr or None)
+        with device_slot("the precision comparison"):
+            low = low_precision_copy(model, mkey, low_dtype)
+            precs[run_key(run)] = precision_compare(
+                model, low, ids, threshold=thr or None,
+                on_progress=lambda done, total: bar.progress(done / total, text=(
+                    f"{'fp32' if done <= total // 2 else low_dtype} forward over {len(ids)} positions: layer "
+                    f"{(done - 1) % (total // 2) + 1} of {total // 2}")))
     except EngineError as e:
         st.error(str(e))
+    bar.empty()
 prec = precs.get(run_key(run))
 if prec is not None:
     df = dv.precision_frame(prec)
@@ -125,6 +160,8 @@ if prec is not None:
            f"{prec.threshold:.3g})" if d else f"{prec.dtype}: no stage exceeds relative error {prec.threshold:.3g}")
     st.markdown(msg + f" · largest error {worst['rel_err']:.3g} at `{worst['stage']}` · top-1 prediction agreement "
                 f"{prec.top1_agreement:.1%}")
-    st.plotly_chart(dv.precision_figure(df, prec.threshold, d), key="nd_prec_line")
-    st.plotly_chart(dv.precision_heatmap(df), key="nd_prec_heat")
+    chart(dv.precision_figure(df, prec.threshold, d), key="nd_prec_line")
+    chart(dv.precision_heatmap(df), key="nd_prec_heat")
     st.dataframe(df.drop(columns=["order"]), key="nd_prec_table", hide_index=True)
+
+rescue_section(run, model)

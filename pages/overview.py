@@ -1,10 +1,26 @@
-"""Overview: what went in, what came out, why it stopped, how long it took, and every step's choice."""
+"""Overview: before any run, what the app is and three demo runs; then what went in, what came out, why it
+stopped (loops and non-finite values flagged, with links to the pages that explain them), how long it took,
+and every step's choice."""
 import streamlit as st
 
+from engine.generate import nonfinite_stop
 from inspector.views.tokens import steps_table, token_counts
-from pages.common import get_model, require_run
+from pages.common import current_run, get_model, require_run
+from pages.demos import demo_buttons
+from pages.widgets import metric_columns, page_link
 
 st.header("Overview")
+if current_run() is None:
+    st.markdown(
+        "**LLM Inspector** runs a small language model on this server and lets you look inside while it writes: "
+        "how your text becomes tokens, where each layer's attention goes, what every layer computes, how the "
+        "sampler turns the model's scores into one chosen word (temperature, top-k, top-p), how the memory of the "
+        "KV cache grows, and what goes wrong when it loops or a NaN appears. Type a prompt in the sidebar and "
+        "press **Run**, or start with one of these:")
+    demo_buttons("ov_demo", disabled=st.session_state.get("_live_run") is not None)
+    st.caption("Each demo fills the sidebar with its prompt and settings, runs, and opens the page that shows "
+               "what it is about. Every page then shows that run; change the prompt and press Run to make your own.")
+    st.stop()
 run = require_run()
 res = run.result
 model = get_model()
@@ -12,6 +28,24 @@ tok = model.tokenizer if model is not None and model.name == run.model_name else
 
 st.caption(f"Model **{run.model_name}** · {run.n_prompt} prompt tokens · {len(res.token_ids)} generated · "
            f"seed {res.seed} · chat format {'on' if run.settings.chat else 'off'}")
+
+bad_logits, nf = nonfinite_stop(res), run.first_nonfinite
+if bad_logits or nf:
+    held = "NaN or Inf" if bad_logits is None or bad_logits["nan"] is None else \
+        f"{bad_logits['nan']:,} NaN and {bad_logits['inf']:,} Inf"
+    where = (f"step {bad_logits['step']}'s logits held {held} values, so no token was drawn from them and the run "
+             "stopped there" if bad_logits else "a stage went non-finite")
+    first = f" The first NaN/Inf: `{nf['stage']}`, position {nf['position']}, step {nf['step']}." if nf else ""
+    st.error(f"**Non-finite values**: {where}.{first}")
+    page_link("nan_doctor", "NaN doctor: where it began, and why", icon=":material/healing:")
+    page_link("activations", "Activations: every NaN/Inf cell", icon=":material/monitoring:")
+if run.loops:
+    lp = run.loops[0]
+    tail = " The generation ends inside it." if lp.end == len(res.token_ids) else ""
+    st.warning(f"**Repetition loop**: from step {lp.start} the same {lp.period} tokens repeat {lp.count} times"
+               + (f" ({len(run.loops)} loops in all)." if len(run.loops) > 1 else ".") + tail)
+    page_link("repetition", "Repetition: the loop, the heads that copy it, the penalties that break it",
+              icon=":material/repeat:")
 
 left, right = st.columns(2)
 with left:
@@ -23,7 +57,7 @@ with right:
     st.code(res.text or "(nothing)", language=None, wrap_lines=True)
 
 t = res.timings
-c = st.columns(6)
+c = metric_columns(6)
 c[0].metric("Stop reason", res.stop_reason)
 c[1].metric("Tokenize", f"{t.get('tokenize', 0) * 1e3:.1f} ms")
 c[2].metric("Prefill", f"{t.get('prefill', 0) * 1e3:.0f} ms")

@@ -20,6 +20,7 @@ from engine.why_loop import HORIZON, MAX_RERUNS, why_loop
 from inspector.session.memo import memo, run_key
 from inspector.views import prescribe as pv
 from pages.common import device_slot
+from pages.widgets import chart
 
 MAX_QUANT_POSITIONS = 256
 QUANT_CHOICES = (*FORMATS, "F16", "BF16", "F32")
@@ -81,7 +82,7 @@ def show_why_loop(report) -> None:
     c[2].metric("Top copy head", f"L{report.copy_heads[0]['layer']} h{report.copy_heads[0]['head']}"
                 if report.copy_heads else "—")
     st.dataframe(pv.causes_frame(report), key="wl_causes", hide_index=True)
-    st.plotly_chart(pv.causes_figure(report), key="wl_causes_fig")
+    chart(pv.causes_figure(report), key="wl_causes_fig")
     st.caption("Each bar is one rerun: how many tokens it generated before its loop came back. A full green bar: "
                "the loop stayed away for the whole horizon.")
     if report.copy_heads:
@@ -147,7 +148,7 @@ def show_rescue(report, run, num_layers: int, norm_eps) -> None:
         c[2].metric("Complement fixes it", "yes" if report.complement["fixes"] else "no",
                     help=f"{report.complement['units']} units in fp32, every one but the set")
     if report.fp32:
-        st.plotly_chart(pv.rescue_figure(report, num_layers), key="rs_units_fig")
+        chart(pv.rescue_figure(report, num_layers), key="rs_units_fig")
         s = run.settings
         cmd = (f"python -m engine doctor {shlex.quote(s.prompt)}" + (" --chat" if s.chat else "")
                + f" --dtype {report.dtype}" + "".join(f" --inject {shlex.quote(i)}" for i in report.injections)
@@ -194,10 +195,10 @@ def quantization_section(run, model) -> None:
 def show_quant(report) -> None:
     st.dataframe(pv.quant_summary_frame(report), key="qz_summary", hide_index=True)
     log_y = st.toggle("Logarithmic error axis", key="qz_log")
-    st.plotly_chart(pv.quant_layers_figure(report, log_y=log_y), key="qz_layers")
+    chart(pv.quant_layers_figure(report, log_y=log_y), key="qz_layers")
     st.caption(f"The error of the residual stream after each block: each line is one format. Where a line "
                f"crosses the dashed threshold ({report.threshold:g}) is that format's first layer over.")
-    st.plotly_chart(pv.quant_steps_figure(report), key="qz_steps")
+    chart(pv.quant_steps_figure(report), key="qz_steps")
     fmt = st.selectbox("Every stage of one format", [r.format for r in report.formats], key="qz_heat_fmt")
-    st.plotly_chart(pv.quant_heatmap(report, fmt), key="qz_heat")
+    chart(pv.quant_heatmap(report, fmt), key="qz_heat")
     st.dataframe(pv.quant_stage_frame(report), key="qz_table", hide_index=True)

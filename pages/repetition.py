@@ -9,7 +9,10 @@ from inspector.session.memo import memo, run_key
 from inspector.session.run import check_settings
 from inspector.views import repetition as rv
 from inspector.views.tokens import token_labels
-from pages.common import device_slot, get_model, require_run, server_limits
+from pages.common import device_slot, get_model, plain, require_run, server_limits
+from pages.live_run import rates
+from pages.prescriptions import why_loop_section
+from pages.widgets import chart
 
 st.header("Repetition")
 run = require_run()
@@ -32,13 +35,13 @@ else:
 st.html(rv.highlight_html(res.steps, loops))
 
 st.subheader("Probability and entropy per step")
-st.plotly_chart(rv.curves_figure(rv.curves_frame(res.steps), loops), key="rep_curves")
+chart(rv.curves_figure(rv.curves_frame(res.steps), loops), key="rep_curves")
 st.caption("A model stuck in a loop usually grows more and more certain: the chosen token's probability climbs "
            "towards 1 and the entropy falls with each repeat.")
 
 model = get_model()
 if model is None or model.name != run.model_name:
-    st.warning(f"This run was made with **{run.model_name}**; choose that model in the sidebar to see attention "
+    st.warning(f"This run was made with **{plain(run.model_name)}**; choose that model in the sidebar to see attention "
                "and to compare penalty settings.")
     st.stop()
 
@@ -62,7 +65,7 @@ if loops:
         which = st.radio("Attention from each looping token to", ["to_copy", "to_next"], horizontal=True,
                          key="rep_attn_which", format_func=lambda w: {"to_copy": "its earlier copy (p back)",
                                                                       "to_next": "the token after its copy"}[w])
-        st.plotly_chart(rv.copy_attention_figure(ca, which), key="rep_attn_heat")
+        chart(rv.copy_attention_figure(ca, which), key="rep_attn_heat")
         st.caption("Mean attention weight over the looping tokens, per layer and head. Heads reading the token "
                    "after the earlier copy are induction heads: they are what lets a loop continue itself.")
         st.dataframe(rv.copy_attention_table(ca, token_labels(model.tokenizer, run.ids)), key="rep_attn_table",
@@ -75,19 +78,35 @@ chosen = st.multiselect("Settings to try", list(rv.PENALTY_VARIANTS), default=li
                         key="rep_variants")
 tables = st.session_state.setdefault("rep_tables", {})         # run_key -> the comparison table
 if st.button("Generate with each setting", key="rep_compare", disabled=not chosen):
-    bar = st.progress(0.0, text="generating")
-    done = []
+    est = rates(model).estimate(run.n_prompt, run.settings.max_new_tokens)
+    total = None if est is None else len(chosen) * sum(est)
+    bar = st.progress(0.0, text="generating" + ("" if total is None else f" (about {total:,.0f} s in all)"))
+    text = st.empty()
+    done: list[str] = []
+    pieces: list[str] = []
+    n_new = run.settings.max_new_tokens
 
     def step(label: str) -> None:
-        bar.progress(len(done) / len(chosen), text=label)
         done.append(label)
+        pieces.clear()
+        bar.progress((len(done) - 1) / len(chosen), text=f"{label} ({len(done)} of {len(chosen)})")
+
+    def token(s) -> None:
+        k = s.index + 1
+        bar.progress(min(1.0, (len(done) - 1 + k / n_new) / len(chosen)),
+                     text=f"{done[-1]} ({len(done)} of {len(chosen)}): token {k} of at most {n_new}")
+        pieces.append(s.text)
+        text.caption(f"{done[-1]}: {rv.visible(''.join(pieces))[-240:]}")
     try:
         settings, _ = check_settings(model, run.settings, server_limits(show_error=False))
         with device_slot("the penalty comparison"):
             tables[key] = rv.compare_penalties(model, settings, {c: rv.PENALTY_VARIANTS[c] for c in chosen},
-                                               baseline=(res.token_ids, res.text), on_variant=step)
+                                               baseline=(res.token_ids, res.text), on_variant=step, on_token=token)
     except EngineError as e:
         st.error(str(e))
     bar.empty()
+    text.empty()
 if key in tables:
     st.dataframe(tables[key], key="rep_table_view", hide_index=True)
+
+why_loop_section(run, model)

@@ -1,7 +1,10 @@
-"""The sidebar every page shares: model, device, dtype, prompt, generation settings, Run, the runs kept.
+"""The sidebar every page shares: the prompt and Run first (inside a 1280×720 screen), a live view of the run
+(prefill by chunk and layer, tokens as they come, an estimate from this server's measured speed, Stop), then
+the model, device, dtype, generation settings, demos and the runs kept.
 
 A run is checked against the server's limits and waits for a device slot; a waiting user sees their place
-in the queue. The run (engine.Trace) lives in this session's st.session_state only.
+in the queue. It generates in a thread of its own (pages.live_run) so that Stop and page changes work
+while it runs. The run (engine.Trace) lives in this session's st.session_state only.
 """
 from __future__ import annotations
 
@@ -11,42 +14,46 @@ import streamlit as st
 import torch
 
 from engine import EngineError, InputError, Model, RunSettings, SamplingParams, Trace
+from engine.generate import prompt_ids
 from inspector.session.admission import shared_admission
-from inspector.session.limits import Limits
+from inspector.session.limits import Limits, env_name
 from inspector.session.models import model_choices
-from inspector.session.run import inspect_run, live_runs
-from pages.common import RUN_KEY, RUNS_KEY, current_run, get_model, log, server_limits
-from pages.widgets import sampling_params_from, sampling_widgets
+from inspector.session.run import check_settings, live_runs
+from pages import demos
+from pages.common import RUN_KEY, RUNS_KEY, current_run, get_model, log, plain, server_limits
+from pages.live_run import Cancelled, LiveRun, rates
+from pages.widgets import PROJECTOR, navigation_links, sampling_params_from, sampling_widgets
+
+LIVE = "_live_run"           # the LiveRun of this session while it generates
+LONG_S = 20.0                # runs estimated longer than this say so before they start
 
 
 def sidebar() -> Model | None:
     sb = st.sidebar
     limits = server_limits()
-    sb.title("LLM Inspector")
-    sb.selectbox("Model", list(model_choices()), key="sb_model")
-    c1, c2 = sb.columns(2)
-    c1.selectbox("Device", ["auto", "cpu"] + (["cuda"] if torch.cuda.is_available() else []), key="sb_device")
-    c2.selectbox("Dtype", ["auto", "float32", "bfloat16", "float16"], key="sb_dtype")
-    model = get_model()
-    if model is not None:
-        sb.caption(f"{model.name} · {model.config.num_layers} layers · {model.device.type} · "
-                   f"{str(model.dtype).removeprefix('torch.')}")
-    sb.text_area("Prompt", "What is the capital of France?", key="sb_prompt", height=100,
-                 help=f"Up to {limits.max_prompt_chars:,} characters and {limits.max_prompt_tokens:,} tokens. "
-                      "Tab, newline and carriage return are the only control characters accepted.")
+    top = sb.container()                          # drawn first on screen, filled once the model is known
+    with sb.container():
+        navigation_links()
     sb.toggle("Chat format", value=True, key="sb_chat")
+    sb.toggle("Projector mode", key=PROJECTOR, on_change=_projector_url,
+              help="Big type, thick lines, high contrast, one chart per row (also: add ?projector=1 to the URL)")
+    with sb.expander("Model and device"):
+        st.selectbox("Model", list(model_choices()), key="sb_model")
+        c1, c2 = st.columns(2)
+        c1.selectbox("Device", ["auto", "cpu"] + (["cuda"] if torch.cuda.is_available() else []), key="sb_device")
+        c2.selectbox("Dtype", ["auto", "float32", "bfloat16", "float16"], key="sb_dtype")
     with sb.expander("Generation settings"):
-        st.number_input("Max new tokens", 1, limits.max_new_tokens, min(32, limits.max_new_tokens), key="sb_max_new")
+        st.number_input("Max new tokens", min_value=1, value=min(32, limits.max_new_tokens), key="sb_max_new",
+                        help=f"At most {limits.max_new_tokens:,} on this server.")
         sampling_widgets("sb", SamplingParams())
         st.number_input("Seed", 0, 2**31 - 1, 0, key="sb_seed")
         st.toggle("Special-token text in the prompt acts as control tokens", value=False, key="sb_allow_special")
-    if sb.button("Run", type="primary", key="sb_run", disabled=model is None, use_container_width=True):
-        try:
-            settings = settings_from_sidebar()
-        except (TypeError, ValueError, InputError) as e:
-            sb.error(f"Invalid generation setting: {e}")
-        else:
-            run_model(model, settings)
+    live: LiveRun | None = st.session_state.get(LIVE)
+    with sb.expander("Demos: one click, one lesson"):
+        demos.demo_buttons("sb_demo", columns=False, disabled=live is not None)
+    model = get_model()
+    with top:
+        prompt_and_run(model, limits, live)
     history(limits)
     run = current_run()
     for note in (run.notes if run is not None else []):
@@ -57,50 +64,162 @@ def sidebar() -> Model | None:
     return model
 
 
+def _projector_url() -> None:
+    if st.session_state.get(PROJECTOR):
+        st.query_params["projector"] = "1"
+    else:
+        st.query_params.pop("projector", None)
+
+
+def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) -> None:
+    """Title, model, prompt, Run (or Stop while a run generates), the estimate, and the live run itself."""
+    st.markdown("**LLM Inspector** · see inside a language model")
+    if model is not None:
+        st.caption(f"Model: **{plain(model.name)}** · {model.config.num_layers} layers · {model.device.type} · "
+                   f"{str(model.dtype).removeprefix('torch.')}")
+    st.text_area("Prompt", "What is the capital of France?", key="sb_prompt", height=100,
+                 help=f"Up to {limits.max_prompt_chars:,} characters and {limits.max_prompt_tokens:,} tokens. "
+                      "Tab, newline and carriage return are the only control characters accepted.")
+    asked = int(st.session_state.get("sb_max_new") or 1)
+    if asked > limits.max_new_tokens:
+        st.warning(f"Max new tokens: {asked:,} is more than this server generates per run "
+                   f"({limits.max_new_tokens:,}, {env_name('max_new_tokens')}); Run generates at most "
+                   f"{limits.max_new_tokens:,}.")
+    clicked = st.button("Run", type="primary", key="sb_run", disabled=model is None or live is not None,
+                        use_container_width=True)
+    demo = st.session_state.pop(demos.PENDING, None)
+    if live is None and model is not None and (clicked or demo):
+        live = start_run(model, limits, demo)
+    elif live is None and model is not None:
+        estimate_caption(model, limits)
+    if live is not None:
+        watch(live, limits)
+
+
 def settings_from_sidebar() -> RunSettings:
     s = st.session_state
-    return RunSettings(prompt=s["sb_prompt"], chat=s["sb_chat"], max_new_tokens=int(s["sb_max_new"]),
+    limit = server_limits(show_error=False).max_new_tokens
+    return RunSettings(prompt=s["sb_prompt"], chat=s["sb_chat"], max_new_tokens=min(int(s["sb_max_new"]), limit),
                        params=sampling_params_from("sb"), seed=int(s["sb_seed"]),
                        allow_special=bool(s["sb_allow_special"]))
 
 
-def run_model(model: Model, settings: RunSettings) -> Trace | None:
-    """Generate with full inspection, streaming the text into the sidebar; keep the run in this session.
-    Any failure is a message in the sidebar; the model and every other session carry on."""
-    box = st.sidebar.empty()
-    bar = st.sidebar.progress(0.0, text="generating")
-    text: list[str] = []
-    limits = server_limits(show_error=False)       # the sidebar says it when one is malformed
-    queued: list[tuple[float, int]] = []           # (when, place) each time the queue reported
+def _prompt_tokens(model: Model, settings: RunSettings) -> int | None:
+    """Prompt tokens as the model will see them (memoised per prompt text and format); None if invalid."""
+    memo = st.session_state.setdefault("_sb_ntok", {})
+    key = (model.name, settings.prompt, settings.chat, settings.allow_special)
+    if key not in memo:
+        memo.clear()
+        try:
+            memo[key] = len(prompt_ids(model, settings.prompt, chat=settings.chat,
+                                       allow_special=settings.allow_special))
+        except EngineError:
+            memo[key] = None
+    return memo[key]
 
-    def on_queue(position: int) -> None:
-        queued.append((time.monotonic(), position))
-        bar.progress(0.0, text=f"waiting: number {position} in the queue")
-        box.info(f"The server is busy. You are number {position} in the queue; your run starts as soon as "
-                 "a slot is free.")
 
-    def on_token(step) -> None:
-        text.append(step.text)
-        box.code("".join(text), language=None, wrap_lines=True)
-        bar.progress(min(1.0, (step.index + 1) / settings.max_new_tokens), text=f"token {step.index + 1}")
+def _estimate(model: Model, settings: RunSettings) -> tuple[int, float, float] | None:
+    n = _prompt_tokens(model, settings)
+    est = None if n is None else rates(model).estimate(n, settings.max_new_tokens)
+    return None if est is None else (n, *est)
 
+
+def estimate_caption(model: Model, limits: Limits) -> None:
     try:
-        record = inspect_run(model, settings, on_token=on_token, limits=limits, on_queue=on_queue)
-    except EngineError as e:
-        st.sidebar.error(str(e))
+        est = _estimate(model, settings_from_sidebar())
+    except (TypeError, ValueError, InputError):
+        return
+    if est is not None:
+        n, pre, dec = est
+        st.caption(f"Estimate: ≈ {pre + dec:,.0f} s ({n:,} prompt tokens ≈ {pre:,.1f} s, then up to "
+                   f"{settings_from_sidebar().max_new_tokens:,} tokens ≈ {dec:,.1f} s; measured on this server)")
+
+
+def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
+    """Check the settings here (a bad prompt is a message at once), then generate in the background."""
+    try:
+        settings = settings_from_sidebar()
+    except (TypeError, ValueError, InputError) as e:
+        st.error(f"Invalid generation setting: {e}")
         return None
-    except Exception as e:    # an engine bug: say so, keep the server and the model going
-        log.exception("run failed")
-        st.sidebar.error(f"The run failed unexpectedly ({type(e).__name__}: {e}). The model is still loaded; "
+    try:
+        checked, _ = check_settings(model, settings, limits)
+    except EngineError as e:
+        st.error(str(e))
+        return None
+    est = _estimate(model, checked)
+    live = LiveRun(settings, model.name, est[0] if est else 0, None if est is None else est[1] + est[2], demo=demo)
+    st.session_state[LIVE] = live
+    return live.start(model, limits)
+
+
+def watch(live: LiveRun, limits: Limits) -> None:
+    """Show the run until it ends (Stop ends it early), then keep it."""
+    stop, note = st.empty(), st.empty()           # gone once the run has ended
+    stop.button("Stop", key="sb_stop", on_click=live.stop, use_container_width=True,
+                help="End the run after the current layer or token; what it made so far is kept")
+    if live.estimate_s is not None and live.estimate_s > LONG_S:
+        note.info(f"This run will take about {live.estimate_s:,.0f} s on this server (prompt of {live.n_prompt:,} "
+                  "tokens). Its progress shows below; Stop keeps what it has made so far.")
+    bar, box, text = st.progress(0.0, text="starting"), st.empty(), st.empty()
+    while not live.done:
+        _draw(live, bar, box, text)
+        live.wait(0.25)
+    for placeholder in (stop, note, bar, box, text):
+        placeholder.empty()
+    st.session_state.pop(LIVE, None)
+    finish(live, limits)
+
+
+def _draw(live: LiveRun, bar, box, text) -> None:
+    now = time.monotonic()
+    if live.admitted_at is None and live.queue_position is not None:
+        bar.progress(0.0, text=f"waiting: number {live.queue_position} in the queue")
+        box.info(f"The server is busy. You are number {live.queue_position} in the queue; your run starts as "
+                 "soon as a slot is free.")
+        return
+    box.empty()
+    max_new = live.settings.max_new_tokens
+    if live.tokens == 0 and live.prefill is not None:
+        p, (c, n) = live.prefill, live.prefill.chunks
+        spent = now - (live.admitted_at or now)
+        left = spent * (1 - p.fraction) / p.fraction if p.fraction > 0.02 else None
+        bar.progress(min(1.0, p.fraction), text=f"prefill {p.fraction:.0%}: positions {p.done:,}–{p.chunk_end:,} of "
+                     f"{p.total:,} (chunk {c} of {n}), layer {min(p.layer + 1, p.layers)} of {p.layers}"
+                     + ("" if left is None else f" · about {left:,.0f} s left"))
+    elif live.tokens:
+        rate = (live.tokens - 1) / max(1e-9, (live.last_token_at or now) - (live.decode_from or now))
+        bar.progress(min(1.0, live.tokens / max_new), text=f"token {live.tokens} of at most {max_new}"
+                     + (f" · {rate:.1f} tokens/s" if live.tokens > 2 else ""))
+        text.code(live.text, language=None, wrap_lines=True)
+
+
+def finish(live: LiveRun, limits: Limits) -> Trace | None:
+    """Keep the finished run (or say why there is none); open the demo's page when it was a demo."""
+    e, record = live.error, live.record
+    live.record = live.error = None           # a stale Stop callback keeps the LiveRun, never the run
+    if isinstance(e, Cancelled):
+        st.info("Stopped while waiting in the queue: nothing was run.")
+        return None
+    if isinstance(e, EngineError):
+        st.error(str(e))
+        return None
+    if e is not None:         # an engine bug: say so, keep the server and the model going
+        log.error("run failed", exc_info=e)
+        st.error(f"The run failed unexpectedly ({type(e).__name__}: {e}). The model is still loaded; "
                          "please report this with the prompt and settings.")
         return None
-    finally:
-        bar.empty()
-        box.empty()
+    if not record.result.steps and record.result.stop_reason == "stopped":
+        st.info("Stopped during the prefill, before the first token: nothing to keep.")
+        return None
     keep_run(record, limits.max_runs_kept)
-    if queued:
-        st.sidebar.caption(f"This run waited {time.monotonic() - queued[0][0]:.1f} s in the queue "
-                           f"(it arrived as number {queued[0][1]}).")
+    if live.waited_s is not None:
+        st.caption(f"This run waited {live.waited_s:.1f} s in the queue (it arrived as number "
+                   f"{live.first_position}), then generated for {record.seconds:.1f} s.")
+    if record.result.stop_reason == "stopped":
+        st.info(f"Stopped after {len(record.result.token_ids)} tokens; the run is kept as it was.")
+    if live.demo:
+        demos.after_run(live.demo)
     return record
 
 

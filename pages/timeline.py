@@ -3,6 +3,7 @@ import streamlit as st
 
 from inspector.views import timeline as tl
 from pages.common import get_model, require_run
+from pages.widgets import chart, columns, metric_columns
 
 st.header("Timeline")
 run = require_run()
@@ -11,7 +12,7 @@ result = run.result
 device_type = model.device.type if model is not None and model.name == run.model_name else "cpu"
 
 steps = tl.step_table(result)
-c = st.columns(4)
+c = metric_columns(4)
 c[0].metric("Run", f"{1e3 * run.seconds:,.0f} ms")
 c[1].metric("Tokenize", f"{1e3 * result.timings['tokenize']:,.1f} ms")
 c[2].metric("Prefill", f"{1e3 * result.timings['prefill']:,.1f} ms", f"{run.n_prompt} positions", delta_color="off")
@@ -22,10 +23,11 @@ st.subheader("Phases, end to end")
 st.caption("tokenize, then per step: forward (step 0 is the prefill), sample (the sampler chain and the draw), "
            "detokenize. Host clocks (time.perf_counter) around each phase; the forward's time ends with the "
            "logits copied to the CPU, so on a GPU it includes the wait for the kernels.")
-st.plotly_chart(tl.gantt_figure(tl.phase_table(result)), key="tl_gantt")
-c1, c2 = st.columns([3, 2])
+chart(tl.gantt_figure(tl.phase_table(result)), key="tl_gantt")
+c1, c2 = columns([3, 2])
 log_y = c1.toggle("Log scale (the prefill often dwarfs the decode steps)", value=False, key="tl_log")
-c1.plotly_chart(tl.stacked_figure(steps, log_y=log_y), key="tl_stacked")
+with c1:
+    chart(tl.stacked_figure(steps, log_y=log_y), key="tl_stacked")
 c2.dataframe(tl.totals_table(result), hide_index=True, key="tl_totals",
              column_config={"ms": st.column_config.NumberColumn(format="%.2f"),
                             "share_pct": st.column_config.NumberColumn("share %", format="%.1f")})
@@ -43,8 +45,8 @@ if not run.probe.marks:
 durations = tl.layer_durations(run.probe.marks)
 with_prefill = st.toggle("Include the prefill (step 0) in the heatmap", value=len(result.steps) == 1,
                          key="tl_heat_prefill")
-st.plotly_chart(tl.layer_heatmap(durations, include_prefill=with_prefill), key="tl_heatmap")
+chart(tl.layer_heatmap(durations, include_prefill=with_prefill), key="tl_heatmap")
 means = tl.stage_means(durations)
-st.plotly_chart(tl.stage_means_figure(means), key="tl_means")
+chart(tl.stage_means_figure(means), key="tl_means")
 with st.expander("Durations per step and stage"):
     st.dataframe(durations, hide_index=True, key="tl_durations")

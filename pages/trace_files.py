@@ -88,4 +88,5 @@ if up is not None:
     st.code(trace.result.text or "(nothing)", language=None, wrap_lines=True)
     if st.button("Open as the current run", key="tf_open", type="primary"):
         keep_run(track(trace), server_limits(show_error=False).max_runs_kept)
-        st.success("Opened the file: every page now shows this run.")
+        st.toast("Opened the file: every page now shows this run.")
+        st.rerun()

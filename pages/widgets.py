@@ -1,12 +1,18 @@
 """Widgets several pages share. One builder for the sampler settings: every page that lets a user choose
-them (sidebar, debugger, sampling, compare) draws the same widgets and reads one SamplingParams back."""
+them (sidebar, debugger, sampling, compare) draws the same widgets and reads one SamplingParams back. One
+way to show a figure (chart: the app's style, projector mode), lay out charts (columns) and link pages."""
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 
 import streamlit as st
+from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from engine import InputError, SamplingParams
+from inspector.views.theme import styled
+
+PROJECTOR = "sb_projector"          # the sidebar's projector toggle (also ?projector=1)
 
 # field: (label, kind, lowest, highest, step); the same bounds everywhere (the engine checks them too)
 SAMPLER_WIDGETS = {
@@ -49,7 +55,10 @@ def sampling_params_from(prefix: str, fallback: SamplingParams | None = None) ->
     InputError names a setting the engine rejects."""
     state, base = st.session_state, fallback or SamplingParams()
     values = {name: _value(name, state.get(widget_key(prefix, name), getattr(base, name))) for name in SAMPLER_WIDGETS}
-    return SamplingParams(**values)
+    try:
+        return SamplingParams(**values)
+    except InputError as e:      # the engine's message ends with the whole SamplingParams(...): say the setting
+        raise InputError(str(e).split("; got SamplingParams(")[0]) from None
 
 
 def set_sampling_widgets(prefix: str, params: SamplingParams) -> None:
@@ -69,3 +78,73 @@ def sampling_form(prefix: str, default: SamplingParams, container=None) -> Sampl
     except InputError as e:
         box.error(str(e))
         return None
+
+
+# ---- figures, layout, links --------------------------------------------------------------------------
+def projector() -> bool:
+    """Projector mode: big type, thick lines, high contrast, one chart per row."""
+    return bool(st.session_state.get(PROJECTOR, False))
+
+
+def chart(fig, key: str, **kwargs) -> None:
+    """st.plotly_chart of the figure in the app's style (inspector.views.theme.styled): every colour drawn as
+    itself under the chart theme, whole-number log axes, and the projector style when it is on."""
+    st.plotly_chart(styled(fig, projector=projector()), key=key, **kwargs)
+
+
+def columns(spec, **kwargs) -> list:
+    """st.columns(spec), or in projector mode as many full-width containers one below another: fewer,
+    bigger charts per screen."""
+    if projector():
+        return [st.container() for _ in range(spec if isinstance(spec, int) else len(spec))]
+    return st.columns(spec, **kwargs)
+
+
+def page_path(name: str) -> str | None:
+    """The script path of the app's page whose file is `name`.py (however the app lays its pages out)."""
+    ctx = get_script_run_ctx()
+    if ctx is None:
+        return None
+    for info in ctx.pages_manager.get_pages().values():
+        if Path(info.get("script_path", "")).stem == name:
+            return info["script_path"]
+    return None
+
+
+def metric_columns(n: int) -> list:
+    """n columns for metrics in one row; in projector mode rows of three, so big numbers are never cut."""
+    if not projector():
+        return st.columns(n)
+    return [c for row in range(0, n, 3) for c in st.columns(3)][:n]
+
+
+def pages() -> list[dict]:
+    """The app's registered pages in order: script_path, page_name (the title), icon."""
+    ctx = get_script_run_ctx()
+    return [] if ctx is None else list(ctx.pages_manager.get_pages().values())
+
+
+def navigation_links(n_columns: int = 2) -> None:
+    """Every page of the app as a link, n_columns to a row (titles only: two fit a row of the sidebar): the
+    app's navigation. st.navigation is hidden so that the prompt and Run come first in the sidebar, and no
+    page hides behind a "more" menu as it would in a navigation bar across the top."""
+    found = [p for p in pages() if p.get("script_path")]
+    if len(found) < 2:
+        return
+    cols = st.columns(n_columns, gap="small")
+    for i, info in enumerate(found):
+        with cols[i % n_columns]:
+            st.page_link(info["script_path"], label=info.get("page_name") or Path(info["script_path"]).stem)
+
+
+def page_link(name: str, label: str, icon: str | None = None) -> None:
+    """A link to another page (nothing when the page is not part of this app)."""
+    path = page_path(name)
+    if path is not None:
+        st.page_link(path, label=label, icon=icon)
+
+
+def switch_to(name: str) -> None:
+    path = page_path(name)
+    if path is not None:
+        st.switch_page(path)

@@ -26,6 +26,7 @@ from ..errors import InputError
 from ..stats import STAT_NAMES
 from ..trace import make_trace, save_trace, summary
 from .args import load, model_args, prompt_args, run_settings, sampling_args
+from .prescribe import add_doctor_flags, doctor_model, extend_doctor, human_lines
 
 
 def _debug_args(p: argparse.ArgumentParser) -> None:
@@ -48,6 +49,7 @@ def add_commands(sub) -> None:
     d.add_argument("--json", action="store_true", help="print the report as JSON")
     d.add_argument("--keep-going", action="store_true", help="do not stop at the first step with a NaN/Inf")
     d.add_argument("--lead-up", type=int, default=10, help="stages shown before the first non-finite one")
+    add_doctor_flags(d)                      # --why-loop, --rescue, --fp32
     d.add_argument("--compare", default=None, metavar="DTYPE",
                    help="also compare this model against a float16 or bfloat16 copy over the prompt")
     d.set_defaults(fn=cmd_doctor)
@@ -88,16 +90,14 @@ def cmd_trace(a: argparse.Namespace) -> int:
 
 def cmd_doctor(a: argparse.Namespace) -> int:
     injections, eps = _faults(a)
-    model = load(a)
+    model = doctor_model(load(a), a)         # the precision plan of --fp32, if any
     rep = run_doctor(model, a.prompt, injections=injections, norm_eps=eps, stop_at_nonfinite=not a.keep_going,
                      lead_up_k=a.lead_up, **_gen(a))
     out = rep.as_dict()
     if a.compare:
         out["precision"] = precision_compare(model, cast_model(model, a.compare), rep.result.prompt_ids).as_dict()
-    if a.json:
-        print(json.dumps(strict_json(out)))
-    else:
-        print(_human(out))
+    out = extend_doctor(model, a, out)       # causes (--why-loop), rescue (--rescue)
+    print(json.dumps(strict_json(out)) if a.json else "\n".join([_human(out), *human_lines(out)]))
     return 0
 
 
@@ -117,8 +117,9 @@ def _human(r: dict) -> str:
              f"stop: {r['stop_reason']}" + (f"; {r['error']}" if r["error"] else "")]
     if r.get("nonfinite_logits"):
         b = r["nonfinite_logits"]
-        lines.append(f"step {b['step']} (position {b['position']}): the logits held {b['nan']} NaN and {b['inf']} Inf "
-                     "values; no token was drawn from them")
+        held = "NaN or Inf" if b["nan"] is None else f"{b['nan']} NaN and {b['inf']} Inf"
+        lines.append(f"step {b['step']} (position {b['position']}): the logits held {held} values; no token was "
+                     "drawn from them")
     if r["injections"] or r["norm_eps"] is not None:
         lines.append(f"faults: {', '.join(r['injections']) or '-'}; RMSNorm eps: {r['norm_eps']}")
     nf = r["first_nonfinite"]

@@ -19,6 +19,8 @@ import torch
 from engine import STAT_NAMES, Probe
 from engine.probe import split_name
 
+from .theme import colorscale, robust_range
+
 STATS = ("mean", "std", "absmax", "rms", "min", "max", "nan", "inf")
 COL = {n: i for i, n in enumerate(STAT_NAMES)}
 
@@ -125,14 +127,47 @@ def nonfinite_cells(blocks) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["step", "position", "name", "stage", "layer", "nan", "inf"])
 
 
+MAX_POSITIONS = 256        # positions a position × layer heatmap shows at once
+SIGNED = ("mean", "min", "max")
+
+
+def position_window(positions: Sequence[int], bad: pd.DataFrame | None = None, size: int = MAX_POSITIONS) -> int:
+    """Default first index of a window of `size` positions: centred on the first NaN/Inf cell when there is
+    one (that is what a user opens this for), else the last `size` positions."""
+    pos = list(positions)
+    if len(pos) <= size:
+        return 0
+    if bad is not None and len(bad):
+        i = pos.index(int(bad.iloc[0]["position"])) if int(bad.iloc[0]["position"]) in pos else len(pos) - size
+        return max(0, min(i - size // 2, len(pos) - size))
+    return len(pos) - size
+
+
+def colour_range(z: np.ndarray, stat: str, skip_first: bool = True) -> tuple[float, float]:
+    """Colour range of a layers × positions matrix: robust quantiles of the finite cells, leaving out the
+    first column (position 0, whose massive activations dwarf every other position) when asked. Signed
+    statistics get a range symmetric about 0, so white means zero."""
+    body = z[:, 1:] if skip_first and z.shape[1] > 1 else z
+    lo, hi = robust_range(body, 0.99)
+    if stat in SIGNED:
+        m = max(abs(lo), abs(hi), 1e-12)
+        return -m, m
+    return lo, hi
+
+
 def position_layer_figure(matrix: pd.DataFrame, labels: Sequence[str], stat: str,
-                          bad: pd.DataFrame | None = None) -> go.Figure:
-    """Layers (y) × positions (x) heatmap; cells holding NaN/Inf are marked with a red ✕."""
+                          bad: pd.DataFrame | None = None, *, start: int = 0, size: int = MAX_POSITIONS,
+                          skip_first: bool = True) -> go.Figure:
+    """Layers (y) × positions (x) heatmap of positions [start, start + size); token text on the x axis;
+    a robust colour range (cells beyond it get the end colours); cells holding NaN/Inf marked with a red ✕."""
+    matrix = matrix.iloc[start:start + size]
     pos = list(matrix.index)
     x = [labels[p] if p < len(labels) else str(p) for p in pos]
     z = matrix.to_numpy().T                                                     # (L, P)
-    fig = go.Figure(go.Heatmap(z=np.where(np.isfinite(z), z, np.nan), x=x, y=list(matrix.columns),
-                               colorscale="RdBu_r" if stat in ("mean", "min", "max") else "Viridis",
+    z = np.where(np.isfinite(z), z, np.nan)
+    lo, hi = colour_range(z, stat, skip_first and bool(pos) and pos[0] == 0)
+    fig = go.Figure(go.Heatmap(z=z, x=x, y=list(matrix.columns), zmin=lo, zmax=hi, colorbar=dict(title=stat),
+                               colorscale=colorscale("RdBu_r" if stat in SIGNED else "Viridis"),
                                hovertemplate="%{x}<br>layer %{y}<br>" + stat + " %{z:.4g}<extra></extra>"))
     if bad is not None and len(bad):
         where = {p: i for i, p in enumerate(pos)}
@@ -140,9 +175,11 @@ def position_layer_figure(matrix: pd.DataFrame, labels: Sequence[str], stat: str
         tips = [f"{n}: nan {a}, inf {i}" for n, a, i in zip(b["name"], b["nan"], b["inf"])]
         fig.add_trace(go.Scatter(x=[x[where[p]] for p in b["position"]], y=b["layer"].astype(int), mode="markers",
                                  marker=dict(symbol="x", color="red", size=10), name="NaN/Inf", hovertext=tips))
-    fig.update_xaxes(title="position", type="category", showticklabels=len(pos) <= 96)
+    k = max(1, -(-len(x) // 48))
+    fig.update_xaxes(title="position and token", type="category", tickangle=-60, tickmode="array",
+                     tickvals=x[::k], ticktext=x[::k])
     fig.update_yaxes(title="layer", autorange="reversed")
-    fig.update_layout(height=max(300, 14 * matrix.shape[1] + 120), margin=dict(l=10, r=10, t=30, b=10))
+    fig.update_layout(height=max(340, 14 * matrix.shape[1] + 160), margin=dict(l=10, r=10, t=30, b=10))
     return fig
 
 
@@ -172,7 +209,7 @@ def logit_lens_figure(lens: pd.DataFrame, k: int | None = None) -> go.Figure:
     text = t.pivot(index="layer", columns="rank", values="token")
     shown = text.map(lambda s: repr(s)[1:-1][:10])
     fig = go.Figure(go.Heatmap(z=prob.to_numpy(), x=list(prob.columns), y=list(prob.index), text=shown.to_numpy(),
-                               texttemplate="%{text}", colorscale="Blues", zmin=0, zmax=1,
+                               texttemplate="%{text}", colorscale=colorscale("Blues"), zmin=0, zmax=1,
                                hovertemplate="layer %{y} rank %{x}<br>%{text}<br>p=%{z:.4f}<extra></extra>"))
     fig.update_xaxes(title="rank", dtick=1)
     fig.update_yaxes(title="layer", autorange="reversed", dtick=1)

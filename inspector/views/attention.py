@@ -17,6 +17,8 @@ import torch
 
 from engine import Probe
 
+from .theme import colorscale, robust_range
+
 MAX_CELLS = 256      # most cells a side a heatmap shows; longer sequences are windowed or pooled
 MAX_QUERIES = 256    # query rows the entropy overview evaluates per layer (all of them when fewer)
 
@@ -125,10 +127,64 @@ def window(m: np.ndarray, start: int, size: int = MAX_CELLS) -> tuple[np.ndarray
     return m[np.ix_(pos, pos)], pos
 
 
+def clamp_start(start: int, n: int, size: int = MAX_CELLS) -> int:
+    return max(0, min(int(start), max(0, n - size)))
+
+
+def key_window(m: np.ndarray, rows: Sequence[int], size: int = MAX_CELLS, *, skip_sink: bool = True) -> int:
+    """Where a window of `size` key positions holds the most of these query rows' attention: its first key.
+
+    Position 0 (the attention sink: most heads park spare weight on the first token) is left out of the
+    search, so the window goes where the head really looks; ties go to the latest window."""
+    mass = np.asarray(m, dtype=float)[np.asarray(rows, dtype=int)].sum(0)
+    if skip_sink and mass.size:
+        mass[0] = 0.0
+    if mass.size <= size:
+        return 0
+    c = np.concatenate([[0.0], np.cumsum(mass)])
+    sums = c[size:] - c[:-size]                                      # window s holds mass[s:s + size]
+    return int(np.flatnonzero(sums >= sums.max() - 1e-12)[-1])
+
+
+def window_rows_cols(m: np.ndarray, q_start: int, k_start: int, size: int = MAX_CELLS, *,
+                     hide_sink: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Query rows [q_start, q_start + size) × key columns [k_start, k_start + size) of a (T, S) map, both
+    clamped into range; with hide_sink the key column of position 0 is left out. (z, rows, cols)."""
+    T, S = m.shape
+    rows = np.arange(clamp_start(q_start, T, size), min(T, clamp_start(q_start, T, size) + size))
+    cols = np.arange(clamp_start(k_start, S, size), min(S, clamp_start(k_start, S, size) + size))
+    if hide_sink:
+        cols = cols[cols != 0]
+    return m[np.ix_(rows, cols)], rows, cols
+
+
+def mass_shown(m: np.ndarray, rows: Sequence[int], cols: Sequence[int]) -> tuple[float, float]:
+    """(share of these rows' attention on the shown key columns, share on position 0), each in [0, 1]."""
+    sub = np.asarray(m, dtype=float)[np.asarray(rows, dtype=int)]
+    total = max(float(sub.sum()), 1e-30)
+    return float(sub[:, np.asarray(cols, dtype=int)].sum()) / total, float(sub[:, 0].sum()) / total
+
+
+def zmax_without_sink(z: np.ndarray, cols: Sequence[int]) -> float:
+    """Top of the colour scale: a high quantile of the weights shown, position 0's column left out (the sink
+    holds most of many heads' weight and would wash every other cell into the lowest colour)."""
+    keep = [i for i, c in enumerate(cols) if int(c) != 0]
+    body = np.asarray(z, dtype=float)[:, keep] if keep else np.asarray(z, dtype=float)
+    return max(robust_range(body)[1], 1e-6)
+
+
+def _ticks(labels: list[str], max_ticks: int = 48) -> dict:
+    """Category tick labels thinned to at most max_ticks (every k-th), so each label stays readable."""
+    k = max(1, -(-len(labels) // max_ticks))
+    return dict(tickmode="array", tickvals=labels[::k], ticktext=labels[::k])
+
+
 def heatmap_figure(z: np.ndarray, rows: Sequence[int], cols: Sequence[int], labels: Sequence[str], *,
-                   title: str = "", block: int = 1) -> go.Figure:
-    """Query (y) × key (x) heatmap at absolute positions; token labels on the axes when they fit, and on
-    hover always. block > 1: each cell covers `block` positions (the label names its first)."""
+                   title: str = "", block: int = 1, zmax: float | None = None) -> go.Figure:
+    """Query (y) × key (x) heatmap at absolute positions; token text on both axes ("12 ·the", every k-th
+    label when there are many) and on hover always. block > 1: each cell covers `block` positions (the
+    label names its first and last). zmax: top of the colour scale (default: a robust high quantile of z,
+    so one very large weight does not wash the rest out; cells above it get the top colour)."""
     rows, cols = list(map(int, rows)), list(map(int, cols))
 
     def lab(p: int) -> str:
@@ -137,18 +193,21 @@ def heatmap_figure(z: np.ndarray, rows: Sequence[int], cols: Sequence[int], labe
 
     # Categorical axes: labels start with the position, so they are unique and hover shows the token.
     ylab, xlab = [lab(p) for p in rows], [lab(p) for p in cols]
-    fig = go.Figure(go.Heatmap(z=z, x=xlab, y=ylab, colorscale="Viridis", zmin=0,
+    top = robust_range(z)[1] if zmax is None else zmax
+    fig = go.Figure(go.Heatmap(z=z, x=xlab, y=ylab, colorscale=colorscale("Viridis"), zmin=0, zmax=max(top, 1e-9),
+                               colorbar=dict(title="weight"),
                                hovertemplate="query %{y}<br>key %{x}<br>weight %{z:.4f}<extra></extra>"))
-    fig.update_xaxes(title="key", type="category", tickangle=-60, showticklabels=len(cols) <= 96)
-    fig.update_yaxes(title="query", type="category", autorange="reversed", showticklabels=len(rows) <= 96)
-    fig.update_layout(title=title, height=min(900, 300 + 10 * len(rows)), margin=dict(l=10, r=10, t=40, b=10))
+    fig.update_xaxes(title="key: position and token (what is attended to)", type="category", tickangle=-60,
+                     **_ticks(xlab))
+    fig.update_yaxes(title="query: position and token", type="category", autorange="reversed", **_ticks(ylab))
+    fig.update_layout(title=title, height=min(900, 360 + 10 * len(rows)), margin=dict(l=10, r=10, t=40, b=10))
     return fig
 
 
 def entropy_figure(ent: np.ndarray) -> go.Figure:
     """Layers (y) × heads (x) heatmap of mean attention entropy; low = focused heads."""
     L, H = ent.shape
-    fig = go.Figure(go.Heatmap(z=ent, x=list(range(H)), y=list(range(L)), colorscale="Magma",
+    fig = go.Figure(go.Heatmap(z=ent, x=list(range(H)), y=list(range(L)), colorscale=colorscale("Magma"),
                                hovertemplate="layer %{y} head %{x}<br>entropy %{z:.3f} nats<extra></extra>",
                                colorbar=dict(title="nats")))
     fig.update_xaxes(title="head", dtick=1)

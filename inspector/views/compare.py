@@ -104,9 +104,11 @@ def aligned_table(a: GenerationResult, b: GenerationResult, token_text: TokenTex
                      "id_b": tb, "token_b": None if tb is None else token_text(tb), "same": ta == tb,
                      "diverged": d is not None and s >= d,
                      "prob_a": a.steps[s].prob if ta is not None else None,
-                     "prob_b": b.steps[s].prob if tb is not None else None})
+                     "prob_b": b.steps[s].prob if tb is not None else None,
+                     "model_prob_a": a.steps[s].model_prob if ta is not None else None,
+                     "model_prob_b": b.steps[s].model_prob if tb is not None else None})
     return pd.DataFrame(rows, columns=["step", "id_a", "token_a", "id_b", "token_b", "same", "diverged",
-                                       "prob_a", "prob_b"])
+                                       "prob_a", "prob_b", "model_prob_a", "model_prob_b"])
 
 
 def capture_step(model: Model, ids: Sequence[int], n_prompt: int, cfg: RunConfig, *,
@@ -189,14 +191,20 @@ def divergence_stages(model_a: Model, cfg_a: RunConfig, model_b: Model, cfg_b: R
 
 
 def tokens_figure(table: pd.DataFrame) -> go.Figure:
-    """Each run's chosen-token probability per step; the divergence step marked."""
-    fig = go.Figure([go.Scatter(x=table["step"], y=table[f"prob_{k}"], mode="lines+markers", name=f"run {k.upper()}")
+    """Each run's chosen token under the model's own distribution (the raw softmax) per step; the sampling
+    probability in the hover. A greedy run's sampling probability is 1 at every step (its distribution is
+    one-hot), so only the model's probability tells how sure the model was. The divergence step marked."""
+    fig = go.Figure([go.Scatter(x=table["step"], y=table[f"model_prob_{k}"], mode="lines+markers",
+                                name=f"run {k.upper()}", customdata=table[f"prob_{k}"],
+                                hovertemplate="step %{x}<br>model p %{y:.4f}<br>sampling p %{customdata:.4f}"
+                                              "<extra></extra>")
                      for k in ("a", "b")])
     div = table.loc[table["diverged"], "step"]
     if len(div):
         fig.add_vline(x=int(div.iloc[0]), line_dash="dash", line_color="#e4572e",
                       annotation_text=f"first divergence: step {int(div.iloc[0])}")
-    fig.update_layout(xaxis_title="step", yaxis_title="p(chosen token)", height=300, margin=dict(t=30, b=40))
+    fig.update_layout(xaxis_title="step", yaxis_title="model's probability of the chosen token",
+                      yaxis_range=[0, 1.05], height=320, margin=dict(t=30, b=40))
     return fig
 
 

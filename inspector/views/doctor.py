@@ -14,6 +14,8 @@ from engine import STAT_NAMES
 from engine.doctor import FP16_MAX, PRESETS, NonFinite, stage_profile
 from engine.stages import LAYER_STAGES
 
+from .theme import colorscale
+
 GLOBAL_STAGES = ("embed", "final_norm", "logits")
 WEIGHTS = ("attn_norm.weight", "attn.wqkv", "attn.wo", "mlp_norm.weight", "mlp.w_gate_up", "mlp.w_down")
 
@@ -38,7 +40,7 @@ def preset_label(name: str) -> str:
 
 # ---- the first non-finite value -------------------------------------------------------------------
 def nonfinite_headline(nf: NonFinite) -> str:
-    what = ", ".join(f"{int(nf.stats[k])} {k.upper() if k == 'nan' else 'Inf'}" for k in ("nan", "inf") if nf.stats[k])
+    what = ", ".join(f"{int(nf.stats[k])} {'NaN' if k == 'nan' else 'Inf'}" for k in ("nan", "inf") if nf.stats[k])
     where = "the prompt (prefill)" if nf.step == 0 else f"decode step {nf.step}"
     layer = "" if nf.layer is None else f", layer **{nf.layer}**"
     return (f"First non-finite value: stage **`{nf.stage}`**{layer}, position **{nf.position}**, step **{nf.step}** "
@@ -51,6 +53,16 @@ def profile_frame(probe, step: int, position: int) -> pd.DataFrame:
     df["order"] = range(len(df))
     df["finite"] = (df["nan"] + df["inf"]) == 0
     return df
+
+
+def lead_up_frame(prof: pd.DataFrame, stage: str, before: int = 6, after: int = 2) -> pd.DataFrame:
+    """The stages just before the first non-finite one, that stage, and a few after it (the order column
+    dropped), with a "where" column pointing at the offending row. Short enough to show whole: the row
+    that matters is never below the table's fold."""
+    i = int(prof.index[prof["stage"] == stage][0])
+    out = prof.iloc[max(0, i - before): i + after + 1].drop(columns=["order"]).copy()
+    out.insert(0, "where", ["◀ first NaN/Inf" if s == stage else "" for s in out["stage"]])
+    return out
 
 
 def profile_figure(df: pd.DataFrame, first: str | None, *, fp16_line: bool = True) -> go.Figure:
@@ -102,8 +114,9 @@ def precision_heatmap(df: pd.DataFrame) -> go.Figure:
     grid = grid[[s for s in LAYER_STAGES if s in grid.columns]]
     z = grid.map(lambda v: math.log10(v) if v > 0 and math.isfinite(v) else (3.0 if v > 0 else -9.0))
     fig = go.Figure(go.Heatmap(z=z.values, x=list(grid.columns), y=[int(i) for i in grid.index],
-                               colorscale="Viridis", colorbar=dict(title="log10 rel. err"),
+                               colorscale=colorscale("Viridis"), colorbar=dict(title="log10 rel. err"),
                                customdata=grid.values,
                                hovertemplate="layer %{y} %{x}<br>%{customdata:.3g}<extra></extra>"))
-    fig.update_layout(yaxis_title="layer", height=420, margin=dict(t=30, b=40), yaxis_autorange="reversed")
+    fig.update_layout(yaxis_title="layer", xaxis_title="stage within the layer", height=420, margin=dict(t=30, b=40),
+                      yaxis_autorange="reversed")
     return fig

@@ -173,10 +173,21 @@ def projection_pivot(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def projection_figure(df: pd.DataFrame) -> go.Figure:
+    """GiB per context length, one line per distinct cache shape: models whose caches are the same size
+    (e.g. Llama-3-8B and Mistral-7B: 32 layers, 8 KV heads of 128) share one line named after all of them,
+    instead of two lines drawn exactly on top of each other."""
     fig = go.Figure()
+    groups: dict[tuple, list[str]] = {}
     for name, g in df.groupby("model", sort=False):
-        fig.add_trace(go.Scatter(x=g["context"], y=g["GiB"], mode="lines+markers", name=name,
-                                 hovertemplate=name + "<br>%{x:,} positions<br>%{y:.3f} GiB<extra></extra>"))
+        groups.setdefault(tuple(g["bytes"]), []).append(name)
+    symbols = ("circle", "square", "diamond", "triangle-up", "x", "star", "cross", "hexagon")
+    for k, names in enumerate(groups.values()):
+        g = df[df["model"] == names[0]]
+        label = " = ".join(names) + (" (same cache size)" if len(names) > 1 else "")
+        fig.add_trace(go.Scatter(x=g["context"], y=g["GiB"], mode="lines+markers", name=label,
+                                 marker=dict(symbol=symbols[k % len(symbols)], size=8),
+                                 hovertemplate=label + "<br>%{x:,} positions<br>%{y:.3f} GiB<extra></extra>"))
     fig.update_layout(xaxis_type="log", yaxis_type="log", xaxis_title="context length (positions)",
-                      yaxis_title="KV cache (GiB)", height=380, margin=dict(t=30, b=40))
+                      yaxis_title="KV cache (GiB)", height=420, margin=dict(t=30, b=40),
+                      legend=dict(orientation="h", y=-0.25))
     return fig

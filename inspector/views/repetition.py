@@ -19,6 +19,7 @@ from plotly.subplots import make_subplots
 from engine import Probe
 from engine.loops import Loop, find_loops, repeats, tail_loop
 
+from .theme import colorscale
 from .tokens import visible
 
 LOOP_COLORS = (("#fde2e4", "#f9c0c7"), ("#dfe7fd", "#b9c9f7"), ("#d7f0d2", "#b0e0a6"), ("#fff1c1", "#ffe08a"))
@@ -113,10 +114,12 @@ def copy_attention(model, ids: Sequence[int], n_prompt: int, loop: Loop) -> Copy
 
 
 def copy_attention_figure(ca: CopyAttention, which: str = "to_copy") -> go.Figure:
-    """Layers × heads: mean weight over the looping tokens."""
+    """Layers × heads: mean weight over the looping tokens. The colours run from 0 to the largest mean (a
+    head that copies stands out even when no head puts all its weight there)."""
     z = getattr(ca, which).mean(-1).numpy()
+    top = max(float(z.max()) if z.size else 0.0, 1e-6)
     fig = go.Figure(go.Heatmap(z=z, x=[f"h{h}" for h in range(z.shape[1])], y=list(range(z.shape[0])),
-                               colorscale="Magma", zmin=0, zmax=1, colorbar=dict(title="weight"),
+                               colorscale=colorscale("Magma"), zmin=0, zmax=top, colorbar=dict(title="weight"),
                                hovertemplate="layer %{y} %{x}<br>mean weight %{z:.3f}<extra></extra>"))
     fig.update_layout(yaxis_title="layer", xaxis_title="head", height=460, margin=dict(t=30, b=40),
                       yaxis_autorange="reversed")
@@ -140,17 +143,19 @@ def copy_attention_table(ca: CopyAttention, labels: Sequence[str]) -> pd.DataFra
 
 def compare_penalties(model, settings, variants: dict[str, dict] | None = None, *,
                       baseline: tuple[Sequence[int], str] | None = None,
-                      on_variant: Callable[[str], None] | None = None) -> pd.DataFrame:
+                      on_variant: Callable[[str], None] | None = None,
+                      on_token: Callable | None = None) -> pd.DataFrame:
     """The run's prompt, seed and sampling settings with each penalty setting alone (others neutral).
 
     settings: an engine.RunSettings; baseline: the run's own (token_ids, text), shown first as
-    "as run". A setting breaks the loop when its generation has no loop at all (engine.loops.find_loops)."""
+    "as run". A setting breaks the loop when its generation has no loop at all (engine.loops.find_loops).
+    on_variant(label) before each generation, on_token(step) after each of its tokens (live progress)."""
     rows = [] if baseline is None else [variant_row("as run", *baseline)]
     for label, overrides in (PENALTY_VARIANTS if variants is None else variants).items():
         if on_variant:
             on_variant(label)
         s = dataclasses.replace(settings, params=dataclasses.replace(settings.params, **{**NEUTRAL, **overrides}))
-        res = model.generate(s.prompt, **s.generation_kwargs())
+        res = model.generate(s.prompt, on_token=on_token, **s.generation_kwargs())
         rows.append(variant_row(label, res.token_ids, res.text))
     return pd.DataFrame(rows, columns=VARIANT_COLUMNS)
 

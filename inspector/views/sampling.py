@@ -88,27 +88,38 @@ def compare(logits: torch.Tensor, settings: dict[str, SamplingParams], context: 
 
 def compare_figure(tokens: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
     """One panel per setting: bars of each token's probability before truncation (blue kept, grey cut, red
-    the token the run chose), the final probability as dots, a dashed line where the kept set ends.
+    the token the run chose), the final probability as dots, a dashed line where the kept set ends. Each
+    colour is its own trace, so the legend names the colour it shows.
 
     Built in one go.Figure call: make_subplots + add_trace + add_vline validate the figure again at every
     step and cost ~8x more, which matters for a page redrawn at every slider move."""
     labels, gap = list(summary["setting"]), 0.03
     width = (1 - gap * (len(labels) - 1)) / len(labels)
     data, shapes, notes = [], [], []
-    layout = dict(height=420, margin=dict(t=50, b=110), legend=dict(orientation="h", y=-0.45), barmode="overlay")
+    layout = dict(height=460, margin=dict(t=50, b=120), legend=dict(orientation="h", y=-0.5), barmode="overlay")
+    parts = (("kept (probability before the cut)", KEPT), ("cut by top-k / top-p / min-p", CUT),
+             ("the run's token", CHOSEN))
+    shown: set[int] = set()          # each legend entry once, from the first panel that has such bars
     for c, (label, kept, h) in enumerate(zip(labels, summary["kept"], summary["entropy"])):
         ax = "" if c == 0 else str(c + 1)
         d = tokens[tokens["setting"] == label]
-        x = [f"{r}. {t!r}"[:24] for r, t in zip(d["rank"], d["token"])]
-        colours = [CHOSEN if ch else (KEPT if k else CUT) for ch, k in zip(d["chosen"], d["kept"])]
-        data.append(go.Bar(x=x, y=d["before"].tolist(), marker_color=colours, name="before truncation",
-                           showlegend=c == 0, customdata=d["token_id"].tolist(), xaxis="x" + ax, yaxis="y" + ax,
-                           hovertemplate="%{x}<br>id %{customdata}<br>p before cut %{y:.4f}<extra></extra>"))
-        data.append(go.Scatter(x=x, y=d["prob"].tolist(), mode="markers", marker=dict(color="black", size=6),
-                               name="sampling probability", showlegend=c == 0, xaxis="x" + ax, yaxis="y" + ax,
-                               hovertemplate="%{x}<br>p %{y:.4f}<extra></extra>"))
+        x = [f"{r}. {t!r}"[:16] for r, t in zip(d["rank"], d["token"])]
+        kind = [2 if ch else (0 if k else 1) for ch, k in zip(d["chosen"], d["kept"])]
+        before, ids = d["before"].tolist(), d["token_id"].tolist()
+        for j, (name, colour) in enumerate(parts):
+            sel = [i for i, k in enumerate(kind) if k == j]
+            first = bool(sel) and j not in shown
+            shown.update([j] if sel else [])
+            data.append(go.Bar(x=[x[i] for i in sel], y=[before[i] for i in sel], marker_color=colour, name=name,
+                               legendgroup=name, showlegend=first, customdata=[ids[i] for i in sel],
+                               xaxis="x" + ax, yaxis="y" + ax,
+                               hovertemplate="%{x}<br>id %{customdata}<br>p before cut %{y:.4f}<extra></extra>"))
+        data.append(go.Scatter(x=x, y=d["prob"].tolist(), mode="markers", marker=dict(color="black", size=7),
+                               name="final sampling probability", legendgroup="final", showlegend=c == 0,
+                               xaxis="x" + ax, yaxis="y" + ax, hovertemplate="%{x}<br>p %{y:.4f}<extra></extra>"))
         lo = c * (width + gap)
-        layout["xaxis" + ax] = dict(domain=[lo, lo + width], anchor="y" + ax, tickangle=-60, tickfont=dict(size=9))
+        layout["xaxis" + ax] = dict(domain=[lo, lo + width], anchor="y" + ax, tickangle=-60, categoryorder="array",
+                                    categoryarray=x)
         layout["yaxis" + ax] = dict(anchor="x" + ax, **({"title": "probability"} if c == 0 else
                                                        {"matches": "y", "showticklabels": False}))
         notes.append(dict(text=f"{label}: kept {int(kept):,}, H={h:.2f}", x=lo + width / 2, y=1.0, xref="paper",
@@ -118,6 +129,34 @@ def compare_figure(tokens: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
             shapes.append(dict(type="line", x0=n_kept - 0.5, x1=n_kept - 0.5, y0=0, y1=1, xref="x" + ax,
                                yref=f"y{ax} domain", line=dict(dash="dash", color=CHOSEN)))
     return go.Figure(data=data, layout=dict(layout, shapes=shapes, annotations=notes))
+
+
+def _tokens(n: int) -> str:
+    return f"{n:,} token" + ("" if n == 1 else "s")
+
+
+def chain_notes(settings: dict[str, SamplingParams], stages: dict[str, dict[str, torch.Tensor]]) -> list[str]:
+    """The chain order, with this step's numbers: per setting, the top token's probability after temperature,
+    how many tokens top-p needs to reach its mass, and how many survive; then every pair where a setting with
+    a smaller top-p keeps more tokens than another because its temperature is higher (temperature comes
+    first: it flattens the distribution that top-p then cuts)."""
+    lines, kept = [], {}
+    for label, p in settings.items():
+        probs_t = torch.softmax(stages[label]["sampler.temperature"], dim=-1)
+        kept[label] = kept_count(stages[label]["sampler.probs"])
+        top1 = float(probs_t.max())
+        nucleus = kept_count(torch.softmax(stages[label]["sampler.top_p"], -1))
+        what = "greedy: only the most likely token" if p.temperature == 0 else (
+            f"T={p.temperature:g} leaves the top token at p={top1:.3f}"
+            + (f"; top-p {p.top_p:g} then needs {_tokens(nucleus)} to reach its mass" if p.top_p < 1 else ""))
+        lines.append(f"**{label}**: {what}; **{_tokens(kept[label])}** kept in the end.")
+    for a, pa in settings.items():
+        for b, pb in settings.items():
+            if (pa.temperature > pb.temperature > 0 and pa.top_p < pb.top_p and kept[a] > kept[b]):
+                lines.append(f"**{a}** keeps more tokens ({kept[a]:,}) than **{b}** ({kept[b]:,}) although its top-p "
+                             f"is smaller ({pa.top_p:g} < {pb.top_p:g}): its temperature {pa.temperature:g} flattened "
+                             "the distribution first, so the same share of probability is spread over more tokens.")
+    return lines
 
 
 def chain_table(stages: dict[str, torch.Tensor], token_text: TokenText, top_n: int = 5) -> pd.DataFrame:
@@ -163,6 +202,21 @@ def empirical(probs: torch.Tensor, n: int = 1000, seed: int = 0, token_text: Tok
     return df, stats
 
 
+def pass_rate(probs: torch.Tensor, n: int = 1000, seeds: int = 200, alpha: float = 0.05) -> dict[str, float]:
+    """The empirical check repeated with draw seeds 0..seeds-1: the share of p-values below alpha. For a
+    sampler that draws exactly from probs this share is about alpha (a p-value is uniform under the null),
+    so one small p-value at one seed says nothing; a share far above alpha would."""
+    p = probs.double()
+    below = 0
+    for s in range(seeds):
+        g = torch.Generator().manual_seed(s)
+        counts = torch.bincount(torch.multinomial(probs, n, replacement=True, generator=g),
+                                minlength=probs.shape[0]).double()
+        pv = chi_square(counts, p * n)["p_value"]
+        below += pv == pv and pv < alpha
+    return {"seeds": float(seeds), "alpha": alpha, "below": float(below), "share_below": below / seeds}
+
+
 def chi_square(observed: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
     """Pearson's chi-square; cells expected < 5 are pooled into one (dropped if that one is still < 5)."""
     big = expected >= 5
@@ -181,14 +235,18 @@ def chi_square(observed: torch.Tensor, expected: torch.Tensor) -> dict[str, floa
 
 def redraw(logits: torch.Tensor, settings: dict[str, SamplingParams], chain_setting: str, context: list[int],
            generated: list[int], token_text: TokenText, chosen: int | None = None, n_draws: int = 1000,
-           seed: int = 0, top_n: int = 20) -> dict:
-    """Everything the sampling page shows for one step: comparison, chain, empirical check (and figures)."""
-    stages = chains(logits, settings, context, generated)
+           seed: int = 0, top_n: int = 20, stages: dict[str, dict[str, torch.Tensor]] | None = None,
+           draws: tuple[pd.DataFrame, dict[str, float]] | None = None) -> dict:
+    """Everything the sampling page shows for one step: comparison, chain, empirical check (and figures).
+    stages (chains() of these settings) and draws (empirical() of the chain setting) may come from a cache:
+    a slider move changes one setting, and the others' chains and the draws need not be recomputed."""
+    stages = stages or chains(logits, settings, context, generated)
     tokens, summary = compare(logits, settings, context, generated, token_text, top_n, chosen, stages)
     chain = chain_table(stages[chain_setting], token_text)
-    emp, stats = empirical(stages[chain_setting]["sampler.probs"], n_draws, seed, token_text)
+    emp, stats = draws or empirical(stages[chain_setting]["sampler.probs"], n_draws, seed, token_text)
     return {"tokens": tokens, "summary": summary, "compare_fig": compare_figure(tokens, summary),
-            "chain": chain, "chain_fig": chain_figure(chain), "empirical": emp, "stats": stats}
+            "chain": chain, "chain_fig": chain_figure(chain), "empirical": emp, "stats": stats,
+            "notes": chain_notes(settings, stages)}
 
 
 def redraw_seconds(logits: torch.Tensor, settings: dict[str, SamplingParams] | None = None,

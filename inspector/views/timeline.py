@@ -12,6 +12,8 @@ import re
 import pandas as pd
 import plotly.graph_objects as go
 
+from .theme import colorscale
+
 PHASES = ("tokenize", "forward", "sample", "detokenize")
 COLOURS = {"tokenize": "#8c6bb1", "forward": "#3b6fb6", "sample": "#e4572e", "detokenize": "#59a14f"}
 _BLOCK = re.compile(r"blocks\.(\d+)")
@@ -126,7 +128,7 @@ def layer_heatmap(durations: pd.DataFrame, include_prefill: bool = True) -> go.F
     if not include_prefill and len(m) > 1:
         m = m.drop(index=0, errors="ignore")
     fig = go.Figure(go.Heatmap(z=m.values, x=[int(c) for c in m.columns], y=[int(i) for i in m.index],
-                               colorscale="Viridis", colorbar=dict(title="ms"),
+                               colorscale=colorscale("Viridis"), colorbar=dict(title="ms"),
                                hovertemplate="step %{y} · layer %{x}<br>%{z:.3f} ms<extra></extra>"))
     fig.update_layout(xaxis_title="layer", yaxis_title="step (0 = prefill)", yaxis_autorange="reversed",
                       height=max(300, min(900, 14 * len(m) + 120)), margin=dict(t=30, b=40))

@@ -97,18 +97,40 @@ def token_counts(tok, ids: Sequence[int]) -> dict[str, float]:
             "special": sum(bool(tok.is_special(int(i))) for i in ids)}
 
 
-def spans_html(table: pd.DataFrame) -> str:
-    """Coloured token spans; hover shows id, visible text, bytes and offsets. Every piece of token text is
-    HTML-escaped (text and attribute), so nothing a user typed or a model generated can inject markup."""
-    out = ['<div style="font-family:monospace;line-height:1.9;white-space:pre-wrap;word-break:break-all">']
+def _groups(table: pd.DataFrame) -> list[list]:
+    """Rows in runs of tokens that share characters: the pieces of one emoji or CJK character (their character
+    spans overlap) form one run; every other token is a run of its own."""
+    groups: list[list] = []
     for r in table.itertuples(index=False):
-        tip = (f"position {r.position} · id {r.id} · {r.text!r} · bytes {r.bytes or '—'} · "
-               f"chars {r.start}–{r.end}" + (" · special" if r.special else ""))
+        prev = groups[-1][-1] if groups else None
+        if prev is not None and r.part == prev.part and not (r.special or prev.special) and r.start < prev.end:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups
+
+
+def spans_html(table: pd.DataFrame) -> str:
+    """Coloured token spans; hover shows id, visible text, bytes and offsets. Tokens that each hold part of
+    one character (an emoji split into byte pieces) are drawn as that character, in one span whose hover
+    lists every piece. Every piece of token text is HTML-escaped (text and attribute), so nothing a user
+    typed or a model generated can inject markup."""
+    out = ['<div style="font-family:monospace;line-height:1.9;white-space:pre-wrap;word-break:break-all">']
+    for g in _groups(table):
+        r = g[0]
+        tips = [f"position {x.position} · id {x.id} · {x.text!r} · bytes {x.bytes or '—'} · chars {x.start}–{x.end}"
+                + (" · special" if x.special else "") for x in g]
         style = SPECIAL_STYLE if r.special else f"background:{PALETTE[r.position % len(PALETTE)]}"
         if r.part == "generated" and not r.special:
             style += ";border-bottom:2px solid #c0392b"
-        label = r.text.replace("⏎", "⏎\n") if not r.special else r.text
-        out.append(f'<span title="{html.escape(tip, quote=True)}" style="{style};padding:0 1px;'
+        if len(g) > 1:
+            data = b"".join(bytes.fromhex(x.bytes.replace(" ", "")) for x in g)
+            label = visible(data.decode("utf-8", errors="replace"))
+            tips.insert(0, f"{len(g)} tokens spell {label!r}")
+            style += ";outline:1px dashed #888"
+        else:
+            label = r.text.replace("⏎", "⏎\n") if not r.special else r.text
+        out.append(f'<span title="{html.escape(chr(10).join(tips), quote=True)}" style="{style};padding:0 1px;'
                    f'margin:0 1px;border-radius:3px">{html.escape(label, quote=True)}</span>')
     out.append("</div>")
     return "".join(out)

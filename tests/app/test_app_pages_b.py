@@ -188,7 +188,9 @@ def test_sampling_page_kept_counts_and_no_model_calls(tiny_app, pages, forward_c
     # the run's token is highlighted: greedy chose the argmax, rank 1 in A's panel
     assert int(np.argmax(logits)) == run.result.token_ids[step]
     bars = [t for t in chart(at, "smp_compare_fig")["data"] if t["type"] == "bar"]
-    assert len(bars) == 3 and bars[0]["marker"]["color"][0] == "#e4572e"
+    chosen_a = [t for t in bars if t.get("xaxis", "x") == "x" and t["name"] == "the run's token"]
+    assert len(bars) == 9 and chosen_a[0]["marker"]["color"] == "#e4572e"    # kept, cut, chosen per panel
+    assert [x.split(".")[0] for x in chosen_a[0]["x"]] == ["1"]
     # the chain for B, stage by stage, and its empirical check
     at.radio(key="smp_chain").set_value("B").run()
     chain = find_df(at, "stage", "kept", "entropy")

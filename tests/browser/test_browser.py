@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tests.helpers import streamlit_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,6 +48,13 @@ def wait_idle(page, timeout_s: float = 240) -> None:
     raise AssertionError("the app was still running after %.0f s" % timeout_s)
 
 
+def go_to(page, title: str) -> None:
+    """Open a page through the sidebar's list of pages."""
+    page.locator('[data-testid="stSidebar"]').get_by_role("link", name=title, exact=True).first.click()
+    page.wait_for_timeout(800)
+    wait_idle(page)
+
+
 def test_every_page_in_chromium(server):
     from playwright.sync_api import sync_playwright
 
@@ -64,14 +72,12 @@ def test_every_page_in_chromium(server):
         box.fill(PROMPT)
         box.press("Control+Enter")
         wait_idle(page)
-        page.locator('[data-testid="stSidebar"] button:has-text("Run")').first.click()
+        page.get_by_role("button", name="Run", exact=True).click()
         page.wait_for_timeout(1000)
         wait_idle(page)
         assert "Paris" in page.inner_text("body"), "the bundled model's answer did not appear"
         for title in titles:
-            page.locator('[data-testid="stSidebarNav"] a', has_text=title).first.click()
-            page.wait_for_timeout(800)
-            wait_idle(page)
+            go_to(page, title)
             slug = re.sub(r"\W+", "_", title.lower()).strip("_")
             page.screenshot(path=str(shots / f"{slug}.png"), full_page=True)
             errors = page.locator('[data-testid="stException"]')

@@ -45,16 +45,30 @@ def prompt_of(k: int, tok) -> str:
     return tok.decode(ids)
 
 
+def idle(page) -> None:
+    """Wait until the app has processed what this tab sent (Streamlit's running indicator is gone)."""
+    page.wait_for_timeout(300)
+    end = time.monotonic() + TIMEOUT_S
+    while page.locator('[data-testid="stStatusWidget"]').count() and time.monotonic() < end:
+        page.wait_for_timeout(200)
+
+
 def run_in(page, prompt: str) -> None:
     _set_max_new(page, NEW)
+    idle(page)
     box = page.get_by_role("textbox", name="Prompt", exact=True)
     box.fill(prompt)
     box.press("Control+Enter")
+    idle(page)
+    assert box.input_value() == prompt
 
 
-def generated_text(page) -> str:
+def shown_texts(page) -> list[str]:
+    """Every code block on the tab's main area once its run is shown (the prompt, the generated text, …)."""
     page.get_by_text("Generated text", exact=True).wait_for(timeout=TIMEOUT_S * 1000)
-    return page.locator('[data-testid="stMain"] [data-testid="stCode"] code').nth(1).text_content()
+    idle(page)
+    codes = page.locator('[data-testid="stMain"] [data-testid="stCode"] code')
+    return [codes.nth(i).text_content().strip("\n") for i in range(codes.count())]
 
 
 def visit(page, title: str) -> None:
@@ -98,8 +112,11 @@ def test_a_room_of_thirty(room, browser, tiny_model):
     for (_, page), p in zip(tabs, prompts):
         run_in(page, p)
     press_run_in(tabs)
-    got = [generated_text(page) for _, page in tabs]
-    assert [g.strip("\n") for g in got] == [w.strip("\n") for w in want]   # each its own, none another's
+    want = [w.strip("\n") for w in want]
+    for k, (_, page) in enumerate(tabs):
+        shown = shown_texts(page)
+        assert want[k] in shown, (k, want[k], shown)                          # its own single-user tokens
+        assert not any(w in shown for j, w in enumerate(want) if j != k and w != want[k]), k   # nobody else's
     peak = psutil.Process(proc.pid).memory_info().rss
     for k, (_, page) in enumerate(tabs):
         for title in PAGES:
@@ -113,7 +130,7 @@ def test_a_room_of_thirty(room, browser, tiny_model):
                     assert not exceptions(page), (k, layer)
             if title == "Compare runs":
                 page.get_by_role("button", name="Compare", exact=True).click()
-                page.get_by_text("First divergence").wait_for(timeout=TIMEOUT_S * 1000)
+                page.get_by_text("First divergence", exact=True).wait_for(timeout=TIMEOUT_S * 1000)
         peak = max(peak, psutil.Process(proc.pid).memory_info().rss)
     bound = rss0 + SESSIONS * BUDGET_MB * 2**20
     print(f"room of {SESSIONS}: server RSS {rss0 / 2**20:.0f} MiB before, peak {peak / 2**20:.0f} MiB "

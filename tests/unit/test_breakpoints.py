@@ -75,13 +75,14 @@ def test_nan_breakpoint_fires_where_the_planted_value_first_applies(tiny_model):
     probe = inspection_probe().replace("blocks.0.mlp.act", plant(float("nan"), position=n + 2))
     run = new_run(tiny_model, probe)
     steps, fired = run_until(run, [NonFinite()])
-    assert steps[-1].index == 3 and len(run.steps) == 4               # step 3 is the forward of position n + 2
+    # step 3 is the forward of position n + 2: its logits are NaN, so it draws no token and the run stops there
+    assert steps[-1].index == 2 and len(run.steps) == 3 and run.stop_reason == "non-finite logits"
     assert fired.startswith("step 3: blocks.0.mlp.act holds 1 NaN") and f"position {n + 2}" in fired
     assert not any(bool(b.values[:, :, 5:].sum()) for b in probe.stats if b.step < 3)
     # restricted to later stages it names the first of those
     run = new_run(tiny_model, inspection_probe().replace("blocks.0.mlp.act", plant(float("nan"), position=n + 2)))
     steps, fired = run_until(run, [NonFinite("blocks.1.*")])
-    assert steps[-1].index == 3 and fired.startswith("step 3: blocks.1.attn_norm")
+    assert steps[-1].index == 2 and fired.startswith("step 3: blocks.1.attn_norm")
     with pytest.raises(EngineError, match="record"):
         run_until(GenerationRun(tiny_model, PROMPT, max_new_tokens=2), [NonFinite()])
 

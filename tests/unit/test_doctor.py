@@ -22,6 +22,7 @@ from engine.doctor import (
     precision_compare,
     run_doctor,
 )
+from engine.generate import nonfinite_stop
 
 ROOT = Path(__file__).resolve().parents[2]
 IDS = [504, 3575, 282, 4649, 314, 7042, 30, 2683]
@@ -60,7 +61,12 @@ def test_planted_value_is_reported_exactly(tiny_model, stage, layer, position, k
     assert (nf.step, nf.stage, nf.layer, nf.position) == (0, stage, layer, position)
     assert nf.stats[kind] >= 1
     assert rep.lead_up[-1]["stage"] == stage and all(r["nan"] + r["inf"] == 0 for r in rep.lead_up[:-1])
-    assert rep.result.stop_reason in ("nonfinite", "eos")
+    # when the fault reached the last position's logits (the recorded statistics say so), the engine refused
+    # to sample from them; otherwise the doctor stopped at the step that went non-finite. Never a fake "eos".
+    logits_bad = any(r.values[:, 5:7].sum() > 0 for r in rep.probe.stat_records("logits"))
+    assert rep.result.stop_reason == ("non-finite logits" if logits_bad else "nonfinite")
+    assert (nonfinite_stop(rep.result) is not None) == logits_bad
+    assert len(rep.result.token_ids) == (0 if logits_bad else 1)      # step 0 draws only from finite logits
 
 
 def test_plant_in_a_decode_step(tiny_model):
@@ -68,10 +74,13 @@ def test_plant_in_a_decode_step(tiny_model):
     rep = run_doctor(tiny_model, IDS, injections=["nan@blocks.1.attn.q_rot:10"], max_new_tokens=6, ignore_eos=True)
     nf = rep.first_nonfinite
     assert (nf.step, nf.stage, nf.layer, nf.position) == (3, "blocks.1.attn.q_rot", 1, 10)
-    assert len(rep.result.token_ids) == 4 and rep.result.stop_reason == "nonfinite"   # stopped at that step
+    # step 3's logits are all NaN (the last layer's query at the position decoded): nothing is drawn from them
+    assert len(rep.result.token_ids) == 3 and rep.result.stop_reason == "non-finite logits"
+    assert nonfinite_stop(rep.result) == {"step": 3, "position": 10, "nan": tiny_model.config.vocab_size, "inf": 0}
     full = run_doctor(tiny_model, IDS, injections=["nan@blocks.1.attn.q_rot:10"], max_new_tokens=6,
                       ignore_eos=True, stop_at_nonfinite=False)
-    assert len(full.result.token_ids) == 6 and full.first_nonfinite.as_dict() == nf.as_dict()
+    assert full.result.token_ids == rep.result.token_ids and full.first_nonfinite.as_dict() == nf.as_dict()
+    assert full.result.stop_reason == "non-finite logits"          # --keep-going cannot sample from NaN either
 
 
 def test_weight_scale_zero_and_sampler_injections(tiny_model):
@@ -172,6 +181,9 @@ def test_cli_doctor_json_bundled_loop_then_nan():
     assert (nf["step"], nf["stage"], nf["layer"], nf["position"]) == (13, "blocks.17.mlp.act", 17, 22)
     assert [(lp["start"], lp["period"], lp["count"]) for lp in out["loops"]] == [(1, 6, 2)]
     assert out["lead_up"][-1]["stage"] == "blocks.17.mlp.act" and out["lead_up"][-1]["nan"] == 1
+    # the NaN reaches step 13's logits: the run stops there with 13 tokens, none drawn from them
+    assert out["stop_reason"] == "non-finite logits" and out["generated_tokens"] == 13
+    assert (out["nonfinite_logits"]["step"], out["nonfinite_logits"]["position"]) == (13, 22)
 
 
 def test_cli_doctor_fp16_overflow_preset():
@@ -182,3 +194,35 @@ def test_cli_doctor_fp16_overflow_preset():
     assert out["model_dtype"] == "float16"
     assert (nf["step"], nf["stage"], nf["layer"], nf["position"]) == (0, "blocks.11.mlp_out", 11, 0)
     assert nf["stats"]["absmax"] == "Infinity"                           # strict JSON
+
+
+def test_cli_nan_logits_stop_reason_in_doctor_json_and_trace_file(tiny_model_dir, tmp_path):
+    """NaN logits at the prefill used to be sampled (argmax picks token 0, <|endoftext|>) and reported as "eos"
+    with nothing generated; now every surface says "non-finite logits" and names step 0."""
+    common = ("one two three", "--model", str(tiny_model_dir), "--max-new-tokens", "4", "--inject", "nan@logits")
+    r = cli("doctor", *common, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    n = out["prompt_tokens"]
+    assert (out["stop_reason"], out["generated_tokens"], out["token_ids"]) == ("non-finite logits", 0, [])
+    assert out["nonfinite_logits"] == {"step": 0, "position": n - 1, "nan": 1, "inf": 0}
+    assert (out["first_nonfinite"]["stage"], out["first_nonfinite"]["position"]) == ("logits", n - 1)
+    human = cli("doctor", *common)
+    assert "stop: non-finite logits" in human.stdout
+    assert f"step 0 (position {n - 1}): the logits held 1 NaN" in human.stdout
+    r = cli("trace", *common, "--out", str(tmp_path / "nan.trace"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["stop_reason"] == "non-finite logits"
+    from engine import load_trace
+    t = load_trace(tmp_path / "nan.trace")
+    assert (t.result.stop_reason, t.result.token_ids, t.result.steps) == ("non-finite logits", [], [])
+    nf = t.first_nonfinite
+    assert (nf["step"], nf["stage"], nf["position"]) == (0, "logits", n - 1)
+
+
+def test_precision_compare_reports_progress_per_layer(tiny_model):
+    heard = []
+    precision_compare(tiny_model, cast_model(tiny_model, "bfloat16"), IDS,
+                      on_progress=lambda done, total: heard.append((done, total)))
+    L = tiny_model.config.num_layers
+    assert heard == [(k, 2 * L) for k in range(1, 2 * L + 1)]           # each layer of both forwards, in order

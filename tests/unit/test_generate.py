@@ -1,10 +1,13 @@
 """Generation: stopping, streaming, seeds, sampler stages seen by hooks."""
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from engine import GenerationRun, Probe, SamplingParams
+from engine.generate import Progress, nonfinite_stop
 
 
 def test_seeded_sampling_is_reproducible(tiny_model):
@@ -80,3 +83,96 @@ def test_kv_cache_bytes(tiny_model):
     tiny_model.forward(torch.tensor([5, 6, 7]), cache)
     assert cache.get_pos() == 3 and cache.bytes_used == 3 * per_token
     assert float(cache.k[:, :, 3:].abs().sum()) == 0 and float(cache.k[:, :, :3].abs().sum()) > 0
+
+
+# ---- non-finite logits, stopping, chunked prefill with progress ---------------------------------------
+def plant_in_logits(value: float, at_step: int):
+    """A replace hook putting `value` into token 0's logit at one step (token 0 is what argmax of NaN picks)."""
+    def fn(x, ctx):
+        if ctx.step != at_step:
+            return None
+        y = x.clone()
+        y[..., 0] = value
+        return y
+    return fn
+
+
+@pytest.mark.parametrize("value,kind", [(float("nan"), "nan"), (float("inf"), "inf")])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nonfinite_logits_stop_the_run_without_a_draw(tiny_model, value, kind, temperature):
+    probe = Probe().capture("sampler.probs").record_stats("logits").replace("logits", plant_in_logits(value, 2))
+    r = tiny_model.generate("one two", max_new_tokens=6, seed=3, ignore_eos=True, probe=probe,
+                            params=SamplingParams(temperature=temperature))
+    n = len(r.prompt_ids)
+    assert r.stop_reason == "non-finite logits" and len(r.token_ids) == len(r.steps) == 2
+    assert nonfinite_stop(r) == {"step": 2, "position": n + 1, "nan": int(kind == "nan"), "inf": int(kind == "inf")}
+    assert [c.step for c in probe.captured("sampler.probs")] == [0, 1]          # the sampler never saw step 2
+    clean = tiny_model.generate("one two", max_new_tokens=2, seed=3, ignore_eos=True,
+                                params=SamplingParams(temperature=temperature))
+    assert r.token_ids == clean.token_ids and nonfinite_stop(clean) is None
+
+
+def test_nonfinite_logits_in_the_prefill_generate_nothing(tiny_model):
+    """NaN logits at step 0 used to make argmax choose token 0 (<|endoftext|>): an 'eos' with nothing said."""
+    probe = Probe().replace("logits", plant_in_logits(float("nan"), 0))
+    r = tiny_model.generate("hello", max_new_tokens=4, probe=probe)
+    assert (r.stop_reason, r.token_ids, r.text) == ("non-finite logits", [], "")
+    assert nonfinite_stop(r) == {"step": 0, "position": len(r.prompt_ids) - 1, "nan": None, "inf": None}  # no stats
+
+
+def test_on_token_stop_ends_the_run_keeping_what_was_made(tiny_model):
+    from engine.generate import STOP
+    seen = []
+    r = tiny_model.generate("a b c", max_new_tokens=10, ignore_eos=True,
+                            on_token=lambda s: (seen.append(s.token_id), STOP if s.index == 2 else None)[1])
+    full = tiny_model.generate("a b c", max_new_tokens=10, ignore_eos=True)
+    assert r.stop_reason == "stopped" and r.token_ids == seen == full.token_ids[:3]
+    assert r.text == tiny_model.tokenizer.decode(r.token_ids, skip_special=True)
+
+
+def test_chunked_prefill_matches_one_forward_and_reports_progress(tiny_model, monkeypatch):
+    gen = importlib.import_module("engine.generate")     # engine.generate is also the function's name
+    prompt = list(range(100, 110))                            # 10 prompt ids
+    whole_probe = Probe(timing=True).record_stats("*").capture("logits")
+    whole = tiny_model.generate(prompt, max_new_tokens=3, ignore_eos=True, probe=whole_probe)
+    monkeypatch.setattr(gen, "PREFILL_CHUNK", 4)
+    heard = []
+    probe = Probe(timing=True).record_stats("*").capture("logits")
+    run = GenerationRun(tiny_model, prompt, max_new_tokens=3, ignore_eos=True, probe=probe,
+                        on_progress=lambda p: heard.append((p.done, p.chunk_end, p.layer, p.chunks)))
+    r = run.run()
+    L = tiny_model.config.num_layers
+    want = [(a, b, layer, (k + 1, 3)) for k, (a, b) in enumerate([(0, 4), (4, 8), (8, 10)]) for layer in range(L + 1)]
+    assert heard == want and Progress(8, 10, 10, L, L).fraction == 1.0
+    assert r.token_ids == whole.token_ids
+    (a,), (b,) = whole_probe.captured("logits", step=0), probe.captured("logits", step=0)
+    assert a.positions == b.positions == [9] and torch.allclose(a.value, b.value, atol=1e-4)
+    # the same statistics, (stage, position) for (stage, position), as one forward over the prompt records
+    def cells(p):
+        return sorted((n, blk.pos0 + t) for blk in p.stats if blk.step == 0 for n in blk.names
+                      for t in range(blk.values.shape[1]))
+    assert cells(probe) == cells(whole_probe) and {c[1] for c in cells(probe)} == set(range(11))
+    assert tiny_model.live_hooks == 0
+
+
+def test_stop_during_the_prefill(tiny_model, monkeypatch):
+    gen = importlib.import_module("engine.generate")     # engine.generate is also the function's name
+    from engine.generate import STOP
+    monkeypatch.setattr(gen, "PREFILL_CHUNK", 4)
+    r = tiny_model.generate(list(range(100, 110)), max_new_tokens=3, probe=Probe().record_stats("*"),
+                            on_progress=lambda p: STOP if p.done == 4 and p.layer == 1 else None)
+    assert r.stop_reason == "stopped" and r.steps == [] and tiny_model.live_hooks == 0
+
+
+def test_a_listener_passed_as_on_token_hears_the_prefill(tiny_model):
+    heard = []
+
+    class Listener:
+        def __call__(self, step):
+            heard.append(("token", step.index))
+
+        def on_progress(self, p):
+            heard.append(("layer", p.layer))
+    tiny_model.generate("hi", max_new_tokens=2, ignore_eos=True, on_token=Listener())
+    L = tiny_model.config.num_layers
+    assert heard == [("layer", i) for i in range(L + 1)] + [("token", 0), ("token", 1)]

@@ -89,9 +89,17 @@ def test_compare_side_by_side_ranks_cut_and_chosen():
     assert summary.set_index("setting").loc["C", "chosen_prob"] == pytest.approx(0.15 / 0.85, abs=1e-6)
     fig = smp.compare_figure(tokens, summary)
     bars = [t for t in fig.data if t.type == "bar"]
-    assert len(bars) == 3
-    assert bars[1].marker.color[2] == smp.CHOSEN and bars[1].marker.color[1] == smp.KEPT
-    assert bars[1].marker.color[3] == smp.CUT
+    assert len(bars) == 9                                                    # kept, cut, chosen per panel
+    panel_b = {t.name: (t.marker.color, [x.split(".")[0] for x in t.x]) for t in bars if t.xaxis == "x2"}
+    assert panel_b == {"kept (probability before the cut)": (smp.KEPT, ["1", "2"]),
+                       "cut by top-k / top-p / min-p": (smp.CUT, ["4", "5"]),
+                       "the run's token": (smp.CHOSEN, ["3"])}
+    # the legend names each colour once, with the colour it shows (one trace per colour, never mixed), taken
+    # from a panel that has such bars (A cuts nothing: "cut" comes from B, whose tokens 4 and 5 are cut)
+    legend = [(t.name, t.marker.color, len(t.x)) for t in fig.data if t.showlegend is not False]
+    assert sorted(legend) == sorted([("kept (probability before the cut)", smp.KEPT, 4),
+                                     ("cut by top-k / top-p / min-p", smp.CUT, 2), ("the run's token", smp.CHOSEN, 1),
+                                     ("final sampling probability", "black", 5)])
     cut_lines = [s for s in fig.layout.shapes if s.type == "line"]
     assert sorted(s.x0 for s in cut_lines) == [1.5, 2.5]                    # B after 2 tokens, C after 3; none for A
 
@@ -202,3 +210,24 @@ def test_redraw_is_fast_on_the_bundled_vocab(bundled_model):
     assert seconds < 0.3 and page < 0.3 and bare < 0.3
     assert list(smp.default_settings(run.result.params)) == ["A", "B", "C"]
     assert smp.default_settings(run.result.params)["A"] == run.result.params
+
+
+def test_chain_notes_say_why_a_hotter_setting_keeps_more_under_a_smaller_top_p():
+    """P5 = (.5, .2, .15, .1, .05). A: T=1, top-p .65 keeps 2 (.5 + .2 >= .65). B: T=5 flattens it to
+    p ∝ P5^(1/5) = (.2516, .2095, .1978, .1824, .1588) (by hand), and top-p .55 needs 3 (.2516 + .2095 = .4611
+    < .55 <= .6589): B keeps more with the smaller top-p, and the note says why."""
+    settings = {"A": SamplingParams(temperature=1.0, top_p=0.65), "B": SamplingParams(temperature=5.0, top_p=0.55)}
+    notes = smp.chain_notes(settings, smp.chains(LOGITS5, settings, [], []))
+    assert notes[0] == ("**A**: T=1 leaves the top token at p=0.500; top-p 0.65 then needs 2 tokens to reach its mass; "
+                        "**2 tokens** kept in the end.")
+    assert notes[1].startswith("**B**: T=5 leaves the top token at p=0.252; top-p 0.55 then needs 3 tokens")
+    assert notes[2].startswith("**B** keeps more tokens (3) than **A** (2) although its top-p is smaller (0.55 < 0.65)")
+    assert len(smp.chain_notes({"A": settings["A"]}, smp.chains(LOGITS5, {"A": settings["A"]}, [], []))) == 1
+
+
+def test_p_values_of_a_correct_sampler_fall_below_005_at_about_one_seed_in_twenty():
+    """p-values are uniform under the null: over 200 seeds the share below 0.05 is 5 % give or take
+    2 standard deviations of a binomial(200, 0.05) count (10 ± 6.2)."""
+    probs = torch.softmax(torch.randn(50, generator=torch.Generator().manual_seed(1)), -1)
+    r = smp.pass_rate(probs, n=1000, seeds=200)
+    assert r["seeds"] == 200 and 3 <= r["below"] <= 17 and r["share_below"] == r["below"] / 200

@@ -142,3 +142,15 @@ def test_steps_table():
     assert t["token"].tolist() == ["é", "⏎"]
     assert t["top5"].iloc[0] == "'·t0' 0.500  '·t1' 0.400  '·t2' 0.300  '·t3' 0.200  '·t4' 0.100"
     assert (t["prob"] == 0.5).all() and (t["model_prob"] == 0.25).all() and (t["kept"] == 3).all()
+
+
+def test_split_characters_appear_whole_in_the_token_strip(tok):
+    """As the stream test shows, ' 👋' is three tokens here (bytes 20 f0 9f | 91 | 8b), 世 two and 界 three: the
+    strip shows each character once, in one span whose hover lists its byte pieces."""
+    ids = tok.encode("héllo 👋 世界")
+    out = spans_html(run_token_table(tok, ids[:2], ids[2:]))
+    assert "3 tokens spell &#x27;·👋&#x27;" in out and "2 tokens spell &#x27;世&#x27;" in out
+    assert "3 tokens spell &#x27;界&#x27;" in out
+    assert "‹f0›" not in out.split("title=")[0]                 # no byte label drawn as text outside hovers
+    texts = re.findall(r">([^<]*)</span>", out)
+    assert "".join(texts) == "h" + "é" + "llo" + "·👋" + "·" + "世" + "界"

@@ -81,20 +81,30 @@ def test_inspected_run_round_trips(tiny_model, tmp_path):
 
 
 def test_nonfinite_run_with_every_capture_kind_round_trips(tiny_model, tmp_path):
-    """NaN/Inf in statistics and step records, string and id captures, position filters, norm_eps."""
-    probe = fault_probe(tiny_model, ["nan@blocks.1.mlp.act:3", "inf@blocks.0.attn.q:1"], norm_eps=1e-3, timing=True)
+    """NaN/Inf in statistics, string and id captures, position filters, norm_eps. (The faults sit in the last
+    layer at earlier positions, so the sampled position's logits stay finite and tokens are drawn.)"""
+    probe = fault_probe(tiny_model, ["nan@blocks.1.mlp.act:3", "inf@blocks.1.attn.q:1"], norm_eps=1e-3, timing=True)
     probe.capture(["tokenizer", "detokenizer", "logits", "sampler.probs"]).capture("blocks.0.resid_post",
                                                                                    positions=[1, 4])
     res = tiny_model.generate([5, 6, 7, 8, 9], max_new_tokens=3, ignore_eos=True, probe=probe)
     run = make_trace(RunSettings(prompt="x", chat=False), res, probe, tiny_model.name, 0.25)
     back = assert_round_trip(run, tmp_path / "nan.trace")
     nf = back.first_nonfinite
-    assert (nf["stage"], nf["layer"], nf["position"]) == ("blocks.0.attn.q", 0, 1)
-    assert back.interventions == ["replace blocks.1.mlp.act", "replace blocks.0.attn.q"]
+    assert (nf["stage"], nf["layer"], nf["position"]) == ("blocks.1.attn.q", 1, 1)
+    assert back.interventions == ["replace blocks.1.mlp.act", "replace blocks.1.attn.q"]
     assert back.probe._replace_specs == []                                # code is never stored
     kinds = {type(c.value).__name__ for c in back.probe.captures}
     assert kinds == {"Tensor", "str"}
-    assert any(math.isnan(s.model_prob) for s in back.result.steps) and math.isnan(back.result.steps[0].top[0].prob)
+    assert back.result.stop_reason == "max_new_tokens" and len(back.result.steps) == 3
+
+
+def test_a_run_stopped_by_non_finite_logits_round_trips(tiny_model, tmp_path):
+    probe = fault_probe(tiny_model, ["nan@blocks.0.attn.q:1"], timing=True).capture("logits")
+    res = tiny_model.generate([5, 6, 7, 8, 9], max_new_tokens=3, ignore_eos=True, probe=probe)
+    run = make_trace(RunSettings(prompt="x", chat=False), res, probe, tiny_model.name, 0.25)
+    back = assert_round_trip(run, tmp_path / "nan-logits.trace")
+    assert back.result.stop_reason == "non-finite logits" and back.result.token_ids == []
+    assert any(math.isnan(v) for b in back.probe.stats for v in b.values[:, :, 2].flatten().tolist())
 
 
 def test_loops_and_low_precision_tensors_round_trip(tiny_model, tmp_path):

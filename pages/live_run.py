@@ -1,0 +1,190 @@
+"""A run that generates in a background thread while the page shows its progress, and can be stopped.
+
+Streamlit runs a script top to bottom in one thread, and a button press reaches the server only as a new
+script run: a run generating inside the script could never see its Stop button. So the sidebar's Run starts
+a LiveRun (inspector.session.run.inspect_run in a thread of its own, holding a device slot like any run) and
+the script only watches it: the prefill by chunk and layer, each decoded token, the place in the queue. The
+Stop button's callback sets the run's threading.Event before the next script run; the engine sees it at the
+next layer or token (engine.generate.STOP) and ends the run, which is kept with stop reason "stopped".
+Navigating to another page while it runs is the same: the new script run finds the LiveRun and keeps
+watching. Nothing here draws: the worker thread never makes a Streamlit call.
+
+Also here: the measured speed of this server (per model), for an estimate before a long run starts.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
+
+from engine import Model, RunSettings, Step, Trace
+from engine.generate import STOP, Progress
+from inspector.session.limits import Limits
+from inspector.session.run import inspect_run
+
+
+class Cancelled(Exception):
+    """Stop was pressed while the run was still waiting in the queue."""
+
+
+class _Listener:
+    """What the engine calls back (as on_token, with on_progress): records, and answers STOP once asked."""
+
+    def __init__(self, live: "LiveRun") -> None:
+        self.live = live
+
+    def __call__(self, step: Step):
+        live = self.live
+        live.admitted()
+        live.pieces.append(step.text)
+        live.tokens += 1
+        live.last_token_at = time.monotonic()
+        return STOP if live.stop_event.is_set() else None
+
+    def on_progress(self, p: Progress):
+        self.live.admitted()
+        self.live.prefill = p
+        return STOP if self.live.stop_event.is_set() else None
+
+
+@dataclass(eq=False)
+class LiveRun:
+    settings: RunSettings
+    model_name: str
+    n_prompt: int                              # prompt tokens as the model sees them
+    estimate_s: float | None = None            # the estimate shown before it started
+    stop_event: threading.Event = field(default_factory=threading.Event)
+    pieces: list[str] = field(default_factory=list)
+    tokens: int = 0
+    prefill: Progress | None = None
+    queue_position: int | None = None
+    first_position: int | None = None          # the place it was first told
+    demo: str | None = None                    # the demo (pages.demos) this run is for
+    started_at: float = field(default_factory=time.monotonic)
+    queued_at: float | None = None             # first time the queue reported a place
+    admitted_at: float | None = None           # when generation began (the first progress or token)
+    decode_from: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+    record: Trace | None = None
+    error: BaseException | None = None
+    thread: threading.Thread | None = None
+
+    def start(self, model: Model, limits: Limits) -> "LiveRun":
+        """Generate in a new thread. It carries the starting script's run context, so that the admission
+        queue knows which browser asks (pages.common.client_key) as it would in the script itself; the
+        thread never draws. The model reaches it through a closure, so this object never holds the model
+        (the session's memory budget counts what session state holds)."""
+        self.thread = threading.Thread(target=lambda: self._work(model, limits), daemon=True,
+                                       name=f"llm-inspector-run-{id(self):x}")
+        ctx = get_script_run_ctx(suppress_warning=True)
+        if ctx is not None:
+            add_script_run_ctx(self.thread, ctx)
+        self.thread.start()
+        return self
+
+    def _work(self, model: Model, limits: Limits) -> None:
+        try:
+            self.record = inspect_run(model, self.settings, on_token=_Listener(self), limits=limits,
+                                      on_queue=self._on_queue)
+            rates(model).add(self.record)
+        except BaseException as e:             # shown by the script; the thread itself never raises
+            self.error = e
+        finally:
+            self.finished_at = time.monotonic()
+
+    def _on_queue(self, position: int) -> None:
+        if self.queued_at is None:
+            self.queued_at, self.first_position = time.monotonic(), position
+        self.queue_position = position
+        if self.stop_event.is_set():
+            raise Cancelled("stopped while waiting in the queue")
+
+    def admitted(self) -> None:
+        if self.admitted_at is None:
+            self.admitted_at = time.monotonic()
+        if self.decode_from is None and self.tokens:
+            self.decode_from = time.monotonic()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    @property
+    def done(self) -> bool:
+        return self.finished_at is not None
+
+    @property
+    def waited_s(self) -> float | None:
+        """Seconds spent in the queue only (from the first place it was told to the start of generation)."""
+        if self.queued_at is None:
+            return None
+        return (self.admitted_at or self.finished_at or time.monotonic()) - self.queued_at
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self.thread is not None:
+            self.thread.join(timeout)
+        return self.done
+
+
+# ---- the measured speed of this server ---------------------------------------------------------------
+class Rates:
+    """Prefill and decode times of the runs made here with one model: the estimate for the next run.
+
+    Prefill time grows faster than linearly with the prompt (attention), so it is fitted as a·n + b·n²
+    (a, b >= 0) once two prompt lengths were measured; decode as a mean time per token."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.prefills: list[tuple[int, float]] = []        # (prompt tokens, seconds), the latest 32
+        self.per_token: list[float] = []                   # seconds per decoded token, the latest 32
+
+    def add(self, record: Trace) -> None:
+        r = record.result
+        with self._lock:
+            if r.steps and r.timings.get("prefill"):
+                self.prefills = (self.prefills + [(len(r.prompt_ids), float(r.timings["prefill"]))])[-32:]
+            if len(r.steps) > 1:
+                self.per_token = (self.per_token + [float(r.timings["per_token_decode"])])[-32:]
+
+    def estimate(self, n_prompt: int, max_new: int) -> tuple[float, float] | None:
+        """(prefill seconds, seconds for max_new tokens) or None before anything was measured."""
+        with self._lock:
+            pre, dec = list(self.prefills), list(self.per_token)
+        if not pre:
+            return None
+        return prefill_fit(pre, n_prompt), (sum(dec) / len(dec) if dec else 0.0) * max(0, max_new - 1)
+
+
+def prefill_fit(samples: list[tuple[int, float]], n: int) -> float:
+    """Seconds for an n-position prefill from measured (positions, seconds): least squares of a·n + b·n² with
+    a, b >= 0 (one length measured: proportional)."""
+    xs = [(float(m), m * float(m), t) for m, t in samples if m > 0]
+    if len({x for x, _, _ in xs}) < 2:
+        m, t = samples[-1]
+        return t * n / max(m, 1)
+    s11, s12, s22 = sum(a * a for a, _, _ in xs), sum(a * b for a, b, _ in xs), sum(b * b for _, b, _ in xs)
+    y1, y2 = sum(a * t for a, _, t in xs), sum(b * t for _, b, t in xs)
+    det = s11 * s22 - s12 * s12
+    a, b = ((s22 * y1 - s12 * y2) / det, (s11 * y2 - s12 * y1) / det) if det > 0 else (y1 / s11, 0.0)
+    if a < 0:                                              # the best fit with one term only
+        a, b = 0.0, y2 / s22
+    elif b < 0:
+        a, b = y1 / s11, 0.0
+    return a * n + b * n * n
+
+
+_rates: dict[tuple, Rates] = {}
+_rates_lock = threading.Lock()
+
+
+def rates(model: Model) -> Rates:
+    """This process's measurements for one loaded model (name, device, dtype)."""
+    key = (model.name, model.device.type, str(model.dtype))
+    with _rates_lock:
+        return _rates.setdefault(key, Rates())
