@@ -24,12 +24,14 @@ def test_generate_streams_and_reports_speed(bundled_model):
     assert "tok/s" in r.stderr and "stop: eos" in r.stderr
 
 
+@pytest.mark.model                  # a separate process loads the model: slower than the unit loop
 def test_hooks_lists_every_stage(tiny_model_dir, tiny_model):
     r = cli("hooks", "--model", str(tiny_model_dir))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == tiny_model.hook_names()
 
 
+@pytest.mark.model                  # a separate process loads the model: slower than the unit loop
 def test_stats_csv(tiny_model_dir, tiny_model, tmp_path):
     out = tmp_path / "s.csv"
     r = cli("stats", "hello world", "--model", str(tiny_model_dir), "--csv", str(out))
@@ -44,6 +46,7 @@ def test_stats_csv(tiny_model_dir, tiny_model, tmp_path):
     assert "blocks.1.resid_post" in r.stdout
 
 
+@pytest.mark.model                  # a separate process loads the model: slower than the unit loop
 def test_errors_exit_2_with_message(tiny_model_dir):
     r = cli("generate", "   ", "--model", str(tiny_model_dir))
     assert r.returncode == 2 and "error: the prompt is empty" in r.stderr

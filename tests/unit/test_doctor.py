@@ -150,6 +150,7 @@ def test_precision_compare(tiny_model, bundled_model):
     assert by["logits"] < 0.02 and rep.top1_agreement >= 0.9
 
 
+@pytest.mark.model                  # a separate process loads the model: slower than the unit loop
 def test_cli_doctor_json_tiny(tiny_model_dir):
     r = cli("doctor", "one two three four five", "--model", str(tiny_model_dir), "--max-new-tokens", "5",
             "--ignore-eos", "--inject", "nan@blocks.1.mlp.act:7", "--json")
@@ -170,6 +171,7 @@ def test_cli_doctor_json_tiny(tiny_model_dir):
     assert r.returncode == 2 and "unknown stage" in r.stderr
 
 
+@pytest.mark.model                  # a separate process loads the model: slower than the unit loop
 def test_cli_doctor_json_bundled_loop_then_nan():
     """Greedy loop over 13 tokens, then a NaN planted at position 22 (fed at step 13, the last step)."""
     r = cli("doctor", "I like apples. I like apples. I like", "--max-new-tokens", "14", "--inject",
@@ -186,6 +188,7 @@ def test_cli_doctor_json_bundled_loop_then_nan():
     assert (out["nonfinite_logits"]["step"], out["nonfinite_logits"]["position"]) == (13, 22)
 
 
+@pytest.mark.model                  # a separate process loads the model: slower than the unit loop
 def test_cli_doctor_fp16_overflow_preset():
     r = cli("doctor", FOX, "--preset", "fp16-overflow", "--max-new-tokens", "1", "--json")
     assert r.returncode == 0, r.stderr
@@ -196,6 +199,7 @@ def test_cli_doctor_fp16_overflow_preset():
     assert nf["stats"]["absmax"] == "Infinity"                           # strict JSON
 
 
+@pytest.mark.model                  # a separate process loads the model: slower than the unit loop
 def test_cli_nan_logits_stop_reason_in_doctor_json_and_trace_file(tiny_model_dir, tmp_path):
     """NaN logits at the prefill used to be sampled (argmax picks token 0, <|endoftext|>) and reported as "eos"
     with nothing generated; now every surface says "non-finite logits" and names step 0."""

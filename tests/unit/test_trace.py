@@ -148,6 +148,7 @@ def test_bad_files_are_errors(data, msg):
         from_bytes(data)
 
 
+@pytest.mark.model                  # a separate process loads the model: slower than the unit loop
 def test_cli_trace(tiny_model_dir, tiny_model, tmp_path):
     out = tmp_path / "cli.trace"
     r = subprocess.run([sys.executable, "-m", "engine", "trace", "count: one two", "--model", str(tiny_model_dir),
