@@ -14,7 +14,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from engine import RunSettings
@@ -55,7 +54,7 @@ def test_nothing_in_the_app_unpickles():
 
 def _choose_and_load(injected: str):
     """An app page that puts a browser-chosen value into the model selectbox's state and loads the model."""
-    import streamlit as st  # noqa: F811 (AppTest.from_function runs this body alone)
+    import streamlit as st  # AppTest.from_function runs this body alone
 
     from pages.common import get_model
     st.session_state["sb_model"] = injected
