@@ -6,41 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
-from streamlit.testing.v1 import AppTest
 
 from engine import RunSettings, make_trace
 from engine.doctor import fault_probe
-from engine.model import Model
 from engine.trace import to_bytes
 from inspector.session.run import inspect_run
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOP_PROMPT = "I like apples. I like apples. I like"
 OTHER_PAGES = ["overview", "tokens", "attention", "activations", "kv_cache", "sampling", "timeline"]
-
-
-@pytest.fixture
-def page(monkeypatch):
-    """page(name, run, model, source) -> an AppTest of pages/<name>.py with `run` as the session's run."""
-    from streamlit.runtime.pages_manager import PagesManager
-
-    import inspector.session.models as common
-    monkeypatch.setattr(PagesManager, "uses_pages_directory", None)
-
-    def make(name: str, run, model: Model, source: str | None) -> AppTest:
-        monkeypatch.setattr(common, "load_model", lambda *a, **k: model)
-        if source is None:
-            monkeypatch.delenv("LLM_INSPECTOR_MODEL", raising=False)
-        else:
-            monkeypatch.setenv("LLM_INSPECTOR_MODEL", source)
-        common.model_choices.clear()
-        common.shared_model.clear()
-        common.shared_model(source, "cpu", "auto")       # cached outside a script run: no replayed progress bar
-        at = AppTest.from_file(str(ROOT / "pages" / f"{name}.py"), default_timeout=600)
-        if run is not None:
-            at.session_state["run"] = run
-        return at
-    return make
 
 
 @pytest.fixture(scope="module")
