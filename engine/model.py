@@ -1,12 +1,16 @@
 """Model: weights plus a hand-written Llama-family forward (RMSNorm, RoPE, GQA, SwiGLU).
 
 The model holds weights only and is shared by every session and thread; a run brings its own KVCache and
-Probe. Every stage is offered to the probe by name; attention scores and pattern are materialised only
-when the probe asks for them, otherwise torch's fused scaled_dot_product_attention runs.
+Probe. Every stage is offered to the probe by name. Over several query positions the output of attention
+comes from torch's fused scaled_dot_product_attention; scores and pattern are materialised (H, T, S) only
+when a hook needs them whole (a replace hook, a full capture). Statistics of them, or some of their rows,
+are computed in query blocks beside the fused kernel (engine.attention_stats). One decode row computes
+scores and pattern anyway (two small grouped matmuls) and offers them as they are.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,10 +19,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from .attention_stats import inspect_attention
 from .config import ModelConfig
 from .errors import InputError
 from .kv_cache import KVCache
-from .probe import NO_PROBE, NoProbe, Probe
+from .probe import Probe
+from .probe_views import FULL, NO_PROBE, NoProbe
 from .rope import apply_rope, rope_tables
 from .stages import hook_names
 from .weights import LayerWeights, Weights
@@ -34,11 +40,42 @@ PRECISION_UNITS = ("blocks.{i}.attn", "blocks.{i}.mlp", "blocks.{i}.resid", "fin
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in the wider of the stream's and the weight's dtypes, output in the weight's (the dtype the
-    following matmul runs in). With equal dtypes (every model without a precision plan) it is plain rms_norm."""
+    following matmul runs in). In fp32 it is F.rms_norm's arithmetic, op for op (x * rsqrt(mean(x²) + eps) * w),
+    in 7 small ops instead of its 11 (decode runs 61); half precisions keep F.rms_norm, which squares in fp32."""
+    if x.dtype == w.dtype == torch.float32:
+        r = x.pow(2).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_()
+        return (x * r).mul_(w)
     if x.dtype == w.dtype:
         return F.rms_norm(x, (x.shape[-1],), w, eps)
     wide = torch.promote_types(x.dtype, w.dtype)
     return F.rms_norm(x.to(wide), (x.shape[-1],), w.to(wide), eps).to(w.dtype)
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (T, K) @ w (K, N). One row on a multi-core CPU (decode, bound by reading w): MKL runs a one-row
+    product on one thread, streaming at about half the machine's read bandwidth, so w is split into one
+    chunk per thread, multiplied as a batch (MKL gives each its own thread) and put back together: a wide
+    matrix (the lm_head) by column blocks, whose products are the output's pieces; any other by contiguous
+    row blocks, whose partial products are added."""
+    if x.shape[0] != 1 or x.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous():
+        return x @ w        # (half precisions: partial products rounded to 16 bits would add error)
+    K, N = w.shape
+    threads = torch.get_num_threads()
+    if N >= 8 * K:
+        parts = _parts(N, threads)
+        n = N // parts
+        return torch.bmm(x.expand(parts, 1, K), w.as_strided((parts, K, n), (n, N, 1))).view(1, N)
+    parts = _parts(K, threads)
+    if parts == 1:
+        return x @ w
+    k = K // parts
+    return torch.bmm(x.reshape(parts, 1, k), w.view(parts, k, N)).sum(0)
+
+
+@functools.lru_cache(maxsize=64)
+def _parts(rows: int, threads: int) -> int:
+    """Chunks for a one-row product: the most, up to the thread count (at most 8), that divide `rows`."""
+    return next(p for p in range(min(threads, 8), 0, -1) if rows % p == 0)
 
 
 def _split_unit(unit: str, num_layers: int) -> tuple[int | None, str]:
@@ -153,7 +190,7 @@ class Model:
         if last_only:
             x = x[-1:]
             probe.move_to(pos + T - 1)   # the one logits row belongs to the last position
-        logits = probe("logits", x.to(lm_head.dtype) @ lm_head)                 # (T, V)
+        logits = probe("logits", _mm(x.to(lm_head.dtype), lm_head))             # (T, V)
         if probe.timing:
             probe.mark("logits")
         return logits
@@ -165,58 +202,78 @@ class Model:
         cfg = self.config
         T, H, K, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = p("attn_norm", _norm(x, lw.attn_norm, eps))                         # (T, d)
-        qkv = (h @ lw.wqkv if lw.bqkv is None else torch.addmm(lw.bqkv, h, lw.wqkv)).view(T, H + 2 * K, hd)
-        q, k, v = qkv.split([H, K, K], dim=1)                                   # (T, heads, hd) each
-        q, k, v = p("attn.q", q), p("attn.k", k), p("attn.v", v)
-        q, k = p("attn.q_rot", apply_rope(q, cos, sin)), p("attn.k_rot", apply_rope(k, cos, sin))
+        qkv = (_mm(h, lw.wqkv) if lw.bqkv is None else torch.addmm(lw.bqkv, h, lw.wqkv)).view(T, H + 2 * K, hd)
+        q0, k0, v = qkv.split([H, K, K], dim=1)                                 # (T, heads, hd) each
+        q, k, v = p("attn.q", q0), p("attn.k", k0), p("attn.v", v)
+        if q is q0 and k is k0:       # one rotation for q and k together (fewer small ops per decode step)
+            q, k = apply_rope(qkv[:, :H + K], cos, sin).split([H, K], dim=1)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = p("attn.q_rot", q), p("attn.k_rot", k)
         keys, values = cache.update(i, k.transpose(0, 1), v.transpose(0, 1))     # (K, S, hd)
         keys, values = keys.to(q.dtype), values.to(q.dtype)      # no-ops unless a precision plan differs
         qh = q.transpose(0, 1)                                                  # (H, T, hd)
-        if p.wants("attn.scores") or p.wants("attn.pattern"):
+        need = max(p.need("attn.scores"), p.need("attn.pattern"))
+        if T == 1 or need == FULL:    # one query row: scores and pattern are small; or a hook needs them whole
             z = self._explicit_attention(qh, keys, values, p, mask)
-        elif T == 1:
-            z = self._decode_attention(qh, keys, values)
         else:
-            z = self._fused_attention(qh, keys, values, mask)
+            z = self._fused_attention(qh, keys, values, mask, p.guards_nan)
+            if need:                  # statistics / some rows only: computed in query blocks, never whole
+                inspect_attention(p, qh, keys, mask)
         z = p("attn.z", z.transpose(0, 1))                                      # (T, H, hd)
-        attn_out = p("attn_out", (z.reshape(T, H * hd) @ lw.wo).to(x.dtype))    # (T, d)
+        attn_out = p("attn_out", _mm(z.reshape(T, H * hd), lw.wo).to(x.dtype))  # (T, d)
         x = p("resid_mid", x + attn_out)
         h = p("mlp_norm", _norm(x, lw.mlp_norm, eps))
-        gate, up = (h @ lw.w_gate_up).chunk(2, dim=-1)                          # (T, F) each
+        gate, up = _mm(h, lw.w_gate_up).chunk(2, dim=-1)                        # (T, F) each
         act = p("mlp.act", F.silu(p("mlp.gate", gate)) * p("mlp.up", up))
-        mlp_out = p("mlp_out", (act @ lw.w_down).to(x.dtype))                   # (T, d)
+        mlp_out = p("mlp_out", _mm(act, lw.w_down).to(x.dtype))                 # (T, d)
         return p("resid_post", x + mlp_out)
 
-    def _decode_attention(self, qh, keys, values) -> torch.Tensor:
-        """One query position: grouped matmuls, no copies of the cache. (H, 1, hd) out.
+    def _fused_attention(self, qh, keys, values, mask, guard: bool) -> torch.Tensor:
+        """Several query positions: torch SDPA (flash attention where available). (H, T, hd) out.
 
-        The query heads sharing a KV head are stacked as rows of one matrix, so GQA needs no
-        repeat_interleave; at this size two small bmm beat SDPA's kernels (whose thread start-up dominates)."""
-        K, G, hd = self.config.num_kv_heads, self.config.kv_groups, self.config.head_dim
-        scores = (qh.reshape(K, G, hd) @ keys.transpose(1, 2)) * (hd ** -0.5)   # (K, G, S)
-        pattern = torch.softmax(scores.float(), dim=-1).to(qh.dtype)
-        return (pattern @ values).reshape(K * G, 1, hd)
-
-    def _fused_attention(self, qh, keys, values, mask) -> torch.Tensor:
-        """Several query positions: torch SDPA (flash attention where available). (H, T, hd) out."""
+        guard (a probe is watching): non-finite values must reach exactly the rows that read them, as in
+        the explicit path. The kernels do not promise that (a masked weight 0 times a NaN value is NaN; the
+        CPU kernel returns 0 for a NaN query under is_causal), so non-finite queries, keys and values are
+        zeroed for the kernel and the rows that read them are set to NaN afterwards."""
+        bad = None
+        # CPU: a finite sum proves every value finite (three cheap reductions); the device skips the check
+        if guard and (qh.device.type != "cpu" or not bool(torch.isfinite(qh.sum() + keys.sum() + values.sum()))):
+            bad_q, bad_k = ~torch.isfinite(qh).all(-1, keepdim=True), ~torch.isfinite(keys).all(-1, keepdim=True)
+            bad_v = ~torch.isfinite(values)                                    # (H, T, 1), (K, S, 1), (K, S, hd)
+            bad = (bad_q, bad_k | bad_v)
+            qh, keys, values = qh.masked_fill(bad_q, 0.0), keys.masked_fill(bad_k, 0.0), values.masked_fill(bad_v, 0.0)
         if qh.device.type == "cpu":   # the CPU flash kernel takes GQA only as repeated heads
             G = self.config.kv_groups
-            keys, values = keys.repeat_interleave(G, dim=0), values.repeat_interleave(G, dim=0)
+            k_rep, v_rep = keys.repeat_interleave(G, dim=0), values.repeat_interleave(G, dim=0)
             gqa = False
         else:
-            gqa = self.config.num_kv_heads != self.config.num_heads
-        z = F.scaled_dot_product_attention(qh[None], keys[None], values[None], attn_mask=mask,
-                                           is_causal=mask is None, enable_gqa=gqa)
-        return z[0]
+            k_rep, v_rep, gqa = keys, values, self.config.num_kv_heads != self.config.num_heads
+        z = F.scaled_dot_product_attention(qh[None], k_rep[None], v_rep[None], attn_mask=mask,
+                                           is_causal=mask is None, enable_gqa=gqa)[0]
+        return z if bad is None else self._poison_readers(z, bad[0], bad[1], mask)
+
+    def _poison_readers(self, z, bad_q, bad_kv, mask) -> torch.Tensor:
+        """z (H, T, hd) with NaN in rows whose query is not finite (bad_q (H, T, 1)), and where a row attends
+        to a position whose key (any dim) or value (that dim) is not finite (bad_kv (K, S, hd))."""
+        H, T, hd = z.shape
+        K, S = bad_kv.shape[0], bad_kv.shape[1]
+        if mask is None:              # causal: row t reads positions 0 .. S - T + t
+            seen = bad_kv.cumsum(1, dtype=torch.int32)[:, S - T:] > 0                      # (K, T, hd)
+        else:
+            seen = (mask.to(z.dtype) @ bad_kv.to(z.dtype)) > 0                             # (K, T, hd)
+        seen = seen[:, None].expand(K, H // K, T, hd).reshape(H, T, hd)
+        return z.masked_fill(seen | bad_q, float("nan"))
 
     def _explicit_attention(self, qh, keys, values, p, mask) -> torch.Tensor:
-        """Attention with scores and pattern as tensors, for hooks that ask for them. (H, T, hd) out.
+        """Attention with scores and pattern as tensors: one decode row (the usual path: two grouped matmuls
+        beat SDPA's kernels at this size) or a hook that needs them whole. (H, T, hd) out.
 
         Query heads sharing a KV head are stacked (K, G*T, hd) so GQA needs no copies of the cache."""
         H, T, hd = qh.shape
         K, S = keys.shape[0], keys.shape[1]
         scores = (qh.reshape(K, -1, hd) @ keys.transpose(1, 2)).view(H, T, S) * (hd ** -0.5)   # (H, T, S)
-        if T > 1:
+        if T > 1 or mask is not None:
             allowed = mask if mask is not None else torch.ones(T, S, dtype=torch.bool, device=qh.device).tril()
             scores = scores.masked_fill(~allowed, float("-inf"))
         scores = p("attn.scores", scores)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .errors import EngineError
-from .stages import LAYER_STAGES
+from .probe_views import FULL, NONE, ROWS, STATS, LayerProbe
 from .stats import StatRecord, StatsBatcher, StatsBlock
 
 HEADS_FIRST = ("attn.scores", "attn.pattern")
@@ -56,9 +56,19 @@ class _Plan:
     capture: list[tuple[frozenset | None, frozenset | None]] = field(default_factory=list)
     stats: bool = False
     replace: list[HookFn] = field(default_factory=list)
+    need: int = NONE                # what the stage needs of its tensor: NONE, STATS, ROWS or FULL
 
     def __bool__(self) -> bool:
-        return bool(self.capture or self.stats or self.replace)
+        return self.need != NONE
+
+    def settle(self) -> "_Plan":
+        if self.replace or any(positions is None for _, positions in self.capture):
+            self.need = FULL
+        elif self.capture:
+            self.need = ROWS
+        else:
+            self.need = STATS if self.stats else NONE
+        return self
 
 
 def split_name(name: str) -> tuple[int | None, str]:
@@ -98,12 +108,14 @@ class Probe:
         """Keep full tensors of matching stages (optionally only some layers / absolute positions)."""
         self._capture_specs.append((_patterns(patterns), _as_set(layers), _as_set(positions)))
         self._plans.clear()
+        self._layer_views.clear()
         return self
 
     def record_stats(self, patterns: str | list[str] = "*") -> "Probe":
         """Per-position min/max/mean/std/absmax/NaN/Inf of matching stages at every step."""
         self._stats_specs.extend(_patterns(patterns))
         self._plans.clear()
+        self._layer_views.clear()
         return self
 
     def override_weight(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Probe":
@@ -143,7 +155,17 @@ class Probe:
         """fn(tensor, HookContext) returns the tensor the forward continues with (or None: unchanged)."""
         self._replace_specs.append((_patterns(patterns), fn, _as_set(layers)))
         self._plans.clear()
+        self._layer_views.clear()
         return self
+
+    @property
+    def active(self) -> bool:
+        """Inside a forward call (hooks are call-scoped)."""
+        return self._active
+
+    @property
+    def stats_batcher(self) -> StatsBatcher:
+        return self._batcher
 
     @property
     def hook_count(self) -> int:
@@ -165,11 +187,42 @@ class Probe:
             for pats, fn, layers in self._replace_specs:
                 if _matches(name, pats) and (layers is None or layer in layers):
                     p.replace.append(fn)
-            self._plans[name] = p
+            self._plans[name] = p.settle()
         return p
 
     def wants(self, name: str) -> bool:
         return bool(self.plan(name))
+
+    def need(self, name: str) -> int:
+        """NONE, STATS, ROWS or FULL: the least of its tensor a stage must produce for this probe."""
+        return self.plan(name).need
+
+    def wants_stats(self, name: str) -> bool:
+        return self.plan(name).stats
+
+    def capture_positions(self, name: str) -> list[int] | None:
+        """The absolute positions some capture of this stage keeps (None: no capture)."""
+        caps = self.plan(name).capture
+        if not caps:
+            return None
+        return sorted(set().union(*(positions or () for _, positions in caps)))
+
+    def offer_stats(self, name: str, values: torch.Tensor) -> None:
+        """Statistics (T, 7) of a stage computed without materialising it (attention scores / pattern, in
+        blocks); they take the stage's place in forward order, as if its tensor had been offered."""
+        p = self.plan(name)
+        if p.stats:
+            self._batcher.add_values(name, p.layer, values)
+
+    def offer_rows(self, name: str, x: torch.Tensor, positions: list[int]) -> None:
+        """Rows of a heads-first stage at the given absolute positions, (heads, len(positions), S), for
+        captures limited to positions (each keeps the positions it asked for)."""
+        p = self.plan(name)
+        for _, wanted in p.capture:
+            keep = [i for i, pos in enumerate(positions) if pos in wanted]
+            value = x.index_select(1, torch.tensor(keep, dtype=torch.long, device=x.device))
+            self.captures.append(Capture(self.step, name, p.layer, [positions[i] for i in keep],
+                                         value.detach().to("cpu", copy=True)))
 
     def layer(self, i: int) -> "LayerProbe":
         """The view block i offers its stages through: "attn.q" arrives here as "blocks.{i}.attn.q"."""
@@ -181,10 +234,14 @@ class Probe:
     def __call__(self, name: str, x: Any) -> Any:
         if not self._active:
             raise EngineError(f"probe offered stage {name!r} outside a forward call (hooks are call-scoped)")
-        p = self._plans.get(name) or self.plan(name)
-        if not p:
+        p = self._plans.get(name)
+        if p is None:
+            p = self.plan(name)
+        if p.need == NONE:
             return x
         layer, heads_first = p.layer, p.heads_first
+        if p.replace:
+            self._batcher.forget_parents()
         for fn in p.replace:
             y = fn(x, HookContext(name, layer, self.step, self.pos0))
             if y is not None:
@@ -266,51 +323,6 @@ def inspection_probe(*, timing: bool = True) -> Probe:
     (for the sampling views)."""
     return Probe(timing=timing).record_stats("*").capture("logits")
 
-
-class LayerProbe:
-    """One block's view of a probe; the only place the "blocks.{i}." prefix is added to a stage name."""
-    __slots__ = ("probe", "names")
-
-    def __init__(self, probe: Probe, i: int) -> None:
-        self.probe = probe
-        self.names = {stage: f"blocks.{i}.{stage}" for stage in LAYER_STAGES}
-
-    def __call__(self, stage: str, x: Any) -> Any:
-        return self.probe(self.names[stage], x)
-
-    def wants(self, stage: str) -> bool:
-        return self.probe.wants(self.names[stage])
-
-
-class NoProbe:
-    """What the forward talks to when no probe is given: every stage passes through unchanged, so the
-    unprobed forward is the same code as the probed one at the cost of a few no-op calls per block."""
-    timing = False
-    norm_eps = None
-
-    def __call__(self, name: str, x: Any) -> Any:
-        return x
-
-    def layer(self, i: int) -> "NoProbe":
-        return self
-
-    def wants(self, name: str) -> bool:
-        return False
-
-    def weight(self, name: str, original: torch.Tensor) -> torch.Tensor:
-        return original
-
-    def layer_weights(self, i: int, lw):
-        return lw
-
-    def move_to(self, pos0: int) -> None:
-        pass
-
-    def mark(self, label: str) -> None:
-        pass
-
-
-NO_PROBE = NoProbe()
 
 
 def _patterns(p: str | list[str]) -> list[str]:

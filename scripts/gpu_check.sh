@@ -4,7 +4,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'; print(torch.cuda.get_device_name())" || exit 1
-python3 -m pytest -q -m cuda tests/test_cuda.py; rc=$?
-python3 -m engine bench --device cuda --prompt-tokens 512 --new-tokens 128 --repeats 3
+python3 -m pytest -q -m cuda tests/cuda; rc=$?
+python3 -m engine bench --device cuda --prompt-tokens 512 --new-tokens 128 --repeats 3 --app --json
 python3 -m engine generate "What is the capital of France?" --chat --device cuda
 exit $rc

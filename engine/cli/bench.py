@@ -1,4 +1,5 @@
-"""python -m engine bench: speed of this engine against transformers (see engine.bench)."""
+"""python -m engine bench: speed of this engine against transformers and the memory-bandwidth floor (see
+engine.bench)."""
 from __future__ import annotations
 
 import argparse
@@ -15,15 +16,29 @@ def cmd_bench(a: argparse.Namespace) -> int:
         if a.threads < 1:
             raise InputError(f"--threads must be >= 1, got {a.threads}")
         torch.set_num_threads(a.threads)
+    if a.prompt_tokens < 2:
+        raise InputError(f"--prompt-tokens must be >= 2, got {a.prompt_tokens}")
+    if a.new_tokens < 2:
+        raise InputError(f"--new-tokens must be >= 2 (decode speed needs a token after the first), got "
+                         f"{a.new_tokens}")
+    if a.repeats < 1:
+        raise InputError(f"--repeats must be >= 1, got {a.repeats}")
+    if any(n < 2 for n in a.app_lengths):
+        raise InputError(f"--app-lengths must be >= 2 tokens each, got {a.app_lengths}")
     return run_bench(load(a), a)
 
 
 def add_commands(sub) -> None:
-    b = sub.add_parser("bench", help="prefill/decode speed: engine vs engine+stats vs transformers")
+    b = sub.add_parser("bench", help="prefill/decode speed: engine vs engine+stats vs transformers vs bandwidth")
     model_args(b)
     b.add_argument("--prompt-tokens", type=int, default=128)
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the best of each is reported")
     b.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    b.add_argument("--app", action="store_true", help="also full inspection vs plain prefill at 512 and 2,048 tokens")
+    b.add_argument("--app", action="store_true",
+                   help="also the app's full inspection vs plain prefill (512, 2,048, 8,000 tokens: time, kept and "
+                        "peak memory) and its decode time per token")
+    b.add_argument("--app-lengths", type=int, nargs="+", default=[512, 2048, 8000], metavar="N",
+                   help="prompt lengths for --app")
+    b.add_argument("--json", action="store_true", help="print the figures as one JSON object instead of tables")
     b.set_defaults(fn=cmd_bench)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import inspection_probe
 from engine.sources import bundled_gguf
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -53,6 +54,19 @@ def test_greedy_64_tokens_identical(bundled_model, hf_reference):
             ref = hf_reference.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
                                         attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
         assert ours == ref[0, len(ids):].tolist()
+
+
+def test_full_inspection_keeps_logits_and_greedy_tokens_equal_to_transformers(bundled_model, hf_reference):
+    """The app's probe (statistics of every stage incl. attention, in blocks; logits kept) changes nothing."""
+    ids = bundled_model.tokenizer.encode(LONG_TEXT * 4)[:300]
+    probed = bundled_model.logits(ids, inspection_probe(timing=True))
+    assert rel_err(probed, hf_logits(hf_reference, ids)) <= 1e-4
+    ids = bundled_model.tokenizer.encode("Once upon a time, in a small village,")
+    ours = bundled_model.generate(ids, max_new_tokens=32, ignore_eos=True, probe=inspection_probe()).token_ids
+    with torch.no_grad():
+        ref = hf_reference.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                    attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
+    assert ours == ref[0, len(ids):].tolist()
 
 
 def test_kv_cache_decode_equals_full_forward(bundled_model):

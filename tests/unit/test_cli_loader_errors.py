@@ -51,6 +51,13 @@ def test_bench_threads_must_be_positive(capsys, tiny_model_dir):
     assert "--threads must be >= 1" in run_cli(capsys, "bench", "--model", str(tiny_model_dir), "--threads", "-1")
 
 
+@pytest.mark.parametrize("flag, value, words", [
+    ("--new-tokens", "1", "--new-tokens must be >= 2"), ("--new-tokens", "0", "--new-tokens must be >= 2"),
+    ("--repeats", "0", "--repeats must be >= 1"), ("--prompt-tokens", "1", "--prompt-tokens must be >= 2")])
+def test_bench_sizes_are_checked_before_any_work(capsys, tiny_model_dir, flag, value, words):
+    assert words in run_cli(capsys, "bench", "--model", str(tiny_model_dir), flag, value)
+
+
 @pytest.mark.parametrize("change, words", [
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
     ({"attention_bias": 1}, "attention_bias must be true or false"),
