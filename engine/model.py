@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 ATTN_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo")
 MLP_WEIGHTS = ("mlp_norm", "w_gate_up", "w_down")
-PRECISION_UNITS = ("blocks.{i}.attn", "blocks.{i}.mlp", "blocks.{i}.resid", "final_norm", "logits")
+PRECISION_UNITS = ("embed", "blocks.{i}.attn", "blocks.{i}.mlp", "blocks.{i}.resid", "final_norm", "logits")
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -80,7 +80,7 @@ def _parts(rows: int, threads: int) -> int:
 
 def _split_unit(unit: str, num_layers: int) -> tuple[int | None, str]:
     """'blocks.3.mlp' -> (3, 'mlp'); 'final_norm' -> (None, 'final_norm'); anything else is an InputError."""
-    if unit in ("final_norm", "logits"):
+    if unit in ("embed", "final_norm", "logits"):
         return None, unit
     parts = unit.split(".")
     if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] in ("attn", "mlp", "resid"):
@@ -103,6 +103,8 @@ class Model:
         self.cos, self.sin = rope_tables(cfg, cfg.max_position_embeddings, device, dtype)
         self.resid_fp32_from: int | None = None    # precision plan (see with_fp32)
         self.fp32_units: list[str] = []
+        self.cache_dtype = dtype                   # float32 in a plan with an fp32 attention unit
+        self.base_name = name                      # the model a plan was made from
         self._live_hooks = 0
         self._lock = threading.Lock()
 
@@ -120,7 +122,7 @@ class Model:
         return self.config.max_position_embeddings
 
     def new_cache(self, max_len: int) -> KVCache:
-        return KVCache(self.config, min(max_len, self.context_length), self.device, self.dtype)
+        return KVCache(self.config, min(max_len, self.context_length), self.device, self.cache_dtype)
 
     @contextmanager
     def attached(self, probe: Probe | None, pos0: int):
@@ -205,6 +207,8 @@ class Model:
         qkv = (_mm(h, lw.wqkv) if lw.bqkv is None else torch.addmm(lw.bqkv, h, lw.wqkv)).view(T, H + 2 * K, hd)
         q0, k0, v = qkv.split([H, K, K], dim=1)                                 # (T, heads, hd) each
         q, k, v = p("attn.q", q0), p("attn.k", k0), p("attn.v", v)
+        if cos.dtype != q.dtype:      # a precision plan: fp32 tables, cast for the layers that stay low
+            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         if q is q0 and k is k0:       # one rotation for q and k together (fewer small ops per decode step)
             q, k = apply_rope(qkv[:, :H + K], cos, sin).split([H, K], dim=1)
         else:
@@ -300,20 +304,23 @@ class Model:
     def unembed(self, resid: torch.Tensor) -> torch.Tensor:
         """Residual-stream vectors (..., d) through the final norm and lm_head -> float32 CPU logits (..., V).
         The logit lens: what the model would predict if it stopped at that layer."""
-        x = F.rms_norm(resid.to(self.device, self.dtype), (self.config.hidden_size,), self.weights.norm,
-                       self.config.rms_norm_eps)
-        return (x @ self.weights.lm_head).float().cpu()
+        stream = torch.float32 if self.resid_fp32_from is not None or "embed" in self.fp32_units else self.dtype
+        x = _norm(resid.to(self.device, stream), self.weights.norm, self.config.rms_norm_eps)
+        return (x.to(self.weights.lm_head.dtype) @ self.weights.lm_head).float().cpu()
 
     def with_fp32(self, units: list[str] | tuple[str, ...], source: "Model | None" = None) -> "Model":
         """A precision plan: this (lower-precision) model with the named units computed in fp32.
 
-        Units: blocks.{i}.attn, blocks.{i}.mlp, blocks.{i}.resid (the residual stream in fp32 from layer i
-        on), final_norm, logits. Only those units' weights are copied to fp32 (from source when given, e.g.
-        the fp32 model, else upcast from this one); every other weight is shared with this model."""
-        units = list(dict.fromkeys(units))
+        Units: embed (the embedding table in fp32, so the stream it starts is fp32), blocks.{i}.attn (its
+        weights, RoPE and its KV cache in fp32: a plan with one keeps the whole cache in fp32, which holds
+        the other layers' keys and values exactly), blocks.{i}.mlp, blocks.{i}.resid (the residual stream in
+        fp32 from layer i on), final_norm, logits. Only those units' weights are copied to fp32 (from source
+        when given, e.g. the fp32 model, else upcast from this one); every other weight is shared with this
+        model. A plan of a plan holds both plans' units."""
+        units = list(dict.fromkeys([*self.fp32_units, *units]))
         src = source or self
-        layers, resid_from = list(self.weights.layers), None
-        norm, lm_head = self.weights.norm, self.weights.lm_head
+        layers, resid_from = list(self.weights.layers), self.resid_fp32_from
+        embed, norm, lm_head = self.weights.embed, self.weights.norm, self.weights.lm_head
         for unit in units:
             layer, part = _split_unit(unit, self.config.num_layers)
             if part == "resid":
@@ -324,15 +331,22 @@ class Model:
                 layers[layer] = dataclasses.replace(layers[layer], **{
                     f: None if getattr(lw, f) is None else getattr(lw, f).to(torch.float32, copy=True)
                     for f in fields})
+            elif part == "embed":
+                embed = src.weights.embed.to(torch.float32, copy=True)
             elif part == "final_norm":
                 norm = src.weights.norm.to(torch.float32, copy=True)
             else:
                 lm_head = src.weights.lm_head.to(torch.float32, copy=True)
-        weights = Weights(self.weights.embed, layers, norm, lm_head)
+        weights = Weights(embed, layers, norm, lm_head)
         plan = Model(self.config, weights, self.tokenizer, device=self.device, dtype=self.dtype,
-                     name=f"{self.name} [fp32: {', '.join(units) or 'none'}]", path=self.path)
+                     name=f"{self.base_name} [fp32: {', '.join(units) or 'none'}]", path=self.path)
+        plan.base_name = self.base_name
         plan.resid_fp32_from = resid_from
         plan.fp32_units = units
+        if any(u.endswith(".attn") for u in units):
+            plan.cos, plan.sin = rope_tables(self.config, self.config.max_position_embeddings, self.device,
+                                             torch.float32)
+            plan.cache_dtype = torch.float32
         return plan
 
     def generate(self, prompt_or_ids, **kwargs):

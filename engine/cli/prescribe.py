@@ -54,7 +54,8 @@ def add_doctor_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rescue-tokens", type=int, default=MAX_NEW_TOKENS,
                    help=f"generated tokens the rescue compares (default {MAX_NEW_TOKENS}; float16 on a CPU is slow)")
     p.add_argument("--fp32", default=None, metavar="UNIT[,UNIT...]",
-                   help="run these units in fp32: blocks.I.attn, blocks.I.mlp, blocks.I.resid, final_norm, logits")
+                   help="run these units in fp32: embed, blocks.I.attn, blocks.I.mlp, blocks.I.resid, final_norm, "
+                        "logits")
 
 
 def parse_units(text: str) -> list[str]:
