@@ -107,14 +107,30 @@ def checked_ids(cfg_a, cfg_b) -> list[int]:
     return ids
 
 
+def progress(bar, label: str, half: int):
+    """on_token for one configuration: the bar and its words after every token (a Streamlit call, so a press
+    of Stop, which asks for a new script run, ends the comparison here)."""
+    def on_token(step) -> None:
+        k = step.index + 1
+        bar.progress(min(1.0, (half + k / max_new) / 2), text=f"Configuration {label}: token {k} of at most "
+                                                             f"{max_new}")
+    return on_token
+
+
+if s.get("cmp_stop"):
+    st.warning("Comparison stopped: nothing of it was kept. Press **Compare** to run it again.")
 if st.button("Compare", key="cmp_run", type="primary", disabled=None in configs):
     cfg_a, cfg_b = configs
     try:
         ids = checked_ids(cfg_a, cfg_b)
-        with device_slot("the comparison"), st.spinner("Running both configurations…"):
+        st.button("Stop the comparison", key="cmp_stop",
+                  help="Ends it after the current token; the previous comparison stays on the page.")
+        bar = st.progress(0.0, text="Waiting for the model…")
+        with device_slot("the comparison"):
             ma, mb = model_for(cfg_a.dtype), model_for(cfg_b.dtype)
-            ta = cmp.run_config(ma, ids, cfg_a, max_new_tokens=max_new, seed=seed)
-            tb = cmp.run_config(mb, ids, cfg_b, max_new_tokens=max_new, seed=seed)
+            ta = cmp.run_config(ma, ids, cfg_a, max_new_tokens=max_new, seed=seed, on_token=progress(bar, "A", 0))
+            tb = cmp.run_config(mb, ids, cfg_b, max_new_tokens=max_new, seed=seed, on_token=progress(bar, "B", 1))
+            bar.progress(1.0, text="Finding where they part…")
             d = cmp.first_divergence(ta.token_ids, tb.token_ids)
             at = d if d is not None and d < min(len(ta.token_ids), len(tb.token_ids)) else None
             diff = None if at is None else cmp.divergence_stages(ma, cfg_a, mb, cfg_b, ids, ta.token_ids, at,
@@ -122,6 +138,7 @@ if st.button("Compare", key="cmp_run", type="primary", disabled=None in configs)
     except EngineError as e:
         st.error(str(e))
         st.stop()
+    bar.empty()
     s[RESULT] = dict(a=ta, b=tb, cfg_a=cfg_a, cfg_b=cfg_b, divergence=d, diff_step=at, diff=diff,
                      names=(ma.name, str(ma.dtype), mb.name, str(mb.dtype)))
 

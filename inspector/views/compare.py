@@ -16,7 +16,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from engine import GenerationResult, GenerationRun, InputError, Model, Probe, SamplingParams, scale, zero_heads
+from engine import GenerationResult, GenerationRun, InputError, Model, Probe, SamplingParams, Step, scale, zero_heads
 from engine.sampling import sampler_chain
 
 TokenText = Callable[[int], str]
@@ -74,11 +74,12 @@ class RunConfig:
 
 
 def run_config(model: Model, prompt_ids: Sequence[int], cfg: RunConfig, *, max_new_tokens: int,
-               seed: int = 0) -> GenerationResult:
+               seed: int = 0, on_token: Callable[[Step], object] | None = None) -> GenerationResult:
     """Generate with one configuration: the engine's generation loop (cache off: the whole sequence is
-    recomputed at every step), its sampler and seeded draws either way."""
+    recomputed at every step), its sampler and seeded draws either way. on_token(step) after each token
+    (progress; returning engine.generate.STOP ends the run there)."""
     return GenerationRun(model, [int(i) for i in prompt_ids], params=cfg.params, max_new_tokens=max_new_tokens,
-                         seed=seed, use_cache=cfg.cache, probe=cfg.probe(model)).run()
+                         seed=seed, use_cache=cfg.cache, probe=cfg.probe(model), on_token=on_token).run()
 
 
 def seconds(result: GenerationResult) -> float:

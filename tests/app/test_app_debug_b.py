@@ -163,6 +163,10 @@ def test_compare_page_shows_the_divergence_step(at, tiny_model):
     diff = find_df(at, "stage", "rel_error")
     assert diff.set_index("stage").loc["sampler.probs", "rel_error"] > 0
     assert any("first stage above 1e-6: **sampler.probs**" in c.value for c in at.caption)
+    # Stop (drawn while it ran): the page says so and the last comparison stays
+    at.button(key="cmp_stop").click().run()
+    assert not at.exception and any("Comparison stopped" in w.value for w in at.warning)
+    assert {m.label: m.value for m in at.metric}["First divergence"] == f"step {d}"
     # cache off and greedy on both sides: no divergence; zeroing heads: the first different stage is named
     at.slider(key="cmp_b_temperature").set_value(0.0)
     at.toggle(key="cmp_cache_b").set_value(False).run()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import GenerationResult, InputError, SamplingParams, Step, load_model
-from engine.generate import prompt_ids
+from engine.generate import STOP, prompt_ids
 from inspector.views.compare import (
     Intervention,
     RunConfig,
@@ -84,6 +84,15 @@ def test_rel_error_special_values():
 @pytest.fixture(scope="module")
 def ids(tiny_model):
     return prompt_ids(tiny_model, PROMPT, chat=True)
+
+
+def test_run_config_reports_every_token_and_stops_when_asked(tiny_model, ids):
+    seen = []
+    full = run_config(tiny_model, ids, RunConfig("A"), max_new_tokens=6, seed=5, on_token=seen.append)
+    assert [st.index for st in seen] == list(range(6)) and [st.token_id for st in seen] == full.token_ids
+    cut = run_config(tiny_model, ids, RunConfig("A"), max_new_tokens=6, seed=5,
+                     on_token=lambda st: STOP if st.index == 2 else None)
+    assert cut.token_ids == full.token_ids[:3] and cut.stop_reason == "stopped"
 
 
 def test_temperature_0_vs_1_diverges_where_the_engine_runs_do(tiny_model, ids):
