@@ -5,6 +5,7 @@ import streamlit as st
 
 from engine import EngineError
 from engine.loops import MIN_TOKENS, find_loops
+from inspector.session.limits import LimitError, check_int
 from inspector.session.memo import memo, run_key
 from inspector.session.run import check_settings
 from inspector.views import repetition as rv
@@ -19,9 +20,15 @@ run = require_run()
 res, key = run.result, run_key(run)
 
 c1, c2 = st.columns(2)
-min_count = c1.number_input("Minimum full repeats", 2, 20, 2, key="rep_min_count")
-min_tokens = c2.number_input("Minimum tokens in a loop", 1, 200, MIN_TOKENS, key="rep_min_tokens")
-loops = find_loops(res.token_ids, min_count=int(min_count), min_tokens=int(min_tokens))
+try:       # the widgets' bounds, checked here too: a forged message could send anything
+    min_count = check_int(c1.number_input("Minimum full repeats", 2, 20, 2, key="rep_min_count"), 2, 20,
+                          "Minimum full repeats")
+    min_tokens = check_int(c2.number_input("Minimum tokens in a loop", 1, 200, MIN_TOKENS, key="rep_min_tokens"),
+                           1, 200, "Minimum tokens in a loop")
+except LimitError as e:
+    st.error(str(e))
+    st.stop()
+loops = find_loops(res.token_ids, min_count=min_count, min_tokens=min_tokens)
 st.caption("A loop is a stretch of the generated tokens that repeats with a period p (each token equals the one "
            "p steps earlier) at least the minimum number of full times, as long as it can be extended. Start and "
            "end are generation steps; positions are absolute.")

@@ -156,3 +156,13 @@ def check_run_positions(ids, model, limits: Limits) -> None:
                          f"{env_name('max_new_tokens')})")
     if n and not 0 <= min(ids) <= max(ids) < model.config.vocab_size:
         raise LimitError(f"this run holds token ids outside the model's vocabulary [0, {model.config.vocab_size:,})")
+
+
+def check_int(value: object, lo: int, hi: int, what: str) -> int:
+    """A whole number a browser sent for a widget, within the widget's own bounds [lo, hi] (a forged message can
+    carry any value; the page must not rely on the widget's clamp); LimitError naming the setting otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
+        raise LimitError(f"{what} must be a whole number, got {value!r}")
+    if not lo <= value <= hi:
+        raise LimitError(f"{what} must be between {lo:,} and {hi:,}, got {int(value):,}")
+    return int(value)

@@ -98,3 +98,18 @@ def test_compare_without_cache_is_bounded(page, tiny_model, tiny_model_dir, run,
     at.button(key="cmp_run").click().run()
     assert not at.exception
     assert any("KV cache off recomputes every position" in e.value for e in at.error), [e.value for e in at.error]
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("rep_min_count", 10**9, "Minimum full repeats must be between 2 and 20, got 1,000,000,000"),
+    ("rep_min_count", 0, "Minimum full repeats must be between 2 and 20, got 0"),
+    ("rep_min_tokens", -5, "Minimum tokens in a loop must be between 1 and 200, got -5"),
+    ("rep_min_tokens", 2.5, "Minimum tokens in a loop must be a whole number, got 2.5"),
+])
+def test_forged_repetition_bounds_are_refused_server_side(page, tiny_model, tiny_model_dir, run, key, value, words,
+                                                          monkeypatch):
+    forge(monkeypatch, key, value)
+    at = page("repetition", run, tiny_model, str(tiny_model_dir))
+    at.run()
+    assert not at.exception, at.exception
+    assert [e.value for e in at.error] == [words]
