@@ -1,13 +1,42 @@
 """Overview: before any run, what the app is and three demo runs; then what went in, what came out, why it
 stopped (loops and non-finite values flagged, with links to the pages that explain them), how long it took,
-and every step's choice."""
+and every step's choice; a take-home report of the run (one HTML file that opens offline) to download."""
+import time
+
 import streamlit as st
 
+from engine.cli.report import reproduce_command
 from engine.generate import nonfinite_stop
+from engine.report import build_html
+from engine.report_data import attention_maps, default_layers
+from engine.sources import BUNDLED_NAME
+from inspector.session.limits import LimitError, check_run_positions
+from inspector.session.memo import run_key
 from inspector.views.tokens import steps_table, token_counts
-from pages.common import current_run, get_model, require_run
+from pages.common import current_run, get_model, on_demand, require_run, server_limits
 from pages.demos import demo_buttons
 from pages.widgets import metric_columns, page_link
+
+
+def make_report(run, model) -> str:
+    """The run's report; with the model it was made with, also token texts and attention maps (first, middle
+    and last layer), computed here under this server's limits."""
+    if model is None or model.name != run.model_name:
+        return build_html(run, command=reproduce_command(run, out="report.html"),
+                          notes=["The model this run was made with is not loaded: no attention maps."])
+    notes, maps = [], {}
+    try:
+        check_run_positions(run.ids, model, server_limits(show_error=False))
+        maps = attention_maps(model, run.ids, default_layers(model.config.num_layers),
+                              injections=run.extra.get("injections") or (), norm_eps=run.extra.get("norm_eps"))
+    except LimitError as e:
+        notes.append(f"No attention maps: {e}")
+    # the model's folder name, not the server's path to it (nothing of the server's file system reaches a browser)
+    source = None if model.name == BUNDLED_NAME else model.path.name
+    cmd = reproduce_command(run, out="report.html", model=source, dtype=str(model.dtype).removeprefix("torch."),
+                            device=model.device.type)
+    return build_html(run, tokenizer=model.tokenizer, attention=maps, command=cmd, notes=notes)
+
 
 st.header("Overview")
 if current_run() is None:
@@ -79,3 +108,15 @@ st.dataframe(steps_table(res.steps, tok), key="ov_steps", hide_index=True,
              column_config={"prob": st.column_config.NumberColumn(format="%.4f"),
                             "model_prob": st.column_config.NumberColumn(format="%.4f"),
                             "entropy": st.column_config.NumberColumn(format="%.3f")})
+
+st.subheader("Take-home report")
+st.caption("One HTML file with this run: overview, token splits, every step, attention maps (first, middle and "
+           "last layer), activation statistics, sampling distributions, NaN/loop findings and the command line "
+           "that reproduces it. It opens in any browser with no network and no Python.")
+reports = st.session_state.setdefault("ov_report", {})
+key = run_key(run)
+if key not in reports and st.button("Make a report (HTML)", key="ov_report_make"):
+    on_demand(reports, key, "the report", lambda: make_report(run, model), max_entries=1)
+if key in reports:
+    st.download_button("Download report (HTML)", data=reports[key], mime="text/html", key="ov_report_download",
+                       file_name=time.strftime("llm-inspector-%Y%m%d-%H%M%S.html", time.localtime(run.created)))

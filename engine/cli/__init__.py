@@ -6,13 +6,13 @@ import argparse
 import sys
 
 from ..errors import EngineError
-from . import args, bench, debug, explain, prescribe, run, show
+from . import args, bench, debug, explain, prescribe, report, run, show
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine", description="LLM Inspector engine")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for group in (run, bench, debug, show):
+    for group in (run, bench, debug, show, report):
         group.add_commands(sub)
     prescribe.add_commands(sub, args)
     explain.add_commands(sub, args)

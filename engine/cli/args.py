@@ -30,8 +30,9 @@ def model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on cuda, fp32 on cpu)")
 
 
-def prompt_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt")
+def prompt_args(p: argparse.ArgumentParser, *, optional: bool = False) -> None:
+    """The prompt (optional where another flag can bring the run, e.g. report --from-trace) and its format."""
+    p.add_argument("prompt", **({"nargs": "?", "default": None} if optional else {}))
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--allow-special", action="store_true",

@@ -29,7 +29,7 @@ from .args import load, model_args, prompt_args, run_settings, sampling_args
 from .prescribe import add_doctor_flags, doctor_model, extend_doctor, human_lines
 
 
-def _debug_args(p: argparse.ArgumentParser) -> None:
+def debug_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inject", action="append", default=[], metavar="KIND@STAGE[:N]",
                    help="fault: KIND nan|inf|zero|scale=F at a stage (N = position) or weight (N = element); "
                         "repeatable")
@@ -41,11 +41,11 @@ def _debug_args(p: argparse.ArgumentParser) -> None:
 def add_commands(sub) -> None:
     """Register `trace` and `doctor` on the engine CLI's subparsers."""
     t = sub.add_parser("trace", help="run with full inspection and save everything to one trace file")
-    prompt_args(t), sampling_args(t), model_args(t), _debug_args(t)
+    prompt_args(t), sampling_args(t), model_args(t), debug_args(t)
     t.add_argument("--out", required=True, help="trace file to write (safetensors; open it in the app)")
     t.set_defaults(fn=cmd_trace)
     d = sub.add_parser("doctor", help="where does a NaN/Inf first appear; loops; fp32 vs fp16/bf16")
-    prompt_args(d), sampling_args(d), model_args(d), _debug_args(d)
+    prompt_args(d), sampling_args(d), model_args(d), debug_args(d)
     d.add_argument("--json", action="store_true", help="print the report as JSON")
     d.add_argument("--keep-going", action="store_true", help="do not stop at the first step with a NaN/Inf")
     d.add_argument("--lead-up", type=int, default=10, help="stages shown before the first non-finite one")
@@ -55,7 +55,7 @@ def add_commands(sub) -> None:
     d.set_defaults(fn=cmd_doctor)
 
 
-def _faults(a: argparse.Namespace) -> tuple[list[str], float | None]:
+def faults_of(a: argparse.Namespace) -> tuple[list[str], float | None]:
     """Injections and epsilon from --preset, --inject and --norm-eps; a preset's dtype fills in --dtype."""
     injections, eps = [], a.norm_eps
     if a.preset is not None:
@@ -68,17 +68,17 @@ def _faults(a: argparse.Namespace) -> tuple[list[str], float | None]:
     return injections + list(a.inject), eps
 
 
-def _gen(a: argparse.Namespace) -> dict:
+def generation_kwargs(a: argparse.Namespace) -> dict:
     return run_settings(a, ignore_eos=a.ignore_eos).generation_kwargs()
 
 
 def cmd_trace(a: argparse.Namespace) -> int:
-    injections, eps = _faults(a)
+    injections, eps = faults_of(a)
     model = load(a)
     probe = fault_probe(model, injections, eps, timing=True).capture("logits")
     t0 = time.perf_counter()
     rep = run_doctor(model, a.prompt, probe=probe, injections=injections, norm_eps=eps, stop_at_nonfinite=False,
-                     **_gen(a))
+                     **generation_kwargs(a))
     trace = make_trace(run_settings(a, ignore_eos=a.ignore_eos), rep.result, probe, model.name,
                        time.perf_counter() - t0,
                        extra={"injections": rep.injections, "norm_eps": eps, "error": rep.error,
@@ -89,10 +89,10 @@ def cmd_trace(a: argparse.Namespace) -> int:
 
 
 def cmd_doctor(a: argparse.Namespace) -> int:
-    injections, eps = _faults(a)
+    injections, eps = faults_of(a)
     model = doctor_model(load(a), a)         # the precision plan of --fp32, if any
     rep = run_doctor(model, a.prompt, injections=injections, norm_eps=eps, stop_at_nonfinite=not a.keep_going,
-                     lead_up_k=a.lead_up, **_gen(a))
+                     lead_up_k=a.lead_up, **generation_kwargs(a))
     out = rep.as_dict()
     if a.compare:
         out["precision"] = precision_compare(model, cast_model(model, a.compare), rep.result.prompt_ids).as_dict()

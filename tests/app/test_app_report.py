@@ -1,0 +1,23 @@
+"""The Overview page's take-home report: made on a button press, offered for download, its numbers the run's,
+its command line naming the model by folder name (never the server's path)."""
+from __future__ import annotations
+
+import torch
+
+from tests.unit.test_report import embedded, hostile_run  # noqa: F401  (hostile_run: a fixture)
+
+
+def test_the_overview_page_offers_the_report_for_download(page, tiny_model, tiny_model_dir, hostile_run):  # noqa: F811
+    at = page("overview", hostile_run, tiny_model, str(tiny_model_dir)).run()
+    assert not at.exception
+    assert not at.get("download_button")
+    at.button(key="ov_report_make").click().run()
+    assert not at.exception
+    (btn,) = at.get("download_button")
+    assert "Download report (HTML)" in str(btn.proto)
+    (html,) = at.session_state["ov_report"].values()
+    data = embedded(html, "report-data")
+    assert data["token_ids"] == hostile_run.result.token_ids and len(data["attention"]) == 2
+    # the model's folder name, never the server's path to it
+    assert f"--model {tiny_model_dir.name}" in data["command"] and str(tiny_model_dir) not in data["command"]
+    assert torch.equal(torch.tensor(data["prompt_ids"]), torch.tensor(hostile_run.result.prompt_ids))
