@@ -17,7 +17,7 @@ from inspector.session.memo import memo, run_key
 from inspector.views import explain as xv
 from inspector.views.tokens import token_labels
 from pages.common import device_slot, require_run_and_model
-from pages.widgets import chart
+from pages.widgets import chart, columns
 
 MAX_PATCH_TOKENS = 128       # the grid's cost grows with positions² x layers; beyond this it takes minutes
 MAX_ATTRIBUTION_TOKENS = 128
@@ -60,8 +60,9 @@ def show_attribution(e) -> None:
                "RMSNorm's scale frozen at its value for this position, each part's share of the logit difference "
                "is exact, and the parts add up to it (the residual error is the forward's float rounding).")
     chart(xv.layer_figure(e), key="ex_layers")
-    left, right = st.columns([3, 2])
-    left.plotly_chart(xv.head_heatmap(e), key="ex_heads")
+    left, right = columns([3, 2])
+    with left:
+        chart(xv.head_heatmap(e), key="ex_heads")
     right.markdown("**Largest components**")
     right.dataframe(xv.top_components(e, 15), key="ex_top", hide_index=True)
     st.subheader("The sampler")

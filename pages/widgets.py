@@ -44,8 +44,10 @@ def sampling_widgets(prefix: str, default: SamplingParams, names=tuple(SAMPLER_W
     for name in names:
         label, kind, lo, hi, step = SAMPLER_WIDGETS[name]
         key = widget_key(prefix, name)
-        # a widget whose value the page set through session state must not also get a default
-        value = {} if key in st.session_state else {"value": min(max(_value(name, getattr(default, name)), lo), hi)}
+        # Always the value it holds now (or the default): a slider created without one gets its minimum as its
+        # default, and one that mounts late (inside a just-opened expander) has sent that minimum to the server
+        # (top-p 0.01, every penalty at its lowest) while showing the right value.
+        value = {"value": min(max(_value(name, st.session_state.get(key, getattr(default, name))), lo), hi)}
         draw = box.slider if kind == "slider" else box.number_input
         draw(label, min_value=lo, max_value=hi, step=step, key=key, **value)
 

@@ -114,3 +114,11 @@ def reference_stats(x: torch.Tensor, masked: bool = False) -> torch.Tensor:
         lo, hi = (min(kept), max(kept)) if kept else (float("inf"), float("-inf"))
         rows.append([lo, hi, mean, std, max(abs(lo), abs(hi)), n_nan, n_inf])
     return torch.tensor(rows, dtype=torch.float32)
+
+
+def open_generation_settings(page) -> None:
+    """Open the sidebar's "Generation settings" and wait until its sliders are drawn. (Typing at once used to
+    send every slider's minimum to the server — pages.widgets.sampling_widgets now always gives a slider its
+    value; this test helper still waits, as a person would, before typing.)"""
+    page.get_by_text("Generation settings").click()
+    page.locator('[data-testid="stSidebar"] [data-testid="stSliderThumbValue"]').first.wait_for(state="visible")
