@@ -124,6 +124,19 @@ def prompt_ids(model, prompt_or_ids, *, chat: bool = False, system: str | None =
     return ids
 
 
+@dataclass(frozen=True)
+class ReleasedCache:
+    """What a finished run still reads of its KV cache (the figures its record reports) once the cache's
+    tensors are given back: a session keeps a finished debugger run for its pages, not its cache."""
+    bytes_allocated: int
+    bytes_used: int
+    bytes_per_token: int
+    pos: int
+
+    def get_pos(self) -> int:
+        return self.pos
+
+
 class GenerationRun:
     def __init__(self, model, prompt_or_ids, *, params: SamplingParams | None = None, max_new_tokens: int = 64,
                  seed: int = 0, stop: list[str] | str | None = None, chat: bool = False,
@@ -281,6 +294,12 @@ class GenerationRun:
         while self.step() is not None:
             pass
         return self.result()
+
+    def release_cache(self) -> None:
+        """Once the run has ended, give the KV cache's memory back; result() still reports its figures."""
+        if self.done and not isinstance(self.cache, ReleasedCache):
+            c = self.cache
+            self.cache = ReleasedCache(c.bytes_allocated, c.bytes_used, c.bytes_per_token, c.get_pos())
 
     def result(self) -> GenerationResult:
         n_dec = max(1, len(self.steps) - 1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from engine import (
     GenerationRun,
@@ -26,19 +26,6 @@ from engine.breakpoints import Breakpoint, run_until
 
 from .limits import Limits
 from .run import check_settings, track
-
-
-@dataclass(frozen=True)
-class ReleasedCache:
-    """What a finished run still reads of its KV cache (the figures its record reports) once the cache's
-    tensors are given back: a session keeps a finished debugger run for its pages, not its cache."""
-    bytes_allocated: int
-    bytes_used: int
-    bytes_per_token: int
-    pos: int
-
-    def get_pos(self) -> int:
-        return self.pos
 
 
 class Debugger:
@@ -83,9 +70,7 @@ class Debugger:
 
     def release_cache(self) -> None:
         """Give the KV cache's memory back once the run has ended (nothing steps it again); its figures stay."""
-        c = self.run.cache
-        if not isinstance(c, ReleasedCache):
-            self.run.cache = ReleasedCache(c.bytes_allocated, c.bytes_used, c.bytes_per_token, c.get_pos())
+        self.run.release_cache()
 
     def step(self) -> list[Step]:
         return self.advance(1)

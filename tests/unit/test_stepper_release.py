@@ -8,8 +8,9 @@ import weakref
 import pytest
 
 from engine import RunSettings
+from engine.generate import ReleasedCache
 from inspector.session.budget import nbytes
-from inspector.session.stepper import Debugger, ReleasedCache
+from inspector.session.stepper import Debugger
 
 pytestmark = pytest.mark.unit
 
