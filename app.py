@@ -1,9 +1,11 @@
 """LLM Inspector: the frame. The sidebar (prompt, Run, the pages, model, settings), then the page.
 
 Projector mode (the sidebar's toggle, or ?projector=1 in the URL) makes the type bigger here and every chart
-bigger and higher-contrast (pages.widgets.chart)."""
+bigger and higher-contrast (pages.widgets.chart). Rooms (pages.room): a teacher's screen, followed by students'."""
 import streamlit as st
+from streamlit.runtime.scriptrunner_utils.exceptions import StopException
 
+from pages import room
 from pages.frame import frame
 from pages.sidebar import sidebar
 from pages.widgets import PROJECTOR, projector
@@ -45,8 +47,17 @@ if PROJECTOR not in st.session_state:          # a shared link decides the first
         KEPT, st.query_params.get("projector", "") in ("1", "true", "on", "yes"))
 st.session_state[KEPT] = bool(st.session_state[PROJECTOR])
 nav = st.navigation(PAGES, position="hidden")     # the sidebar lists the pages (pages.widgets)
+page = nav.url_path or "overview"                 # the page's file name: what a room shows (pages.room)
+room.before_page(page)       # a student following a room takes the teacher's run, values and page
 sidebar()
+room.sidebar_panel()
 if projector():
     st.html(PROJECTOR_CSS)
-with frame():
-    nav.run()
+try:
+    with frame():
+        room.bar()
+        nav.run()
+except StopException:        # a page that stopped early (st.stop) still shows what it shows to the room
+    room.after_page(page)
+    raise
+room.after_page(page)        # a teacher's run and view go to the room

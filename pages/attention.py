@@ -24,7 +24,7 @@ from inspector.views.attention import (
 )
 from inspector.views.tokens import token_labels
 from pages.common import on_demand, require_run_and_model
-from pages.widgets import chart
+from pages.widgets import chart, shared
 
 OVERVIEW_AUTO = 512   # longer runs compute the layers × heads overview only when asked
 
@@ -38,9 +38,11 @@ maps = st.session_state.setdefault("att_maps", OrderedDict())
 overviews = st.session_state.setdefault("att_overviews", OrderedDict())
 
 c1, c2 = st.columns(2)
-layer = c1.selectbox("Layer", list(range(cfg.num_layers)), key="att_layer", format_func=lambda i: f"Layer {i}")
+layer = c1.selectbox("Layer", list(range(cfg.num_layers)), key="att_layer", format_func=lambda i: f"Layer {i}",
+                     **shared("att_layer", allowed=range(cfg.num_layers)))
 head = c2.selectbox("Head", [None, *range(cfg.num_heads)], key="att_head",
-                    format_func=lambda h: "Average of all heads" if h is None else f"Head {h}")
+                    format_func=lambda h: "Average of all heads" if h is None else f"Head {h}",
+                    **shared("att_head", allowed=[None, *range(cfg.num_heads)]))
 
 cached, t0 = (key, layer) in maps, time.perf_counter()
 pattern = on_demand(maps, (key, layer), f"layer {layer}'s attention over {T} positions",

@@ -14,7 +14,7 @@ from engine.sampling import sampler_chain
 from inspector.session.memo import memo, run_key
 from inspector.views import sampling as smp
 from pages.common import require_run_and_model
-from pages.widgets import chart, columns, sampling_form
+from pages.widgets import chart, columns, sampling_form, shared
 
 DEFAULTS = [None, *smp.PRESETS]           # A: the run's own settings
 LABELS = "ABCDE"
@@ -79,7 +79,8 @@ def body() -> None:
     # the step the debugger stopped at, when this run comes from it; otherwise the first
     default_step = min(int(st.session_state.get("selected_step") or 0), len(result.steps) - 1)
     step = int(c1.number_input(f"Step (0 = after the prefill; {len(result.steps)} in this run)", 0,
-                               len(result.steps) - 1, default_step, key="smp_step"))
+                               len(result.steps) - 1, key="smp_step",
+                               **shared("smp_step", allowed=range(len(result.steps)), value=default_step)))
     top_n = int(c2.number_input("Tokens shown", 5, 60, 20, key="smp_top_n"))
     chosen = result.token_ids[step]
     context, generated = smp.step_context(result, step)

@@ -18,10 +18,11 @@ from engine.generate import prompt_ids
 from inspector.session.admission import shared_admission
 from inspector.session.limits import Limits, env_name
 from inspector.session.models import model_choices
-from inspector.session.run import check_settings, live_runs
+from inspector.session.run import check_settings, generations, live_runs
 from pages import demos
 from pages.common import RUN_KEY, RUNS_KEY, current_run, get_model, log, plain, server_limits
 from pages.live_run import Cancelled, LiveRun, rates
+from pages.room_sync import following
 from pages.widgets import PROJECTOR, navigation_links, sampling_params_from, sampling_widgets
 
 LIVE = "_live_run"           # the LiveRun of this session while it generates
@@ -37,20 +38,9 @@ def sidebar() -> Model | None:
     sb.toggle("Chat format", value=True, key="sb_chat")
     sb.toggle("Projector mode", key=PROJECTOR, on_change=_projector_url,
               help="Big type, thick lines, high contrast, one chart per row (also: add ?projector=1 to the URL)")
-    with sb.expander("Model and device"):
-        st.selectbox("Model", list(model_choices()), key="sb_model")
-        c1, c2 = st.columns(2)
-        c1.selectbox("Device", ["auto", "cpu"] + (["cuda"] if torch.cuda.is_available() else []), key="sb_device")
-        c2.selectbox("Dtype", ["auto", "float32", "bfloat16", "float16"], key="sb_dtype")
-    with sb.expander("Generation settings"):
-        st.number_input("Max new tokens", min_value=1, value=min(32, limits.max_new_tokens), key="sb_max_new",
-                        help=f"At most {limits.max_new_tokens:,} on this server.")
-        sampling_widgets("sb", SamplingParams())
-        st.number_input("Seed", 0, 2**31 - 1, 0, key="sb_seed")
-        st.toggle("Special-token text in the prompt acts as control tokens", value=False, key="sb_allow_special")
     live: LiveRun | None = st.session_state.get(LIVE)
-    with sb.expander("Demos: one click, one lesson"):
-        demos.demo_buttons("sb_demo", columns=False, disabled=live is not None)
+    if not following():      # a student following a room runs nothing: fewer widgets to redraw on each change
+        settings_widgets(limits, live)
     model = get_model()
     with top:
         prompt_and_run(model, limits, live)
@@ -60,8 +50,25 @@ def sidebar() -> Model | None:
         sb.warning(note)
     a = shared_admission(limits).state()
     sb.caption(f"Server: {a.running} of {a.max_concurrent} run slots busy · {a.waiting} waiting · "
-               f"{live_runs()} runs in memory")
+               f"{live_runs()} runs in memory · model generations: {generations()}")
     return model
+
+
+def settings_widgets(limits: Limits, live: LiveRun | None) -> None:
+    """The model, device, dtype and generation settings, and the demos."""
+    with st.sidebar.expander("Model and device"):
+        st.selectbox("Model", list(model_choices()), key="sb_model")
+        c1, c2 = st.columns(2)
+        c1.selectbox("Device", ["auto", "cpu"] + (["cuda"] if torch.cuda.is_available() else []), key="sb_device")
+        c2.selectbox("Dtype", ["auto", "float32", "bfloat16", "float16"], key="sb_dtype")
+    with st.sidebar.expander("Generation settings"):
+        st.number_input("Max new tokens", min_value=1, value=min(32, limits.max_new_tokens), key="sb_max_new",
+                        help=f"At most {limits.max_new_tokens:,} on this server.")
+        sampling_widgets("sb", SamplingParams())
+        st.number_input("Seed", 0, 2**31 - 1, 0, key="sb_seed")
+        st.toggle("Special-token text in the prompt acts as control tokens", value=False, key="sb_allow_special")
+    with st.sidebar.expander("Demos: one click, one lesson"):
+        demos.demo_buttons("sb_demo", columns=False, disabled=live is not None)
 
 
 def _projector_url() -> None:
@@ -85,9 +92,14 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
         st.warning(f"Max new tokens: {asked:,} is more than this server generates per run "
                    f"({limits.max_new_tokens:,}, {env_name('max_new_tokens')}); Run generates at most "
                    f"{limits.max_new_tokens:,}.")
-    clicked = st.button("Run", type="primary", key="sb_run", disabled=model is None or live is not None,
-                        use_container_width=True)
-    demo = st.session_state.pop(demos.PENDING, None)
+    follows = following()        # a student following a room's teacher never starts a generation
+    clicked = st.button("Run", type="primary", key="sb_run", disabled=model is None or live is not None or follows,
+                        use_container_width=True) and not follows
+    demo = st.session_state.pop(demos.PENDING, None) if not follows else None
+    if follows:
+        st.caption("Following the teacher's room: press **Explore on my own** above the page to run your own.")
+        if live is None:
+            return
     if live is None and model is not None and (clicked or demo):
         live = start_run(model, limits, demo)
     elif live is None and model is not None:
@@ -257,4 +269,4 @@ def history(limits: Limits) -> None:
         st.session_state.pop("selected_step", None)
 
     st.sidebar.selectbox(f"Run shown (this session keeps {limits.max_runs_kept})", list(reversed(by_time)),
-                         format_func=labels.get, key="sb_history", on_change=show)
+                         format_func=labels.get, key="sb_history", on_change=show, disabled=following())

@@ -1,6 +1,7 @@
 """Widgets several pages share. One builder for the sampler settings: every page that lets a user choose
 them (sidebar, debugger, sampling, compare) draws the same widgets and reads one SamplingParams back. One
-way to show a figure (chart: the app's style, projector mode), lay out charts (columns) and link pages."""
+way to show a figure (chart: the app's style, projector mode), lay out charts (columns) and link pages.
+`shared` makes a widget a room shares follow the teacher (pages.room_sync)."""
 from __future__ import annotations
 
 from dataclasses import fields
@@ -11,6 +12,7 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from engine import InputError, SamplingParams
 from inspector.views.theme import styled
+from pages.room_sync import ROOM_WIDGETS, SHARED_KEYS, following, is_teacher, publish_view
 
 PROJECTOR = "sb_projector"          # the sidebar's projector toggle (also ?projector=1)
 
@@ -38,18 +40,45 @@ def _value(name: str, v) -> int | float:
     return int(v) if name in _INT else float(v)
 
 
+def shared(key: str, allowed=None, **default) -> dict:
+    """Keyword arguments for a widget a room shares (pages.room_sync.SHARED_KEYS). On a following student's
+    screen: the room's value (if `allowed` holds it; None: the widget's first option), disabled. On a
+    teacher's: a callback that publishes the change at once. Otherwise `default` (value=…, index=…) unless
+    the page set the value through session state (a widget given both warns)."""
+    imposed = st.session_state.get(ROOM_WIDGETS) if following() else None
+    if imposed is not None and key in imposed:
+        if imposed[key] is None:            # a selectbox's None option (the first) would read as "no choice"
+            st.session_state.pop(key, None)
+        elif allowed is None or imposed[key] in allowed:
+            st.session_state[key] = imposed[key]
+        return {"disabled": True} | ({} if key in st.session_state else default)
+    kwargs = {} if key in st.session_state else dict(default)
+    if key in SHARED_KEYS and is_teacher():
+        kwargs["on_change"] = publish_view
+    return kwargs
+
+
 def sampling_widgets(prefix: str, default: SamplingParams, names=tuple(SAMPLER_WIDGETS), container=None) -> None:
     """Draw the widgets of the named sampler settings, keyed f"{prefix}_{name}", starting at default."""
     box = container or st
     for name in names:
         label, kind, lo, hi, step = SAMPLER_WIDGETS[name]
         key = widget_key(prefix, name)
-        # Always the value it holds now (or the default): a slider created without one gets its minimum as its
-        # default, and one that mounts late (inside a just-opened expander) has sent that minimum to the server
-        # (top-p 0.01, every penalty at its lowest) while showing the right value.
-        value = {"value": min(max(_value(name, st.session_state.get(key, getattr(default, name))), lo), hi)}
+        value = shared(key, allowed=_Range(lo, hi))
+        # Always the value it holds now (a room's, or the default): a slider created without one gets its minimum
+        # as its default, and one that mounts late (inside a just-opened expander) has sent that minimum to the
+        # server (top-p 0.01, every penalty at its lowest) while showing the right value.
+        value["value"] = min(max(_value(name, st.session_state.get(key, getattr(default, name))), lo), hi)
         draw = box.slider if kind == "slider" else box.number_input
         draw(label, min_value=lo, max_value=hi, step=step, key=key, **value)
+
+
+class _Range:
+    def __init__(self, lo, hi) -> None:
+        self.lo, self.hi = lo, hi
+
+    def __contains__(self, v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and self.lo <= v <= self.hi
 
 
 def sampling_params_from(prefix: str, fallback: SamplingParams | None = None) -> SamplingParams:

@@ -13,6 +13,7 @@ if [ "${1:-}" = "--test" ]; then
   need=()
   command -v chromium >/dev/null 2>&1 || need+=(chromium)
   [ -x /usr/sbin/nginx ] || command -v nginx >/dev/null 2>&1 || need+=(nginx-light)
+  command -v redis-server >/dev/null 2>&1 || need+=(redis-server)     # rooms shared by several app processes
   if [ ${#need[@]} -gt 0 ]; then
     if command -v apt-get >/dev/null 2>&1; then
       (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}") >/dev/null

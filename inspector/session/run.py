@@ -11,6 +11,7 @@ keeps it. `live_runs()` counts the records still alive through weak references, 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import weakref
 from typing import Callable
@@ -22,6 +23,8 @@ from .admission import Admission, shared_admission
 from .limits import LimitError, Limits, check_text, env_name
 
 _live: "weakref.WeakSet[Trace]" = weakref.WeakSet()
+_generated = 0                         # generations started in this process (generations())
+_generated_lock = threading.Lock()
 
 
 def track(trace: Trace) -> Trace:
@@ -33,6 +36,12 @@ def track(trace: Trace) -> Trace:
 def live_runs() -> int:
     """Run records alive in this process (all sessions), counted without keeping any alive."""
     return len(_live)
+
+
+def generations() -> int:
+    """Generations this process has started on a model (every session together): what a room's students
+    should never add to while they follow the teacher."""
+    return _generated
 
 
 def check_settings(model: Model, settings: RunSettings, limits: Limits) -> tuple[RunSettings, list[str]]:
@@ -62,6 +71,12 @@ def check_settings(model: Model, settings: RunSettings, limits: Limits) -> tuple
     return settings, notes
 
 
+def _count_generation() -> None:
+    global _generated
+    with _generated_lock:
+        _generated += 1
+
+
 def inspect_run(model: Model, settings: RunSettings, on_token: Callable[[Step], None] | None = None, *,
                 limits: Limits | None = None, on_queue: Callable[[int], None] | None = None,
                 admission: Admission | None = None) -> Trace:
@@ -72,6 +87,7 @@ def inspect_run(model: Model, settings: RunSettings, on_token: Callable[[Step], 
     admission = admission or shared_admission(limits)
     with admission.slot(on_wait=on_queue, timeout=limits.queue_timeout_s):
         probe = inspection_probe(timing=settings.timing)
+        _count_generation()
         t0 = time.perf_counter()
         result = model.generate(settings.prompt, probe=probe, on_token=on_token, **settings.generation_kwargs())
         seconds = time.perf_counter() - t0

@@ -1,0 +1,44 @@
+"""Rooms across processes: two app servers (`streamlit run app.py`, 127.0.0.1) share one real Redis server
+(Debian's redis-server on a unix socket in a temporary folder, started and always stopped here). The teacher
+uses one server, the ten students the other: the same lesson as tests/browser/test_rooms.py. Runs travel as
+trace bytes through Redis; the students' server never generates; a publish with a forged token, sent to
+Redis directly, is refused and changes nothing."""
+from __future__ import annotations
+
+import pytest
+
+from inspector.session.rooms import RoomStore
+from inspector.session.rooms_redis import RedisBackend
+from inspector.session.rooms_state import Forbidden, View
+from tests.browser.test_rooms import SERVER_ARGS, check_lesson, lesson, server_env
+from tests.helpers import streamlit_server
+from tests.redis_server import redis_server
+
+pytestmark = pytest.mark.browser
+
+
+@pytest.fixture(scope="module")
+def two_servers(tmp_path_factory, tiny_model_dir):
+    logs = tmp_path_factory.mktemp("rooms-redis")
+    with redis_server() as url:
+        env = server_env(tiny_model_dir, LLM_INSPECTOR_ROOMS=url)
+        with streamlit_server(env, logs / "a.log", *SERVER_ARGS) as (a, proc_a), \
+                streamlit_server(env, logs / "b.log", *SERVER_ARGS) as (b, proc_b):
+            yield url, (a, proc_a, logs / "a.log"), (b, proc_b, logs / "b.log")
+
+
+def test_teacher_on_one_server_students_on_another(two_servers, browser, tiny_model):
+    url, (a, proc_a, log_a), (b, proc_b, log_b) = two_servers
+    r = lesson(browser, a, b, tiny_model.tokenizer)
+    check_lesson(r, tiny_model.tokenizer)
+    assert r["teacher_generations"] == 2 == r["teacher_generations_end"]     # the teacher's process: its runs
+    assert r["student_generations"] == 0                                      # the students' process: none
+    store = RoomStore(RedisBackend.from_url(url))
+    before = store.state(r["code"])
+    assert before is not None and before.run_id
+    for forged in ["", "guess", "x" * 43]:
+        with pytest.raises(Forbidden):
+            store.publish(r["code"], forged, view=View(page="tokens"))
+    assert store.state(r["code"]) == before
+    for proc, log in ((proc_a, log_a), (proc_b, log_b)):
+        assert proc.poll() is None and "Traceback" not in log.read_text()
