@@ -6,12 +6,12 @@ import streamlit as st
 from engine import EngineError
 from engine.loops import MIN_TOKENS, find_loops
 from inspector.session.limits import LimitError, check_int
+from inspector.session.live_run import rates
 from inspector.session.memo import memo, run_key
 from inspector.session.run import check_settings
 from inspector.views import repetition as rv
 from inspector.views.tokens import token_labels
 from pages.common import device_slot, get_model, plain, require_run, server_limits
-from pages.live_run import rates
 from pages.prescriptions import why_loop_section
 from pages.widgets import chart
 

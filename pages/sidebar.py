@@ -3,7 +3,7 @@
 the model, device, dtype, generation settings, demos and the runs kept.
 
 A run is checked against the server's limits and waits for a device slot; a waiting user sees their place
-in the queue. It generates in a thread of its own (pages.live_run) so that Stop and page changes work
+in the queue. It generates in a thread of its own (inspector.session.live_run) so that Stop and page changes work
 while it runs. The run (engine.Trace) lives in this session's st.session_state only.
 """
 from __future__ import annotations
@@ -12,16 +12,17 @@ import time
 
 import streamlit as st
 import torch
+from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
 from engine import EngineError, InputError, Model, RunSettings, SamplingParams, Trace
 from engine.generate import prompt_ids
 from inspector.session.admission import shared_admission
 from inspector.session.limits import Limits, env_name
+from inspector.session.live_run import Cancelled, LiveRun, rates
 from inspector.session.models import model_choices
 from inspector.session.run import check_settings, generations, live_runs
 from pages import demos
 from pages.common import RUN_KEY, RUNS_KEY, current_run, get_model, log, plain, server_limits
-from pages.live_run import Cancelled, LiveRun, rates
 from pages.room_sync import following
 from pages.widgets import PROJECTOR, navigation_links, sampling_params_from, sampling_widgets
 
@@ -162,7 +163,7 @@ def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
     est = _estimate(model, checked)
     live = LiveRun(settings, model.name, est[0] if est else 0, None if est is None else est[1] + est[2], demo=demo)
     st.session_state[LIVE] = live
-    return live.start(model, limits)
+    return live.start(model, limits, prepare=_with_script_context)
 
 
 def watch(live: LiveRun, limits: Limits) -> None:
@@ -270,3 +271,10 @@ def history(limits: Limits) -> None:
 
     st.sidebar.selectbox(f"Run shown (this session keeps {limits.max_runs_kept})", list(reversed(by_time)),
                          format_func=labels.get, key="sb_history", on_change=show, disabled=following())
+
+
+def _with_script_context(thread) -> None:
+    """The run's thread carries this script run's context (the queue's per-browser turns read it)."""
+    ctx = get_script_run_ctx(suppress_warning=True)
+    if ctx is not None:
+        add_script_run_ctx(thread, ctx)

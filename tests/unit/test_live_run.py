@@ -1,4 +1,4 @@
-"""The sidebar's background run (pages.live_run): Stop ends it where it is and keeps what it made, a Stop
+"""The sidebar's background run (inspector.session.live_run): Stop ends it where it is and keeps what it made, a Stop
 while queued leaves the queue, the prefill is heard by chunk and layer, and the estimate's fit is exact on
 data it can represent."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from engine import RunSettings
 from engine.model import Model
 from inspector.session.admission import shared_admission
 from inspector.session.limits import Limits
-from pages.live_run import Cancelled, LiveRun, Rates, prefill_fit
+from inspector.session.live_run import Cancelled, LiveRun, Rates, prefill_fit
 
 
 def slow(monkeypatch, seconds: float) -> None:

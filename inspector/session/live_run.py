@@ -16,13 +16,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-
-from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
+from typing import Callable
 
 from engine import Model, RunSettings, Step, Trace
 from engine.generate import STOP, Progress
-from inspector.session.limits import Limits
-from inspector.session.run import inspect_run
+
+from .limits import Limits
+from .run import inspect_run
 
 
 class Cancelled(Exception):
@@ -72,16 +72,16 @@ class LiveRun:
     error: BaseException | None = None
     thread: threading.Thread | None = None
 
-    def start(self, model: Model, limits: Limits) -> "LiveRun":
-        """Generate in a new thread. It carries the starting script's run context, so that the admission
-        queue knows which browser asks (pages.common.client_key) as it would in the script itself; the
-        thread never draws. The model reaches it through a closure, so this object never holds the model
+    def start(self, model: Model, limits: Limits,
+              prepare: Callable[[threading.Thread], None] | None = None) -> "LiveRun":
+        """Generate in a new thread; `prepare` sees the thread before it starts (the app gives it the starting
+        script's run context, so that the admission queue knows which browser asks, pages.common.client_key);
+        the thread never draws. The model reaches it through a closure, so this object never holds the model
         (the session's memory budget counts what session state holds)."""
         self.thread = threading.Thread(target=lambda: self._work(model, limits), daemon=True,
                                        name=f"llm-inspector-run-{id(self):x}")
-        ctx = get_script_run_ctx(suppress_warning=True)
-        if ctx is not None:
-            add_script_run_ctx(self.thread, ctx)
+        if prepare is not None:
+            prepare(self.thread)
         self.thread.start()
         return self
 
