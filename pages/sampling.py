@@ -11,6 +11,7 @@ import streamlit as st
 
 from engine import SamplingParams
 from engine.sampling import sampler_chain
+from inspector.session.limits import LimitError, check_int
 from inspector.session.memo import memo, run_key
 from inspector.views import sampling as smp
 from pages.common import require_run_and_model
@@ -19,6 +20,7 @@ from pages.widgets import chart, columns, sampling_form, shared
 DEFAULTS = [None, *smp.PRESETS]           # A: the run's own settings
 LABELS = "ABCDE"
 SEEDS = 200                               # seeds of the pass-rate check
+MAX_DRAWS = 100_000                       # draws per check (a forged larger number is refused)
 
 st.header("Sampling")
 run, model = require_run_and_model()
@@ -78,25 +80,41 @@ def body() -> None:
     c1, c2 = st.columns([3, 1])
     # the step the debugger stopped at, when this run comes from it; otherwise the first
     default_step = min(int(st.session_state.get("selected_step") or 0), len(result.steps) - 1)
-    step = int(c1.number_input(f"Step (0 = after the prefill; {len(result.steps)} in this run)", 0,
-                               len(result.steps) - 1, key="smp_step",
-                               **shared("smp_step", allowed=range(len(result.steps)), value=default_step)))
-    top_n = int(c2.number_input("Tokens shown", 5, 60, 20, key="smp_top_n"))
+    last = len(result.steps) - 1
+    try:        # every number a browser sends is checked here, not only by the widget's own bounds
+        step = check_int(c1.number_input(f"Step (0 = after the prefill; {len(result.steps)} in this run)", 0,
+                                         last, key="smp_step",
+                                         **shared("smp_step", allowed=range(len(result.steps)), value=default_step)),
+                         0, last, "Step")
+        top_n = check_int(c2.number_input("Tokens shown", 5, 60, 20, key="smp_top_n"), 5, 60, "Tokens shown")
+    except LimitError as e:
+        st.error(str(e))
+        return
     chosen = result.token_ids[step]
     context, generated = smp.step_context(result, step)
     logits = smp.step_logits(run.probe, step)
     st.caption(f"At step {step} the run chose **{tok.decode([chosen])!r}** (id {chosen}) with probability "
                f"{result.steps[step].prob:.4f} under its settings ({smp.describe(result.params)}); it is the red "
                "bar below wherever it appears.")
-    n = int(st.number_input("Settings side by side", 3, 5, 3, key="smp_n"))
+    try:
+        n = check_int(st.number_input("Settings side by side", 3, 5, 3, key="smp_n"), 3, 5, "Settings side by side")
+    except LimitError as e:
+        st.error(str(e))
+        return
     settings = settings_panels(n)
     if len(settings) < n:
         return
     c1, c2, c3 = st.columns([2, 1, 1])
     chain_label = c1.radio("Stage by stage, and the draws, for setting", list(settings), horizontal=True,
                            key="smp_chain")
-    n_draws = int(c2.number_input("Draws", 100, 100_000, 1000, 100, key="smp_draws"))
-    seed = int(c3.number_input("Draw seed", 0, 2**31 - 1, 0, key="smp_draw_seed"))
+    try:
+        n_draws = check_int(c2.number_input("Draws", 100, MAX_DRAWS, 1000, 100, key="smp_draws"), 100, MAX_DRAWS,
+                            "Draws")
+        seed = check_int(c3.number_input("Draw seed", 0, 2**31 - 1, 0, key="smp_draw_seed"), 0, 2**31 - 1,
+                         "Draw seed")
+    except LimitError as e:
+        st.error(str(e))
+        return
 
     rk = run_key(run)                     # memo keys start with it: dropping the run drops them (keep_run)
     stages = {label: memo(cache, (rk, step, "chain", p), lambda p=p: sampler_chain(logits, p, context, generated),

@@ -2,8 +2,12 @@
 how the streaming detokenizer assembles multi-byte characters. Nothing here runs the model."""
 import streamlit as st
 
+from engine import InputError
+from inspector.session.limits import LimitError, Limits, check_text
 from inspector.views.tokens import chat_messages, run_token_table, spans_html, stream_table, token_counts
 from pages.common import get_model, require_run
+
+MAX_SAMPLE_CHARS = 2_000      # "Try any text": one row per token in the table below
 
 st.header("Tokens")
 run = require_run()
@@ -56,6 +60,15 @@ st.caption("A token can end in the middle of a UTF-8 character (emoji, CJK). The
 st.markdown("**This run's generated tokens**")
 fed = res.token_ids[:-1] if res.stop_reason == "eos" else res.token_ids    # generation never decodes the EOS
 st.dataframe(stream_table(tok, fed), key="tok_stream_run", hide_index=True)
-sample = st.text_input("Try any text", "héllo 👋 世界", key="tok_stream_text")
-if sample:
-    st.dataframe(stream_table(tok, tok.encode(sample)), key="tok_stream_sample", hide_index=True)
+sample = st.text_input("Try any text", "héllo 👋 世界", key="tok_stream_text", max_chars=MAX_SAMPLE_CHARS)
+try:        # checked here too: a forged message is not held to the widget's max_chars
+    if isinstance(sample, str) and len(sample) > MAX_SAMPLE_CHARS:
+        raise LimitError(f"the text is {len(sample):,} characters long; this box takes at most {MAX_SAMPLE_CHARS:,}")
+    sample, notes = check_text(sample, Limits(), "text", allow_empty=True)
+except InputError as e:
+    st.error(str(e))
+else:
+    for note in notes:
+        st.info(note)
+    if sample:
+        st.dataframe(stream_table(tok, tok.encode(sample)), key="tok_stream_sample", hide_index=True)

@@ -1,11 +1,12 @@
 """Hostile input through the app, the way a browser sends it: crafted trace uploads, forged widget values on
-the Compare page, Markdown in a file's strings. Each gives a visible message, no exception box, and the
+the Compare, Repetition, Sampling and Tokens pages, Markdown in a file's strings. Each gives a visible message, no exception box, and the
 session's own run (and the model) are unchanged."""
 from __future__ import annotations
 
 import time
 
 import pytest
+import streamlit as st
 
 from engine import RunSettings
 from engine.trace import to_bytes
@@ -62,13 +63,15 @@ def forge(monkeypatch, key: str, value) -> None:
     """The widget with this key hands the page a value its bounds do not allow, as a forged message would with
     a Streamlit release that does not clamp (today's clamps; the page must not rely on it)."""
     from streamlit.delta_generator import DeltaGenerator
-    for name in ("number_input", "slider"):
+    for name in ("number_input", "slider", "text_input"):
         real = getattr(DeltaGenerator, name)
 
         def fake(self, *a, _real=real, **k):
             out = _real(self, *a, **k)
             return value if k.get("key") == key else out
         monkeypatch.setattr(DeltaGenerator, name, fake)
+        # st.number_input etc. are bound to the main container at import: replace those too
+        monkeypatch.setattr(st, name, lambda *a, _fake=fake, **k: _fake(st._main, *a, **k))
 
 
 @pytest.mark.parametrize("value, words", [
@@ -113,3 +116,48 @@ def test_forged_repetition_bounds_are_refused_server_side(page, tiny_model, tiny
     at.run()
     assert not at.exception, at.exception
     assert [e.value for e in at.error] == [words]
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("smp_draws", 10**9, "Draws must be between 100 and 100,000, got 1,000,000,000"),
+    ("smp_draws", 7, "Draws must be between 100 and 100,000, got 7"),
+    ("smp_draw_seed", -1, "Draw seed must be between 0 and 2,147,483,647, got -1"),
+    ("smp_n", 500, "Settings side by side must be between 3 and 5, got 500"),
+    ("smp_top_n", 10**7, "Tokens shown must be between 5 and 60, got 10,000,000"),
+    ("smp_step", 99, "Step must be between 0 and 2, got 99"),
+    ("smp_step", 1.5, "Step must be a whole number, got 1.5"),
+])
+def test_forged_sampling_numbers_are_refused_server_side(page, tiny_model, tiny_model_dir, run, key, value, words,
+                                                         monkeypatch):
+    import inspector.views.sampling as smp
+    drawn = []
+    real = smp.empirical
+    monkeypatch.setattr(smp, "empirical", lambda probs, n, *a, **k: drawn.append(n) or real(probs, n, *a, **k))
+    forge(monkeypatch, key, value)
+    at = page("sampling", run, tiny_model, str(tiny_model_dir))
+    at.run()
+    assert not at.exception, at.exception
+    assert [e.value for e in at.error] == [words]
+    assert all(100 <= n <= 100_000 for n in drawn), drawn           # no draw of a forged size
+
+
+def test_forged_long_text_on_the_tokens_page_is_refused(page, tiny_model, tiny_model_dir, run, monkeypatch):
+    import inspector.views.tokens as views
+    encoded = []
+    forge(monkeypatch, "tok_stream_text", "a" * 2_001)
+    at = page("tokens", run, tiny_model, str(tiny_model_dir))
+    monkeypatch.setattr(views, "stream_table", lambda tok, ids, _real=views.stream_table: encoded.append(len(ids))
+                        or _real(tok, ids))
+    at.run()
+    assert not at.exception, at.exception
+    assert [e.value for e in at.error] == ["the text is 2,001 characters long; this box takes at most 2,000"]
+    assert "tok_stream_sample" not in [d.key for d in at.dataframe if hasattr(d, "key")]
+
+
+def test_text_with_a_lone_surrogate_on_the_tokens_page_is_repaired_with_a_note(page, tiny_model, tiny_model_dir,
+                                                                               run, monkeypatch):
+    forge(monkeypatch, "tok_stream_text", "ok \ud800 ok")
+    at = page("tokens", run, tiny_model, str(tiny_model_dir))
+    at.run()
+    assert not at.exception, at.exception
+    assert any("lone surrogate" in i.value for i in at.info), [i.value for i in at.info]
