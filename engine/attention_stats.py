@@ -13,9 +13,10 @@ pattern, whose statistics they still enter (as in the materialised tensor) throu
 row) max p = 1/l (l the softmax denominator), min p = 0 when the row has a masked key, the row mean is 1/S,
 and Σ(p - 1/S)² = Σ over computed keys + (masked keys)·(1/S)². Each block only writes per (head, row)
 partial results into (H, T) accumulators (a few large reductions, no host round trip); they are combined
-over heads once per call (min of mins, sums of sums; the second moment about the row's own mean, as the
-materialised statistics take it). Rows whose scores hold a NaN or Inf (found once per call), and masks that
-are not causal, take the exact path instead: the block materialised and reduced by
+over heads (min of mins, sums of sums; the second moment about the row's own mean, as the materialised
+statistics take it) for all layers at once at the probe's flush (PendingAttention). Rows whose scores hold a
+NaN or Inf (found once per flush), and masks that are not causal, take the exact path instead: the block
+materialised and reduced by
 engine.stats.dense_stats, the same code as a materialised stage. Either way the result equals the
 statistics of the materialised matrices to fp32 rounding.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +59,7 @@ class AttentionResult:
 
 def release_workspace() -> None:
     """Free this thread's workspace (the next inspected call allocates it again)."""
-    _local.ws = _local.tiles = None
+    _local.ws = _local.tiles = _local.mask = None
 
 
 def workspace_elements() -> int:
@@ -79,12 +81,20 @@ def _workspace(n: int, m: int, device, dtype) -> tuple[torch.Tensor, torch.Tenso
 
 def inspect_attention(p, qh: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> None:
     """Offer a layer's attention scores and pattern to its probe view p as statistics and/or captured rows,
-    as far as p needs them short of the whole tensors (engine.probe_views: STATS or ROWS)."""
+    as far as p needs them short of the whole tensors (engine.probe_views: STATS or ROWS). Statistics alone
+    under the causal mask are offered as a PendingAttention: the probe's batcher combines the partial results
+    of all layers at its flush (a few ops for all of them, no host round trip per layer)."""
     want = AttentionView(p.wants_stats("attn.scores"), p.wants_stats("attn.pattern"),
                          p.capture_positions("attn.scores"), p.capture_positions("attn.pattern"))
     if not want:
         return
     T = qh.shape[1]
+    if want.scores_rows is None and want.pattern_rows is None:
+        with torch.no_grad():
+            pending = _pending(qh.detach(), keys.detach(), mask, want)
+        if pending is not None:
+            p.offer_pending(("attn.scores", "attn.pattern"), pending)
+            return
     res = attention_view(qh, keys, mask, p.pos0, want)
     if res.scores_stats is not None:
         p.offer_stats("attn.scores", res.scores_stats)
@@ -97,13 +107,19 @@ def inspect_attention(p, qh: torch.Tensor, keys: torch.Tensor, mask: torch.Tenso
 
 
 def causal_offset(mask: torch.Tensor | None, T: int, S: int) -> int | None:
-    """S - T when the mask is the causal one (query t sees keys j <= S - T + t), else None."""
+    """S - T when the mask is the causal one (query t sees keys j <= S - T + t), else None. Every layer of a
+    call passes the same mask object, so the answer for the last one seen is kept (per thread)."""
     off = S - T
     if mask is None:
         return off
+    last = getattr(_local, "mask", None)
+    if last is not None and last[0]() is mask and last[1] == (T, S):
+        return last[2]
     dev = mask.device
     causal = torch.arange(S, device=dev)[None, :] <= (off + torch.arange(T, device=dev))[:, None]
-    return off if mask.shape == (T, S) and bool(torch.equal(mask, causal)) else None
+    answer = off if mask.shape == (T, S) and bool(torch.equal(mask, causal)) else None
+    _local.mask = (weakref.ref(mask), (T, S), answer)      # (a weak reference: the mask is not kept)
+    return answer
 
 
 def query_blocks(T: int, S: int, H: int, off: int | None, block_elements: int,
@@ -148,14 +164,12 @@ def _attention_view(qh, keys, mask, pos0: int, want: AttentionView, block_elemen
     keep = _Keep(want, pos0, T)
     exact = blocks
     if off is not None:
-        size = max((t1 - t0) * (off + t1) for t0, t1 in blocks) * H
-        tile = max(t1 - t0 for t0, t1 in blocks) ** 2 * H
-        acc = _Partials(H, T, S, off, qh.device, *_workspace(size, tile, qh.device, torch.float32))
-        acc.make_tiles(max(t1 - t0 for t0, t1 in blocks), qh.device)
-        for b, (t0, t1) in enumerate(blocks):
-            acc.block(q, kT, t0, t1, keep.block(b, t0, t1), want.pattern_stats)
-        bad = acc.finish(out)                                               # (T,) rows with NaN/Inf scores
-        exact = [(t0, t1) for t0, t1 in blocks if bool(bad[t0:t1].any())] if bad is not None else []
+        acc = _run_blocks(q, kT, H, T, S, off, blocks, keep, want.pattern_stats)
+        scores, pattern, bad = _finish([acc], want.scores_stats, want.pattern_stats)
+        out.scores_stats = None if scores is None else scores[0]
+        out.pattern_stats = None if pattern is None else pattern[0]
+        bad = bad[0]                                                        # (T,) rows for the exact path
+        exact = [(t0, t1) for t0, t1 in blocks if bool(bad[t0:t1].any())] if bool(bad.any()) else []
     for t0, t1 in exact:
         allowed = mask[t0:t1] if off is None else \
             torch.arange(S, device=qh.device)[None, :] <= (off + torch.arange(t0, t1, device=qh.device))[:, None]
@@ -200,13 +214,13 @@ class _Keep:
 
 
 class _Partials:
-    """Per (head, row) partial results of the causal fast path, (H, T) each, combined once in finish()."""
+    """Per (head, row) partial results of the causal fast path, (H, T) each, combined by _finish."""
 
     def __init__(self, H: int, T: int, S: int, off: int, device, X_buf: torch.Tensor, W_buf: torch.Tensor) -> None:
         self.H, self.T, self.S, self.off = H, T, S, off
         self.X_buf, self.W_buf = X_buf, W_buf
-        z = torch.zeros(6, H, T, device=device)
-        self.lo, self.hi, self.s1, self.s2, self.pmax, self.r = z
+        self.z = torch.zeros(6, H, T, device=device)
+        self.lo, self.hi, self.s1, self.s2, self.pmax, self.r = self.z
         self.n = torch.arange(off + 1, off + T + 1, device=device, dtype=torch.float32)    # keys each row sees
         self.unseen = torch.zeros(T, device=device)          # keys after the row's block (never computed)
         self._tiles: tuple = ()
@@ -255,23 +269,98 @@ class _Partials:
         torch.amax(p, -1, out=self.pmax[:, t0:t1])                         # = exp(0) / l: 1/l
         torch.linalg.vector_norm(p.sub_(1.0 / S), dim=-1, out=self.r[:, t0:t1])
 
-    def finish(self, out: AttentionResult) -> torch.Tensor | None:
-        """Write the (T, 7) statistics; return the rows the partial results cannot give exactly (a NaN or Inf
-        among the scores, or a mean that dwarfs their spread), for the exact path; None when there are none."""
-        H, S, n = self.H, self.S, self.n
-        total = self.s1.sum(0)
-        mean = total / (H * n)
-        var = self.s2.sum(0) / (H * n) - mean * mean
-        if out.scores_stats is not None:
-            out.scores_stats.copy_(_stack(self.lo.amin(0), self.hi.amax(0), mean, var.clamp(min=0).sqrt()))
-        if out.pattern_stats is not None:
-            c = 1.0 / S
-            pmin = (torch.exp(self.lo - self.hi) * self.pmax).amin(0).masked_fill_(n < S, 0.0)
-            m2 = self.r.square().sum(0) + H * self.unseen * c * c
-            pmax = self.pmax.amax(0)
-            out.pattern_stats.copy_(_stack(pmin, pmax, torch.full_like(pmax, c), (m2 / (H * S)).sqrt()))
-        bad = ~torch.isfinite(var) | (var < CANCELLATION * mean * mean)
-        return bad if bool(bad.any()) else None
+
+
+def _run_blocks(q, kT, H: int, T: int, S: int, off: int, blocks, keep: "_Keep", pattern: bool) -> "_Partials":
+    """The causal fast path over every query block: per (head, row) partial results, no host round trip."""
+    size = max((t1 - t0) * (off + t1) for t0, t1 in blocks) * H
+    tile = max(t1 - t0 for t0, t1 in blocks) ** 2 * H
+    acc = _Partials(H, T, S, off, q.device, *_workspace(size, tile, q.device, torch.float32))
+    acc.make_tiles(max(t1 - t0 for t0, t1 in blocks), q.device)
+    for b, (t0, t1) in enumerate(blocks):
+        acc.block(q, kT, t0, t1, keep.block(b, t0, t1), pattern)
+    return acc
+
+
+class PendingAttention:
+    """One layer's attention statistics as partial results, combined later with other layers' (resolve):
+    what engine.stats.StatsBatcher.add_pending takes. Keeps the scaled queries and the keys (a view of the
+    cache, which the rest of the call does not change) for the exact path (rows with a NaN or Inf among their
+    scores, or cancellation), decided once for all layers together."""
+
+    def __init__(self, acc: "_Partials", q, keys, blocks, want: AttentionView) -> None:
+        self.acc, self.q, self.keys, self.blocks, self.want = acc, q, keys, blocks, want
+        self.rows = acc.T
+        self.elements = q.numel()          # what it holds until resolved (the batcher bounds its queue by it)
+        self.values: tuple = (None, None)  # (scores (T, 7), pattern (T, 7)) once resolved
+
+    @property
+    def wanted(self) -> tuple[bool, bool]:
+        return self.want.scores_stats, self.want.pattern_stats
+
+    @staticmethod
+    def resolve(pending: list["PendingAttention"]) -> None:
+        """Statistics of every pending layer (sharing T, S and heads, as the layers of one call do) in a few
+        ops, one host round trip for all of them, then the exact path for the layers that need it."""
+        groups: dict[tuple, list[PendingAttention]] = {}
+        for pa in pending:
+            groups.setdefault((pa.acc.H, pa.acc.T, pa.acc.S, pa.acc.off) + pa.wanted, []).append(pa)
+        for group in groups.values():
+            scores, pattern, bad = _finish([pa.acc for pa in group], *group[0].wanted)
+            for i, pa in enumerate(group):
+                pa.values = (None if scores is None else scores[i], None if pattern is None else pattern[i])
+            for i in bad.any(1).nonzero().flatten().tolist():
+                group[i].redo(bad[i])
+
+    def redo(self, bad: torch.Tensor) -> None:
+        """The exact path for the blocks holding a row in bad (T,), written into this layer's values."""
+        out = AttentionResult(*self.values)
+        keep = _Keep(AttentionView(), 0, self.rows)
+        kT = self.keys.float().transpose(1, 2)
+        S, off, dev = kT.shape[2], self.acc.off, self.q.device
+        for b, (t0, t1) in enumerate(self.blocks):
+            if bool(bad[t0:t1].any()):
+                allowed = torch.arange(S, device=dev)[None, :] <= (off + torch.arange(t0, t1, device=dev))[:, None]
+                _exact_block(self.q, kT, allowed, t0, t1, out, keep.block(b, t0, t1))
+
+
+def _pending(qh, keys, mask, want: AttentionView) -> PendingAttention | None:
+    """A statistics-only layer under the causal mask, computed up to its partial results; None for any other
+    mask (its statistics then come from the exact path at once)."""
+    H, T, hd = qh.shape
+    K, S = keys.shape[0], keys.shape[1]
+    off = causal_offset(mask, T, S)
+    if off is None:
+        return None
+    blocks = query_blocks(T, S, H, off, BLOCK_ELEMENTS, MIN_ROWS)
+    q = (qh.float() * hd ** -0.5).reshape(K, -1, T, hd)                     # (K, G, T, hd)
+    kT = keys.float().transpose(1, 2)                                      # (K, hd, S)
+    acc = _run_blocks(q, kT, H, T, S, off, blocks, _Keep(AttentionView(), 0, T), want.pattern_stats)
+    return PendingAttention(acc, q, keys, blocks, want)
+
+
+def _finish(accs: list["_Partials"], scores: bool, pattern: bool) -> tuple:
+    """Partial results of L layers (same H, T, S, off) -> statistics (L, T, 7) of the scores and of the pattern
+    (None where not wanted) and the rows the partial results cannot give exactly, (L, T): a NaN or Inf among
+    the scores, or a mean that dwarfs their spread (for the exact path)."""
+    a = accs[0]
+    H, S, n = a.H, a.S, a.n
+    Z = torch.stack([x.z for x in accs]) if len(accs) > 1 else a.z[None]   # (L, 6, H, T): lo hi s1 s2 pmax r
+    sums = Z[:, 2:4].sum(2)                                                # (L, 2, T)
+    lo, top = Z[:, 0].amin(1), Z[:, 1::3].amax(2)                          # (L, T); (L, 2, T) max score, max p
+    mean = sums[:, 0] / (H * n)
+    var = sums[:, 1] / (H * n) - mean * mean
+    zero = torch.zeros_like(mean)
+    out_s = out_p = None
+    if scores:
+        hi = top[:, 0]
+        out_s = torch.stack([lo, hi, mean, var.clamp(min=0).sqrt(), torch.maximum(lo.abs(), hi.abs()), zero, zero], -1)
+    if pattern:
+        c, pmax = 1.0 / S, top[:, 1]
+        pmin = (torch.exp(Z[:, 0] - Z[:, 1]) * Z[:, 4]).amin(1).masked_fill_(n < S, 0.0)
+        m2 = Z[:, 5].square().sum(1) + (H * c * c) * a.unseen
+        out_p = torch.stack([pmin, pmax, torch.full_like(pmax, c), (m2 / (H * S)).sqrt(), pmax, zero, zero], -1)
+    return out_s, out_p, ~((var >= CANCELLATION * mean * mean) & (var < float("inf")))
 
 
 def _scores_block(q, kT, t0: int, t1: int, Sc: int, buf: torch.Tensor) -> torch.Tensor:
@@ -298,11 +387,6 @@ def _exact_block(q, kT, allowed: torch.Tensor, t0, t1, out: AttentionResult, kee
             out.pattern_stats[t0:t1] = dense_stats(pat.transpose(0, 1).reshape(Tb, -1))
         if keep.sel_p:
             keep.keep_pattern(pat[:, keep.sel_p])
-
-
-def _stack(lo, hi, mean, std) -> torch.Tensor:
-    zero = torch.zeros_like(mean)
-    return torch.stack([lo, hi, mean, std, torch.maximum(lo.abs(), hi.abs()), zero, zero], dim=-1)
 
 
 def _pad(x: torch.Tensor, S: int, fill: float) -> torch.Tensor:

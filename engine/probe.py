@@ -214,6 +214,11 @@ class Probe:
         if p.stats:
             self._batcher.add_values(name, p.layer, values)
 
+    def offer_pending(self, names: tuple[str, ...], pending) -> None:
+        """Statistics of several stages still to be combined (engine.attention_stats.PendingAttention), in
+        the stages' place in forward order; resolved at the batcher's flush."""
+        self._batcher.add_pending(names, self.plan(names[0]).layer, pending)
+
     def offer_rows(self, name: str, x: torch.Tensor, positions: list[int]) -> None:
         """Rows of a heads-first stage at the given absolute positions, (heads, len(positions), S), for
         captures limited to positions (each keeps the positions it asked for)."""
@@ -241,7 +246,7 @@ class Probe:
             return x
         layer, heads_first = p.layer, p.heads_first
         if p.replace:
-            self._batcher.forget_parents()
+            self._batcher.forget_moments()
         for fn in p.replace:
             y = fn(x, HookContext(name, layer, self.step, self.pos0))
             if y is not None:

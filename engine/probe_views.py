@@ -12,37 +12,54 @@ from .stages import LAYER_STAGES
 # positions); the whole tensor (a replace hook, or a full capture). The forward may skip materialising a
 # costly stage (attention scores / pattern) for anything short of FULL.
 NONE, STATS, ROWS, FULL = 0, 1, 2, 3
+_PASS, _SLOW = ("pass",), ("slow",)      # LayerProbe: a stage nothing wants; a stage the probe itself handles
 
 
 class LayerProbe:
     """One block's view of a probe; the only place the "blocks.{i}." prefix is added to a stage name."""
     guards_nan = True    # rows must not see NaN/Inf from keys they do not attend to (the fused path checks)
-    __slots__ = ("probe", "names", "quick")
+    __slots__ = ("probe", "names", "quick", "needs")
 
     def __init__(self, probe, i: int) -> None:     # probe: engine.probe.Probe
         self.probe = probe
         self.names = {stage: f"blocks.{i}.{stage}" for stage in LAYER_STAGES}
-        self.quick: dict[str, tuple | None] = {}   # stage -> its plan when that is statistics only, else None
+        self.quick: dict[str, tuple] = {}   # stage -> _PASS, _SLOW, or what its statistics-only plan adds
+        self.needs: dict[str, int] = {}
 
     def __call__(self, stage: str, x: Any) -> Any:
-        """A stage that only wants statistics goes straight to the batcher (~500 calls per decode step);
-        everything else through the probe."""
-        quick = self.quick.get(stage, False)
-        if quick is False:
-            plan = self.probe.plan(self.names[stage])
-            quick = self.quick[stage] = (self.names[stage], plan) if plan.need in (NONE, STATS) else None
-        if quick is None or not self.probe.active:
+        """A stage that only wants statistics goes straight to the batcher (~500 calls per decode step, so
+        this path is a dict lookup and one call); everything else through the probe."""
+        quick = self.quick.get(stage)
+        if quick is None:
+            quick = self._quick(stage)
+        if quick is _SLOW or not self.probe._active:
             return self.probe(self.names[stage], x)
-        name, plan = quick
-        if plan.need == STATS and isinstance(x, torch.Tensor) and x.is_floating_point():
-            self.probe.stats_batcher.add(name, plan.layer, x.transpose(0, 1) if plan.heads_first else x, plan.masked)
+        if quick is not _PASS and isinstance(x, torch.Tensor) and x.is_floating_point():
+            add, name, layer, heads_first, masked = quick
+            add(name, layer, x.transpose(0, 1) if heads_first else x, masked)
         return x
+
+    def _quick(self, stage: str) -> tuple:
+        """What a call for this stage does (a view lives only as long as the probe's plans stay the same)."""
+        name = self.names[stage]
+        plan = self.probe.plan(name)
+        if plan.need == NONE:
+            quick = _PASS
+        elif plan.need == STATS:
+            quick = (self.probe.stats_batcher.add, name, plan.layer, plan.heads_first, plan.masked)
+        else:
+            quick = _SLOW
+        self.quick[stage] = quick
+        return quick
 
     def wants(self, stage: str) -> bool:
         return self.probe.wants(self.names[stage])
 
     def need(self, stage: str) -> int:
-        return self.probe.need(self.names[stage])
+        need = self.needs.get(stage)
+        if need is None:
+            need = self.needs[stage] = self.probe.need(self.names[stage])
+        return need
 
     def wants_stats(self, stage: str) -> bool:
         return self.probe.wants_stats(self.names[stage])
@@ -52,6 +69,9 @@ class LayerProbe:
 
     def offer_stats(self, stage: str, values: torch.Tensor) -> None:
         self.probe.offer_stats(self.names[stage], values)
+
+    def offer_pending(self, stages: tuple[str, ...], pending) -> None:
+        self.probe.offer_pending(tuple(self.names[s] for s in stages), pending)
 
     def offer_rows(self, stage: str, x: torch.Tensor, positions: list[int]) -> None:
         self.probe.offer_rows(self.names[stage], x, positions)

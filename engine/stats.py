@@ -3,12 +3,16 @@
 Reducing each stage separately with the obvious code would cost ~15 small kernels and a few passes through
 memory per stage; at decode that is ~8,000 kernels per step on a 30-layer model, more than the forward
 itself. Instead each stage tensor (positions first, [T, ...]) is reduced to four partial moments per row
-(sum, sum of squares, min, max) and everything else is derived once per flush for all stages together:
+(sum, norm, min, max) and everything else is derived once per flush for all stages together:
 
 - small tensors (decode) are queued and, at a flush, stacked by shape and reduced together, so a flush costs
   a few kernels per distinct shape (about ten per model) whatever the number of stages;
-- a large tensor (prefill) is reduced when offered, while it is still in cache (four read-only passes, no
-  copy, nothing that waits for an accelerator); its row results wait for the flush like the rest.
+- a large tensor (prefill) is reduced when offered, while it is still in cache: four plain reductions over
+  every dim but the first, on the tensor as it is (a strided view such as q, k, v of the fused qkv product
+  or gate / up is read in place, not copied), and nothing that waits for an accelerator. Its four (T,)
+  results wait for the flush, where all of them are stacked at once;
+- a stage offered as the very tensor the previous stage was (a sampler stage that changed nothing: top-k 0,
+  top-p 1, ...) reuses that stage's moments.
 
 The variance comes from the moments (Σx²/n - mean²) and is exact to fp32 rounding unless the mean dwarfs
 the spread; such rows, rows holding a NaN or Inf (whose sums are not finite), and fully masked rows are
@@ -17,13 +21,14 @@ reductions per stage and no host round trip before the flush.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
 import torch
 
 STAT_NAMES = ("min", "max", "mean", "std", "absmax", "nan", "inf")
-FLUSH_ELEMENTS = 1 << 22  # flush the queue past this many queued elements, bounding the memory it holds
+FLUSH_ELEMENTS = 1 << 23  # flush the queue past this many queued elements, bounding the memory it holds
 FLUSH_ELEMENTS_DEVICE = 1 << 25   # on an accelerator: a flush waits for the device, so fewer of them
 IMMEDIATE_ELEMENTS = 1 << 15   # a tensor this large is reduced to its moments when offered
 CANCELLATION = 1e-2       # var < this * mean²: the moments lost too many digits; take the two-pass path
@@ -50,106 +55,136 @@ class StatRecord:
 
 
 class StatsBatcher:
-    # queue entries: [name, layer, x, masked, part]. x: the (T, ...) tensor, kept until the flush (for the
-    # exact path); masked None: part holds final statistics (T, 7); else part is None (reduced at the flush)
-    # or the tensor's moments (5, T), taken when it was offered.
+    """Stage tensors offered in forward order -> StatsBlocks, one per flush (see the module docstring)."""
+
     def __init__(self) -> None:
-        self._queue: list[list] = []
+        self._names: list[str] = []          # every entry since the last flush, in the order offered
+        self._layers: list[int | None] = []
+        self._small: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}  # (shape, dtype, masked) -> entries, xs
+        self._reduced: list[tuple] = []      # (entry, x, masked, moments): reduced when offered
+        self._final: list[tuple[int, torch.Tensor]] = []   # (entry, (T, 7) statistics given as they are)
         self._rows = 0
         self._queued = 0
+        self._limit = 0
+        self._last: tuple | None = None       # (x, masked, moments) of the last tensor reduced when offered
+        self._order: tuple = ([], None, None)     # a flush's row order, its device and its index tensor
         self._pending: list[tuple[list[str], list, torch.Tensor]] = []
-        self._parents: dict[tuple, torch.Tensor] = {}     # moments per piece of a parent, until the flush
-        self._parent_refs: list[torch.Tensor] = []         # (kept alive so their addresses stay theirs)
 
     def add(self, name: str, layer: int | None, x: torch.Tensor, masked: bool = False) -> None:
-        """Queue x (T, ...) for statistics. masked: -inf entries are mask values, left out of every statistic."""
+        """Queue x (T, ...) for statistics. masked: -inf entries are mask values, left out of every statistic.
+        x is kept until the flush (a small one is reduced there; any may need the exact path)."""
         if x.requires_grad:
             x = x.detach()
         shape = x.shape
         rows = shape[0] if len(shape) > 1 else 1
-        if rows != self._rows and self._queue:
-            self.flush()
-        self._rows = rows
-        n = math.prod(shape)
-        if n >= IMMEDIATE_ELEMENTS:          # reduced over all dims but the first: a strided view is not copied
-            x = x if x.dim() > 1 else x.reshape(1, -1)
-            part = None if masked else self._from_parent(x)
-            if part is None:
-                part = moments(x.float(), masked, tuple(range(1, x.dim())))
-            self._queue.append([name, layer, x, masked, part])
+        if rows != self._rows:
+            if self._names:
+                self.flush()
+            self._rows = rows
+        n = x.numel()
+        entry = len(self._names)
+        self._names.append(name)
+        self._layers.append(layer)
+        if n < IMMEDIATE_ELEMENTS:
+            key = (shape, x.dtype, masked)
+            group = self._small.get(key)
+            if group is None:
+                group = self._small[key] = ([], [])
+            group[0].append(entry)
+            group[1].append(x)
         else:
-            self._queue.append([name, layer, x, masked, None])
+            self._reduced.append((entry, x, masked, self._moments_now(x, masked)))
         self._queued += n
-        if self._queued >= (FLUSH_ELEMENTS if x.device.type == "cpu" else FLUSH_ELEMENTS_DEVICE):
+        if self._queued >= (self._limit or self._set_limit(x)):
             self.flush()
 
-    def _from_parent(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Moments of a view that takes a contiguous piece of each row of a larger tensor (q, k, v of the fused
-        qkv product; gate and up; q_rot and k_rot), combined from the whole tensor's moments per piece: one set
-        of reductions over the parent instead of one per view. None when x is not such a view. (The parent is
-        found through the storage: views made in inference mode do not keep their base.)"""
-        T, L = x.shape[0], x.stride(0)
-        c, width = x.shape[-1], x[0].numel()
-        storage = x.untyped_storage()
-        if width >= L or x.dtype != torch.float32 or storage.nbytes() != T * L * 4 or x.stride(-1) != 1 \
-                or x.dim() > 3 or (x.dim() == 3 and x.stride(1) != c) or x.storage_offset() % c or L % c:
-            return None
-        key = (storage.data_ptr(), c)            # (inference tensors keep no version counter)
-        part = self._parents.get(key)
-        if part is None:
-            parent = torch.as_strided(x, (T, L // c, c), (L, c, 1), 0)
-            part = self._parents[key] = moments(parent, False)                               # (5, T, pieces)
-            self._parent_refs.append(parent)
-        o = x.storage_offset() // c
-        p = part[:, :, o:o + width // c]
-        return torch.stack([p[0].sum(-1), p[1].sum(-1), p[2].amin(-1), p[3].amax(-1), p[4].sum(-1)])
+    def _moments_now(self, x: torch.Tensor, masked: bool) -> tuple:
+        last = self._last
+        if last is not None and last[0] is x and last[1] == masked:
+            return last[2]                    # the very tensor the stage before offered: the same moments
+        x2 = x if x.dim() > 1 else x.reshape(1, -1)
+        part = moments(x2 if x2.dtype == torch.float32 else x2.float(), masked, tuple(range(1, x2.dim())))
+        self._last = (x, masked, part)
+        return part
 
-    def forget_parents(self) -> None:
-        """A replace hook ran: a tensor may have changed in place, so no cached parent moments are reused."""
-        self._parents, self._parent_refs = {}, []
+    def _set_limit(self, x: torch.Tensor) -> int:
+        self._limit = FLUSH_ELEMENTS if x.device.type == "cpu" else FLUSH_ELEMENTS_DEVICE
+        return self._limit
+
+    def forget_moments(self) -> None:
+        """A replace hook ran: a tensor may have changed in place, so no moments taken earlier are reused."""
+        self._last = None
 
     def add_values(self, name: str, layer: int | None, values: torch.Tensor) -> None:
         """Queue statistics already computed, (T, 7) (a stage reduced without being materialised); they keep
         their place in forward order."""
-        if self._queue and self._rows != values.shape[0]:
+        if self._names and self._rows != values.shape[0]:
             self.flush()
         self._rows = values.shape[0]
-        self._queue.append([name, layer, None, None, values])
+        self._final.append((len(self._names), values))
+        self._names.append(name)
+        self._layers.append(layer)
+
+    def add_pending(self, names: tuple[str, ...], layer: int | None, pending) -> None:
+        """Queue statistics still to be combined (engine.attention_stats.PendingAttention: pending.wanted says
+        which of names it gives, pending.rows its positions; type(pending).resolve(all of them) sets each
+        one's .values). They are resolved together at the flush and keep their place in forward order."""
+        if self._names and self._rows != pending.rows:
+            self.flush()
+        self._rows = pending.rows
+        for which, (name, wanted) in enumerate(zip(names, pending.wanted)):
+            if wanted:
+                self._final.append((len(self._names), (pending, which)))
+                self._names.append(name)
+                self._layers.append(layer)
+        self._queued += pending.elements
+        if self._queued >= (self._limit or self._set_limit(pending.q)):
+            self.flush()
 
     def flush(self) -> None:
-        if not self._queue:
+        if not self._names:
             return
-        queue, self._queue, self._queued = self._queue, [], 0
-        self._parents, self._parent_refs = {}, []
+        names, layers, reduced, small, final = self._names, self._layers, self._reduced, self._small, self._final
+        self._names, self._layers, self._reduced, self._small, self._final = [], [], [], {}, []
+        self._queued, self._last = 0, None
         T = self._rows
-        groups: dict[tuple, list[int]] = {}
-        reduced, final = [], []
-        for i, (_, _, x, masked, part) in enumerate(queue):
-            if masked is None:
-                final.append(i)
-            elif part is not None:
-                reduced.append(i)
-            else:
-                groups.setdefault((x.shape, x.dtype, masked), []).append(i)
-        order, parts, tensors = list(reduced), [], [(queue[i][2], queue[i][3]) for i in reduced]
+        cols, order, sources = [], [], []       # sources: (first row, tensor(s), masked, stacked)
         if reduced:
-            parts.append(torch.stack([queue[i][4] for i in reduced], 1))                      # (5, g, T)
-        for (_, _, masked), idx in groups.items():
-            xs = [queue[i][2] for i in idx]
-            X = (torch.stack(xs) if len(xs) > 1 else xs[0][None]).reshape(len(idx), T, -1)       # (g, T, n)
-            parts.append(moments(X.float(), masked))
+            order += [r[0] for r in reduced]
+            cols.append([torch.stack([r[3][c] for r in reduced]) for c in range(4)]
+                        + [_counts([r[3][4] for r in reduced], T, reduced[0][1].device)])
+            sources += [(g, r[1], r[2], False) for g, r in enumerate(reduced)]
+        for (_, _, masked), (idx, xs) in small.items():
+            X = (torch.stack(xs) if len(xs) > 1 else xs[0][None]).reshape(len(xs), T, -1)     # (g, T, n)
+            s1, norm, lo, hi, n = moments(X if X.dtype == torch.float32 else X.float(), masked)
+            cols.append([s1, norm, lo, hi, n if isinstance(n, torch.Tensor) else torch.full_like(s1, n)])
+            sources.append((len(order), X, masked, True))
             order += idx
-            tensors += [(X, masked, j) for j in range(len(idx))]
-        out = torch.empty(len(queue), T, 7, device=(parts[0] if parts else queue[final[0]][4]).device)
         if order:
-            stats = _from_moments(torch.cat(parts, 1) if len(parts) > 1 else parts[0], tensors, T)   # (G', T, 7)
-            if len(order) == len(queue) and order == sorted(order):
-                out = stats
-            else:
-                out[torch.tensor(order, device=out.device)] = stats
-        for i in final:
-            out[i] = queue[i][4]
-        self._pending.append(([q[0] for q in queue], [q[1] for q in queue], out))
+            parts = [torch.cat(c) for c in zip(*cols)] if len(cols) > 1 else cols[0]
+            stats = _from_moments(parts, sources, T)                                           # (G', T, 7)
+        given = _final_values(final) if final else None                                       # (F, T, 7)
+        index = self._index(order, stats.device) if order else None
+        if index is None and given is None:
+            out = stats
+        elif not order and len(final) == len(names):
+            out = given
+        else:
+            out = torch.empty(len(names), T, 7, device=(stats if order else given).device)
+            if order:
+                out[index if index is not None else slice(0, len(order))] = stats
+            if final:
+                out[_on([i for i, _ in final], out.device)] = given
+        self._pending.append((names, layers, out))
+
+    def _index(self, order: list[int], device) -> torch.Tensor | None:
+        """order as an index tensor, or None when it is 0, 1, 2, ... (the same order as the last flush's reuses
+        its tensor: every decode step has the same one)."""
+        if order == self._order[0] and device == self._order[1]:
+            return self._order[2]
+        index = None if order == list(range(len(order))) else _on(order, device)
+        self._order = (order, device, index)
+        return index
 
     def take(self, step: int, pos0: int) -> list[StatsBlock]:
         """Flush and move results to the CPU (one transfer per flush)."""
@@ -158,41 +193,64 @@ class StatsBatcher:
         return [StatsBlock(step, pos0, names, layers, out.cpu()) for names, layers, out in pending]
 
 
-def moments(X: torch.Tensor, masked: bool | None = False, dims: tuple[int, ...] = (-1,)) -> torch.Tensor:
-    """X -> (5, ...): per row (reducing `dims`) Σx, Σx², min, max and the count of values taken (-inf mask
-    entries of a masked stage are left out). Four vectorised read-only passes when nothing is masked."""
-    shape = [s for d, s in enumerate(X.shape) if d not in {i % X.dim() for i in dims}]
-    out = torch.empty((5, *shape), device=X.device, dtype=X.dtype)
-    if masked:
-        keep = X != float("-inf")
-        X0 = torch.where(keep, X, 0.0)
-        torch.amin(torch.where(keep, X, float("inf")), dims, out=out[2])
-        torch.sum(keep, dims, out=out[4])
-    else:
-        X0 = X
-        torch.amin(X, dims, out=out[2])
-        out[4] = math.prod(X.shape[d] for d in dims)
-    torch.sum(X0, dims, out=out[0])
-    torch.linalg.vector_norm(X0, dim=dims, out=out[1])
-    torch.amax(X, dims, out=out[3])
-    out[1].square_()
-    return out
+def _final_values(final: list[tuple]) -> torch.Tensor:
+    """(g, T, 7) from entries given as statistics or as (pending, which) (resolved here, all together)."""
+    pending = list({id(v[0]): v[0] for _, v in final if isinstance(v, tuple) and v[0].values[v[1]] is None}.values())
+    if pending:
+        type(pending[0]).resolve(pending)
+    return torch.stack([v[0].values[v[1]] if isinstance(v, tuple) else v for _, v in final])
 
 
-def _from_moments(part: torch.Tensor, tensors: list[tuple], T: int) -> torch.Tensor:
-    """(5, G, T) moments -> (G, T, 7) statistics; the few rows moments cannot give exactly (a NaN or Inf,
-    cancellation, nothing unmasked) from dense_stats of the tensor they came from (tensors[g])."""
-    s1, s2, lo, hi, n = part
+def moments(X: torch.Tensor, masked: bool | None = False, dims: tuple[int, ...] = (-1,)) -> tuple:
+    """X -> per row (reducing `dims`) Σx, ‖x‖ (squared at the flush, once for every stage), min, max and the
+    count of values taken: a Python int, or a float tensor where -inf mask entries of a masked stage are left
+    out. Four plain read-only reductions when nothing is masked (no out= views, no count tensor: each op
+    costs microseconds of dispatch at decode sizes). A masked stage on the CPU first checks its sums: finite
+    sums prove no row holds a -inf (nor any NaN or Inf), so nothing is masked and the same four suffice."""
+    s1 = None
+    if masked and X.device.type == "cpu":
+        s1 = X.sum(dims)
+        masked = not bool(torch.isfinite(s1).all())
+    if not masked:
+        return (X.sum(dims) if s1 is None else s1, torch.linalg.vector_norm(X, dim=dims), X.amin(dims), X.amax(dims),
+                math.prod(X.shape[d] for d in dims))
+    keep = X != float("-inf")
+    X0 = torch.where(keep, X, 0.0)
+    return (X0.sum(dims), torch.linalg.vector_norm(X0, dim=dims), torch.where(keep, X, float("inf")).amin(dims),
+            X.amax(dims), keep.sum(dims, dtype=X.dtype))
+
+
+def _on(values: list, device, dtype=torch.long) -> torch.Tensor:
+    """A small tensor of Python numbers on the device; to an accelerator through pinned memory without waiting
+    (a plain copy from pageable memory would wait for the device: a host round trip per flush)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+def _counts(ns: list, T: int, device) -> torch.Tensor:
+    """Counts of the stages reduced when offered, (g, T): Python ints (unmasked) or (T,) tensors (masked)."""
+    if all(isinstance(n, int) for n in ns):
+        return _on(ns, device, torch.float32)[:, None].expand(len(ns), T)
+    return torch.stack([n if isinstance(n, torch.Tensor) else torch.full((T,), float(n), device=device) for n in ns])
+
+
+def _from_moments(parts: list[torch.Tensor], sources: list[tuple], T: int) -> torch.Tensor:
+    """Moments [Σx, ‖x‖, min, max, count], each (G, T) -> (G, T, 7) statistics. The few rows moments cannot
+    give exactly (a NaN or Inf, cancellation, nothing unmasked) come from dense_stats of the tensor they were
+    taken from: sources holds (first row, tensor, masked, False) per tensor reduced when offered and (first
+    row, stacked tensors (g, T, n), masked, True) per group reduced at the flush."""
+    s1, norm, lo, hi, n = parts
     mean = s1 / n
-    var = s2 / n - mean * mean
-    exact = ~torch.isfinite(s2) | (var < CANCELLATION * mean * mean) | (n == 0)
+    var = norm.square() / n - mean * mean
+    exact = ~((var >= CANCELLATION * mean * mean) & (var < float("inf")))     # NaN, Inf, cancellation, n == 0
     zero = torch.zeros_like(mean)
     out = torch.stack([lo, hi, mean, var.clamp(min=0).sqrt(), torch.maximum(lo.abs(), hi.abs()), zero, zero], -1)
     if bool(exact.any()):
+        starts = [src[0] for src in sources]
         for g in exact.any(1).nonzero().flatten().tolist():
-            src = tensors[g]
-            x = src[0] if len(src) == 2 else src[0][src[2]]
-            out[g] = dense_stats(x.reshape(T, -1).float(), bool(src[1]))     # (a strided view is copied here)
+            first, x, masked, stacked = sources[bisect.bisect_right(starts, g) - 1]
+            x = x[g - first] if stacked else x
+            out[g] = dense_stats(x.reshape(T, -1).float(), bool(masked))     # (a strided view is copied here)
     return out
 
 

@@ -77,8 +77,8 @@ def test_a_mean_that_dwarfs_the_spread_still_gives_the_exact_std():
 
 
 def test_views_of_one_product_share_its_reductions_and_stay_exact():
-    """q, k, v (pieces of each row of the fused qkv product) and gate, up are reduced once through their
-    parent, in inference mode (where views keep no base) too; a non-view is reduced on its own."""
+    """q, k, v (pieces of each row of the fused qkv product) and gate, up are reduced in place as the
+    strided views they are, in inference mode too, and equal the oracle like a contiguous tensor."""
     with torch.inference_mode():
         g = torch.Generator().manual_seed(3)
         qkv = torch.randn(100, 960, generator=g) * torch.linspace(0.1, 3, 960)
@@ -88,7 +88,6 @@ def test_views_of_one_product_share_its_reductions_and_stay_exact():
         b = StatsBatcher()
         for i, x in enumerate(xs):
             b.add(f"s{i}", 0, x)
-        assert len(b._parents) == 2
         (block,) = b.take(0, 0)
     for i, x in enumerate(xs):
         assert torch.allclose(block.values[i], reference_stats(x), rtol=1e-5, atol=1e-5), i
