@@ -18,6 +18,7 @@ from .doctor import Injection
 from .errors import InputError
 from .generate import nonfinite_stop
 from .probe import Probe, split_name
+from .progress import LayerProgress
 from .sampling import sampler_chain
 from .stats import STAT_NAMES
 from .trace import Trace
@@ -237,11 +238,12 @@ class _Done(Exception):
 
 
 def attention_maps(model, ids, layers: list[int], *, injections=(), norm_eps: float | None = None,
-                   max_side: int = MAX_SIDE) -> dict[int, AttentionMap]:
+                   max_side: int = MAX_SIDE, on_progress=None) -> dict[int, AttentionMap]:
     """Head-averaged attention of each chosen layer over all positions of ids, pooled into at most max_side
     blocks a side. The run's faults (injections, norm_eps) are applied so the maps are the run's own. Forward
     calls of ATTENTION_CHUNK positions; each call materialises only the chosen layers' patterns and stops
-    after the last of them."""
+    after the last of them. on_progress(engine.generate.Progress) hears each block run finish, chunk by
+    chunk (engine.progress)."""
     ids = [int(i) for i in ids]
     T, layers = len(ids), sorted(set(layers))
     if not layers or not T:
@@ -267,13 +269,14 @@ def attention_maps(model, ids, layers: list[int], *, injections=(), norm_eps: fl
     for layer in layers:
         probe.replace(f"blocks.{layer}.attn.pattern", keep, layers=[layer])
     probe.replace(f"blocks.{layers[-1]}.attn.z", done, layers=[layers[-1]])
-    cache = model.new_cache(T)
+    cache, tell = model.new_cache(T), LayerProgress(on_progress, T, layers[-1] + 1)
     for a in range(0, T, ATTENTION_CHUNK):
         chunk = torch.tensor(ids[a:a + ATTENTION_CHUNK], dtype=torch.long)
         try:
-            model.forward(chunk, cache, probe, last_only=True)
+            model.forward(chunk, cache, tell.probe(probe, a, a + len(chunk)), last_only=True)
         except _Done:
             cache.advance(len(chunk))                        # the chosen layers' keys and values are written
+        tell.chunk_done(a, a + len(chunk))
     rows = torch.bincount(cols, minlength=n).double()[:, None]
     starts = list(range(0, T, block))
     return {layer: AttentionMap(layer, (sums[layer] / rows).numpy(), starts, block, T) for layer in layers}

@@ -20,7 +20,7 @@ from inspector.views.activations import (
     stage_table,
 )
 from inspector.views.tokens import token_labels
-from pages.common import get_model, on_demand, require_run
+from pages.common import get_model, on_demand, require_run, was_stopped
 from pages.widgets import chart
 
 LENS_K = 10
@@ -94,10 +94,14 @@ k = l2.slider("Top-k", 1, LENS_K, 5, key="act_lens_k")
 nxt = f"the actual next token is {labels[pos + 1]!r}" if pos + 1 < len(ids) else "the run ends here"
 st.caption(f"What each layer's residual stream at {labels[pos]!r} predicts next (through the final norm and "
            f"the unembedding); {nxt}. The last layer's row is the model's own prediction.")
-if (key, "lens", pos) in cache or pos < LENS_AUTO or st.button("Compute the logit lens", key="act_lens_btn"):
-    lens = on_demand(cache, (key, "lens", pos), f"the logit lens over {pos + 1} positions",
-                     lambda: logit_lens(model, ids, pos, LENS_K), max_entries=16)
-    chart(logit_lens_figure(lens, k), key="act_lens")
-    st.dataframe(lens[lens["rank"] < k], key="act_lens_table", hide_index=True)
+what = f"the logit lens over {pos + 1:,} positions"
+if ((key, "lens", pos) in cache or pos < LENS_AUTO or was_stopped(what, (key, "lens", pos))
+        or st.button("Compute the logit lens", key="act_lens_btn")):
+    lens = on_demand(cache, (key, "lens", pos), what,
+                     lambda tell: logit_lens(model, ids, pos, LENS_K, on_progress=tell),
+                     work=(model, pos + 1, model.config.num_layers), max_entries=16)
+    if lens is not None:
+        chart(logit_lens_figure(lens, k), key="act_lens")
+        st.dataframe(lens[lens["rank"] < k], key="act_lens_table", hide_index=True)
 else:
     st.info(f"Position {pos}: one forward over {pos + 1} positions (seconds on a CPU). Press the button.")

@@ -23,7 +23,7 @@ from inspector.views.attention import (
     zmax_without_sink,
 )
 from inspector.views.tokens import token_labels
-from pages.common import on_demand, require_run_and_model
+from pages.common import on_demand, require_run_and_model, was_stopped
 from pages.widgets import chart, shared
 
 OVERVIEW_AUTO = 512   # longer runs compute the layers × heads overview only when asked
@@ -45,8 +45,11 @@ head = c2.selectbox("Head", [None, *range(cfg.num_heads)], key="att_head",
                     **shared("att_head", allowed=[None, *range(cfg.num_heads)]))
 
 cached, t0 = (key, layer) in maps, time.perf_counter()
-pattern = on_demand(maps, (key, layer), f"layer {layer}'s attention over {T} positions",
-                    lambda: attention_pattern(model, ids, layer), max_entries=8)
+pattern = on_demand(maps, (key, layer), f"layer {layer}'s attention over {T:,} positions",
+                    lambda tell: attention_pattern(model, ids, layer, on_progress=tell), work=(model, T, layer + 1),
+                    max_entries=8)
+if pattern is None:           # stopped: the page offers to compute it again
+    st.stop()
 elapsed = time.perf_counter() - t0
 m = head_view(pattern, head)                                                    # (T, T)
 
@@ -101,10 +104,13 @@ st.caption("Mean entropy (nats) of each head's attention rows: low = sharply foc
            "or the previous one), high = spread out (uniform over n keys: ln n). "
            "Computed in one forward without materialising any pattern; for more than 256 positions from 256 "
            "evenly spaced query rows.")
-ok = (key in overviews) or T <= OVERVIEW_AUTO or st.button("Compute the overview", key="att_overview_btn")
+what = "the attention entropy of every layer and head"
+ok = (key in overviews) or T <= OVERVIEW_AUTO or was_stopped(what, key) or st.button("Compute the overview",
+                                                                                      key="att_overview_btn")
 if ok:
-    ent = on_demand(overviews, key, "the attention entropy of every layer and head",
-                    lambda: entropy_overview(model, ids), max_entries=4)
-    chart(entropy_figure(ent), key="att_entropy")
+    ent = on_demand(overviews, key, what, lambda tell: entropy_overview(model, ids, on_progress=tell),
+                    work=(model, T, cfg.num_layers), max_entries=4)
+    if ent is not None:
+        chart(entropy_figure(ent), key="att_entropy")
 else:
     st.info(f"{T} positions: one full forward (several seconds on a CPU). Press the button to compute it.")

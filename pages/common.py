@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from contextlib import contextmanager
 
 import streamlit as st
@@ -12,16 +13,20 @@ import torch
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from engine import EngineError, Model, Trace
+from engine.generate import STOP, Progress
+from engine.progress import Stopped
 from inspector.session.admission import set_client_resolver, slot
 from inspector.session.budget import enforce
 from inspector.session.limits import LimitError, Limits, LimitsConfigError, check_run_positions
 from inspector.session.memo import memo
 from inspector.session.models import model_choices, shared_model
+from inspector.session.on_demand import about, estimate, progress_text, record_rate
 from pages.frame import ensure_frame
 
 RUN_KEY = "run"            # the run the pages show
 CLIENT_COOKIE = "_streamlit_xsrf"    # set once per browser by Streamlit (XSRF protection): shared by its tabs
 RUNS_KEY = "runs"          # the runs this session keeps, oldest first (at most max_runs_kept)
+STOPPED_KEY = "_od_stopped"  # on-demand computations a Stop ended (their tags), until "Compute again"
 log = logging.getLogger("llm_inspector")
 
 
@@ -126,16 +131,69 @@ def require_run_and_model(purpose: str = "inspect it"):
     return run, model
 
 
-def on_demand(store, k, what: str, compute, **bounds):
-    """memo(store, k, compute), holding a device slot (queue shown) and a spinner only when it computes."""
+def on_demand(store, k, what: str, compute, *, work: tuple | None = None, **bounds):
+    """memo(store, k, ...): on a miss compute(on_progress) runs holding a device slot (queue shown), with a
+    progress bar by layer (on_progress takes engine.generate.Progress records), the time it should take when
+    work = (model, positions, layers) and this model's speed at this kind of computation was measured here
+    (inspector.session.on_demand), and a Stop button.
+
+    Stop: the click asks Streamlit for a rerun, which ends this script at its next st call (the next layer's
+    progress update), releasing the slot on the way out; the new run finds the computation marked in
+    STOPPED_KEY (the engine is answered STOP too, should the old run still be reporting) and shows "Stopped"
+    with a button to compute again. Nothing half-computed is memoised. Returns None while stopped."""
+    tag = _tag(what, k)
+    stopped = st.session_state.setdefault(STOPPED_KEY, {})        # tag -> "stopped" | "again"
     if k in store:
+        stopped.pop(tag, None)
         return memo(store, k, compute, **bounds)
+    if stopped.get(tag) == "stopped":
+        return _show_stopped(what, tag, stopped)
+    model = work[0] if work else None
+    est = about(estimate(model, what, *work[1:])) if work else ""
+    last: list[Progress] = []
+
+    def tell(p: Progress):
+        if stopped.get(tag) == "stopped":
+            return STOP
+        last[:] = [p]
+        bar.progress(min(max(p.fraction, 0.0), 1.0), text=f"Computing {what}: {progress_text(p)}"
+                     + (f" ({est} in all)" if est else ""))
+        return None
     try:
-        with device_slot(what), st.spinner(f"Computing {what}…"):
-            return memo(store, k, compute, **bounds)
+        with device_slot(what):
+            bar = st.progress(0.0, text=f"Computing {what}" + (f" ({est})" if est else "") + "…")
+            button = st.empty()
+            button.button("Stop", key=f"od_stop_{tag}", on_click=stopped.__setitem__, args=(tag, "stopped"))
+            t0 = time.perf_counter()
+            try:
+                value = memo(store, k, lambda: compute(tell), **bounds)
+            finally:
+                bar.empty()
+                button.empty()
+            stopped.pop(tag, None)
+            if model is not None:
+                record_rate(model, what, time.perf_counter() - t0, last[0] if last else None)
+            return value
+    except Stopped:
+        return _show_stopped(what, tag, stopped)
     except EngineError as e:
         st.error(str(e))
         st.stop()
+
+
+def was_stopped(what: str, k) -> bool:
+    """Whether a Stop ended on_demand(..., k, what, ...) and it was not computed since: a page that computes
+    only on its own button calls on_demand then anyway (it shows "Stopped", or computes after "Compute again")."""
+    return _tag(what, k) in st.session_state.get(STOPPED_KEY, {})
+
+
+def _tag(what: str, k) -> str:
+    return hashlib.sha256(repr((what, k)).encode()).hexdigest()[:12]
+
+
+def _show_stopped(what: str, tag: str, stopped: dict) -> None:
+    st.warning(f"Stopped: {what} was not computed.")
+    st.button("Compute again", key=f"od_again_{tag}", on_click=stopped.__setitem__, args=(tag, "again"))
 
 
 _MD_SPECIAL = "\\`*_{}[]()#!|<>~$"

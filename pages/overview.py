@@ -13,14 +13,14 @@ from engine.sources import BUNDLED_NAME
 from inspector.session.limits import LimitError, check_run_positions
 from inspector.session.memo import run_key
 from inspector.views.tokens import steps_table, token_counts
-from pages.common import current_run, get_model, on_demand, require_run, server_limits
+from pages.common import current_run, get_model, on_demand, require_run, server_limits, was_stopped
 from pages.demos import demo_buttons
 from pages.widgets import metric_columns, page_link
 
 
-def make_report(run, model) -> str:
+def make_report(run, model, on_progress=None) -> str:
     """The run's report; with the model it was made with, also token texts and attention maps (first, middle
-    and last layer), computed here under this server's limits."""
+    and last layer), computed here under this server's limits (on_progress: engine.report_data.attention_maps')."""
     if model is None or model.name != run.model_name:
         return build_html(run, command=reproduce_command(run, out="report.html"),
                           notes=["The model this run was made with is not loaded: no attention maps."])
@@ -28,7 +28,8 @@ def make_report(run, model) -> str:
     try:
         check_run_positions(run.ids, model, server_limits(show_error=False))
         maps = attention_maps(model, run.ids, default_layers(model.config.num_layers),
-                              injections=run.extra.get("injections") or (), norm_eps=run.extra.get("norm_eps"))
+                              injections=run.extra.get("injections") or (), norm_eps=run.extra.get("norm_eps"),
+                              on_progress=on_progress)
     except LimitError as e:
         notes.append(f"No attention maps: {e}")
     # the model's folder name, not the server's path to it (nothing of the server's file system reaches a browser)
@@ -115,8 +116,10 @@ st.caption("One HTML file with this run: overview, token splits, every step, att
            "that reproduces it. It opens in any browser with no network and no Python.")
 reports = st.session_state.setdefault("ov_report", {})
 key = run_key(run)
-if key not in reports and st.button("Make a report (HTML)", key="ov_report_make"):
-    on_demand(reports, key, "the report", lambda: make_report(run, model), max_entries=1)
+if key not in reports and (was_stopped("the report", key) or st.button("Make a report (HTML)", key="ov_report_make")):
+    maps_too = model is not None and model.name == run.model_name      # else the report has no attention maps
+    on_demand(reports, key, "the report", lambda tell: make_report(run, model, tell),
+              work=(model, len(run.ids), model.config.num_layers) if maps_too else None, max_entries=1)
 if key in reports:
     st.download_button("Download report (HTML)", data=reports[key], mime="text/html", key="ov_report_download",
                        file_name=time.strftime("llm-inspector-%Y%m%d-%H%M%S.html", time.localtime(run.created)))

@@ -7,11 +7,11 @@ from engine import EngineError
 from engine.loops import MIN_TOKENS, find_loops
 from inspector.session.limits import LimitError, check_int
 from inspector.session.live_run import rates
-from inspector.session.memo import memo, run_key
+from inspector.session.memo import run_key
 from inspector.session.run import check_settings
 from inspector.views import repetition as rv
 from inspector.views.tokens import token_labels
-from pages.common import device_slot, get_model, plain, require_run, server_limits
+from pages.common import device_slot, get_model, on_demand, plain, require_run, server_limits
 from pages.prescriptions import why_loop_section
 from pages.widgets import chart
 
@@ -58,17 +58,12 @@ if loops:
                      format_func=lambda i: f"loop {i + 1}: start {loops[i].start}, period {loops[i].period}")
     lp = loops[k]
     store = st.session_state.setdefault("rep_attn", {})           # (run_key, loop) -> CopyAttention
-    if (key, lp) not in store:
-        try:
-            with device_slot("the attention"), st.spinner("One forward over the run's tokens…"):
-                memo(store, (key, lp), lambda: rv.copy_attention(model, run.ids, run.n_prompt, lp), max_entries=4)
-        except EngineError as e:
-            st.error(str(e))
-            st.stop()
-    ca = store[(key, lp)]
-    if not ca.queries:
+    ca = on_demand(store, (key, lp), f"the attention over {len(run.ids):,} positions",
+                   lambda tell: rv.copy_attention(model, run.ids, run.n_prompt, lp, on_progress=tell),
+                   work=(model, len(run.ids), model.config.num_layers), max_entries=4)
+    if ca is not None and not ca.queries:     # (None: stopped, and on_demand offers to compute it again)
         st.info("This loop has no token after its first repeat to look back from.")
-    else:
+    elif ca is not None:
         which = st.radio("Attention from each looping token to", ["to_copy", "to_next"], horizontal=True,
                          key="rep_attn_which", format_func=lambda w: {"to_copy": "its earlier copy (p back)",
                                                                       "to_next": "the token after its copy"}[w])

@@ -18,6 +18,7 @@ import torch
 
 from engine import STAT_NAMES, Probe
 from engine.probe import split_name
+from engine.progress import LayerProgress
 
 from .theme import colorscale, robust_range
 
@@ -183,15 +184,18 @@ def position_layer_figure(matrix: pd.DataFrame, labels: Sequence[str], stat: str
     return fig
 
 
-def logit_lens(model, ids: Sequence[int], pos: int, k: int = 10) -> pd.DataFrame:
+def logit_lens(model, ids: Sequence[int], pos: int, k: int = 10, *, on_progress=None) -> pd.DataFrame:
     """Top-k next-token predictions read off every layer's residual stream at position `pos`: each
     blocks.{i}.resid_post through the final norm and lm_head (model.unembed). One forward of ids[:pos+1]
-    capturing only that position. Columns: layer, rank, id, token, prob."""
+    capturing only that position. Columns: layer, rank, id, token, prob. on_progress(engine.generate.Progress)
+    hears each block finish (engine.progress)."""
     if not 0 <= pos < len(ids):
         raise ValueError(f"position {pos} is outside 0..{len(ids) - 1}")
     probe = Probe().capture("blocks.*.resid_post", positions=[pos])
     ids_t = torch.as_tensor([int(i) for i in ids[:pos + 1]], dtype=torch.long)
-    model.forward(ids_t, model.new_cache(len(ids_t)), probe, last_only=True)
+    T, tell = len(ids_t), LayerProgress(on_progress, len(ids_t), model.config.num_layers)
+    model.forward(ids_t, model.new_cache(T), tell.probe(probe, 0, T), last_only=True)
+    tell.chunk_done(0, T)
     caps = sorted((c for c in probe.captures if c.name.endswith(".resid_post")), key=lambda c: c.layer)
     resid = torch.cat([c.value for c in caps])                                 # (L, d)
     probs = torch.softmax(model.unembed(resid), dim=-1)                         # (L, V)

@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 import torch
 
 from engine import Probe
+from engine.progress import LayerProgress
 
 from .theme import colorscale, robust_range
 
@@ -27,11 +28,12 @@ class _StopForward(Exception):
     """Raised from a hook once the forward has produced what was asked; later layers are not run."""
 
 
-def attention_pattern(model, ids: Sequence[int], layer: int) -> torch.Tensor:
+def attention_pattern(model, ids: Sequence[int], layer: int, *, on_progress=None) -> torch.Tensor:
     """Layer `layer`'s attention pattern over all positions of ids: float32 CPU (heads, T, T), rows sum to 1.
 
     One forward with a fresh cache: only this layer materialises its pattern (the others keep the fused
-    kernel) and the forward stops right after it, so later layers and the lm_head cost nothing."""
+    kernel) and the forward stops right after it, so later layers and the lm_head cost nothing.
+    on_progress(engine.generate.Progress) hears each of the layer + 1 blocks run finish (engine.progress)."""
     if not 0 <= layer < model.config.num_layers:
         raise ValueError(f"layer {layer} is outside 0..{model.config.num_layers - 1}")
     ids_t = torch.as_tensor([int(i) for i in ids], dtype=torch.long)
@@ -40,10 +42,12 @@ def attention_pattern(model, ids: Sequence[int], layer: int) -> torch.Tensor:
         raise _StopForward
 
     probe = Probe().capture(f"blocks.{layer}.attn.pattern").replace(f"blocks.{layer}.attn.z", stop)
+    T, tell = len(ids_t), LayerProgress(on_progress, len(ids_t), layer + 1)
     try:
-        model.forward(ids_t, model.new_cache(len(ids_t)), probe, last_only=True)
+        model.forward(ids_t, model.new_cache(T), tell.probe(probe, 0, T), last_only=True)
     except _StopForward:
         pass
+    tell.chunk_done(0, T)
     (cap,) = probe.captured(f"blocks.{layer}.attn.pattern")
     return cap.value.float()                                                  # (H, T, T)
 
@@ -66,13 +70,14 @@ def query_rows(T: int, max_queries: int = MAX_QUERIES) -> torch.Tensor:
     return torch.linspace(0, T - 1, max_queries).round().long().unique()
 
 
-def entropy_overview(model, ids: Sequence[int], max_queries: int = MAX_QUERIES) -> np.ndarray:
+def entropy_overview(model, ids: Sequence[int], max_queries: int = MAX_QUERIES, *, on_progress=None) -> np.ndarray:
     """Mean attention entropy (nats) per (layer, head), (L, H), from one forward.
 
     No pattern is materialised: hooks on q_rot and k_rot (the fused attention path stays on) rebuild the
     softmax rows of up to max_queries query positions per layer, (H, R, T) at a time, exactly as the
     engine's explicit attention does (scaled dot product, causal mask, GQA heads sharing a KV head).
-    Exact when T <= max_queries; otherwise a mean over evenly spaced query rows."""
+    Exact when T <= max_queries; otherwise a mean over evenly spaced query rows. on_progress as in
+    attention_pattern, for every layer."""
     cfg = model.config
     T = len(ids)
     rows = query_rows(T, max_queries)
@@ -92,7 +97,9 @@ def entropy_overview(model, ids: Sequence[int], max_queries: int = MAX_QUERIES) 
 
     probe = Probe().replace("blocks.*.attn.q_rot", keep_q).replace("blocks.*.attn.k_rot", on_k)
     ids_t = torch.as_tensor([int(i) for i in ids], dtype=torch.long)
-    model.forward(ids_t, model.new_cache(T), probe, last_only=True)
+    tell = LayerProgress(on_progress, T, cfg.num_layers)
+    model.forward(ids_t, model.new_cache(T), tell.probe(probe, 0, T), last_only=True)
+    tell.chunk_done(0, T)
     return out.numpy()
 
 

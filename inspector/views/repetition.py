@@ -18,6 +18,7 @@ from plotly.subplots import make_subplots
 
 from engine import Probe
 from engine.loops import Loop, find_loops, repeats, tail_loop
+from engine.progress import LayerProgress
 
 from .theme import colorscale
 from .tokens import visible
@@ -95,8 +96,9 @@ class CopyAttention:
     to_next: torch.Tensor     # (layers, heads, Q) ... to the token after the copy (what an induction head reads)
 
 
-def copy_attention(model, ids: Sequence[int], n_prompt: int, loop: Loop) -> CopyAttention:
-    """One forward over ids; each layer's pattern is read at (looping token, earlier copy) and dropped."""
+def copy_attention(model, ids: Sequence[int], n_prompt: int, loop: Loop, *, on_progress=None) -> CopyAttention:
+    """One forward over ids; each layer's pattern is read at (looping token, earlier copy) and dropped.
+    on_progress(engine.generate.Progress) hears each block finish (engine.progress)."""
     ids = [int(i) for i in ids]
     queries = [n_prompt + i for i in range(loop.start + loop.period, loop.end) if n_prompt + i < len(ids)]
     copies = [q - loop.period for q in queries]
@@ -109,7 +111,9 @@ def copy_attention(model, ids: Sequence[int], n_prompt: int, loop: Loop) -> Copy
         to_next[ctx.layer] = x[:, qi, ci + 1].float().cpu()
     if queries:
         probe = Probe().replace("blocks.*.attn.pattern", grab)
-        model.forward(torch.tensor(ids), model.new_cache(len(ids)), probe, last_only=True)
+        T, tell = len(ids), LayerProgress(on_progress, len(ids), L)
+        model.forward(torch.tensor(ids), model.new_cache(T), tell.probe(probe, 0, T), last_only=True)
+        tell.chunk_done(0, T)
     return CopyAttention(queries, copies, to_copy, to_next)
 
 

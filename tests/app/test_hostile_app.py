@@ -1,6 +1,6 @@
 """Hostile input through the app, the way a browser sends it: crafted trace uploads, forged widget values on
-the Compare, Repetition, Sampling and Tokens pages, Markdown in a file's strings. Each gives a visible message, no exception box, and the
-session's own run (and the model) are unchanged."""
+the Compare, Repetition, Sampling and Tokens pages, Markdown in a file's strings. Each gives a visible
+message, no exception box, and the session's own run (and the model) are unchanged."""
 from __future__ import annotations
 
 import time

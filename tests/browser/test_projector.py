@@ -89,7 +89,9 @@ def stop_a_long_run(page) -> None:
     box.press("Enter")
     wait_idle(page)
     page.get_by_role("button", name="Run", exact=True).click()
-    page.get_by_text(re.compile(r"token [3-9] of at most 400")).first.wait_for(timeout=240_000)
+    # any count from 3 on: the progress line is only on screen while the run goes, and a slow browser may first
+    # see it at token 12 (the old pattern, tokens 3 to 9 only, then never matched)
+    page.get_by_text(re.compile(r"token ([3-9]|[1-9]\d+) of at most 400")).first.wait_for(timeout=240_000)
     t0 = time.monotonic()
     page.locator('[data-testid="stSidebar"]').get_by_role("button", name="Stop", exact=True).click()
     page.get_by_text(re.compile(r"Stopped after \d+ tokens")).first.wait_for(timeout=120_000)
@@ -102,9 +104,6 @@ def stop_a_long_run(page) -> None:
     assert 3 <= n < 400
 
 
-@pytest.mark.xfail(strict=False, reason="KNOWN FLAKE (issue 14, open): passes alone (411 s on 2 cores); in full "
-                   "runs on a loaded machine it timed out at 240 s (the repetition demo's page not idle; once the "
-                   "long run's 'token 3 of at most 400' not shown)")
 def test_projector_mode_1280x720_every_page_after_a_demo(server):  # noqa: F811
     from playwright.sync_api import sync_playwright
 
