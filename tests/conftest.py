@@ -132,3 +132,12 @@ def browser():
         b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         yield b
         b.close()
+
+
+@pytest.fixture(scope="module")
+def good_answer(tiny_model):
+    """The tiny model's answer to GOOD with the sidebar's defaults and 3 new tokens: what 'still works' means."""
+    from engine import RunSettings
+    from inspector.session.run import inspect_run
+    from tests.bad_input import GOOD
+    return inspect_run(tiny_model, RunSettings(prompt=GOOD, max_new_tokens=3)).result.token_ids
