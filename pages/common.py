@@ -38,12 +38,27 @@ def client_key() -> str | None:
     except Exception:          # no script run context (a worker thread, a test calling functions directly)
         cookie = None
     if isinstance(cookie, str) and cookie:
-        return "browser:" + hashlib.sha256(cookie.encode()).hexdigest()[:16]
+        return "browser:" + hashlib.sha256(xsrf_token(cookie).encode()).hexdigest()[:16]
     ctx = get_script_run_ctx()
     return None if ctx is None else "session:" + ctx.session_id
 
 
 set_client_resolver(client_key)
+
+
+def xsrf_token(cookie: str) -> str:
+    """The browser's token inside Streamlit's XSRF cookie. Tornado writes it masked ("2|mask|masked|time", a new
+    random mask each time a page loads), so two tabs of one browser carry different cookie strings around the
+    same token: unmask it (token = masked XOR mask). Any other form is taken as it is."""
+    parts = cookie.split("|")
+    if len(parts) == 4 and parts[0] == "2":
+        try:
+            mask, masked = bytes.fromhex(parts[1]), bytes.fromhex(parts[2])
+        except ValueError:
+            return cookie
+        if mask:
+            return bytes(b ^ mask[i % len(mask)] for i, b in enumerate(masked)).hex()
+    return cookie
 
 
 def server_limits(show_error: bool = True) -> Limits:

@@ -22,7 +22,7 @@ from inspector.session.live_run import Cancelled, LiveRun, rates
 from inspector.session.models import model_choices
 from inspector.session.run import check_settings, generations, live_runs
 from pages import demos
-from pages.common import RUN_KEY, RUNS_KEY, current_run, get_model, log, plain, server_limits
+from pages.common import RUN_KEY, RUNS_KEY, client_key, current_run, get_model, log, plain, server_limits
 from pages.room_sync import following
 from pages.widgets import PROJECTOR, navigation_links, sampling_params_from, sampling_widgets
 
@@ -161,7 +161,8 @@ def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
         st.error(str(e))
         return None
     est = _estimate(model, checked)
-    live = LiveRun(settings, model.name, est[0] if est else 0, None if est is None else est[1] + est[2], demo=demo)
+    live = LiveRun(settings, model.name, est[0] if est else 0, None if est is None else est[1] + est[2], demo=demo,
+                   client=client_key())
     st.session_state[LIVE] = live
     return live.start(model, limits, prepare=_with_script_context)
 

@@ -62,6 +62,8 @@ class LiveRun:
     queue_position: int | None = None
     first_position: int | None = None          # the place it was first told
     demo: str | None = None                    # the demo (pages.demos) this run is for
+    client: str | None = None                  # who asks, for the queue's per-browser turns: resolved by the app
+                                               # in the script thread (a worker thread may not see the cookie)
     started_at: float = field(default_factory=time.monotonic)
     queued_at: float | None = None             # first time the queue reported a place
     admitted_at: float | None = None           # when generation began (the first progress or token)
@@ -88,7 +90,7 @@ class LiveRun:
     def _work(self, model: Model, limits: Limits) -> None:
         try:
             self.record = inspect_run(model, self.settings, on_token=_Listener(self), limits=limits,
-                                      on_queue=self._on_queue)
+                                      on_queue=self._on_queue, client=self.client)
             rates(model).add(self.record)
         except BaseException as e:             # shown by the script; the thread itself never raises
             self.error = e

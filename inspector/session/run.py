@@ -79,13 +79,14 @@ def _count_generation() -> None:
 
 def inspect_run(model: Model, settings: RunSettings, on_token: Callable[[Step], None] | None = None, *,
                 limits: Limits | None = None, on_queue: Callable[[int], None] | None = None,
-                admission: Admission | None = None) -> Trace:
+                admission: Admission | None = None, client: str | None = None) -> Trace:
     """Check the request, wait for a device slot (on_queue(position) while waiting), generate with full
-    inspection. Limits default to the environment's, admission to the process-wide queue."""
+    inspection. Limits default to the environment's, admission to the process-wide queue; client (who asks, for
+    the queue's per-browser turns) to what the app's resolver says in this thread."""
     limits = limits or Limits.from_env()
     settings, notes = check_settings(model, settings, limits)
     admission = admission or shared_admission(limits)
-    with admission.slot(on_wait=on_queue, timeout=limits.queue_timeout_s):
+    with admission.slot(on_wait=on_queue, timeout=limits.queue_timeout_s, client=client):
         probe = inspection_probe(timing=settings.timing)
         _count_generation()
         t0 = time.perf_counter()

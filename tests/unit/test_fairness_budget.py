@@ -113,3 +113,15 @@ def test_limits_include_the_per_client_and_session_budget_variables():
     names = [row[0] for row in Limits().table()]
     assert {"LLM_INSPECTOR_MAX_RUNNING_PER_CLIENT", "LLM_INSPECTOR_MAX_QUEUED_PER_CLIENT",
             "LLM_INSPECTOR_MAX_SESSION_MB"} <= set(names)
+
+
+def test_two_tabs_of_one_browser_are_one_client():
+    """Streamlit's XSRF cookie as two tabs of one Chromium got it (Tornado masks the token afresh on every page
+    load): one token, so one client; another browser's cookie is another client."""
+    from pages.common import xsrf_token
+    tab1 = "2|9906c7de|da55137ea6fb815edd687a4aa6f23960|1796079712"
+    tab2 = "2|7429c16c|377a15cc4bd487ec30477cf84bdd3fd2|1796079712"
+    assert tab1 != tab2 and xsrf_token(tab1) == xsrf_token(tab2) == "4353d4a03ffd4680446ebd943ff4febe"
+    other = "2|00000000|1353d4a03ffd4680446ebd943ff4febe|1796079712"
+    assert xsrf_token(other) != xsrf_token(tab1)
+    assert xsrf_token("not|a|cookie") == "not|a|cookie" and xsrf_token("2|zz|zz|1") == "2|zz|zz|1"

@@ -104,3 +104,31 @@ def test_rates_estimate_from_kept_runs(tiny_model):
     r.add(rec)
     pre, dec = r.estimate(len(rec.result.prompt_ids), 5)
     assert pre == pytest.approx(rec.result.timings["prefill"]) and dec == pytest.approx(rec.result.timings["decode"])
+
+
+def test_runs_started_from_one_browser_queue_as_that_browser(tiny_model):
+    """The app resolves the browser in the script thread and hands it to the run: the worker thread itself
+    sees no browser cookie, and a third run from the same browser (one running, one waiting) is refused."""
+    limits = Limits(max_concurrent_runs=1)
+    held, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with shared_admission(limits).slot(client="browser:tabs"):
+            held.set()
+            leave.wait(20)
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert held.wait(10)
+        settings = RunSettings(prompt="hello", max_new_tokens=2)
+        waiting = LiveRun(settings, tiny_model.name, 0, client="browser:tabs").start(tiny_model, limits)
+        wait_for(lambda: waiting.queue_position is not None)
+        third = LiveRun(settings, tiny_model.name, 0, client="browser:tabs").start(tiny_model, limits)
+        assert third.wait(10)
+        assert "You already have 1 run(s) generating and 1 waiting" in str(third.error)
+        other = LiveRun(settings, tiny_model.name, 0, client="browser:other").start(tiny_model, limits)
+        wait_for(lambda: other.queue_position is not None)          # another browser waits its turn
+    finally:
+        leave.set()
+        t.join(10)
+    assert waiting.wait(30) and other.wait(30) and waiting.error is None and other.error is None
