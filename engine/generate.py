@@ -258,7 +258,7 @@ class GenerationRun:
             seen = (len(probe.captures), len(probe.stats)) if probe is not None else (0, 0)
             forward_probe = probe
             if self.on_progress is not None:
-                forward_probe = _Reporting(probe, lambda i, a=a, b=b: self._tell(Progress(a, b, n, i, layers)))
+                forward_probe = Reporting(probe, lambda i, a=a, b=b: self._tell(Progress(a, b, n, i, layers)))
             logits = self.model.forward(torch.tensor(ids[a:b]), self.cache, forward_probe, last_only=True)
             if b < n and probe is not None:
                 _drop_logits(probe, *seen)
@@ -325,7 +325,7 @@ def _drop_logits(probe: Probe, captures_before: int, stats_before: int) -> None:
     probe.stats[stats_before:] = kept
 
 
-class _Reporting:
+class Reporting:
     """The run's probe as one prefill chunk's forward sees it: the forward asks for each block's weights once,
     just before the block runs, and that is when the layer is reported. Everything else is the probe's own
     (a run without a probe gets an empty one), so captures, statistics and marks are exactly as without it."""

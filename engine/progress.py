@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .generate import STOP, Progress, _Reporting
+from .generate import STOP, Progress, Reporting
 
 
 class Stopped(Exception):
@@ -33,7 +33,7 @@ class LayerProgress:
         """The probe for the forward over positions [a, b): the probe itself without a callback."""
         if self.on_progress is None:
             return probe
-        return _Reporting(probe, lambda i: self._block_starts(i, a, b))
+        return Reporting(probe, lambda i: self._block_starts(i, a, b))
 
     def chunk_done(self, a: int, b: int) -> None:
         if self.on_progress is not None:
