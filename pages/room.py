@@ -207,9 +207,7 @@ def _teacher_form() -> None:
         except ROOM_ERRORS as e:
             st.error(plain(e))
             return
-        st.session_state[ROOM] = {"role": "teacher", "code": code, "token": token, "view": None, "run_key": None,
-                                  "run_id": None, "published": False, "error": None, "page": None}
-        st.rerun()
+        _become_teacher(code, token)
     again = st.text_input("Or take over a room you started (its code)", key="room_takeover_code", max_chars=12)
     if st.button("Take over", key="room_takeover", disabled=not again):
         try:
@@ -218,9 +216,14 @@ def _teacher_form() -> None:
         except ROOM_ERRORS as e:
             st.error(plain(e))
             return
-        st.session_state[ROOM] = {"role": "teacher", "code": code, "token": token, "view": None, "run_key": None,
-                                  "run_id": None, "published": False, "error": None, "page": None}
-        st.rerun()
+        _become_teacher(code, token)
+
+
+def _become_teacher(code: str, token: str) -> None:
+    """This session teaches room `code` (its publish token stays on the server), from the next script run."""
+    st.session_state[ROOM] = {"role": "teacher", "code": code, "token": token, "view": None, "run_key": None,
+                              "run_id": None, "published": False, "error": None, "page": None}
+    st.rerun()
 
 
 def _end(r: dict) -> None:

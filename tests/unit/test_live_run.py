@@ -45,18 +45,24 @@ def test_stop_ends_the_run_after_the_current_token_and_keeps_it(tiny_model, monk
     assert live.waited_s is None and live.admitted_at is not None and tiny_model.live_hooks == 0
 
 
-def test_stop_while_queued_leaves_the_queue(tiny_model):
-    limits = Limits(max_concurrent_runs=1)
+def hold_the_slot(limits: Limits, client: str) -> tuple[threading.Thread, threading.Event]:
+    """A thread holding the only device slot for `client` until the returned event is set."""
     held, leave = threading.Event(), threading.Event()
 
     def hold():
-        with shared_admission(limits).slot(client="someone else"):
+        with shared_admission(limits).slot(client=client):
             held.set()
             leave.wait(20)
     t = threading.Thread(target=hold)
     t.start()
+    assert held.wait(10)
+    return t, leave
+
+
+def test_stop_while_queued_leaves_the_queue(tiny_model):
+    limits = Limits(max_concurrent_runs=1)
+    t, leave = hold_the_slot(limits, "someone else")
     try:
-        assert held.wait(10)
         live = LiveRun(RunSettings(prompt="hello", max_new_tokens=3), tiny_model.name, 0).start(tiny_model, limits)
         wait_for(lambda: live.queue_position == 1)
         live.stop()
@@ -110,16 +116,8 @@ def test_runs_started_from_one_browser_queue_as_that_browser(tiny_model):
     """The app resolves the browser in the script thread and hands it to the run: the worker thread itself
     sees no browser cookie, and a third run from the same browser (one running, one waiting) is refused."""
     limits = Limits(max_concurrent_runs=1)
-    held, leave = threading.Event(), threading.Event()
-
-    def hold():
-        with shared_admission(limits).slot(client="browser:tabs"):
-            held.set()
-            leave.wait(20)
-    t = threading.Thread(target=hold)
-    t.start()
+    t, leave = hold_the_slot(limits, "browser:tabs")
     try:
-        assert held.wait(10)
         settings = RunSettings(prompt="hello", max_new_tokens=2)
         waiting = LiveRun(settings, tiny_model.name, 0, client="browser:tabs").start(tiny_model, limits)
         wait_for(lambda: waiting.queue_position is not None)
