@@ -5,12 +5,15 @@ bigger and higher-contrast (pages.widgets.chart). Rooms (pages.room): a teacher'
 import streamlit as st
 from streamlit.runtime.scriptrunner_utils.exceptions import StopException
 
+from inspector.session.heap import return_freed_memory
 from pages import room
+from pages.common import keep_within_budget
 from pages.frame import frame
 from pages.sidebar import sidebar
 from pages.widgets import PROJECTOR, projector
 
 st.set_page_config(page_title="LLM Inspector", page_icon=":material/biotech:", layout="wide")
+return_freed_memory()        # a server's freed tensors go back to the system (inspector.session.heap)
 
 PAGES = [
     st.Page("pages/overview.py", title="Overview", icon=":material/home:", default=True),
@@ -59,5 +62,7 @@ try:
         nav.run()
 except StopException:        # a page that stopped early (st.stop) still shows what it shows to the room
     room.after_page(page)
+    keep_within_budget()
     raise
 room.after_page(page)        # a teacher's run and view go to the room
+keep_within_budget()         # what this page just computed and kept counts now, not at the next rerun

@@ -16,7 +16,8 @@ from engine import EngineError, Model, Trace
 from engine.generate import STOP, Progress
 from engine.progress import Stopped
 from inspector.session.admission import set_client_resolver, slot
-from inspector.session.budget import enforce
+from inspector.session.budget import data_allowance, enforce
+from inspector.session.heap import trim
 from inspector.session.limits import LimitError, Limits, LimitsConfigError, check_run_positions
 from inspector.session.memo import memo
 from inspector.session.models import model_choices, shared_model
@@ -113,8 +114,9 @@ def current_run() -> Trace | None:
 def keep_within_budget() -> None:
     """Hold this session to its memory budget; say what was dropped to make room."""
     limits = server_limits(show_error=False)
-    dropped = enforce(st.session_state, limits.max_session_mb << 20)
+    dropped = enforce(st.session_state, data_allowance(limits.max_session_mb))
     if dropped:
+        trim()
         st.toast(f"This session reached its memory budget ({limits.max_session_mb} MiB) and dropped: "
                  + "; ".join(dropped[:4]) + ("; …" if len(dropped) > 4 else "") + ". Recomputed when needed.")
 

@@ -118,6 +118,8 @@ def test_server_listens_on_localhost_only_with_xsrf(server):
 def _open(browser, url: str, wait: bool = True):
     ctx = browser.new_context()                   # one context per tab: its own cookies, its own session
     page = ctx.new_page()
+    page.sockets = []                             # its WebSocket connections (a second one: it reconnected)
+    page.on("websocket", lambda ws: page.sockets.append(ws.url))
     page.route(re.compile(r"^(?!https?://127\.0\.0\.1[:/]).*"), lambda route: route.abort())   # nothing else
     page.goto(url, timeout=TIMEOUT_S * 1000, wait_until="commit")
     if wait:
