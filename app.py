@@ -5,7 +5,6 @@ bigger and higher-contrast (pages.widgets.chart). Rooms (pages.room): a teacher'
 import streamlit as st
 from streamlit.runtime.scriptrunner_utils.exceptions import StopException
 
-from inspector.session.heap import return_freed_memory
 from pages import room
 from pages.common import keep_within_budget
 from pages.frame import frame
@@ -13,7 +12,6 @@ from pages.sidebar import sidebar
 from pages.widgets import PROJECTOR, projector
 
 st.set_page_config(page_title="LLM Inspector", page_icon=":material/biotech:", layout="wide")
-return_freed_memory()        # a server's freed tensors go back to the system (inspector.session.heap)
 
 PAGES = [
     st.Page("pages/overview.py", title="Overview", icon=":material/home:", default=True),

@@ -21,6 +21,7 @@ from typing import Callable
 from engine import Model, RunSettings, Step, Trace
 from engine.generate import STOP, Progress
 
+from .heap import trim
 from .limits import Limits
 from .run import inspect_run
 
@@ -95,6 +96,7 @@ class LiveRun:
         except BaseException as e:             # shown by the script; the thread itself never raises
             self.error = e
         finally:
+            trim()                             # its KV cache and working tensors go back to the system
             self.finished_at = time.monotonic()
 
     def _on_queue(self, position: int) -> None:
