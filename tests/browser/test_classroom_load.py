@@ -165,7 +165,25 @@ def test_a_room_of_thirty(room, browser, tiny_model):
     assert proc.poll() is None and "Traceback" not in log.read_text()
 
 
+ARRIVED = re.compile(r"This run waited [\d.]+ s in the queue \(it arrived as number (\d+)\)")
+
+
+def arrivals(tabs) -> list[int]:
+    """Each tab's place in the queue when its run arrived, as the server reports it under the finished run
+    (0: it started at once, no queue)."""
+    out = []
+    for _, page in tabs:
+        caption = page.get_by_text(ARRIVED)
+        out.append(int(ARRIVED.search(caption.first.text_content()).group(1)) if caption.count() else 0)
+    return out
+
+
 def test_ten_tabs_of_one_browser_delay_the_others_by_at_most_one_run(room, browser):
+    """Measured by the server's schedule, not by the clock (on two cores shared with fourteen Chromium tabs, the
+    browsers' own rendering swings the wall times by several seconds): ahead of another student's run in the
+    queue are at most the other students who came first and the ten-tab browser's one waiting run (its one
+    generating run holds a slot), so no place is past len(others) + 1. Without the per-browser limits the
+    browser's eight or nine waiting runs would be ahead: places of 9 and more."""
     url, proc, log, model_dir = room
     from engine import load_model
     tok = load_model(model_dir, device="cpu", dtype="float32").tokenizer
@@ -173,7 +191,7 @@ def test_ten_tabs_of_one_browser_delay_the_others_by_at_most_one_run(room, brows
     for k, (_, page) in enumerate(others):
         run_in(page, prompt_of(100 + k, tok))
     alone = press_run_in(others)
-    one_run = min(alone.values())
+    places_alone = arrivals(others)
     greedy_ctx = browser.new_context()                       # one browser: ten tabs share its cookies
     greedy = []
     for k in range(10):
@@ -191,11 +209,12 @@ def test_ten_tabs_of_one_browser_delay_the_others_by_at_most_one_run(room, brows
         page.evaluate("() => [...document.querySelectorAll('[data-testid=stSidebar] button')]"
                       ".find(b => b.innerText.trim() === 'Run').click()")
     with_greedy = press_run_in(others)
+    places = arrivals(others)
     refused = sum(page.get_by_text(re.compile("You already have")).count() > 0 for _, page in greedy)
-    print(f"four students alone: {max(alone.values()):.1f} s; with a ten-tab browser: "
-          f"{max(with_greedy.values()):.1f} s; one run {one_run:.1f} s; tabs refused {refused}")
+    print(f"four students alone: {max(alone.values()):.1f} s, arrived at places {places_alone}; with a ten-tab "
+          f"browser: {max(with_greedy.values()):.1f} s, places {places}; tabs refused {refused}")
     assert refused >= 8
-    assert max(with_greedy.values()) <= max(alone.values()) + one_run + 5      # 5 s: the browser's own work
+    assert max(places) <= len(others) + 1, (places_alone, places)
     greedy_ctx.close()
     for ctx, _ in others:
         ctx.close()
