@@ -54,13 +54,18 @@ sidebar()
 room.sidebar_panel()
 if projector():
     st.html(PROJECTOR_CSS)
+
+
+def after_page() -> None:
+    room.after_page(page)    # a teacher's run and view go to the room
+    keep_within_budget()     # what this script just kept (a run, a map) counts now, not at the next rerun
+
+
 try:
     with frame():
         room.bar()
         nav.run()
 except StopException:        # a page that stopped early (st.stop) still shows what it shows to the room
-    room.after_page(page)
-    keep_within_budget()
+    after_page()
     raise
-room.after_page(page)        # a teacher's run and view go to the room
-keep_within_budget()         # what this page just computed and kept counts now, not at the next rerun
+after_page()

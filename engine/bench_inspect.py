@@ -10,7 +10,6 @@ first, so a forward cannot hide its peak in memory an earlier one left behind.
 """
 from __future__ import annotations
 
-import ctypes
 import statistics
 import threading
 import time
@@ -19,6 +18,7 @@ import torch
 
 from .attention_stats import release_workspace, workspace_elements
 from .generate import GenerationRun
+from .heap import trim
 from .model import Model
 from .probe import Probe, inspection_probe
 
@@ -46,13 +46,6 @@ def _hwm() -> int | None:
     return None
 
 
-def _trim_heap() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 class PeakMemory:
     """Peak memory above the level at entry during a with-block, in bytes (.extra)."""
 
@@ -66,7 +59,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
             return self
-        _trim_heap()
+        trim()
         self.base = self.peak = _rss()
         try:
             with open("/proc/self/clear_refs", "w") as f:

@@ -14,10 +14,10 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from engine import EngineError, Model, Trace
 from engine.generate import STOP, Progress
+from engine.heap import trim
 from engine.progress import Stopped
 from inspector.session.admission import set_client_resolver, slot
 from inspector.session.budget import data_allowance, enforce
-from inspector.session.heap import trim
 from inspector.session.limits import LimitError, Limits, LimitsConfigError, check_run_positions
 from inspector.session.memo import memo
 from inspector.session.models import model_choices, shared_model
@@ -107,12 +107,13 @@ def device_slot(what: str = "this computation"):
 
 def current_run() -> Trace | None:
     ensure_frame()
-    keep_within_budget()
     return st.session_state.get(RUN_KEY)
 
 
 def keep_within_budget() -> None:
-    """Hold this session to its memory budget; say what was dropped to make room."""
+    """Hold this session to its memory budget; say what was dropped to make room. app.py calls it once, when
+    the page has run, so what the script just kept (a run, a map) counts at once; a walk over a session's
+    data costs ~16 ms with a 1,000-position run of a 30-layer model, so it is not repeated per current_run."""
     limits = server_limits(show_error=False)
     dropped = enforce(st.session_state, data_allowance(limits.max_session_mb))
     if dropped:

@@ -20,8 +20,8 @@ from typing import Callable
 
 from engine import Model, RunSettings, Step, Trace
 from engine.generate import STOP, Progress
+from engine.heap import trim
 
-from .heap import trim
 from .limits import Limits
 from .run import inspect_run
 

@@ -1,4 +1,4 @@
-"""A server gives freed tensors back to the system (inspector.session.heap): measured in a fresh process, the
+"""A server gives freed tensors back to the system (engine.heap): measured in a fresh process, the
 resident memory after 40 freed 2 MiB tensors (with small live blocks between them), without and with a trim."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import sys, psutil, torch
-from inspector.session.heap import trim
+from engine.heap import trim
 P = psutil.Process()
 torch.empty(2 << 20, dtype=torch.uint8).fill_(1)   # one freed 2 MiB block: glibc raises its mmap threshold
 base = P.memory_info().rss
