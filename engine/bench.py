@@ -18,6 +18,7 @@ import time
 import torch
 
 from .bench_inspect import run_inspection_bench
+from .native import build
 from .probe import Probe
 
 READ_BUFFER_BYTES = 512 * 2 ** 20        # far larger than any last-level cache
@@ -147,6 +148,11 @@ def report(model, a: argparse.Namespace, m: dict) -> dict:
     say(f"model {model.name}; device {model.device.type}; dtype {str(model.dtype).removeprefix('torch.')}; "
         f"threads {torch.get_num_threads()}; prompt {a.prompt_tokens} tokens; decode {a.new_tokens} tokens; "
         f"{a.repeats} interleaved rounds, best of each")
+    nat = model.native()
+    why = "" if nat is not None else (build.load()[1] or "this model or device cannot take it")
+    say("decode steps: " + ("native (engine/native: one C call a token, weights read as panels)" if nat is not None
+                            else f"PyTorch forward ({why})"))
+    out["native_decode"] = nat is not None
     say(f"{'configuration':34s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
     for k, (p, d) in best.items():
         say(f"{k:34s} {p:14.1f} {d:13.1f}")

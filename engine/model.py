@@ -23,6 +23,7 @@ from .attention_stats import inspect_attention
 from .config import ModelConfig
 from .errors import InputError
 from .kv_cache import KVCache
+from .native.step import NativeDecoder
 from .probe import Probe
 from .probe_views import FULL, NO_PROBE, NoProbe
 from .rope import apply_rope, rope_tables
@@ -107,6 +108,7 @@ class Model:
         self.base_name = name                      # the model a plan was made from
         self._live_hooks = 0
         self._lock = threading.Lock()
+        self._native: NativeDecoder | None | bool = False     # False: not looked at yet (see native())
 
     # ---- introspection --------------------------------------------------------------------------
     @property
@@ -143,6 +145,13 @@ class Model:
             with self._lock:
                 self._live_hooks -= n
 
+    def native(self) -> NativeDecoder | None:
+        """The native decode step for this model (engine/native), or None where it cannot run (then every step
+        runs the PyTorch forward). Looked at on first use: a precision plan is set up after __init__."""
+        if self._native is False:
+            self._native = NativeDecoder.for_model(self)
+        return self._native
+
     # ---- forward --------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, cache: KVCache, probe: Probe | None = None, *,
                 last_only: bool = False, grad: bool = False) -> torch.Tensor:
@@ -172,6 +181,11 @@ class Model:
         eps = cfg.rms_norm_eps if probe.norm_eps is None else probe.norm_eps
         embed, norm = probe.weight("embed.weight", w.embed), probe.weight("final_norm.weight", w.norm)
         lm_head = probe.weight("lm_head.weight", w.lm_head)
+        if T == 1 and (probe is NO_PROBE or probe.stats_only) and not torch.is_grad_enabled() \
+                and cache.k.dtype == torch.float32 and self.native() is not None:
+            logits = self._native_step(ids, cache, probe, pos, eps)
+            if logits is not None:
+                return logits
         cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]                 # (T, 1, hd)
         mask = None
         if T > 1 and pos > 0:   # a chunk after earlier positions: causal within, full view of the past
@@ -195,6 +209,18 @@ class Model:
         logits = probe("logits", _mm(x.to(lm_head.dtype), lm_head))             # (T, V)
         if probe.timing:
             probe.mark("logits")
+        return logits
+
+    def _native_step(self, ids, cache: KVCache, probe, pos: int, eps: float) -> torch.Tensor | None:
+        """One decode token through engine/native: logits (1, V); None when a probe watches and the step met a
+        NaN or Inf (the PyTorch forward then redoes it: its accounting of non-finite values is the reference)."""
+        nat = self._native
+        stats = probe is not NO_PROBE
+        logits, values, status = nat(int(ids[0]), cache, pos, eps, stats)
+        if status:
+            return None
+        if stats:
+            probe.offer_block(nat.names, nat.layers, values)
         return logits
 
     def _block(self, p, lw: LayerWeights, x, cache: KVCache, i: int, cos, sin, mask, eps: float) -> torch.Tensor:

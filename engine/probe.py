@@ -87,6 +87,7 @@ class Probe:
         self._stats_specs: list[str] = []
         self._replace_specs: list[tuple[list[str], HookFn, frozenset | None]] = []
         self._plans: dict[str, _Plan] = {}
+        self._block_rows: dict[int, tuple] = {}
         self._batcher = StatsBatcher()
         self._layer_views: dict[int, LayerProbe] = {}
         self._active = False
@@ -108,6 +109,7 @@ class Probe:
         """Keep full tensors of matching stages (optionally only some layers / absolute positions)."""
         self._capture_specs.append((_patterns(patterns), _as_set(layers), _as_set(positions)))
         self._plans.clear()
+        self._block_rows.clear()
         self._layer_views.clear()
         return self
 
@@ -115,6 +117,7 @@ class Probe:
         """Per-position min/max/mean/std/absmax/NaN/Inf of matching stages at every step."""
         self._stats_specs.extend(_patterns(patterns))
         self._plans.clear()
+        self._block_rows.clear()
         self._layer_views.clear()
         return self
 
@@ -155,6 +158,7 @@ class Probe:
         """fn(tensor, HookContext) returns the tensor the forward continues with (or None: unchanged)."""
         self._replace_specs.append((_patterns(patterns), fn, _as_set(layers)))
         self._plans.clear()
+        self._block_rows.clear()
         self._layer_views.clear()
         return self
 
@@ -213,6 +217,26 @@ class Probe:
         p = self.plan(name)
         if p.stats:
             self._batcher.add_values(name, p.layer, values)
+
+    @property
+    def stats_only(self) -> bool:
+        """Asks for statistics and nothing else that touches a forward (no captures, replacements, weight
+        overrides, timing or run-only epsilon): a decode step may then run natively (engine/native)."""
+        return (type(self) is Probe and bool(self._stats_specs) and not self._capture_specs
+                and not self._replace_specs and not self._weight_overrides and self.norm_eps is None
+                and not self.timing)
+
+    def offer_block(self, names: list[str], layers: list, values: torch.Tensor) -> None:
+        """Statistics (G, T, 7) of whole stages computed elsewhere (the native decode step), in forward order;
+        only the stages this probe asks statistics of are kept."""
+        sel = self._block_rows.get(id(names))
+        if sel is None or sel[0] is not names:
+            keep = [g for g, n in enumerate(names) if self.plan(n).stats]
+            index = None if len(keep) == len(names) else torch.tensor(keep, dtype=torch.long)
+            sel = self._block_rows[id(names)] = (names, [names[g] for g in keep], [layers[g] for g in keep], index)
+        _, kept, kept_layers, index = sel
+        if kept:
+            self._batcher.add_block(kept, kept_layers, values if index is None else values[index])
 
     def offer_pending(self, names: tuple[str, ...], pending) -> None:
         """Statistics of several stages still to be combined (engine.attention_stats.PendingAttention), in

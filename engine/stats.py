@@ -125,6 +125,12 @@ class StatsBatcher:
         self._names.append(name)
         self._layers.append(layer)
 
+    def add_block(self, names: list[str], layers: list, values: torch.Tensor) -> None:
+        """Statistics of several whole stages already computed, (G, T, 7) in forward order (the native decode
+        step): whatever was queued before is flushed first, so the order holds."""
+        self.flush()
+        self._pending.append((list(names), list(layers), values))
+
     def add_pending(self, names: tuple[str, ...], layer: int | None, pending) -> None:
         """Queue statistics still to be combined (engine.attention_stats.PendingAttention: pending.wanted says
         which of names it gives, pending.rows its positions; type(pending).resolve(all of them) sets each

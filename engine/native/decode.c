@@ -1,0 +1,257 @@
+/* One decode step of a Llama-family model (fp32, CPU, batch 1) in one call: every layer, the final norm and
+ * the lm_head. Python (engine/native/step.py) compiles this file, checks each run's eligibility and falls
+ * back to the PyTorch forward for anything else; engine/model.py stays the reference.
+ *
+ * Why: at batch 1 a decode step is bound by reading the weights (~545 MB for the bundled model), but eager
+ * PyTorch spends ~1,100 small kernel launches around the 121 matrix products. Here the products stream each
+ * matrix once (rows split between threads, partial sums added), the small ops are plain loops on vectors
+ * that sit in the L1 cache, and a step has one OpenMP parallel region with a barrier between phases.
+ *
+ * Statistics (optional, stats != NULL): min, max, mean, std (population, two-pass), absmax, nan, inf of every
+ * stage the PyTorch forward offers at decode, in its order (embed, 17 per layer, final_norm, logits), computed
+ * while each stage is still in cache. A non-finite value anywhere makes the call return 1 (the caller redoes
+ * the step with the PyTorch forward, whose NaN/Inf accounting is the reference); otherwise 0.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stddef.h>
+
+typedef struct {
+    int L, d, H, K, hd, F, V;      /* layers, hidden, query heads, KV heads, head dim, MLP width, vocab */
+    int max_len, pos, nth;         /* KV cache length, this token's position, threads */
+    float eps, scale;              /* RMSNorm epsilon, attention scale (hd^-0.5) */
+    const float *x_in;             /* (d) the token's embedding row */
+    const float *const *attn_norm, *const *wqkv, *const *wo;      /* L pointers each; matrices as panels */
+    const float *const *mlp_norm, *const *wgu, *const *wdown;
+    float *kc, *vc;                /* (L, K, max_len, hd) caches; this step writes position pos */
+    const float *cos, *sin;        /* (hd) rotary rows of position pos */
+    const float *final_norm, *lm_head;   /* (d), (d, V) as panels */
+    float *logits;                 /* (V) out */
+    float *work;                   /* scratch, llmi_work_floats() floats */
+    float *stats;                  /* NULL, or (1 + 17 L + 2) x 7 out */
+} Step;
+
+enum { NSTAT = 7 };
+
+long llmi_work_floats(int d, int H, int K, int hd, int F, int V, int max_len, int nth) {
+    long qkv = (long)(H + 2 * K) * hd, wide = V > 2 * F ? V : 2 * F;
+    if (wide < qkv) wide = qkv;
+    return 6L * d + qkv + (long)H * max_len + (long)H * hd + 3L * F + (long)nth * (wide + 16) + 64;
+}
+
+/* acc[0:N] = x[8 g0 : 8 g1] @ W[8 g0 : 8 g1, :], with W (K, N) stored as panels (engine/native/step.py: panels):
+ * P[g][b][r][c] = W[8 g + r][8 b + c], so each thread streams one contiguous run of memory while it adds eight
+ * rows at a time into eight columns held in registers. Reading W row-major, eight rows at a time, ran ~20 %
+ * slower here: eight interleaved streams a thread, which the prefetcher follows worse than one. */
+static void panel_product(const float *x, const float *P, int g0, int g1, int N, float *acc) {
+    for (int n = 0; n < N; n++) acc[n] = 0.f;
+    for (int g = g0; g < g1; g++) {
+        const float *a = x + 8 * g, *w = P + (size_t)g * 8 * N;
+        const float a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3], a4 = a[4], a5 = a[5], a6 = a[6], a7 = a[7];
+        for (int b = 0; b < N; b += 8, w += 64) {
+            float *o = acc + b;
+#pragma omp simd
+            for (int c = 0; c < 8; c++)
+                o[c] += (a0 * w[c] + a1 * w[8 + c] + a2 * w[16 + c] + a3 * w[24 + c])
+                      + (a4 * w[32 + c] + a5 * w[40 + c] + a6 * w[48 + c] + a7 * w[56 + c]);
+        }
+    }
+}
+
+/* out = x @ W (W as panels), called by every thread of the team: each reads its share of W's panels once. */
+static void product(const float *x, const float *W, int K, int N, float *out, float *part, long stride) {
+    int t = omp_get_thread_num(), T = omp_get_num_threads(), G = K / 8;
+    int g0 = (int)((long)G * t / T), g1 = (int)((long)G * (t + 1) / T);
+    panel_product(x, W, g0, g1, N, part + (size_t)t * stride);
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int n = 0; n < N; n++) {
+        float s = 0.f;
+        for (int u = 0; u < T; u++) s += part[(size_t)u * stride + n];
+        out[n] = s;
+    }
+}
+
+/* min, max, mean, std, absmax, nan, inf of a[0:n]; returns 1 when a value is not finite */
+static int stats7(const float *a, long n, float *out) {
+    double s = 0.0;
+    float lo = INFINITY, hi = -INFINITY;
+    for (long i = 0; i < n; i++) {
+        const float v = a[i];
+        s += v;
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    if (!isfinite(s)) return 1;
+    const double mean = s / (double)n;
+    double q = 0.0;
+    for (long i = 0; i < n; i++) {
+        const double e = a[i] - mean;
+        q += e * e;
+    }
+    out[0] = lo;
+    out[1] = hi;
+    out[2] = (float)mean;
+    out[3] = (float)sqrt(q / (double)n);
+    out[4] = fabsf(lo) > fabsf(hi) ? fabsf(lo) : fabsf(hi);
+    out[5] = 0.f;
+    out[6] = 0.f;
+    return 0;
+}
+
+static void rms_norm(const float *x, const float *w, int d, float eps, float *h) {
+    float s = 0.f;
+    for (int i = 0; i < d; i++) s += x[i] * x[i];
+    const float r = 1.f / sqrtf(s / (float)d + eps);
+    for (int i = 0; i < d; i++) h[i] = (x[i] * r) * w[i];
+}
+
+/* x (heads, hd) rotated in place by half-split pairs: x*cos + rotate_half(x)*sin */
+static void rope(float *x, int heads, int hd, const float *cos, const float *sin) {
+    const int half = hd / 2;
+    for (int h = 0; h < heads; h++) {
+        float *v = x + (size_t)h * hd;
+        for (int i = 0; i < half; i++) {
+            const float a = v[i], b = v[i + half];
+            v[i] = a * cos[i] - b * sin[i];
+            v[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+    }
+}
+
+int llmi_decode_step(const Step *p) {
+    const int d = p->d, H = p->H, K = p->K, hd = p->hd, F = p->F, V = p->V, S = p->pos + 1, G = H / K;
+    const long qkv_n = (long)(H + 2 * K) * hd, wide = (V > 2 * F ? V : 2 * F) > qkv_n ? (V > 2 * F ? V : 2 * F) : qkv_n;
+    const long stride = wide + 16;
+    float *x = p->work, *h = x + d, *attn_out = h + d, *mlp_out = attn_out + d, *xf = mlp_out + d;
+    float *qkv = xf + 2L * d, *scores = qkv + qkv_n, *z = scores + (long)H * p->max_len;
+    float *gu = z + (long)H * hd, *act = gu + 2L * F, *part = act + F;
+    float *st = p->stats;
+    int bad = 0;
+    const long cache_layer = (long)K * p->max_len * hd, cache_head = (long)p->max_len * hd;
+
+#pragma omp parallel num_threads(p->nth)
+    {
+#pragma omp single
+        {
+            for (int i = 0; i < d; i++) x[i] = p->x_in[i];
+            if (st) bad |= stats7(x, d, st), st += NSTAT;
+        }
+        for (int l = 0; l < p->L; l++) {
+            float *kc = p->kc + l * cache_layer, *vc = p->vc + l * cache_layer;
+#pragma omp single
+            {
+                rms_norm(x, p->attn_norm[l], d, p->eps, h);
+                if (st) bad |= stats7(h, d, st), st += NSTAT;
+            }
+            product(h, p->wqkv[l], d, (int)qkv_n, qkv, part, stride);
+#pragma omp single
+            {
+                float *q = qkv, *k = qkv + (long)H * hd, *v = k + (long)K * hd;
+                if (st) {   /* attn.q, attn.k, attn.v, then attn.q_rot, attn.k_rot */
+                    bad |= stats7(q, (long)H * hd, st);
+                    bad |= stats7(k, (long)K * hd, st + NSTAT);
+                    bad |= stats7(v, (long)K * hd, st + 2 * NSTAT);
+                }
+                rope(qkv, H + K, hd, p->cos, p->sin);
+                if (st) {
+                    bad |= stats7(q, (long)H * hd, st + 3 * NSTAT);
+                    bad |= stats7(k, (long)K * hd, st + 4 * NSTAT);
+                    st += 5 * NSTAT;
+                }
+                for (int j = 0; j < K; j++)
+                    for (int i = 0; i < hd; i++) {
+                        kc[j * cache_head + (long)p->pos * hd + i] = k[j * hd + i];
+                        vc[j * cache_head + (long)p->pos * hd + i] = v[j * hd + i];
+                    }
+            }
+#pragma omp for schedule(static)
+            for (int hh = 0; hh < H; hh++) {   /* scores, softmax, weighted values: one query row a head */
+                const float *q = qkv + (long)hh * hd, *keys = kc + (hh / G) * cache_head;
+                float *sc = scores + (long)hh * S;
+                for (int s = 0; s < S; s++) {
+                    float dot = 0.f;
+                    const float *kk = keys + (long)s * hd;
+#pragma omp simd reduction(+ : dot)
+                    for (int i = 0; i < hd; i++) dot += q[i] * kk[i];
+                    sc[s] = dot * p->scale;
+                }
+            }
+#pragma omp single
+            {
+                if (st) bad |= stats7(scores, (long)H * S, st), st += NSTAT;
+            }
+#pragma omp for schedule(static)
+            for (int hh = 0; hh < H; hh++) {
+                float *sc = scores + (long)hh * S, *zo = z + (long)hh * hd;
+                const float *vals = vc + (hh / G) * cache_head;
+                float m = -INFINITY, sum = 0.f;
+                for (int s = 0; s < S; s++) m = sc[s] > m ? sc[s] : m;
+                for (int s = 0; s < S; s++) sum += (sc[s] = expf(sc[s] - m));
+                const float inv = 1.f / sum;
+                for (int i = 0; i < hd; i++) zo[i] = 0.f;
+                for (int s = 0; s < S; s++) {
+                    const float w = (sc[s] *= inv);
+                    const float *vv = vals + (long)s * hd;
+#pragma omp simd
+                    for (int i = 0; i < hd; i++) zo[i] += w * vv[i];
+                }
+            }
+#pragma omp single
+            {
+                if (st) {
+                    bad |= stats7(scores, (long)H * S, st);
+                    bad |= stats7(z, (long)H * hd, st + NSTAT);
+                    st += 2 * NSTAT;
+                }
+            }
+            product(z, p->wo[l], H * hd, d, attn_out, part, stride);
+#pragma omp single
+            {
+                for (int i = 0; i < d; i++) x[i] += attn_out[i];
+                rms_norm(x, p->mlp_norm[l], d, p->eps, h);
+                if (st) {
+                    bad |= stats7(attn_out, d, st);
+                    bad |= stats7(x, d, st + NSTAT);
+                    bad |= stats7(h, d, st + 2 * NSTAT);
+                    st += 3 * NSTAT;
+                }
+            }
+            product(h, p->wgu[l], d, 2 * F, gu, part, stride);
+#pragma omp single
+            {
+                for (int i = 0; i < F; i++) {
+                    const float g = gu[i];
+                    act[i] = g / (1.f + expf(-g)) * gu[F + i];
+                }
+                if (st) {
+                    bad |= stats7(gu, F, st);
+                    bad |= stats7(gu + F, F, st + NSTAT);
+                    bad |= stats7(act, F, st + 2 * NSTAT);
+                    st += 3 * NSTAT;
+                }
+            }
+            product(act, p->wdown[l], F, d, mlp_out, part, stride);
+#pragma omp single
+            {
+                for (int i = 0; i < d; i++) x[i] += mlp_out[i];
+                if (st) {
+                    bad |= stats7(mlp_out, d, st);
+                    bad |= stats7(x, d, st + NSTAT);
+                    st += 2 * NSTAT;
+                }
+            }
+        }
+#pragma omp single
+        {
+            rms_norm(x, p->final_norm, d, p->eps, xf);
+            if (st) bad |= stats7(xf, d, st), st += NSTAT;
+        }
+        product(xf, p->lm_head, d, V, p->logits, part, stride);
+#pragma omp single
+        {
+            if (st) bad |= stats7(p->logits, V, st), st += NSTAT;
+        }
+    }
+    return bad;
+}

@@ -1,0 +1,122 @@
+"""The native decode step (decode.c) behind engine.model: which calls may take it, and the call itself.
+
+A call takes it when it is one token on the CPU in float32 through a plain Llama-family model (no biases, no
+precision plan, every weight a contiguous float32 matrix) and its probe is none or asks for statistics only
+(no captures, replacements, weight overrides, timing or run-only epsilon). Anything else, or a library that
+could not be built, runs the PyTorch forward, which stays the reference: tests hold the two to each other
+and to transformers.
+
+The native step reads its own copy of the weight matrices, laid out as panels of eight rows (see decode.c):
+a one-row product then streams each matrix as one contiguous run, ~25 % faster here than the row-major
+matrices the PyTorch forward multiplies. The copy costs the matrices' size again in memory (545 MB for the
+bundled model in fp32) and is made on the model's first decode step (about half a second). With statistics, a step that meets a NaN or an Inf is redone by the PyTorch forward (it
+rewrites the same cache position), whose accounting of non-finite values is the reference.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..stages import LAYER_STAGES
+from . import build
+
+_P = ctypes.c_void_p
+_FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_len", "pos", "nth")] + [
+    ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("x_in", _P)] + [
+    (n, _P) for n in ("attn_norm", "wqkv", "wo", "mlp_norm", "wgu", "wdown", "kc", "vc", "cos", "sin",
+                      "final_norm", "lm_head", "logits", "work", "stats")]
+
+
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def panels(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """w (K, N), K and N multiples of 8 -> its panels, flat: P[g][b][r][c] = w[8 g + r][8 b + c]."""
+    K, N = w.shape
+    src = w.reshape(K // 8, 8, N // 8, 8).permute(0, 2, 1, 3)
+    if out is None:
+        return src.contiguous().reshape(-1)
+    out.view(K // 8, N // 8, 8, 8).copy_(src)
+    return out
+
+
+class Step(ctypes.Structure):
+    _fields_ = _FIELDS
+
+
+def stage_names(num_layers: int) -> list[str]:
+    """The stages a decode forward offers, in its order: what the native step's statistics rows are."""
+    names = ["embed"]
+    for i in range(num_layers):
+        names += [f"blocks.{i}.{s}" for s in LAYER_STAGES]
+    return names + ["final_norm", "logits"]
+
+
+class NativeDecoder:
+    """Built once per model (None from `for_model` when the model cannot take it)."""
+
+    def __init__(self, model, lib: ctypes.CDLL) -> None:
+        cfg, w = model.config, model.weights
+        self.lib, self.model = lib, model
+        self._keep = []      # ctypes arrays the Step points into
+        mats = [getattr(lw, f) for lw in w.layers for f in MATRICES] + [w.lm_head]
+        self.panels = torch.empty(sum(m.numel() for m in mats))
+        views, at = [], 0
+        for m in mats:
+            views.append(panels(m, out=self.panels[at:at + m.numel()]))
+            at += m.numel()
+        self.lm_head = views[-1]
+
+        def ptrs(tensors):
+            arr = (_P * cfg.num_layers)(*[t.data_ptr() for t in tensors])
+            self._keep.append(arr)
+            return ctypes.cast(arr, _P)
+
+        self.layer_ptrs = {f: ptrs([getattr(lw, f) for lw in w.layers]) for f in ("attn_norm", "mlp_norm")}
+        for j, f in enumerate(MATRICES):
+            self.layer_ptrs[f] = ptrs(views[j:-1:len(MATRICES)])
+        self.names = stage_names(cfg.num_layers)
+        self.layers = [None] + [i for i in range(cfg.num_layers) for _ in LAYER_STAGES] + [None, None]
+
+    @classmethod
+    def for_model(cls, model) -> "NativeDecoder | None":
+        w, cfg = model.weights, model.config
+        mats = [t for lw in w.layers for t in (lw.attn_norm, lw.wqkv, lw.wo, lw.mlp_norm, lw.w_gate_up, lw.w_down)]
+        if (model.device.type != "cpu" or model.dtype != torch.float32 or model.fp32_units
+                or model.resid_fp32_from is not None or any(lw.bqkv is not None for lw in w.layers)
+                or any(t.dtype != torch.float32 or not t.is_contiguous() for t in [*mats, w.norm, w.lm_head, w.embed])
+                or any(n % 8 for t in [*mats, w.lm_head] if t.dim() == 2 for n in t.shape)
+                or cfg.head_dim % 2 or cfg.num_heads % cfg.num_kv_heads):
+            return None
+        lib, _ = build.load()
+        return None if lib is None else cls(model, lib)
+
+    def _work(self, cache) -> torch.Tensor:
+        work = getattr(cache, "native_work", None)
+        nth = torch.get_num_threads()
+        if work is None or work[1] != nth:
+            c = self.model.config
+            n = self.lib.llmi_work_floats(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                          c.intermediate_size, c.vocab_size, cache.max_len, nth)
+            work = cache.native_work = (torch.empty(n), nth)
+        return work[0]
+
+    def __call__(self, token: int, cache, pos: int, eps: float, stats: bool) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                                     int]:
+        """One token at pos -> (logits (1, V), statistics (G, 1, 7) or None, status: 0, or 1 = a NaN/Inf met)."""
+        m, c = self.model, self.model.config
+        w = m.weights
+        x = w.embed[token]
+        logits = torch.empty(1, c.vocab_size)
+        st = torch.empty(len(self.names), 1, 7) if stats else None
+        work = self._work(cache)
+        s = Step(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                 c.vocab_size, cache.max_len, pos, torch.get_num_threads(), eps, c.head_dim ** -0.5, x.data_ptr(),
+                 self.layer_ptrs["attn_norm"], self.layer_ptrs["wqkv"], self.layer_ptrs["wo"],
+                 self.layer_ptrs["mlp_norm"], self.layer_ptrs["w_gate_up"], self.layer_ptrs["w_down"],
+                 cache.k.data_ptr(), cache.v.data_ptr(), m.cos[pos].data_ptr(), m.sin[pos].data_ptr(),
+                 w.norm.data_ptr(), self.lm_head.data_ptr(), logits.data_ptr(), work.data_ptr(),
+                 st.data_ptr() if stats else None)
+        status = self.lib.llmi_decode_step(ctypes.byref(s))
+        return logits, st, status
