@@ -15,10 +15,9 @@ and Σ(p - 1/S)² = Σ over computed keys + (masked keys)·(1/S)². Each block o
 partial results into (H, T) accumulators (a few large reductions, no host round trip); they are combined
 over heads (min of mins, sums of sums; the second moment about the row's own mean, as the materialised
 statistics take it) for all layers at once at the probe's flush (PendingAttention). Rows whose scores hold a
-NaN or Inf (found once per flush), and masks that are not causal, take the exact path instead: the block
-materialised and reduced by
-engine.stats.dense_stats, the same code as a materialised stage. Either way the result equals the
-statistics of the materialised matrices to fp32 rounding.
+NaN or Inf (found once per flush), and masks that are not causal, take the exact path (the block
+materialised, engine.stats.dense_stats); CPU fp32 under a causal mask, one native pass (engine/native/
+inspect.c). Each equals the materialised statistics to fp32 rounding.
 """
 from __future__ import annotations
 
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .native.inspect import offer_attention_stats as offer_native_attention
 from .stats import CANCELLATION, dense_stats
 
 BLOCK_ELEMENTS = 1 << 19      # score elements per query block (2 MiB fp32): the working set is two of these
@@ -90,6 +90,8 @@ def inspect_attention(p, qh: torch.Tensor, keys: torch.Tensor, mask: torch.Tenso
         return
     T = qh.shape[1]
     if want.scores_rows is None and want.pattern_rows is None:
+        if offer_native_attention(p, qh, keys, causal_offset(mask, T, keys.shape[1]), want):   # else the blocks
+            return
         with torch.no_grad():
             pending = _pending(qh.detach(), keys.detach(), mask, want)
         if pending is not None:

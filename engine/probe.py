@@ -8,10 +8,11 @@ its positions first ([T, ...]) except attn.scores / attn.pattern ([heads, T, S])
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
+from fnmatch import fnmatchcase as _fnmatchcase
 from typing import Any, Callable, Iterable
 
 import torch
@@ -71,6 +72,11 @@ class _Plan:
         return self
 
 
+# remembered: a probe plans each of ~500 stages once per run, on the same few patterns each time
+fnmatchcase = functools.lru_cache(maxsize=1 << 14)(_fnmatchcase)
+
+
+@functools.lru_cache(maxsize=1 << 13)
 def split_name(name: str) -> tuple[int | None, str]:
     """'blocks.3.attn.q' -> (3, 'attn.q'); 'embed' -> (None, 'embed')."""
     m = _LAYER.fullmatch(name)
@@ -227,8 +233,7 @@ class Probe:
                 and not self.timing)
 
     def offer_block(self, names: list[str], layers: list, values: torch.Tensor) -> None:
-        """Statistics (G, T, 7) of whole stages computed elsewhere (the native decode step), in forward order;
-        only the stages this probe asks statistics of are kept."""
+        """Statistics (G, T, 7) of whole stages (the native decode step) in forward order; keeps those asked for."""
         sel = self._block_rows.get(id(names))
         if sel is None or sel[0] is not names:
             keep = [g for g, n in enumerate(names) if self.plan(n).stats]

@@ -27,10 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .native.inspect import layout, row_moments, row_stats
+
 STAT_NAMES = ("min", "max", "mean", "std", "absmax", "nan", "inf")
 FLUSH_ELEMENTS = 1 << 23  # flush the queue past this many queued elements, bounding the memory it holds
 FLUSH_ELEMENTS_DEVICE = 1 << 25   # on an accelerator: a flush waits for the device, so fewer of them
 IMMEDIATE_ELEMENTS = 1 << 15   # a tensor this large is reduced to its moments when offered
+NATIVE_ELEMENTS = 1 << 21      # on the CPU in fp32 (unmasked), any tensor is queued, up to this many elements
+                               # (8 MiB), for one native call (engine/native/inspect.c) giving their statistics
 CANCELLATION = 1e-2       # var < this * mean²: the moments lost too many digits; take the two-pass path
 
 
@@ -69,6 +73,8 @@ class StatsBatcher:
         self._last: tuple | None = None       # (x, masked, moments) of the last tensor reduced when offered
         self._order: tuple = ([], None, None)     # a flush's row order, its device and its index tensor
         self._pending: list[tuple[list[str], list, torch.Tensor]] = []
+        self._native: list[tuple[int, torch.Tensor]] = []     # (entry, x) waiting for _run_native
+        self._native_elements = 0
 
     def add(self, name: str, layer: int | None, x: torch.Tensor, masked: bool = False) -> None:
         """Queue x (T, ...) for statistics. masked: -inf entries are mask values, left out of every statistic.
@@ -85,6 +91,14 @@ class StatsBatcher:
         entry = len(self._names)
         self._names.append(name)
         self._layers.append(layer)
+        x2 = x if x.dim() > 1 else x.reshape(1, -1)
+        if not masked and layout(x2) is not None:   # native statistics (engine/native/inspect.c)
+            self._last = None
+            self._native.append((entry, x2))        # for one pass with the next few (see _run_native)
+            self._native_elements += n
+            if self._native_elements >= NATIVE_ELEMENTS:
+                self._run_native()
+            return
         if n < IMMEDIATE_ELEMENTS:
             key = (shape, x.dtype, masked)
             group = self._small.get(key)
@@ -112,8 +126,11 @@ class StatsBatcher:
         return self._limit
 
     def forget_moments(self) -> None:
-        """A replace hook ran: a tensor may have changed in place, so no moments taken earlier are reused."""
+        """A replace hook is about to run: a tensor may change in place, so no moments taken earlier are reused
+        and the tensors queued for the native pass are reduced now, as they were offered."""
         self._last = None
+        if self._native:
+            self._run_native()
 
     def add_values(self, name: str, layer: int | None, values: torch.Tensor) -> None:
         """Queue statistics already computed, (T, 7) (a stage reduced without being materialised); they keep
@@ -147,10 +164,26 @@ class StatsBatcher:
         if self._queued >= (self._limit or self._set_limit(pending.q)):
             self.flush()
 
+    def _run_native(self) -> None:
+        """Final statistics of the large tensors queued since the last call, in one native call (a layer's
+        stages are still in the last-level cache); a tensor holding a NaN or Inf, or every tensor when the
+        library is missing, takes the moments path instead."""
+        queue, self._native, self._native_elements = self._native, [], 0
+        values = row_stats([x for _, x in queue])
+        for i, (entry, x) in enumerate(queue):
+            v = None if values is None else values[i]
+            if v is not None:
+                self._final.append((entry, v))
+            else:
+                self._reduced.append((entry, x, False, moments(x, False, tuple(range(1, x.dim())))))
+
     def flush(self) -> None:
+        if self._native:
+            self._run_native()
         if not self._names:
             return
         names, layers, reduced, small, final = self._names, self._layers, self._reduced, self._small, self._final
+        final.sort(key=lambda e: e[0])        # native results join after stages offered later (forward order)
         self._names, self._layers, self._reduced, self._small, self._final = [], [], [], {}, []
         self._queued, self._last = 0, None
         T = self._rows
@@ -213,6 +246,10 @@ def moments(X: torch.Tensor, masked: bool | None = False, dims: tuple[int, ...] 
     out. Four plain read-only reductions when nothing is masked (no out= views, no count tensor: each op
     costs microseconds of dispatch at decode sizes). A masked stage on the CPU first checks its sums: finite
     sums prove no row holds a -inf (nor any NaN or Inf), so nothing is masked and the same four suffice."""
+    if not masked and len(dims) == X.dim() - 1 and dims == tuple(range(1, X.dim())):
+        got = row_moments(X)       # every dim but the first, in one pass (engine/native/inspect.c)
+        if got is not None:
+            return got
     s1 = None
     if masked and X.device.type == "cpu":
         s1 = X.sum(dims)

@@ -1,0 +1,239 @@
+/* Statistics for a multi-token forward (prefill, full inspection) in one pass each, beside the PyTorch forward.
+ * Python: engine/native/inspect.py. Both fall back to the PyTorch code (engine/stats.py,
+ * engine/attention_stats.py) when the library is missing, and that code stays the reference in the tests.
+ *
+ * llmi_row_moments: per row of a stage tensor, Σx, ‖x‖, min, max in one read (PyTorch takes four kernels).
+ * llmi_attention_stats: the statistics of a causal layer's attention scores and pattern per query row, over
+ * (heads × keys), without materialising them: each row's scores are computed into a per-thread buffer of S
+ * floats, reduced, turned into the pattern and reduced again. Masked scores (-inf) are left out of the
+ * scores' statistics; the pattern's masked entries are zeros and count, as in the materialised tensors.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stddef.h>
+
+enum { NSTAT = 7 };
+
+/* x: element (t, g, i) at x[t * st + g * sg + i] for t < T, g < G, i < n. out: (4, T) */
+void llmi_row_moments(const float *x, int T, int G, int n, long st, long sg, float *out, int nth) {
+    const long total = (long)T * G * n;
+#pragma omp parallel for num_threads(nth) schedule(static) if (total >= (1L << 16))
+    for (int t = 0; t < T; t++) {
+        double s = 0.0, q = 0.0;
+        float lo = INFINITY, hi = -INFINITY;
+        for (int g = 0; g < G; g++) {
+            const float *r = x + (long)t * st + (long)g * sg;
+            float s1 = 0.f, q1 = 0.f;
+#pragma omp simd reduction(+ : s1, q1) reduction(min : lo) reduction(max : hi)
+            for (int i = 0; i < n; i++) {
+                const float v = r[i];
+                s1 += v;
+                q1 += v * v;
+                lo = v < lo ? v : lo;
+                hi = v > hi ? v : hi;
+            }
+            s += s1;
+            q += q1;
+        }
+        out[t] = (float)s;
+        out[T + t] = (float)sqrt(q);
+        out[2L * T + t] = lo;
+        out[3L * T + t] = hi;
+    }
+}
+
+/* The seven statistics (min, max, mean, std (population, two-pass), absmax, nan, inf) of row t of a tensor
+ * whose element (t, g, i) is at x[t * st + g * sg + i], read while the row is in cache. Returns 1 if the row
+ * holds a NaN or Inf (the caller then takes the PyTorch path, whose accounting of them is the reference). */
+static int row_stat(const float *x, int G, int n, long sg, float *o) {
+    double s = 0.0;
+    float lo = INFINITY, hi = -INFINITY;
+    for (int g = 0; g < G; g++) {
+        const float *r = x + (long)g * sg;
+        float s1 = 0.f;
+#pragma omp simd reduction(+ : s1) reduction(min : lo) reduction(max : hi)
+        for (int i = 0; i < n; i++) {
+            const float v = r[i];
+            s1 += v;
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
+        }
+        s += s1;
+    }
+    if (!isfinite(s)) return 1;
+    const float m = (float)(s / ((double)G * n));
+    double q = 0.0;
+    for (int g = 0; g < G; g++) {
+        const float *r = x + (long)g * sg;
+        float q1 = 0.f;
+#pragma omp simd reduction(+ : q1)
+        for (int i = 0; i < n; i++) {
+            const float e = r[i] - m;
+            q1 += e * e;
+        }
+        q += q1;
+    }
+    o[0] = lo, o[1] = hi, o[2] = m, o[3] = (float)sqrt(q / ((double)G * n));
+    o[4] = fabsf(lo) > fabsf(hi) ? fabsf(lo) : fabsf(hi), o[5] = o[6] = 0.f;
+    return 0;
+}
+
+/* Several tensors in one call (one parallel region): desc[6 i ...] = address, T, G, n, st, sg of tensor i;
+ * out: the (T_i, 7) blocks one after another; bad[i] = 1 when tensor i holds a NaN or Inf. */
+void llmi_row_stats_many(int count, const long *desc, float *out, int *bad, int nth) {
+    long rows = 0;
+    for (int i = 0; i < count; i++) bad[i] = 0, rows += desc[6 * i + 1];
+#pragma omp parallel num_threads(nth) if (rows > 1)
+    {
+        long at = 0;
+        for (int i = 0; i < count; i++) {
+            const long *d = desc + 6 * i;
+            const float *x = (const float *)d[0];
+            const int T = (int)d[1], G = (int)d[2], n = (int)d[3];
+#pragma omp for schedule(static) nowait
+            for (int t = 0; t < T; t++)
+                if (row_stat(x + (long)t * d[4], G, n, d[5], out + (at + t) * NSTAT)) bad[i] = 1;
+            at += T;
+        }
+    }
+}
+
+/* e^x for x <= 0 (a score minus its row's max), within 2 ulp of expf (Cephes' polynomial); written so the
+ * compiler vectorises it (expf itself is a scalar call). Below -87.3 it gives 2^-126 instead of a denormal. */
+static inline float exp_le0(float x) {
+    x = x < -87.33654f ? -87.33654f : x;
+    const float n = rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float e = p * r * r + r + 1.0f;
+    union { int i; float f; } scale = { .i = ((int)n + 127) << 23 };
+    return e * scale.f;
+}
+
+enum { ROWS = 4, LANES = 16 };
+
+long llmi_attention_work_floats(int H, int K, int T, int S, int hd, int nth) {
+    const long Sp = (S + LANES - 1) / LANES * LANES;
+    return (long)K * hd * Sp + (long)nth * ROWS * Sp + 2L * 8 * H * T + 64;
+}
+
+/* q: (H, T, hd) at q[h * qh + t * qt + i]; keys: (K, S, hd) at k[j * kh + s * ks + i]; query t sees keys
+ * s <= off + t. out_scores, out_pattern: (T, 7) or NULL. work: llmi_attention_work_floats() floats.
+ * Work items are (head, four query rows): their scores against the keys they see are a small matrix product
+ * (four rows by eight keys a step, the keys laid out in panels of eight once per call), then each row is reduced, exponentiated
+ * and reduced again into per-(head, row) partials, which are combined over heads at the end.
+ * Returns 1 if a score is not finite (the caller takes the exact PyTorch path), else 0. */
+int llmi_attention_stats(int H, int K, int T, int S, int hd, int off, float scale, const float *q, long qh,
+                         long qt, const float *k, long kh, long ks, float *out_scores, float *out_pattern,
+                         float *work, int nth) {
+    const int G = H / K, blocks = (T + ROWS - 1) / ROWS;
+    const long Sp = (S + LANES - 1) / LANES * LANES;
+    float *kT = work, *scratch = kT + (long)K * hd * Sp;
+    double *part = (double *)(((size_t)(scratch + (long)nth * ROWS * Sp) + 63) & ~(size_t)63);   /* (H, T, 8) */
+    int bad = 0;
+#pragma omp parallel num_threads(nth) reduction(| : bad)
+    {
+#pragma omp for schedule(static)
+        for (int j = 0; j < K; j++)       /* keys in panels of eight: kT[j][s / 8][i][s % 8], one run per panel */
+            for (int s = 0; s < (int)Sp; s++)
+                for (int i = 0; i < hd; i++)
+                    kT[(long)j * hd * Sp + ((long)(s / LANES) * hd + i) * LANES + s % LANES] =
+                        s < S ? k[(long)j * kh + (long)s * ks + i] : 0.f;
+        float *sc = scratch + (size_t)omp_get_thread_num() * ROWS * Sp;
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < H * blocks; item++) {
+            const int h = item / blocks, t0 = (blocks - 1 - item % blocks) * ROWS;   /* long rows first */
+            const int rows = T - t0 < ROWS ? T - t0 : ROWS;
+            const int last = off + t0 + rows < S ? off + t0 + rows : S;             /* keys the block sees */
+            const float *kt = kT + (long)(h / G) * hd * Sp;
+            const float *q0 = q + (long)h * qh + (long)t0 * qt;
+            const float *q1 = rows > 1 ? q0 + qt : q0, *q2 = rows > 2 ? q0 + 2 * qt : q0;
+            const float *q3 = rows > 3 ? q0 + 3 * qt : q0;
+            for (int j = 0; j < last; j += LANES) {
+                float a0[LANES] = {0}, a1[LANES] = {0}, a2[LANES] = {0}, a3[LANES] = {0};
+                for (int i = 0; i < hd; i++) {
+                    const float *kv = kt + ((long)(j / LANES) * hd + i) * LANES;
+                    const float b0 = q0[i], b1 = q1[i], b2 = q2[i], b3 = q3[i];
+#pragma omp simd
+                    for (int c = 0; c < LANES; c++) {
+                        a0[c] += b0 * kv[c];
+                        a1[c] += b1 * kv[c];
+                        a2[c] += b2 * kv[c];
+                        a3[c] += b3 * kv[c];
+                    }
+                }
+#pragma omp simd
+                for (int c = 0; c < LANES; c++) {
+                    sc[j + c] = a0[c] * scale;
+                    sc[Sp + j + c] = a1[c] * scale;
+                    sc[2 * Sp + j + c] = a2[c] * scale;
+                    sc[3 * Sp + j + c] = a3[c] * scale;
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                float *row = sc + (long)r * Sp;
+                const int n = off + t0 + r + 1 < S ? off + t0 + r + 1 : S;         /* keys this row sees */
+                float lo = INFINITY, hi = -INFINITY, s1 = 0.f, s2 = 0.f;
+#pragma omp simd reduction(min : lo) reduction(max : hi) reduction(+ : s1, s2)
+                for (int s = 0; s < n; s++) {
+                    const float v = row[s];
+                    lo = v < lo ? v : lo;
+                    hi = v > hi ? v : hi;
+                    s1 += v;
+                    s2 += v * v;
+                }
+                if (!isfinite(s1) || !isfinite(s2)) {
+                    bad = 1;
+                    continue;
+                }
+                float l = 0.f;
+#pragma omp simd reduction(+ : l)
+                for (int s = 0; s < n; s++) l += (row[s] = exp_le0(row[s] - hi));
+                const float inv = 1.f / l;
+                float plo = INFINITY, p1 = 0.f, p2 = 0.f;
+#pragma omp simd reduction(min : plo) reduction(+ : p1, p2)
+                for (int s = 0; s < n; s++) {
+                    const float p = row[s] * inv;
+                    plo = p < plo ? p : plo;
+                    p1 += p;
+                    p2 += p * p;
+                }
+                double *o = part + ((long)h * T + t0 + r) * 8;
+                o[0] = lo, o[1] = hi, o[2] = s1, o[3] = s2, o[4] = n < S ? 0.0 : plo, o[5] = inv, o[6] = p1, o[7] = p2;
+            }
+        }
+#pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            const int n = off + t + 1 < S ? off + t + 1 : S;
+            double lo = INFINITY, hi = -INFINITY, s1 = 0, s2 = 0, plo = INFINITY, phi = -INFINITY, p1 = 0, p2 = 0;
+            for (int h = 0; h < H; h++) {
+                const double *o = part + ((long)h * T + t) * 8;
+                lo = o[0] < lo ? o[0] : lo;
+                hi = o[1] > hi ? o[1] : hi;
+                s1 += o[2], s2 += o[3];
+                plo = o[4] < plo ? o[4] : plo;
+                phi = o[5] > phi ? o[5] : phi;                   /* the row's largest p: e^0 / l */
+                p1 += o[6], p2 += o[7];
+            }
+            if (out_scores) {
+                const double cnt = (double)H * n, mean = s1 / cnt, var = s2 / cnt - mean * mean;
+                float *w = out_scores + (long)t * NSTAT;
+                w[0] = (float)lo, w[1] = (float)hi, w[2] = (float)mean, w[3] = (float)sqrt(var > 0 ? var : 0);
+                w[4] = (float)(fabs(lo) > fabs(hi) ? fabs(lo) : fabs(hi)), w[5] = w[6] = 0.f;
+            }
+            if (out_pattern) {
+                const double cnt = (double)H * S, mean = p1 / cnt, var = p2 / cnt - mean * mean;
+                float *w = out_pattern + (long)t * NSTAT;
+                w[0] = (float)plo, w[1] = (float)phi, w[2] = (float)mean, w[3] = (float)sqrt(var > 0 ? var : 0);
+                w[4] = (float)(fabs(plo) > fabs(phi) ? fabs(plo) : fabs(phi)), w[5] = w[6] = 0.f;
+            }
+        }
+    }
+    return bad;
+}

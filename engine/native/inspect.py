@@ -1,0 +1,93 @@
+"""Statistics of a multi-token forward in one pass each (inspect.c), for engine.stats and
+engine.attention_stats; None wherever the library or the tensor's layout cannot take it (the PyTorch code
+then runs, and stays the reference)."""
+from __future__ import annotations
+
+import torch
+
+from . import build
+
+
+def _lib():
+    return build.load()[0]
+
+
+def layout(X: torch.Tensor) -> tuple | None:
+    """(T, G, n, row stride, group stride) of a float32 CPU tensor (T, n) or (T, G, n) whose last dim is
+    contiguous; None for anything else."""
+    if X.device.type != "cpu" or X.dtype != torch.float32 or X.dim() not in (2, 3) or X.stride(-1) != 1 \
+            or X.requires_grad or X.numel() == 0:
+        return None
+    if X.dim() == 3:
+        return X.shape[0], X.shape[1], X.shape[2], X.stride(0), X.stride(1)
+    return X.shape[0], 1, X.shape[1], X.stride(0), 0
+
+
+def row_stats(xs: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
+    """Tensors (T, n) or (T, G, n) -> for each, its (T, 7) statistics per row (engine.stats.STAT_NAMES), or None
+    for one holding a NaN or Inf (the PyTorch path counts those); None for all when the library is missing.
+    Every tensor must have layout() (float32 on the CPU, last dim contiguous)."""
+    lib = _lib()
+    if lib is None:
+        return None
+    lays = [layout(x) for x in xs]
+    desc = torch.tensor([[x.data_ptr(), *lay] for x, lay in zip(xs, lays)], dtype=torch.long)
+    out = torch.empty(sum(lay[0] for lay in lays), 7)
+    bad = torch.zeros(len(xs), dtype=torch.int32)
+    lib.llmi_row_stats_many(len(xs), desc.data_ptr(), out.data_ptr(), bad.data_ptr(), torch.get_num_threads())
+    return [None if b else v for b, v in zip(bad.tolist(), out.split([lay[0] for lay in lays]))]
+
+
+def row_moments(X: torch.Tensor) -> tuple | None:
+    """X (T, n) or (T, G, n), float32 on the CPU, last dim contiguous -> per row (Σx, ‖x‖, min, max, count),
+    as engine.stats.moments gives them unmasked."""
+    if X.device.type != "cpu" or X.dtype != torch.float32 or X.dim() not in (2, 3) or X.stride(-1) != 1 \
+            or X.requires_grad or X.numel() == 0:
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    T, n = X.shape[0], X.shape[-1]
+    G, sg = (X.shape[1], X.stride(1)) if X.dim() == 3 else (1, 0)
+    out = torch.empty(4, T)
+    lib.llmi_row_moments(X.data_ptr(), T, G, n, X.stride(0), sg, out.data_ptr(), torch.get_num_threads())
+    return out[0], out[1], out[2], out[3], G * n
+
+
+def attention_stats(qh: torch.Tensor, keys: torch.Tensor, off: int, scores: bool, pattern: bool
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """qh (H, T, hd), keys (K, S, hd) float32 on the CPU; query t sees keys s <= off + t -> (T, 7) statistics
+    of the scores (masked entries left out) and of the pattern over (heads × S). None: not here, or a score
+    is not finite (the exact path counts those)."""
+    if qh.device.type != "cpu" or qh.dtype != torch.float32 or keys.dtype != torch.float32 \
+            or qh.stride(-1) != 1 or keys.stride(-1) != 1 or qh.requires_grad:
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    H, T, hd = qh.shape
+    K, S = keys.shape[0], keys.shape[1]
+    nth = torch.get_num_threads()
+    out_s = torch.empty(T, 7) if scores else None
+    out_p = torch.empty(T, 7) if pattern else None
+    work = torch.empty(lib.llmi_attention_work_floats(H, K, T, S, hd, nth))
+    bad = lib.llmi_attention_stats(H, K, T, S, hd, off, hd ** -0.5, qh.data_ptr(), qh.stride(0), qh.stride(1),
+                                   keys.data_ptr(), keys.stride(0), keys.stride(1),
+                                   None if out_s is None else out_s.data_ptr(),
+                                   None if out_p is None else out_p.data_ptr(), work.data_ptr(), nth)
+    return None if bad else (out_s, out_p)
+
+
+def offer_attention_stats(p, qh: torch.Tensor, keys: torch.Tensor, off: int | None, want) -> bool:
+    """attention_stats of a causal layer (off: engine.attention_stats.causal_offset, None for another mask)
+    offered to the probe view p as the stages' statistics (want: an AttentionView); False: not done here."""
+    if off is None:
+        return False
+    got = attention_stats(qh, keys, off, want.scores_stats, want.pattern_stats)
+    if got is None:
+        return False
+    if got[0] is not None:
+        p.offer_stats("attn.scores", got[0])
+    if got[1] is not None:
+        p.offer_stats("attn.pattern", got[1])
+    return True
