@@ -33,8 +33,9 @@ STAT_NAMES = ("min", "max", "mean", "std", "absmax", "nan", "inf")
 FLUSH_ELEMENTS = 1 << 23  # flush the queue past this many queued elements, bounding the memory it holds
 FLUSH_ELEMENTS_DEVICE = 1 << 25   # on an accelerator: a flush waits for the device, so fewer of them
 IMMEDIATE_ELEMENTS = 1 << 15   # a tensor this large is reduced to its moments when offered
-NATIVE_ELEMENTS = 1 << 21      # on the CPU in fp32 (unmasked), any tensor is queued, up to this many elements
-                               # (8 MiB), for one native call (engine/native/inspect.c) giving their statistics
+NATIVE_BYTES = 8 << 20         # on the CPU in fp32 (unmasked), any tensor is queued, until the storage the queue
+                               # keeps alive reaches this, for one native call (engine/native/inspect.c) giving
+                               # their statistics; a larger one goes at once
 CANCELLATION = 1e-2       # var < this * mean²: the moments lost too many digits; take the two-pass path
 
 
@@ -74,7 +75,9 @@ class StatsBatcher:
         self._order: tuple = ([], None, None)     # a flush's row order, its device and its index tensor
         self._pending: list[tuple[list[str], list, torch.Tensor]] = []
         self._native: list[tuple[int, torch.Tensor]] = []     # (entry, x) waiting for _run_native
-        self._native_elements = 0
+        self._native_bytes = 0
+        self._arena: torch.Tensor | None = None   # (rows, 7) results of native passes (see rows_out)
+        self._arena_used = 0
 
     def add(self, name: str, layer: int | None, x: torch.Tensor, masked: bool = False) -> None:
         """Queue x (T, ...) for statistics. masked: -inf entries are mask values, left out of every statistic.
@@ -95,8 +98,8 @@ class StatsBatcher:
         if not masked and layout(x2) is not None:   # native statistics (engine/native/inspect.c)
             self._last = None
             self._native.append((entry, x2))        # for one pass with the next few (see _run_native)
-            self._native_elements += n
-            if self._native_elements >= NATIVE_ELEMENTS:
+            self._native_bytes += x2.untyped_storage().nbytes()    # what the queue keeps alive (a view's base)
+            if self._native_bytes >= NATIVE_BYTES:
                 self._run_native()
             return
         if n < IMMEDIATE_ELEMENTS:
@@ -164,12 +167,23 @@ class StatsBatcher:
         if self._queued >= (self._limit or self._set_limit(pending.q)):
             self.flush()
 
+    def rows_out(self, rows: int) -> torch.Tensor:
+        """(rows, 7) float32 on the CPU for native results: a view into an arena of at least 64 stages' rows.
+        Thousands of small result tensors kept to the flush, each allocated between a forward's large
+        temporaries, fragment the heap (a 2,048-token inspection grew ~20 MB a layer); a few arenas do not."""
+        a, used = self._arena, self._arena_used
+        if a is None or used + rows > a.shape[0]:
+            a, used = torch.empty(max(64 * rows, 4096), 7), 0
+            self._arena = a
+        self._arena_used = used + rows
+        return a[used:used + rows]
+
     def _run_native(self) -> None:
         """Final statistics of the large tensors queued since the last call, in one native call (a layer's
         stages are still in the last-level cache); a tensor holding a NaN or Inf, or every tensor when the
         library is missing, takes the moments path instead."""
-        queue, self._native, self._native_elements = self._native, [], 0
-        values = row_stats([x for _, x in queue])
+        queue, self._native, self._native_bytes = self._native, [], 0
+        values = row_stats([x for _, x in queue], self.rows_out)
         for i, (entry, x) in enumerate(queue):
             v = None if values is None else values[i]
             if v is not None:

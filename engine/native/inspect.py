@@ -23,16 +23,21 @@ def layout(X: torch.Tensor) -> tuple | None:
     return X.shape[0], 1, X.shape[1], X.stride(0), 0
 
 
-def row_stats(xs: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
+def _empty(rows: int) -> torch.Tensor:
+    return torch.empty(rows, 7)
+
+
+def row_stats(xs: list[torch.Tensor], alloc=_empty) -> list[torch.Tensor | None] | None:
     """Tensors (T, n) or (T, G, n) -> for each, its (T, 7) statistics per row (engine.stats.STAT_NAMES), or None
     for one holding a NaN or Inf (the PyTorch path counts those); None for all when the library is missing.
-    Every tensor must have layout() (float32 on the CPU, last dim contiguous)."""
+    Every tensor must have layout() (float32 on the CPU, last dim contiguous). alloc(rows) gives the (rows, 7)
+    float32 tensor the results are written to (engine.stats.StatsBatcher.rows_out: one arena, see there)."""
     lib = _lib()
     if lib is None:
         return None
     lays = [layout(x) for x in xs]
     desc = torch.tensor([[x.data_ptr(), *lay] for x, lay in zip(xs, lays)], dtype=torch.long)
-    out = torch.empty(sum(lay[0] for lay in lays), 7)
+    out = alloc(sum(lay[0] for lay in lays))
     bad = torch.zeros(len(xs), dtype=torch.int32)
     lib.llmi_row_stats_many(len(xs), desc.data_ptr(), out.data_ptr(), bad.data_ptr(), torch.get_num_threads())
     return [None if b else v for b, v in zip(bad.tolist(), out.split([lay[0] for lay in lays]))]
@@ -54,7 +59,7 @@ def row_moments(X: torch.Tensor) -> tuple | None:
     return out[0], out[1], out[2], out[3], G * n
 
 
-def attention_stats(qh: torch.Tensor, keys: torch.Tensor, off: int, scores: bool, pattern: bool
+def attention_stats(qh: torch.Tensor, keys: torch.Tensor, off: int, scores: bool, pattern: bool, alloc=_empty
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
     """qh (H, T, hd), keys (K, S, hd) float32 on the CPU; query t sees keys s <= off + t -> (T, 7) statistics
     of the scores (masked entries left out) and of the pattern over (heads × S). None: not here, or a score
@@ -68,8 +73,8 @@ def attention_stats(qh: torch.Tensor, keys: torch.Tensor, off: int, scores: bool
     H, T, hd = qh.shape
     K, S = keys.shape[0], keys.shape[1]
     nth = torch.get_num_threads()
-    out_s = torch.empty(T, 7) if scores else None
-    out_p = torch.empty(T, 7) if pattern else None
+    out_s = alloc(T) if scores else None
+    out_p = alloc(T) if pattern else None
     work = torch.empty(lib.llmi_attention_work_floats(H, K, T, S, hd, nth))
     bad = lib.llmi_attention_stats(H, K, T, S, hd, off, hd ** -0.5, qh.data_ptr(), qh.stride(0), qh.stride(1),
                                    keys.data_ptr(), keys.stride(0), keys.stride(1),
@@ -83,7 +88,9 @@ def offer_attention_stats(p, qh: torch.Tensor, keys: torch.Tensor, off: int | No
     offered to the probe view p as the stages' statistics (want: an AttentionView); False: not done here."""
     if off is None:
         return False
-    got = attention_stats(qh, keys, off, want.scores_stats, want.pattern_stats)
+    batcher = getattr(getattr(p, "probe", None), "stats_batcher", None)
+    got = attention_stats(qh, keys, off, want.scores_stats, want.pattern_stats,
+                          _empty if batcher is None else batcher.rows_out)
     if got is None:
         return False
     if got[0] is not None:
