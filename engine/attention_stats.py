@@ -79,19 +79,19 @@ def _workspace(n: int, m: int, device, dtype) -> tuple[torch.Tensor, torch.Tenso
     return ws
 
 
-def inspect_attention(p, qh: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None) -> None:
+def inspect_attention(p, qh: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, values=None) -> bool | None:
     """Offer a layer's attention scores and pattern to its probe view p as statistics and/or captured rows,
     as far as p needs them short of the whole tensors (engine.probe_views: STATS or ROWS). Statistics alone
-    under the causal mask are offered as a PendingAttention: the probe's batcher combines the partial results
-    of all layers at its flush (a few ops for all of them, no host round trip per layer)."""
+    under the causal mask: one native pass (True: it also proved q, keys and values finite), else a
+    PendingAttention the batcher combines for all layers at its flush (no host round trip per layer)."""
     want = AttentionView(p.wants_stats("attn.scores"), p.wants_stats("attn.pattern"),
                          p.capture_positions("attn.scores"), p.capture_positions("attn.pattern"))
     if not want:
-        return
+        return None
     T = qh.shape[1]
     if want.scores_rows is None and want.pattern_rows is None:
-        if offer_native_attention(p, qh, keys, causal_offset(mask, T, keys.shape[1]), want):   # else the blocks
-            return
+        if offer_native_attention(p, qh, keys, values, causal_offset(mask, T, keys.shape[1]), want):
+            return True
         with torch.no_grad():
             pending = _pending(qh.detach(), keys.detach(), mask, want)
         if pending is not None:

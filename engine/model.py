@@ -247,9 +247,10 @@ class Model:
         if T == 1 or need == FULL:    # one query row: scores and pattern are small; or a hook needs them whole
             z = self._explicit_attention(qh, keys, values, p, mask)
         else:
-            z = self._fused_attention(qh, keys, values, mask, p.guards_nan)
-            if need:                  # statistics / some rows only: computed in query blocks, never whole
-                inspect_attention(p, qh, keys, mask)
+            # statistics / some rows only: computed beside the fused kernel (in query blocks, or natively,
+            # which also proves q, k and v finite: the kernel's guard is then not needed), never whole
+            proved = bool(need) and bool(inspect_attention(p, qh, keys, mask, values))
+            z = self._fused_attention(qh, keys, values, mask, p.guards_nan and not proved)
         z = p("attn.z", z.transpose(0, 1))                                      # (T, H, hd)
         attn_out = p("attn_out", _mm(z.reshape(T, H * hd), lw.wo).to(x.dtype))  # (T, d)
         x = p("resid_mid", x + attn_out)

@@ -8,24 +8,20 @@ its positions first ([T, ...]) except attn.scores / attn.pattern ([heads, T, S])
 from __future__ import annotations
 
 import dataclasses
-import functools
-import re
 import time
-from dataclasses import dataclass, field
-from fnmatch import fnmatchcase as _fnmatchcase
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 
 from .errors import EngineError
-from .probe_views import FULL, NONE, ROWS, STATS, LayerProbe
+from .plans import HEADS_FIRST, Plan, plan_stage, split_name
+from .probe_views import FULL, NONE, LayerProbe
 from .stats import StatRecord, StatsBatcher, StatsBlock
 
-HEADS_FIRST = ("attn.scores", "attn.pattern")
 WEIGHT_SLOTS = {"attn_norm.weight": "attn_norm", "attn.wqkv": "wqkv", "attn.wo": "wo",
                 "mlp_norm.weight": "mlp_norm", "mlp.w_gate_up": "w_gate_up", "mlp.w_down": "w_down"}
 GLOBAL_WEIGHTS = ("embed.weight", "final_norm.weight", "lm_head.weight")
-_LAYER = re.compile(r"blocks\.(\d+)\.(.+)")
 
 
 @dataclass(frozen=True)
@@ -49,40 +45,6 @@ class Capture:
     value: Any               # tensor on the CPU (or a str / int for tokenizer and detokenizer stages)
 
 
-@dataclass
-class _Plan:
-    layer: int | None = None
-    heads_first: bool = False      # attn.scores / attn.pattern: (heads, T, S)
-    masked: bool = False           # -inf entries are masks (attention scores, sampler cuts), not faults
-    capture: list[tuple[frozenset | None, frozenset | None]] = field(default_factory=list)
-    stats: bool = False
-    replace: list[HookFn] = field(default_factory=list)
-    need: int = NONE                # what the stage needs of its tensor: NONE, STATS, ROWS or FULL
-
-    def __bool__(self) -> bool:
-        return self.need != NONE
-
-    def settle(self) -> "_Plan":
-        if self.replace or any(positions is None for _, positions in self.capture):
-            self.need = FULL
-        elif self.capture:
-            self.need = ROWS
-        else:
-            self.need = STATS if self.stats else NONE
-        return self
-
-
-# remembered: a probe plans each of ~500 stages once per run, on the same few patterns each time
-fnmatchcase = functools.lru_cache(maxsize=1 << 14)(_fnmatchcase)
-
-
-@functools.lru_cache(maxsize=1 << 13)
-def split_name(name: str) -> tuple[int | None, str]:
-    """'blocks.3.attn.q' -> (3, 'attn.q'); 'embed' -> (None, 'embed')."""
-    m = _LAYER.fullmatch(name)
-    return (int(m.group(1)), m.group(2)) if m else (None, name)
-
-
 def _as_set(xs: Iterable[int] | None) -> frozenset | None:
     return None if xs is None else frozenset(int(x) for x in xs)
 
@@ -92,7 +54,7 @@ class Probe:
         self._capture_specs: list[tuple[list[str], frozenset | None, frozenset | None]] = []
         self._stats_specs: list[str] = []
         self._replace_specs: list[tuple[list[str], HookFn, frozenset | None]] = []
-        self._plans: dict[str, _Plan] = {}
+        self._plans: dict[str, Plan] = {}
         self._block_rows: dict[int, tuple] = {}
         self._batcher = StatsBatcher()
         self._layer_views: dict[int, LayerProbe] = {}
@@ -183,21 +145,10 @@ class Probe:
                 + len(self._weight_overrides))
 
     # ---- called by the engine ------------------------------------------------------------------
-    def plan(self, name: str) -> _Plan:
+    def plan(self, name: str) -> Plan:
         p = self._plans.get(name)
         if p is None:
-            layer, stage = split_name(name)
-            p = _Plan(layer=layer, heads_first=stage in HEADS_FIRST,
-                      masked=stage == "attn.scores" or name.startswith("sampler."))
-            for pats, layers, positions in self._capture_specs:
-                if _matches(name, pats) and (layers is None or layer in layers):
-                    p.capture.append((layers, positions))
-            p.stats = any(fnmatchcase(name, pat) for pat in self._stats_specs) and not name.startswith(
-                ("tokenizer", "detokenizer"))
-            for pats, fn, layers in self._replace_specs:
-                if _matches(name, pats) and (layers is None or layer in layers):
-                    p.replace.append(fn)
-            self._plans[name] = p.settle()
+            p = self._plans[name] = plan_stage(name, self._stats_specs, self._capture_specs, self._replace_specs)
         return p
 
     def wants(self, name: str) -> bool:
@@ -364,10 +315,6 @@ def _patterns(p: str | list[str]) -> list[str]:
     if not pats or not all(isinstance(x, str) and x for x in pats):
         raise EngineError(f"hook pattern must be a non-empty string or list of strings, got {p!r}")
     return pats
-
-
-def _matches(name: str, pats: list[str]) -> bool:
-    return any(name == pat or fnmatchcase(name, pat) for pat in pats)
 
 
 # ---- ready-made replace functions (interventions) ------------------------------------------------

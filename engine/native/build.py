@@ -69,7 +69,7 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     lib.llmi_attention_work_floats.restype = ctypes.c_long
     lib.llmi_attention_work_floats.argtypes = [i] * 6
     lib.llmi_attention_stats.restype = ctypes.c_int
-    lib.llmi_attention_stats.argtypes = [i, i, i, i, i, i, f, p, l, l, p, l, l, p, p, p, i]
+    lib.llmi_attention_stats.argtypes = [i, i, i, i, i, i, f, p, l, l, p, l, l, p, l, l, p, p, p, i]
     return lib, ""
 
 

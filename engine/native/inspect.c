@@ -128,10 +128,11 @@ long llmi_attention_work_floats(int H, int K, int T, int S, int hd, int nth) {
  * Work items are (head, four query rows): their scores against the keys they see are a small matrix product
  * (four rows by eight keys a step, the keys laid out in panels of eight once per call), then each row is reduced, exponentiated
  * and reduced again into per-(head, row) partials, which are combined over heads at the end.
- * Returns 1 if a score is not finite (the caller takes the exact PyTorch path), else 0. */
+ * Returns 1 if a score or a value (v: (K, S, hd) at v[j * vh + s * vs + i]) is not finite (the caller takes
+ * the exact PyTorch path), else 0: then every query, key and value is finite (each key meets the last row). */
 int llmi_attention_stats(int H, int K, int T, int S, int hd, int off, float scale, const float *q, long qh,
-                         long qt, const float *k, long kh, long ks, float *out_scores, float *out_pattern,
-                         float *work, int nth) {
+                         long qt, const float *k, long kh, long ks, const float *v, long vh, long vs,
+                         float *out_scores, float *out_pattern, float *work, int nth) {
     const int G = H / K, blocks = (T + ROWS - 1) / ROWS;
     const long Sp = (S + LANES - 1) / LANES * LANES;
     float *kT = work, *scratch = kT + (long)K * hd * Sp;
@@ -140,11 +141,20 @@ int llmi_attention_stats(int H, int K, int T, int S, int hd, int off, float scal
 #pragma omp parallel num_threads(nth) reduction(| : bad)
     {
 #pragma omp for schedule(static)
-        for (int j = 0; j < K; j++)       /* keys in panels of eight: kT[j][s / 8][i][s % 8], one run per panel */
+        for (int j = 0; j < K; j++) {     /* keys in panels of LANES: kT[j][s / LANES][i][s % LANES] */
             for (int s = 0; s < (int)Sp; s++)
                 for (int i = 0; i < hd; i++)
                     kT[(long)j * hd * Sp + ((long)(s / LANES) * hd + i) * LANES + s % LANES] =
                         s < S ? k[(long)j * kh + (long)s * ks + i] : 0.f;
+            float acc[LANES] = {0};       /* and the values checked finite (the caller's fused kernel needs it) */
+            for (int s = 0; s < S; s++) {
+                const float *vv = v + (long)j * vh + (long)s * vs;
+                for (int i = 0; i < hd; i++) acc[i % LANES] += vv[i];
+            }
+            float sum = 0.f;
+            for (int c = 0; c < LANES; c++) sum += acc[c];
+            if (!isfinite(sum)) bad = 1;
+        }
         float *sc = scratch + (size_t)omp_get_thread_num() * ROWS * Sp;
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < H * blocks; item++) {
@@ -152,29 +162,22 @@ int llmi_attention_stats(int H, int K, int T, int S, int hd, int off, float scal
             const int rows = T - t0 < ROWS ? T - t0 : ROWS;
             const int last = off + t0 + rows < S ? off + t0 + rows : S;             /* keys the block sees */
             const float *kt = kT + (long)(h / G) * hd * Sp;
-            const float *q0 = q + (long)h * qh + (long)t0 * qt;
-            const float *q1 = rows > 1 ? q0 + qt : q0, *q2 = rows > 2 ? q0 + 2 * qt : q0;
-            const float *q3 = rows > 3 ? q0 + 3 * qt : q0;
+            const float *qr[ROWS];
+            for (int r = 0; r < ROWS; r++) qr[r] = q + (long)h * qh + (long)(t0 + (r < rows ? r : 0)) * qt;
             for (int j = 0; j < last; j += LANES) {
-                float a0[LANES] = {0}, a1[LANES] = {0}, a2[LANES] = {0}, a3[LANES] = {0};
+                float acc[ROWS][LANES] = {{0}};
+                const float *kp = kt + (long)(j / LANES) * hd * LANES;
                 for (int i = 0; i < hd; i++) {
-                    const float *kv = kt + ((long)(j / LANES) * hd + i) * LANES;
-                    const float b0 = q0[i], b1 = q1[i], b2 = q2[i], b3 = q3[i];
+                    const float *kv = kp + (long)i * LANES;
+                    for (int r = 0; r < ROWS; r++) {
+                        const float b = qr[r][i];
 #pragma omp simd
-                    for (int c = 0; c < LANES; c++) {
-                        a0[c] += b0 * kv[c];
-                        a1[c] += b1 * kv[c];
-                        a2[c] += b2 * kv[c];
-                        a3[c] += b3 * kv[c];
+                        for (int c = 0; c < LANES; c++) acc[r][c] += b * kv[c];
                     }
                 }
+                for (int r = 0; r < ROWS; r++)
 #pragma omp simd
-                for (int c = 0; c < LANES; c++) {
-                    sc[j + c] = a0[c] * scale;
-                    sc[Sp + j + c] = a1[c] * scale;
-                    sc[2 * Sp + j + c] = a2[c] * scale;
-                    sc[3 * Sp + j + c] = a3[c] * scale;
-                }
+                    for (int c = 0; c < LANES; c++) sc[(long)r * Sp + j + c] = acc[r][c] * scale;
             }
             for (int r = 0; r < rows; r++) {
                 float *row = sc + (long)r * Sp;

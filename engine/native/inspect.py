@@ -59,13 +59,15 @@ def row_moments(X: torch.Tensor) -> tuple | None:
     return out[0], out[1], out[2], out[3], G * n
 
 
-def attention_stats(qh: torch.Tensor, keys: torch.Tensor, off: int, scores: bool, pattern: bool, alloc=_empty
-                    ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+def attention_stats(qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, off: int, scores: bool,
+                    pattern: bool, alloc=_empty) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
     """qh (H, T, hd), keys (K, S, hd) float32 on the CPU; query t sees keys s <= off + t -> (T, 7) statistics
     of the scores (masked entries left out) and of the pattern over (heads × S). None: not here, or a score
-    is not finite (the exact path counts those)."""
+    or a value (K, S, hd) is not finite (the exact path counts those); otherwise q, keys and values are all
+    finite."""
     if qh.device.type != "cpu" or qh.dtype != torch.float32 or keys.dtype != torch.float32 \
-            or qh.stride(-1) != 1 or keys.stride(-1) != 1 or qh.requires_grad:
+            or values.dtype != torch.float32 or qh.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1 \
+            or qh.requires_grad:
         return None
     lib = _lib()
     if lib is None:
@@ -78,18 +80,21 @@ def attention_stats(qh: torch.Tensor, keys: torch.Tensor, off: int, scores: bool
     work = torch.empty(lib.llmi_attention_work_floats(H, K, T, S, hd, nth))
     bad = lib.llmi_attention_stats(H, K, T, S, hd, off, hd ** -0.5, qh.data_ptr(), qh.stride(0), qh.stride(1),
                                    keys.data_ptr(), keys.stride(0), keys.stride(1),
+                                   values.data_ptr(), values.stride(0), values.stride(1),
                                    None if out_s is None else out_s.data_ptr(),
                                    None if out_p is None else out_p.data_ptr(), work.data_ptr(), nth)
     return None if bad else (out_s, out_p)
 
 
-def offer_attention_stats(p, qh: torch.Tensor, keys: torch.Tensor, off: int | None, want) -> bool:
+def offer_attention_stats(p, qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None, off: int | None,
+                          want) -> bool:
     """attention_stats of a causal layer (off: engine.attention_stats.causal_offset, None for another mask)
-    offered to the probe view p as the stages' statistics (want: an AttentionView); False: not done here."""
-    if off is None:
+    offered to the probe view p as the stages' statistics (want: an AttentionView). True: done, and q, keys
+    and values proved finite; False: not done here."""
+    if off is None or values is None:
         return False
     batcher = getattr(getattr(p, "probe", None), "stats_batcher", None)
-    got = attention_stats(qh, keys, off, want.scores_stats, want.pattern_stats,
+    got = attention_stats(qh, keys, values, off, want.scores_stats, want.pattern_stats,
                           _empty if batcher is None else batcher.rows_out)
     if got is None:
         return False

@@ -74,18 +74,21 @@ def test_attention_statistics_equal_the_materialised(H, K, hd, T, S):
     qh = qkv[:, :H].transpose(0, 1)                      # as the forward hands it over: a strided view
     cache = torch.randn(K, S + 11, hd, generator=g) * 2
     keys = cache[:, :S]
-    s, p = attention_stats(qh, keys, S - T, True, True)
+    values = torch.randn(K, S + 11, hd, generator=g)[:, :S]
+    s, p = attention_stats(qh, keys, values, S - T, True, True)
     ref_s, ref_p = _materialised(qh, keys, S - T)
     close(s, ref_s)
     close(p, ref_p)
-    only_p = attention_stats(qh, keys, S - T, False, True)
+    only_p = attention_stats(qh, keys, values, S - T, False, True)
     assert only_p[0] is None and torch.equal(only_p[1], p)
 
 
-def test_attention_with_a_nan_key_is_left_to_the_exact_path():
-    qh, keys = torch.randn(4, 5, 16), torch.randn(2, 9, 16)
-    keys[1, 3, 2] = float("nan")
-    assert attention_stats(qh, keys, 4, True, True) is None
+@pytest.mark.parametrize("where", ["q", "key", "value"])
+def test_attention_with_a_nan_or_inf_is_left_to_the_exact_path(where):
+    qh, keys, values = torch.randn(4, 5, 16), torch.randn(2, 9, 16), torch.randn(2, 9, 16)
+    assert attention_stats(qh, keys, values, 4, True, True) is not None
+    {"q": qh, "key": keys, "value": values}[where][1, 3, 2] = float("nan") if where != "value" else float("inf")
+    assert attention_stats(qh, keys, values, 4, True, True) is None
 
 
 def test_a_forward_s_statistics_equal_the_pytorch_path(tiny_model, monkeypatch):
