@@ -16,7 +16,7 @@ import torch
 
 from .errors import EngineError
 from .plans import HEADS_FIRST, Plan, plan_stage, split_name
-from .probe_views import FULL, NONE, LayerProbe
+from .probe_views import NONE, LayerProbe
 from .stats import StatRecord, StatsBatcher, StatsBlock
 
 WEIGHT_SLOTS = {"attn_norm.weight": "attn_norm", "attn.wqkv": "wqkv", "attn.wo": "wo",

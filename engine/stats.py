@@ -74,7 +74,7 @@ class StatsBatcher:
         self._last: tuple | None = None       # (x, masked, moments) of the last tensor reduced when offered
         self._order: tuple = ([], None, None)     # a flush's row order, its device and its index tensor
         self._pending: list[tuple[list[str], list, torch.Tensor]] = []
-        self._native: list[tuple[int, torch.Tensor]] = []     # (entry, x) waiting for _run_native
+        self._native: list[tuple] = []          # (entry, x, layout) waiting for _run_native
         self._native_bytes = 0
         self._arena: torch.Tensor | None = None   # (rows, 7) results of native passes (see rows_out)
         self._arena_used = 0
@@ -94,12 +94,13 @@ class StatsBatcher:
         entry = len(self._names)
         self._names.append(name)
         self._layers.append(layer)
-        x2 = x if x.dim() > 1 else x.reshape(1, -1)
-        if not masked and layout(x2) is not None:   # native statistics (engine/native/inspect.c)
+        x2 = x if len(shape) > 1 else x.reshape(1, -1)
+        lay = None if masked else layout(x2)
+        if lay is not None:                         # native statistics (engine/native/inspect.c)
             self._last = None
-            self._native.append((entry, x2))        # for one pass with the next few (see _run_native)
-            self._native_bytes += x2.untyped_storage().nbytes()    # what the queue keeps alive (a view's base)
-            if self._native_bytes >= NATIVE_BYTES:
+            self._native.append((entry, x2, lay))   # for one pass with the next few (see _run_native)
+            self._native_bytes += 8 * n             # what the queue keeps alive: a view's base (q of qkv, gate
+            if self._native_bytes >= NATIVE_BYTES:  # of gate_up) is about twice the view
                 self._run_native()
             return
         if n < IMMEDIATE_ELEMENTS:
@@ -183,8 +184,8 @@ class StatsBatcher:
         stages are still in the last-level cache); a tensor holding a NaN or Inf, or every tensor when the
         library is missing, takes the moments path instead."""
         queue, self._native, self._native_bytes = self._native, [], 0
-        values = row_stats([x for _, x in queue], self.rows_out)
-        for i, (entry, x) in enumerate(queue):
+        values = row_stats([q[1] for q in queue], self.rows_out, [q[2] for q in queue])
+        for i, (entry, x, _) in enumerate(queue):
             v = None if values is None else values[i]
             if v is not None:
                 self._final.append((entry, v))

@@ -33,7 +33,8 @@ def add_commands(sub) -> None:
     model_args(b)
     b.add_argument("--prompt-tokens", type=int, default=128)
     b.add_argument("--new-tokens", type=int, default=64)
-    b.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the best of each is reported")
+    b.add_argument("--repeats", type=int, default=5,
+                   help="rounds: ratios are the median of the rounds' own ratios, speeds the best round's")
     b.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     b.add_argument("--app", action="store_true",
                    help="also the app's full inspection vs plain prefill (512, 2,048, 8,000 tokens: time, kept and "

@@ -1,4 +1,5 @@
-"""Compile engine/native/*.c (decode.c, inspect.c) into one library once per machine and load it (ctypes); None, with the reason, when it cannot be.
+"""Compile engine/native/*.c (decode.c, inspect.c) into one library once per machine and load it (ctypes);
+None, with the reason, when it cannot be.
 
 The library is built with the system C compiler (`cc`, or $CC) for this machine's CPU (-march=native) and
 cached under $LLM_INSPECTOR_CACHE (default ~/.cache/llm-inspector)/native, named by a hash of the source, the
@@ -61,15 +62,15 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     lib.llmi_decode_step.argtypes = [ctypes.c_void_p]
     lib.llmi_work_floats.restype = ctypes.c_long
     lib.llmi_work_floats.argtypes = [ctypes.c_int] * 8
-    i, l, f, p = ctypes.c_int, ctypes.c_long, ctypes.c_float, ctypes.c_void_p
+    i, n, f, p = ctypes.c_int, ctypes.c_long, ctypes.c_float, ctypes.c_void_p
     lib.llmi_row_moments.restype = None
-    lib.llmi_row_moments.argtypes = [p, i, i, i, l, l, p, i]
+    lib.llmi_row_moments.argtypes = [p, i, i, i, n, n, p, i]
     lib.llmi_row_stats_many.restype = None
     lib.llmi_row_stats_many.argtypes = [i, p, p, p, i]
     lib.llmi_attention_work_floats.restype = ctypes.c_long
     lib.llmi_attention_work_floats.argtypes = [i] * 6
     lib.llmi_attention_stats.restype = ctypes.c_int
-    lib.llmi_attention_stats.argtypes = [i, i, i, i, i, i, f, p, l, l, p, l, l, p, l, l, p, p, p, i]
+    lib.llmi_attention_stats.argtypes = [i, i, i, i, i, i, f, p, n, n, p, n, n, p, n, n, p, p, p, i]
     return lib, ""
 
 
@@ -81,7 +82,8 @@ def build(path: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True, timeout=300)
+        r = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
+                           timeout=300)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-400:]}")
         os.replace(tmp, path)

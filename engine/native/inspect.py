@@ -14,28 +14,32 @@ def _lib():
 
 def layout(X: torch.Tensor) -> tuple | None:
     """(T, G, n, row stride, group stride) of a float32 CPU tensor (T, n) or (T, G, n) whose last dim is
-    contiguous; None for anything else."""
-    if X.device.type != "cpu" or X.dtype != torch.float32 or X.dim() not in (2, 3) or X.stride(-1) != 1 \
-            or X.requires_grad or X.numel() == 0:
+    contiguous; None for anything else. (Called for every stage a probe takes statistics of: kept lean.)"""
+    if X.dtype is not torch.float32 or X.device.type != "cpu" or X.requires_grad:
         return None
-    if X.dim() == 3:
-        return X.shape[0], X.shape[1], X.shape[2], X.stride(0), X.stride(1)
-    return X.shape[0], 1, X.shape[1], X.stride(0), 0
+    shape, stride = X.shape, X.stride()
+    if len(shape) == 2 and stride[1] == 1 and shape[0] and shape[1]:
+        return shape[0], 1, shape[1], stride[0], 0
+    if len(shape) == 3 and stride[2] == 1 and shape[0] and shape[1] and shape[2]:
+        return shape[0], shape[1], shape[2], stride[0], stride[1]
+    return None
 
 
 def _empty(rows: int) -> torch.Tensor:
     return torch.empty(rows, 7)
 
 
-def row_stats(xs: list[torch.Tensor], alloc=_empty) -> list[torch.Tensor | None] | None:
+def row_stats(xs: list[torch.Tensor], alloc=_empty, lays: list[tuple] | None = None
+              ) -> list[torch.Tensor | None] | None:
     """Tensors (T, n) or (T, G, n) -> for each, its (T, 7) statistics per row (engine.stats.STAT_NAMES), or None
     for one holding a NaN or Inf (the PyTorch path counts those); None for all when the library is missing.
     Every tensor must have layout() (float32 on the CPU, last dim contiguous). alloc(rows) gives the (rows, 7)
-    float32 tensor the results are written to (engine.stats.StatsBatcher.rows_out: one arena, see there)."""
+    float32 tensor the results are written to (engine.stats.StatsBatcher.rows_out: one arena, see there);
+    lays: the tensors' layout() when the caller has them."""
     lib = _lib()
     if lib is None:
         return None
-    lays = [layout(x) for x in xs]
+    lays = lays or [layout(x) for x in xs]
     desc = torch.tensor([[x.data_ptr(), *lay] for x, lay in zip(xs, lays)], dtype=torch.long)
     out = alloc(sum(lay[0] for lay in lays))
     bad = torch.zeros(len(xs), dtype=torch.int32)

@@ -9,8 +9,9 @@ and to transformers.
 The native step reads its own copy of the weight matrices, laid out as panels of eight rows (see decode.c):
 a one-row product then streams each matrix as one contiguous run, ~25 % faster here than the row-major
 matrices the PyTorch forward multiplies. The copy costs the matrices' size again in memory (545 MB for the
-bundled model in fp32) and is made on the model's first decode step (about half a second). With statistics, a step that meets a NaN or an Inf is redone by the PyTorch forward (it
-rewrites the same cache position), whose accounting of non-finite values is the reference.
+bundled model in fp32) and is made on the model's first decode step (about half a second). With statistics,
+a step that meets a NaN or an Inf is redone by the PyTorch forward (it rewrites the same cache position),
+whose accounting of non-finite values is the reference.
 """
 from __future__ import annotations
 
