@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 SOURCES = (Path(__file__).with_name("decode.c"), Path(__file__).with_name("inspect.c"))
+HEADERS = (Path(__file__).with_name("vexp.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -39,7 +40,8 @@ def _cpu_flags() -> str:
 
 
 def library_path() -> Path:
-    h = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode() + _cpu_flags().encode()
+    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    h = hashlib.sha256(text + " ".join(FLAGS).encode() + _cpu_flags().encode()
                        + platform.machine().encode()).hexdigest()[:16]
     return cache_dir() / f"llmi-{h}.so"
 

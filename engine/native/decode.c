@@ -16,6 +16,8 @@
 #include <omp.h>
 #include <stddef.h>
 
+#include "vexp.h"
+
 typedef struct {
     int L, d, H, K, hd, F, V;      /* layers, hidden, query heads, KV heads, head dim, MLP width, vocab */
     int max_len, pos, nth;         /* KV cache length, this token's position, threads */
@@ -189,7 +191,8 @@ int llmi_decode_step(const Step *p) {
                 const float *vals = vc + (hh / G) * cache_head;
                 float m = -INFINITY, sum = 0.f;
                 for (int s = 0; s < S; s++) m = sc[s] > m ? sc[s] : m;
-                for (int s = 0; s < S; s++) sum += (sc[s] = expf(sc[s] - m));
+#pragma omp simd reduction(+ : sum)
+                for (int s = 0; s < S; s++) sum += (sc[s] = exp_le0(sc[s] - m));
                 const float inv = 1.f / sum;
                 for (int i = 0; i < hd; i++) zo[i] = 0.f;
                 for (int s = 0; s < S; s++) {
@@ -220,12 +223,13 @@ int llmi_decode_step(const Step *p) {
                 }
             }
             product(h, p->wgu[l], d, 2 * F, gu, part, stride);
+#pragma omp for simd schedule(static)
+            for (int i = 0; i < F; i++) {    /* silu(g) * up, e^-|g| so that nothing overflows */
+                const float g = gu[i], e = exp_le0(g < 0.f ? g : -g);
+                act[i] = (g < 0.f ? g * e : g) / (1.f + e) * gu[F + i];
+            }
 #pragma omp single
             {
-                for (int i = 0; i < F; i++) {
-                    const float g = gu[i];
-                    act[i] = g / (1.f + expf(-g)) * gu[F + i];
-                }
                 if (st) {
                     bad |= stats7(gu, F, st);
                     bad |= stats7(gu + F, F, st + NSTAT);
