@@ -66,6 +66,7 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
         raise ModelLoadError(f"{model_dir}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
                              f"vocabulary has {cfg.vocab_size}: they do not belong together")
     model = Model(cfg, weights, tokenizer, device=dev, dtype=dt, name=name, path=model_dir)
+    model.native_allowed = True
     if progress:
         progress(1.0, f"{name} ready on {dev.type} ({str(dt).removeprefix('torch.')})")
     return model

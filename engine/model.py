@@ -109,6 +109,8 @@ class Model:
         self._live_hooks = 0
         self._lock = threading.Lock()
         self._native: NativeDecoder | None | bool = False     # False: not looked at yet (see native())
+        self.native_allowed = False     # set by load_model: a model made from another (quantised copies, precision
+        self._native_lock = threading.Lock()   # plans) does not get its own 545 MB copy of the weights
 
     # ---- introspection --------------------------------------------------------------------------
     @property
@@ -149,7 +151,9 @@ class Model:
         """The native decode step for this model (engine/native), or None where it cannot run (then every step
         runs the PyTorch forward). Looked at on first use: a precision plan is set up after __init__."""
         if self._native is False:
-            self._native = NativeDecoder.for_model(self)
+            with self._native_lock:           # one copy of the weights, however many runs start at once
+                if self._native is False:
+                    self._native = NativeDecoder.for_model(self) if self.native_allowed else None
         return self._native
 
     # ---- forward --------------------------------------------------------------------------------

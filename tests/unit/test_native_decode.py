@@ -206,3 +206,17 @@ def test_turned_off_by_environment(monkeypatch):
     finally:
         monkeypatch.delenv("LLM_INSPECTOR_NATIVE")
         build.load.cache_clear()
+
+
+def test_only_loaded_models_get_the_native_copy(tiny_model):
+    """A model made from another (a precision plan, a quantised copy) decodes with the PyTorch forward rather
+    than make its own copy of the weights."""
+    from engine.model import Model
+    _native_or_skip(tiny_model)
+    assert tiny_model.with_fp32(["blocks.0.mlp"]).native() is None
+    copy = Model(tiny_model.config, tiny_model.weights, tiny_model.tokenizer, device=tiny_model.device,
+                 dtype=tiny_model.dtype)
+    assert copy.native() is None
+    a, _ = _run(copy)
+    b, _ = _run(tiny_model, native=False)
+    assert torch.equal(a, b)            # the same PyTorch forward, bit for bit
