@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .native.inspect import layout, row_moments, row_stats
+from .native.inspect import layout, row_stats
 
 STAT_NAMES = ("min", "max", "mean", "std", "absmax", "nan", "inf")
 FLUSH_ELEMENTS = 1 << 23  # flush the queue past this many queued elements, bounding the memory it holds
@@ -261,10 +261,6 @@ def moments(X: torch.Tensor, masked: bool | None = False, dims: tuple[int, ...] 
     out. Four plain read-only reductions when nothing is masked (no out= views, no count tensor: each op
     costs microseconds of dispatch at decode sizes). A masked stage on the CPU first checks its sums: finite
     sums prove no row holds a -inf (nor any NaN or Inf), so nothing is masked and the same four suffice."""
-    if not masked and len(dims) == X.dim() - 1 and dims == tuple(range(1, X.dim())):
-        got = row_moments(X)       # every dim but the first, in one pass (engine/native/inspect.c)
-        if got is not None:
-            return got
     s1 = None
     if masked and X.device.type == "cpu":
         s1 = X.sum(dims)

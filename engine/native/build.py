@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 SOURCES = (Path(__file__).with_name("decode.c"), Path(__file__).with_name("inspect.c"))
-HEADERS = (Path(__file__).with_name("vexp.h"),)
+HEADERS = (Path(__file__).with_name("vexp.h"), Path(__file__).with_name("rowstat.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -65,8 +65,6 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     lib.llmi_work_floats.restype = ctypes.c_long
     lib.llmi_work_floats.argtypes = [ctypes.c_int] * 8
     i, n, f, p = ctypes.c_int, ctypes.c_long, ctypes.c_float, ctypes.c_void_p
-    lib.llmi_row_moments.restype = None
-    lib.llmi_row_moments.argtypes = [p, i, i, i, n, n, p, i]
     lib.llmi_row_stats_many.restype = None
     lib.llmi_row_stats_many.argtypes = [i, p, p, p, i]
     lib.llmi_attention_work_floats.restype = ctypes.c_long

@@ -2,7 +2,7 @@
  * Python: engine/native/inspect.py. Both fall back to the PyTorch code (engine/stats.py,
  * engine/attention_stats.py) when the library is missing, and that code stays the reference in the tests.
  *
- * llmi_row_moments: per row of a stage tensor, Σx, ‖x‖, min, max in one read (PyTorch takes four kernels).
+ * llmi_row_stats_many: the seven statistics of every row of several stage tensors in one call.
  * llmi_attention_stats: the statistics of a causal layer's attention scores and pattern per query row, over
  * (heads × keys), without materialising them: each row's scores are computed into a per-thread buffer of S
  * floats, reduced, turned into the pattern and reduced again. Masked scores (-inf) are left out of the
@@ -12,73 +12,8 @@
 #include <omp.h>
 #include <stddef.h>
 
+#include "rowstat.h"
 #include "vexp.h"
-
-enum { NSTAT = 7 };
-
-/* x: element (t, g, i) at x[t * st + g * sg + i] for t < T, g < G, i < n. out: (4, T) */
-void llmi_row_moments(const float *x, int T, int G, int n, long st, long sg, float *out, int nth) {
-    const long total = (long)T * G * n;
-#pragma omp parallel for num_threads(nth) schedule(static) if (total >= (1L << 16))
-    for (int t = 0; t < T; t++) {
-        double s = 0.0, q = 0.0;
-        float lo = INFINITY, hi = -INFINITY;
-        for (int g = 0; g < G; g++) {
-            const float *r = x + (long)t * st + (long)g * sg;
-            float s1 = 0.f, q1 = 0.f;
-#pragma omp simd reduction(+ : s1, q1) reduction(min : lo) reduction(max : hi)
-            for (int i = 0; i < n; i++) {
-                const float v = r[i];
-                s1 += v;
-                q1 += v * v;
-                lo = v < lo ? v : lo;
-                hi = v > hi ? v : hi;
-            }
-            s += s1;
-            q += q1;
-        }
-        out[t] = (float)s;
-        out[T + t] = (float)sqrt(q);
-        out[2L * T + t] = lo;
-        out[3L * T + t] = hi;
-    }
-}
-
-/* The seven statistics (min, max, mean, std (population, two-pass), absmax, nan, inf) of row t of a tensor
- * whose element (t, g, i) is at x[t * st + g * sg + i], read while the row is in cache. Returns 1 if the row
- * holds a NaN or Inf (the caller then takes the PyTorch path, whose accounting of them is the reference). */
-static int row_stat(const float *x, int G, int n, long sg, float *o) {
-    double s = 0.0;
-    float lo = INFINITY, hi = -INFINITY;
-    for (int g = 0; g < G; g++) {
-        const float *r = x + (long)g * sg;
-        float s1 = 0.f;
-#pragma omp simd reduction(+ : s1) reduction(min : lo) reduction(max : hi)
-        for (int i = 0; i < n; i++) {
-            const float v = r[i];
-            s1 += v;
-            lo = v < lo ? v : lo;
-            hi = v > hi ? v : hi;
-        }
-        s += s1;
-    }
-    if (!isfinite(s)) return 1;
-    const float m = (float)(s / ((double)G * n));
-    double q = 0.0;
-    for (int g = 0; g < G; g++) {
-        const float *r = x + (long)g * sg;
-        float q1 = 0.f;
-#pragma omp simd reduction(+ : q1)
-        for (int i = 0; i < n; i++) {
-            const float e = r[i] - m;
-            q1 += e * e;
-        }
-        q += q1;
-    }
-    o[0] = lo, o[1] = hi, o[2] = m, o[3] = (float)sqrt(q / ((double)G * n));
-    o[4] = fabsf(lo) > fabsf(hi) ? fabsf(lo) : fabsf(hi), o[5] = o[6] = 0.f;
-    return 0;
-}
 
 /* Several tensors in one call (one parallel region): desc[6 i ...] = address, T, G, n, st, sg of tensor i;
  * out: the (T_i, 7) blocks one after another; bad[i] = 1 when tensor i holds a NaN or Inf. */

@@ -47,22 +47,6 @@ def row_stats(xs: list[torch.Tensor], alloc=_empty, lays: list[tuple] | None = N
     return [None if b else v for b, v in zip(bad.tolist(), out.split([lay[0] for lay in lays]))]
 
 
-def row_moments(X: torch.Tensor) -> tuple | None:
-    """X (T, n) or (T, G, n), float32 on the CPU, last dim contiguous -> per row (Σx, ‖x‖, min, max, count),
-    as engine.stats.moments gives them unmasked."""
-    if X.device.type != "cpu" or X.dtype != torch.float32 or X.dim() not in (2, 3) or X.stride(-1) != 1 \
-            or X.requires_grad or X.numel() == 0:
-        return None
-    lib = _lib()
-    if lib is None:
-        return None
-    T, n = X.shape[0], X.shape[-1]
-    G, sg = (X.shape[1], X.stride(1)) if X.dim() == 3 else (1, 0)
-    out = torch.empty(4, T)
-    lib.llmi_row_moments(X.data_ptr(), T, G, n, X.stride(0), sg, out.data_ptr(), torch.get_num_threads())
-    return out[0], out[1], out[2], out[3], G * n
-
-
 def attention_stats(qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, off: int, scores: bool,
                     pattern: bool, alloc=_empty) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
     """qh (H, T, hd), keys (K, S, hd) float32 on the CPU; query t sees keys s <= off + t -> (T, 7) statistics

@@ -19,7 +19,7 @@ import ctypes
 
 import torch
 
-from ..stages import LAYER_STAGES
+from ..stages import LAYER_STAGES, hook_names
 from . import build
 
 _P = ctypes.c_void_p
@@ -48,10 +48,7 @@ class Step(ctypes.Structure):
 
 def stage_names(num_layers: int) -> list[str]:
     """The stages a decode forward offers, in its order: what the native step's statistics rows are."""
-    names = ["embed"]
-    for i in range(num_layers):
-        names += [f"blocks.{i}.{s}" for s in LAYER_STAGES]
-    return names + ["final_norm", "logits"]
+    return [n for n in hook_names(num_layers) if n not in ("tokenizer", "detokenizer") and not n.startswith("sampler.")]
 
 
 class NativeDecoder:
