@@ -1,20 +1,29 @@
 """Compile engine/native/*.c (decode.c, inspect.c) into one library once per machine and load it (ctypes);
-None, with the reason, when it cannot be.
+None, with the reason, when it cannot be or must not be.
 
 The library is built with the system C compiler (`cc`, or $CC) for this machine's CPU (-march=native) and
 cached under $LLM_INSPECTOR_CACHE (default ~/.cache/llm-inspector)/native, named by a hash of the source, the
 flags and the CPU's feature flags, so a changed source or another machine builds its own. A build goes to a
 temporary file and is renamed into place, so concurrent processes never load a half-written library.
 LLM_INSPECTOR_NATIVE=0 turns the native decode step off (the PyTorch forward does every step).
+
+Whatever is loaded runs inside the server, so the cache is trusted only as far as it is private: the folder is
+created 0700, and a folder, library or checksum file that another user owns or can write is refused (the
+PyTorch path is used, with the reason). The SHA-256 of each library is recorded next to it (llmi-….so.sha256)
+when it is built and compared before every load; a library whose bytes do not match is built again in place.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
+import fcntl
 import functools
 import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -22,6 +31,10 @@ from pathlib import Path
 SOURCES = (Path(__file__).with_name("decode.c"), Path(__file__).with_name("inspect.c"))
 HEADERS = (Path(__file__).with_name("vexp.h"), Path(__file__).with_name("rowstat.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+class UnsafeCacheError(RuntimeError):
+    """The cache folder or a file in it could be changed by someone other than this user."""
 
 
 def cache_dir() -> Path:
@@ -46,6 +59,10 @@ def library_path() -> Path:
     return cache_dir() / f"llmi-{h}.so"
 
 
+def checksum_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> tuple[ctypes.CDLL | None, str]:
     """(library, "") or (None, why not). Builds the library on first use (about a second)."""
@@ -55,9 +72,17 @@ def load() -> tuple[ctypes.CDLL | None, str]:
         return None, f"built only on Linux (this is {platform.system()})"
     try:
         path = library_path()
-        if not path.exists():
-            build(path)
+        private_dir(path.parent)
+        if not verified(path):
+            with _build_lock(path.parent):       # another process may be building it right now: wait for it
+                if not verified(path):
+                    build(path)
+                    if not verified(path):
+                        raise UnsafeCacheError(f"{path} does not match its recorded SHA-256 right after building")
+        # The folder is this user's alone (checked above), so nobody else can swap the file after the check.
         lib = ctypes.CDLL(str(path))
+    except UnsafeCacheError as e:
+        return None, f"refusing the native library cache: {e}"
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         return None, f"cannot build or load the native decode step: {e}"
     lib.llmi_decode_step.restype = ctypes.c_int
@@ -74,11 +99,69 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     return lib, ""
 
 
+def _check_private(st: os.stat_result, path: Path) -> None:
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise UnsafeCacheError(f"{path} belongs to user id {st.st_uid}, not to this user (id {me})")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeCacheError(f"{path} can be written by other users (mode {stat.S_IMODE(st.st_mode):04o}); "
+                               "it must be writable by its owner only")
+
+
+def private_dir(folder: Path) -> None:
+    """Create the folder 0700 if it is missing; refuse one that is not this user's alone."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, 0o700)
+    st = os.stat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeCacheError(f"{folder} is not a folder")
+    _check_private(st, folder)
+
+
+def _read_private(path: Path) -> bytes:
+    """The bytes of a regular file of this user's that no one else can write (never through a symlink)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeCacheError(f"{path} is a symbolic link") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeCacheError(f"{path} is not a regular file")
+        _check_private(st, path)
+        return f.read()
+
+
+def verified(path: Path) -> bool:
+    """The library is there and its bytes hash to the SHA-256 recorded when it was built. False when either
+    file is missing or they differ (build it again); UnsafeCacheError when either could be changed by others."""
+    try:
+        data = _read_private(path)
+        recorded = _read_private(checksum_path(path)).decode("ascii", "replace").strip()
+    except FileNotFoundError:
+        return False
+    return hashlib.sha256(data).hexdigest() == recorded
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    fd = os.open(folder / ".build.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def build(path: Path) -> None:
+    """Compile the library to path and record its SHA-256 next to it (both written whole, then renamed)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
@@ -86,7 +169,17 @@ def build(path: Path) -> None:
                            timeout=300)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-400:]}")
+        os.chmod(tmp, 0o700)                  # the linker's mode follows the umask, which may let the group write
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    fd, tmp = tempfile.mkstemp(suffix=".sha256", dir=path.parent)     # mkstemp: mode 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(digest + "\n")
+        os.replace(tmp, checksum_path(path))
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
