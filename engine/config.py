@@ -111,6 +111,12 @@ class ModelConfig:
         head_dim = int(raw.get("head_dim") or hidden // heads)
         if raw.get("head_dim") is None and hidden % heads:
             raise ModelLoadError(f"{where}: hidden_size={hidden} is not divisible by num_attention_heads={heads}")
+        if head_dim % 2:
+            # RoPE rotates each head's dimensions in pairs: an odd head_dim loads but fails at the first forward.
+            given = (f"head_dim={head_dim}" if raw.get("head_dim") is not None else
+                     f"head_dim = hidden_size / num_attention_heads = {hidden} / {heads} = {head_dim}")
+            raise UnsupportedModelError(f"{where}: {given} is odd; rotary position embedding (RoPE) rotates pairs "
+                                        "of dimensions, so head_dim must be even")
 
         # transformers >= 5 writes rope settings under rope_parameters; older configs at the top level.
         rope_params = raw.get("rope_parameters") or {}

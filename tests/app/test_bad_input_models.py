@@ -82,6 +82,8 @@ BROKEN_MODELS = [
                  r"config.json"),
     pytest.param("config size not a number", lambda d: _config(d, hidden_size="big"),
                  r"hidden_size"),
+    ("odd head_dim", lambda d: _config(d, head_dim=15),
+     r"head_dim=15 is odd; rotary position embedding \(RoPE\) rotates pairs of dimensions, so head_dim must be even"),
     pytest.param("zero attention heads", lambda d: _config(d, num_attention_heads=0),
                  r"num_attention_heads"),
 ]

@@ -70,11 +70,26 @@ def test_bench_sizes_are_checked_before_any_work(capsys, tiny_model_dir, flag, v
     ({"rope_scaling": "linear"}, "rope_scaling must be a JSON object"),
     ({"num_hidden_layers": 10**9}, "num_hidden_layers=1000000000 must be a whole number in [1, 1,024]"),
     ({"max_position_embeddings": 1 << 40}, "max_position_embeddings"),
+    ({"head_dim": 15}, "head_dim=15 is odd; rotary position embedding (RoPE) rotates pairs of dimensions, so "
+                       "head_dim must be even"),
+    ({"hidden_size": 60}, "head_dim = hidden_size / num_attention_heads = 60 / 4 = 15 is odd"),
 ])
 def test_config_values_are_range_checked(change, words):
     with pytest.raises(ModelLoadError) as e:
         ModelConfig.from_dict(tiny_config(**change))
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("change", [{"hidden_size": 60}, {"head_dim": 15}, {"head_dim": 1}])
+def test_an_odd_head_dim_is_refused_at_load_not_at_the_first_forward(tmp_path, tokenizer_files, change):
+    """Weights of consistent shapes (60 = 4 heads x 15): only RoPE's pairs of dimensions cannot be formed."""
+    d = write_model_dir(tmp_path / "odd", tokenizer_files, tiny_config(**change))
+    with pytest.raises(ModelLoadError, match=r"head_dim.* is odd.*head_dim must be even"):
+        load_model(d, device="cpu", dtype="float32")
+    even = write_model_dir(tmp_path / "even", tokenizer_files, tiny_config(head_dim=14))
+    model = load_model(even, device="cpu", dtype="float32")     # an even head_dim other than hidden / heads
+    assert model.config.head_dim == 14
+    assert len(model.generate("hello", max_new_tokens=2, ignore_eos=True).token_ids) == 2     # forwards run
 
 
 def sharded(tmp_path, tokenizer_files, weight_map) -> str:
