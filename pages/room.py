@@ -23,7 +23,7 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 from engine.trace import from_bytes, to_bytes
 from engine.trace_check import TraceBounds
 from inspector.session.memo import run_key
-from inspector.session.rooms import failed_joins, failed_keys, shared_store, teacher_key_ok, teacher_key_state
+from inspector.session.rooms import failed_joins, shared_store, teacher_key_state, teacher_login, warn_short_key
 from inspector.session.rooms_state import ROOM_ERRORS, RoomError, View, check_code
 from inspector.session.run import track
 from pages.common import RUN_KEY, client_key, get_model, plain, server_limits
@@ -37,6 +37,7 @@ from pages.widgets import page_path, pages
 FALLBACK_EVERY_S = 1.0           # how often a screen polls the room where the watcher cannot push
 TEACHER = "_room_teacher_ok"     # this session entered the teacher key
 TRIED = "_room_link_tried"       # the ?room= code this session already tried (a bad link is tried once)
+NOTICE = "_room_notice"          # said once in the Classroom section at the next run (how the room was left)
 
 
 def _store():
@@ -62,7 +63,7 @@ def join(code: str) -> str | None:
             return "Too many unknown room codes tried from this browser: wait a minute and try again."
         return f"There is no room {code} (ended, expired, or mistyped)."
     st.session_state[ROOM] = {"role": "student", "code": code, "following": True, "version": None, "run_id": None,
-                              "voter": voter_id(), "error": None, "answered": {}}
+                              "voter": voter_id(code), "error": None, "answered": {}}
     return None
 
 
@@ -153,13 +154,16 @@ def after_page(page: str) -> None:
 def sidebar_panel() -> None:
     r = room()
     with st.sidebar.expander("Classroom: rooms and polls", expanded=r is not None):
+        notice = st.session_state.pop(NOTICE, None)
+        if notice:
+            st.warning(plain(notice))
         if r is not None and r["role"] == "teacher":
-            st.markdown(f"You are teaching room **{r['code']}**.")
+            st.markdown(f"You are teaching room **{plain(r['code'])}**.")
             if st.button("End the room", key="room_end", help="Students stop following; its polls are deleted"):
                 _end(r)
             return
         if r is not None:
-            st.markdown(f"You are in room **{r['code']}**.")
+            st.markdown(f"You are in room **{plain(r['code'])}**.")
             if st.button("Leave the room", key="room_leave"):
                 watcher.drop(_session_id())
                 st.session_state.pop(ROOM, None)
@@ -186,20 +190,20 @@ def _join_form() -> None:
 def _teacher_form() -> None:
     off = teacher_key_state()
     if off:
-        st.caption(off + " Students can still join a room another server of this app started.")
+        warn_short_key()                    # the suggested key goes to the server's console, never to a browser
+        st.caption(plain(off + " Students can still join a room another server of this app started."))
         return
     if not st.session_state.get(TEACHER):
         key = st.text_input("Teacher key", type="password", key="room_key", max_chars=1024,
                             help="Asked once per browser session; only teachers have it")
         if st.button("I am the teacher", key="room_key_btn", disabled=not key):
-            if not failed_keys.allow(client_key() or "anonymous"):
-                st.error("Too many wrong keys from this browser: wait a minute.")
-            elif teacher_key_ok(key):
+            refused = teacher_login(key, client_key() or "anonymous")
+            if refused is None:
                 st.session_state[TEACHER] = True
                 st.session_state.pop("room_key", None)
                 st.rerun()
             else:
-                st.error("That is not the teacher key: refused.")
+                st.error(refused)
         return
     if st.button("Start a room", key="room_start", type="primary"):
         try:
@@ -227,13 +231,16 @@ def _become_teacher(code: str, token: str) -> None:
 
 
 def _end(r: dict) -> None:
+    """End the room; the teacher's screen leaves it whatever the store says (gone after a Redis restart, taken
+    over, unreachable), so no session stays stuck teaching a room that cannot end."""
     try:
-        _store().end(r["code"], r["token"])
-    except ROOM_ERRORS as e:
-        st.error(plain(e))
-        return
+        note = _store().end_or_leave(r["code"], r["token"])
+    except ROOM_ERRORS as e:          # the store could not even be chosen (a malformed setting)
+        note = f"The room could not be ended in the store ({e}); you have left it here."
     watcher.drop(_session_id())
     st.session_state.pop(ROOM, None)
+    if note:
+        st.session_state[NOTICE] = note
     st.rerun()
 
 
@@ -260,9 +267,12 @@ def bar() -> None:
     if r.get("error"):
         st.warning(plain(r["error"]))
     if r["role"] == "teacher":
-        st.info(f"**Room {r['code']}** · students open {room_link(r['code'])} (or join with the code in the "
-                "sidebar's Classroom section) and follow what this screen shows.")
-        state = _safe_state(r["code"])
+        st.info(f"**Room {plain(r['code'])}** · students open {plain(room_link(r['code']))} (or join with the code "
+                "in the sidebar's Classroom section) and follow what this screen shows.")
+        state, failed = _state_or_error(r["code"])
+        if state is None and not failed:
+            st.warning(f"Room {plain(r['code'])} is no longer in the store (it expired, or the store restarted): "
+                       "press **End the room** in the sidebar's Classroom section, then start a new one.")
         if state is not None:
             answers = _answers(r["code"], state)
             _notify("teacher", r["code"], signature("teacher", state, answers))
@@ -270,7 +280,7 @@ def bar() -> None:
         return
     if r.get("ended"):
         watcher.drop(_session_id())
-        st.info(f"Room {r['code']} has ended. This run stays yours to explore.")
+        st.info(f"Room {plain(r['code'])} has ended. This run stays yours to explore.")
         return
     _student_line(r)
     state = r.get("state") if following() else _safe_state(r["code"])
@@ -303,23 +313,28 @@ def _answers(code: str, state) -> int | None:
 
 
 def _safe_state(code: str):
+    return _state_or_error(code)[0]
+
+
+def _state_or_error(code: str) -> tuple:
+    """(the room's state or None, whether the store failed)."""
     try:
-        return _store().state(code)
+        return _store().state(code), False
     except ROOM_ERRORS:
-        return None
+        return None, True
 
 
 def _student_line(r: dict) -> None:
     left, right = st.columns([5, 2], vertical_alignment="center")
     state = r.get("state")
     if following():
-        left.markdown(f"**Room {r['code']}** · following the teacher"
-                      + (f": {describe(state.view)}" if state is not None else ""))
+        left.markdown(f"**Room {plain(r['code'])}** · following the teacher"
+                      + (f": {plain(describe(state.view))}" if state is not None else ""))
         right.button("Explore on my own", key="room_detach", on_click=_detach, use_container_width=True,
                      help="Your own copy of the teacher's run: change anything, press Run; the teacher's "
                           "screen is not affected")
     else:
-        left.markdown(f"**Room {r['code']}** · exploring on your own")
+        left.markdown(f"**Room {plain(r['code'])}** · exploring on your own")
         right.button("Follow the teacher", key="room_follow", on_click=_follow, type="primary",
                      use_container_width=True)
 

@@ -1,8 +1,13 @@
-"""Polls in a room, above the page: the teacher asks "what comes next?" at the step on screen; each student
+"""Polls in a room, above the page: the teacher asks "what comes next?" at the step on screen; each browser
 answers once (one of the model's top candidates, or a typed word mapped to its token); the teacher reveals
 the class's answers next to the model's distribution at that step under the room's sampling settings
-(computed from the run's captured logits: nobody's screen calls the model)."""
+(computed from the run's captured logits: nobody's screen calls the model).
+
+Token texts come from a run (a file, the store) and answers from browsers: they reach the screen as plain
+text only (st.text, a table, Markdown-escaped labels, HTML-escaped chart labels), never as Markdown or HTML."""
 from __future__ import annotations
+
+import html
 
 import plotly.graph_objects as go
 import streamlit as st
@@ -102,14 +107,14 @@ def _call(f) -> None:
 def _answer(r: dict, poll: Poll, text, tok) -> None:
     mine = r.setdefault("answered", {}).get(poll.id)
     if mine is not None:
-        st.caption(f"Your answer: {text(mine)!r}." + ("" if poll.revealed else " The teacher reveals the class's "
-                                                          "answers next to the model's."))
+        st.caption(f"Your answer: {plain(repr(text(mine)))}." + ("" if poll.revealed else " The teacher reveals "
+                                                                 "the class's answers next to the model's."))
         return
     if poll.revealed:
         return
     with st.form(f"room_poll_{poll.id}", border=False):
         pick = st.radio("The model's top candidates", [None, *poll.choices], horizontal=True, key="room_pick",
-                        format_func=lambda i: "(none)" if i is None else repr(text(i)))
+                        format_func=lambda i: "(none)" if i is None else plain(repr(text(i))))   # labels are Markdown
         typed = st.text_input("or type your guess", max_chars=MAX_ANSWER_CHARS, key="room_typed",
                               disabled=tok is None)
         if not st.form_submit_button("Answer", type="primary"):
@@ -128,7 +133,7 @@ def _answer(r: dict, poll: Poll, text, tok) -> None:
         return
     r["answered"][poll.id] = int(token_id)
     if not fresh:
-        st.info("This session had already answered; the first answer counts.")
+        st.info("This browser had already answered (in another tab); the first answer counts.")
     st.rerun()
 
 
@@ -142,8 +147,9 @@ def _reveal(r: dict, state: RoomState, poll: Poll, run, text) -> None:
     probs = model_probs(run, poll.step, params) if run is not None else None
     table = poll_table(tally, probs, text)
     total = sum(tally.values())
-    fig = go.Figure([go.Bar(name="the class", x=[repr(t) for t in table["token"]], y=table["class_share"]),
-                     go.Bar(name="the model", x=[repr(t) for t in table["token"]], y=table["model_prob"])])
+    labels = [html.escape(repr(t), quote=False) for t in table["token"]]     # Plotly draws tags: <a>, <b>…
+    fig = go.Figure([go.Bar(name="the class", x=labels, y=table["class_share"]),
+                     go.Bar(name="the model", x=labels, y=table["model_prob"])])
     fig.update_layout(barmode="group", yaxis_title="share / probability", xaxis_title="next token",
                       title=f"Poll {poll.id}: {total} answers vs the model at step {poll.step}", height=340)
     chart(fig, key=f"room_poll_fig_{poll.id}")

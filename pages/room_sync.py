@@ -7,18 +7,17 @@ widgets take the room's values and are disabled (pages.widgets.shared).
 This session's place in a room is one dict in st.session_state[ROOM]:
   teacher: {"role": "teacher", "code", "token" (the publish token: server-side only), "page", "view",
             "run_key", "run_id", "error"}
-  student: {"role": "student", "code", "following", "version", "run_id", "voter", "error"}
+  student: {"role": "student", "code", "following", "version", "run_id", "voter" (voter_id), "error"}
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import fields
 
 import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from engine import SamplingParams
-from inspector.session.rooms import shared_store
+from inspector.session.rooms import shared_store, voter_of
 from inspector.session.rooms_state import ROOM_ERRORS, RoomError, View
 
 ROOM = "_room"                   # this session's role in a room (see above)
@@ -45,11 +44,12 @@ def following() -> bool:
     return r is not None and r.get("role") == "student" and bool(r.get("following"))
 
 
-def voter_id() -> str:
-    """A hash naming this browser session (one answer per session and poll); never the session id itself."""
+def voter_id(code: str) -> str:
+    """The name this browser's answers in room `code` are kept under: every tab of one browser shares it (one
+    answer per browser and poll, pages.common.client_key), never the browser's token itself."""
+    from pages.common import client_key          # pages.common imports the frame, which the widgets need first
     ctx = get_script_run_ctx()
-    sid = ctx.session_id if ctx is not None else "no-session"
-    return hashlib.sha256(("llmi-voter:" + sid).encode()).hexdigest()[:32]
+    return voter_of(code, client_key() or ("session:" + (ctx.session_id if ctx is not None else "no-session")))
 
 
 # ---- the student's side: the room's values for the widgets --------------------------------------------------

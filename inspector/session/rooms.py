@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
+import sys
 import threading
 import time
 from dataclasses import replace
 from typing import Protocol
 
-from .rooms_redis import RedisBackend
+from .rooms_redis import RedisBackend, RedisError
 from .rooms_state import (
     CODE_ALPHABET,
     CODE_LEN,
@@ -36,6 +38,7 @@ from .rooms_state import (
     MAX_RUN_BYTES,
     MAX_TOKEN_ID,
     MAX_VOTERS,
+    ROOM_ANSWERS,
     Forbidden,
     NoRoom,
     Poll,
@@ -48,8 +51,11 @@ from .rooms_state import (
 )
 
 KEY_ENV, STORE_ENV, TTL_ENV = "LLM_INSPECTOR_TEACHER_KEY", "LLM_INSPECTOR_ROOMS", "LLM_INSPECTOR_ROOM_TTL_S"
-MIN_KEY_CHARS = 8
+ANSWERS_ENV = "LLM_INSPECTOR_ROOM_ANSWERS"
+MIN_KEY_CHARS = 16               # a key a class cannot guess at any rate: no limit on tries has to protect it
 DEFAULT_TTL_S = 12 * 3600        # a room nobody touches for this long ends by itself
+SWEEP_S = 60.0                   # the in-process store drops every expired key at most this often
+log = logging.getLogger("llm_inspector")
 
 
 # ---- where it is kept ------------------------------------------------------------------------------------
@@ -67,14 +73,31 @@ class Backend(Protocol):
 
 
 class MemoryBackend:
-    """In this process (the default): a dict under a lock, expired keys dropped as they are met."""
+    """In this process (the default): a dict under a lock; expired keys are dropped as they are met, and all of
+    them every sweep_s (a room nobody reads again, its run included, would otherwise stay until the process
+    ends)."""
 
-    def __init__(self, clock=time.monotonic) -> None:
+    def __init__(self, clock=time.monotonic, sweep_s: float = SWEEP_S) -> None:
         self._d: dict[str, tuple[float, object]] = {}
         self._lock = threading.Lock()
         self._clock = clock
+        self.sweep_s = sweep_s
+        self._next_sweep = clock() + sweep_s
+
+    def _sweep(self, now: float) -> None:
+        """Called under the lock: at most once per sweep_s, every expired key goes (one pass over the keys)."""
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + self.sweep_s
+        for k in [k for k, (until, _) in self._d.items() if until <= now]:
+            del self._d[k]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._d)
 
     def _live(self, key: str):
+        self._sweep(self._clock())
         item = self._d.get(key)
         if item is not None and item[0] <= self._clock():
             del self._d[key]
@@ -88,6 +111,7 @@ class MemoryBackend:
 
     def set(self, key, value, ttl, only_new=False):
         with self._lock:
+            self._sweep(self._clock())
             if only_new and self._live(key) is not None:
                 return False
             self._d[key] = (self._clock() + ttl, bytes(value))
@@ -95,6 +119,7 @@ class MemoryBackend:
 
     def delete(self, *keys):
         with self._lock:
+            self._sweep(self._clock())
             for k in keys:
                 self._d.pop(k, None)
 
@@ -143,8 +168,10 @@ class RoomStore:
     """Rooms over a Backend. Publishing (run, view, polls, ending) needs the token `create` returned;
     reading the state and answering a poll do not."""
 
-    def __init__(self, backend: Backend, ttl_s: int = DEFAULT_TTL_S, prefix: str = "llmi:room:") -> None:
+    def __init__(self, backend: Backend, ttl_s: int = DEFAULT_TTL_S, prefix: str = "llmi:room:",
+                 max_answers: int = ROOM_ANSWERS) -> None:
         self.b, self.ttl, self.prefix = backend, int(ttl_s), prefix
+        self.max_answers = check_int(max_answers, 1, MAX_VOTERS, "answers a poll accepts")
 
     def _k(self, code: str, *parts) -> str:
         return self.prefix + ":".join([code, *map(str, parts)])
@@ -250,8 +277,10 @@ class RoomStore:
             self._bump(code, poll=None, past_polls=(s.past_polls + (s.poll,))[-MAX_PAST_POLLS:])
 
     def answer(self, code: str, poll_id: int, voter: str, token_id: int) -> bool:
-        """One student's answer (a token id) to the open poll; False if this voter already answered or the
-        poll has closed. voter: a hash that names the student's session (one answer per session)."""
+        """One student's answer (a token id) to the open poll; False if this voter already answered.
+        voter: voter_of(code, the browser) (one answer per browser and poll). RoomError when the poll has
+        closed or holds max_answers answers already (a class's worth: a script inventing browsers fills one
+        poll, not the store)."""
         code = check_code(code)
         s = self._state(code)
         if s.poll is None or s.poll.id != poll_id:
@@ -260,8 +289,9 @@ class RoomStore:
             raise RoomError("bad voter id")
         token_id = check_int(token_id, 0, MAX_TOKEN_ID, "token id")
         key = self._k(code, "poll", poll_id)
-        if self.b.hlen(key) >= MAX_VOTERS:
-            raise RoomError(f"this poll already has {MAX_VOTERS} answers")
+        if self.b.hlen(key) >= self.max_answers:
+            raise RoomError(f"this poll already has {self.max_answers} answers, as many as this server takes "
+                            f"({ANSWERS_ENV})")
         return self.b.hsetnx(key, voter, str(token_id).encode(), self.ttl)
 
     def tally(self, code: str, poll_id: int) -> dict[int, int]:
@@ -277,6 +307,22 @@ class RoomStore:
         """How many answers a poll has (one small read: what the teacher's screen watches)."""
         return self.b.hlen(self._k(check_code(code), "poll", check_int(poll_id, 1, 1 << 31, "poll id")))
 
+    def end_or_leave(self, code: str, token: str) -> str | None:
+        """What a teacher's End does: end the room in the store; when the store cannot (the room is gone
+        already: expired, or Redis restarted empty; another teacher took it over; the store fails) the
+        teacher's screen leaves the room anyway. None when ended; otherwise what happened, to be said."""
+        try:
+            self.end(code, token)
+            return None
+        except NoRoom:
+            return "The room was no longer in the store (it expired, or the store restarted): you have left it."
+        except Forbidden:
+            return "Another session took this room over: you have left it; the room goes on there."
+        except (RoomError, RedisError) as e:
+            left = f"{self.ttl // 3600} h" if self.ttl >= 3600 else f"{max(1, self.ttl // 60)} min"
+            return (f"The room could not be ended in the store ({e}); you have left it here, and it ends by itself "
+                    f"after {left} without a change.")
+
     def end(self, code: str, token: str) -> None:
         """End the room: its runs, state and every poll's answers are deleted."""
         code = self._authorize(code, token)
@@ -288,14 +334,40 @@ class RoomStore:
 
 
 # ---- the teacher key, rate limits, the process's store ---------------------------------------------------
+GENERATE_KEY = 'python3 -c "import secrets; print(secrets.token_urlsafe(18))"'
+
+
+def suggest_key() -> str:
+    """A fresh teacher key: 24 characters, 144 random bits."""
+    return secrets.token_urlsafe(18)
+
+
 def teacher_key_state(env=os.environ) -> str | None:
-    """None when the room feature is on; otherwise why not (said to the user, naming the variable)."""
+    """None when the room feature is on; otherwise why not (said to the user, naming the variable). Shown in
+    any browser, so it never holds a key: the server's log has the suggested one (warn_short_key)."""
     key = env.get(KEY_ENV, "")
     if not key:
         return f"Rooms are off on this server. To turn them on, start the app with {KEY_ENV} set to a secret."
     if len(key) < MIN_KEY_CHARS:
-        return f"Rooms are off: {KEY_ENV} must be at least {MIN_KEY_CHARS} characters."
+        return (f"Rooms are off: {KEY_ENV} is too short; a teacher key has at least {MIN_KEY_CHARS} characters. "
+                f"The server's log suggests one, or make one with {GENERATE_KEY}.")
     return None
+
+
+_warned: set[str] = set()
+
+
+def warn_short_key(env=os.environ) -> str | None:
+    """Once per process, when the key is set but too short: print why and a generated key to the server's
+    console (where the teacher started it, which no student reads). The line printed, or None."""
+    key = env.get(KEY_ENV, "")
+    if not key or len(key) >= MIN_KEY_CHARS or "short" in _warned:
+        return None
+    _warned.add("short")
+    line = (f"llm-inspector: rooms are off: {KEY_ENV} has {len(key)} characters, a teacher key needs at least "
+            f"{MIN_KEY_CHARS}. For example, restart with {KEY_ENV}='{suggest_key()}'")
+    print(line, file=sys.stderr, flush=True)
+    return line
 
 
 def teacher_key_ok(entered, env=os.environ) -> bool:
@@ -306,31 +378,69 @@ def teacher_key_ok(entered, env=os.environ) -> bool:
 
 
 class RateLimiter:
-    """At most `limit` events per `window_s` for each key, and `total` for all keys together."""
+    """At most `limit` events per `window_s` for each key (and, if `total` is set, for all keys together).
+    At most `max_keys` keys are remembered: past that, the one whose last event is oldest is forgotten (a
+    script inventing a client per try grows nothing)."""
 
-    def __init__(self, limit: int, total: int, window_s: float = 60.0, clock=time.monotonic) -> None:
-        self.limit, self.total, self.window, self.clock = limit, total, window_s, clock
+    def __init__(self, limit: int, total: int | None = None, window_s: float = 60.0, clock=time.monotonic,
+                 max_keys: int = 10_000) -> None:
+        self.limit, self.total, self.window, self.clock, self.max_keys = limit, total, window_s, clock, max_keys
         self._events: dict[str, list[float]] = {}
         self._lock = threading.Lock()
+
+    def _prune(self, now: float) -> None:
+        for k in list(self._events):
+            self._events[k] = [t for t in self._events[k] if now - t < self.window]
+            if not self._events[k]:
+                del self._events[k]
+
+    def over(self, key: str) -> bool:
+        """Whether key (or everyone, with a total) is at the limit now; records nothing."""
+        now = self.clock()
+        with self._lock:
+            self._prune(now)
+            return len(self._events.get(key, [])) >= self.limit or (
+                self.total is not None and sum(map(len, self._events.values())) >= self.total)
 
     def allow(self, key: str) -> bool:
         """Record one event for key; False (not recorded) when key or everyone is over the limit."""
         now = self.clock()
         with self._lock:
-            for k in list(self._events):
-                self._events[k] = [t for t in self._events[k] if now - t < self.window]
-                if not self._events[k]:
-                    del self._events[k]
-            mine = self._events.get(key, [])
-            if len(mine) >= self.limit or sum(map(len, self._events.values())) >= self.total:
+            self._prune(now)
+            mine = self._events.pop(key, [])
+            if len(mine) >= self.limit or (self.total is not None
+                                           and sum(map(len, self._events.values())) + len(mine) >= self.total):
+                if mine:
+                    self._events[key] = mine
                 return False
-            self._events[key] = mine + [now]
+            self._events[key] = mine + [now]            # re-inserted: dict order is the order of last events
+            while len(self._events) > self.max_keys:
+                del self._events[next(iter(self._events))]
             return True
 
 
 failed_joins = RateLimiter(limit=10, total=200)      # unknown codes tried, per browser / this process
-failed_keys = RateLimiter(limit=5, total=50)         # wrong teacher keys
-_stores: dict[tuple[str, int], RoomStore] = {}
+failed_keys = RateLimiter(limit=5)                   # wrong teacher keys, per browser: no total a student can fill
+
+
+def teacher_login(entered, who: str, env=os.environ, wrong: RateLimiter = failed_keys) -> str | None:
+    """A session asks to be the teacher with key `entered`, from client `who`. None: accepted. Otherwise the
+    refusal to show. The right key is always accepted, whoever else tried what; only wrong keys are counted,
+    per client (five a minute), so nobody can use up the teacher's tries."""
+    if teacher_key_ok(entered, env):
+        return None
+    if not wrong.allow(who):
+        return "Too many wrong keys from this browser: wait a minute."
+    return "That is not the teacher key: refused."
+
+
+def voter_of(code: str, client: str) -> str:
+    """The name a poll's answer is kept under: one per browser (pages.common.client_key) and room, never the
+    browser's own token."""
+    return hashlib.sha256(f"llmi-voter:{check_code(code)}:{client}".encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+_stores: dict[tuple[str, int, int], RoomStore] = {}
 _stores_lock = threading.Lock()
 
 
@@ -343,8 +453,14 @@ def shared_store(env=os.environ) -> RoomStore:
         ttl = int(env.get(TTL_ENV, DEFAULT_TTL_S))
     except ValueError:
         raise RoomError(f"{TTL_ENV} must be a whole number of seconds") from None
+    try:
+        answers = int(env.get(ANSWERS_ENV, ROOM_ANSWERS))
+        if not 1 <= answers <= MAX_VOTERS:
+            raise ValueError
+    except ValueError:
+        raise RoomError(f"{ANSWERS_ENV} must be a whole number from 1 to {MAX_VOTERS}") from None
     with _stores_lock:
-        if (url, ttl) not in _stores:
+        if (url, ttl, answers) not in _stores:
             if not url:
                 backend: Backend = MemoryBackend()
             else:
@@ -352,5 +468,5 @@ def shared_store(env=os.environ) -> RoomStore:
                     backend = RedisBackend.from_url(url)
                 except ValueError as e:
                     raise RoomError(f"{STORE_ENV}: {e}") from None
-            _stores[(url, ttl)] = RoomStore(backend, ttl)
-        return _stores[(url, ttl)]
+            _stores[(url, ttl, answers)] = RoomStore(backend, ttl, max_answers=answers)
+        return _stores[(url, ttl, answers)]

@@ -5,8 +5,14 @@ Only what a RoomStore needs: GET, SET (EX, NX), DEL, EXPIRE, INCR, HSETNX, HGETA
 PING. No extra package: the protocol is a few lines, and a small client is easy to bound — every reply is
 size-checked before it is read (a bulk string of at most `max_bulk` bytes, arrays of at most 100,000 items), so
 a wrong or hostile server cannot make the app allocate without limit. Connections are pooled (one per
-concurrent caller, a few kept idle); a broken one is dropped and the command retried once on a fresh one
-(every command used here is harmless to repeat).
+concurrent caller, a few kept idle).
+
+Every call is on a page's path (a student's rerun waits for it), so a store that does not answer fails fast:
+`timeout` (0.5 s) bounds the connect and each wait for a reply, a timeout is never retried, and for
+`cooldown_s` after one every call fails at once with the same message (a hung store costs a page one wait,
+not one per call). A connection that broke (Redis restarted: every pooled connection is dead) empties the
+pool and the command is tried once more on a fresh connection (every command used here is harmless to
+repeat).
 
 URLs: `redis://[[user]:password@]host[:port][/db]` and `unix:///path/to/redis.sock[?db=N][&password=…]`.
 """
@@ -14,10 +20,14 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from contextlib import contextmanager
 from urllib.parse import parse_qs, unquote, urlsplit
 
 MAX_ARRAY = 100_000
+TIMEOUT_S = 0.5          # connect, and each wait for a reply: a local Redis answers in well under a millisecond
+COOLDOWN_S = 2.0         # after a timeout, calls fail at once for this long
+SEND_RATE = 20 << 20     # bytes a second a slow link still manages: a large run's send gets its time on top
 
 
 class RedisError(Exception):
@@ -68,6 +78,7 @@ def read_reply(f, max_bulk: int):
 
 class Connection:
     def __init__(self, address, password: str | None, user: str | None, db: int, timeout: float) -> None:
+        self.timeout = timeout
         family = socket.AF_UNIX if isinstance(address, str) else socket.AF_INET
         if family == socket.AF_INET:
             self.sock = socket.create_connection(address, timeout=timeout)
@@ -83,7 +94,14 @@ class Connection:
             self.call(1024, "SELECT", db)
 
     def call(self, max_bulk: int, *args):
-        self.sock.sendall(encode(*args))
+        data = encode(*args)
+        if len(data) > SEND_RATE // 10:          # sendall's timeout bounds the whole send, not each chunk
+            self.sock.settimeout(self.timeout + len(data) / SEND_RATE)
+        try:
+            self.sock.sendall(data)
+        finally:
+            if len(data) > SEND_RATE // 10:
+                self.sock.settimeout(self.timeout)
         return read_reply(self.f, max_bulk)
 
     def close(self) -> None:
@@ -98,11 +116,14 @@ class RedisBackend:
     """The RoomStore Backend in Redis (see inspector.session.rooms.Backend)."""
 
     def __init__(self, address, *, password: str | None = None, user: str | None = None, db: int = 0,
-                 timeout: float = 5.0, max_bulk: int = 160 << 20, max_idle: int = 8) -> None:
+                 timeout: float = TIMEOUT_S, max_bulk: int = 160 << 20, max_idle: int = 8,
+                 cooldown_s: float = COOLDOWN_S, clock=time.monotonic) -> None:
         self.address, self.password, self.user, self.db = address, password, user, db
-        self.timeout, self.max_bulk, self.max_idle = timeout, max_bulk, max_idle
+        self.timeout, self.max_bulk, self.max_idle, self.cooldown_s = timeout, max_bulk, max_idle, cooldown_s
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
+        self._clock = clock
+        self._silent_until = 0.0          # a timeout was met: until then, calls fail at once
 
     @classmethod
     def from_url(cls, url: str, **kw) -> "RedisBackend":
@@ -126,11 +147,15 @@ class RedisBackend:
         return cls(address, password=password, user=user, db=db, **kw)
 
     @contextmanager
-    def _conn(self):
-        with self._lock:
-            conn = self._idle.pop() if self._idle else None
+    def _conn(self, fresh: bool = False):
+        conn = None
+        if not fresh:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
         try:
             conn = conn or Connection(self.address, self.password, self.user, self.db, self.timeout)
+        except TimeoutError:
+            raise
         except OSError as e:
             raise RedisError(f"the room store (Redis) cannot be reached: {e.strerror or e}") from None
         ok = False
@@ -146,14 +171,26 @@ class RedisBackend:
                 conn.close()
 
     def call(self, *args):
-        """One command; a broken connection is replaced and the command tried once more."""
+        """One command. A timeout fails at once (and the next calls, for cooldown_s); a broken connection
+        empties the pool (its siblings broke with it) and the command is tried once more on a fresh one."""
+        if self._clock() < self._silent_until:
+            raise RedisError(self._silent_message())
         for attempt in (0, 1):
             try:
-                with self._conn() as conn:
+                with self._conn(fresh=attempt == 1) as conn:
                     return conn.call(self.max_bulk, *args)
+            except TimeoutError:
+                self._silent_until = self._clock() + self.cooldown_s
+                self.close()
+                raise RedisError(self._silent_message()) from None
             except (OSError, ValueError) as e:        # ConnectionError is an OSError; ValueError: a bad length
+                self.close()
                 if attempt:
                     raise RedisError(f"the room store (Redis) failed: {e}") from None
+
+    def _silent_message(self) -> str:
+        return (f"the room store (Redis) did not answer within {self.timeout:g} s; the room is not updated "
+                f"(tried again in {self.cooldown_s:g} s)")
 
     def close(self) -> None:
         with self._lock:

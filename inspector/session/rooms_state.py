@@ -21,7 +21,8 @@ MAX_STEP, MAX_LAYER, MAX_HEAD, MAX_TOKEN_ID = 1 << 20, 1 << 10, 1 << 12, 1 << 24
 MAX_RUN_BYTES = 128 << 20        # one published run's trace (a 32-token run of a 49k vocabulary: about 7 MB)
 MAX_CHOICES = 12                 # choices offered in a poll
 MAX_ANSWER_CHARS = 64            # a student's free-text answer, before it is mapped to a token
-MAX_VOTERS = 2_000               # answers one poll keeps
+ROOM_ANSWERS = 60                # answers one poll accepts (a class; $LLM_INSPECTOR_ROOM_ANSWERS sets it)
+MAX_VOTERS = 2_000               # the most that setting may be, and the most answers a tally reads
 MAX_PAST_POLLS = 50
 HASH_RE = re.compile(r"[0-9a-f]{1,64}")
 
