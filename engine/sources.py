@@ -9,6 +9,7 @@ import hashlib
 import importlib.util
 import os
 import re
+import stat
 import threading
 from pathlib import Path
 
@@ -76,17 +77,46 @@ def hub_cache_dirs() -> list[Path]:
 
 
 def find_in_hub_cache(repo_id: str) -> Path | None:
+    """The snapshot folder of org/name in the hub cache: the one refs/main names, else the newest. An entry that
+    cannot be read (a dangling snapshot symlink, a folder without permission) is skipped: one broken download
+    must not break the model list of every page."""
     for root in hub_cache_dirs():
-        repo = root / ("models--" + repo_id.replace("/", "--"))
-        ref = repo / "refs" / "main"
-        snaps = repo / "snapshots"
-        if ref.is_file() and (snaps / ref.read_text().strip()).is_dir():
-            return snaps / ref.read_text().strip()
-        if snaps.is_dir():
-            found = sorted(snaps.iterdir(), key=lambda p: p.stat().st_mtime)
-            if found:
-                return found[-1]
+        snap = _snapshot(root / ("models--" + repo_id.replace("/", "--")))
+        if snap is not None:
+            return snap
     return None
+
+
+def _snapshot(repo: Path) -> Path | None:
+    snaps = repo / "snapshots"
+    try:
+        with open(repo / "refs" / "main", "rb") as f:
+            rev = f.read(256).decode().strip()
+    except (OSError, UnicodeDecodeError):
+        rev = ""
+    # A revision is one folder name: "../x" or "/x" in refs/main must not lead out of the snapshots folder.
+    if re.fullmatch(r"[\w.-]+", rev) and rev not in (".", "..") and _is_dir(snaps / rev):
+        return snaps / rev
+    try:
+        entries = list(snaps.iterdir())
+    except OSError:
+        return None
+    found = []
+    for p in entries:
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            found.append((st.st_mtime, p.name, p))
+    return max(found)[2] if found else None
+
+
+def _is_dir(p: Path) -> bool:
+    try:
+        return stat.S_ISDIR(p.stat().st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 def resolve(source: str | os.PathLike | None, progress: Progress | None = None) -> tuple[Path, str]:

@@ -7,6 +7,7 @@ under $LLM_INSPECTOR_MODEL_ROOTS and the local hub cache.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -16,6 +17,7 @@ from pathlib import Path
 from engine import EngineError, Model, ModelLoadError, load_model
 from engine.doctor import cast_model
 from engine.loader import pick_device, pick_dtype
+from engine.sources import cache_dir as engine_cache_dir
 from engine.sources import find_in_hub_cache, hub_cache_dirs
 
 from .admission import Admission, ServerBusyError
@@ -59,19 +61,34 @@ def _list_choices() -> dict[str, str | None]:
         choices[f"{Path(default).name} (server default)"] = default
     choices[BUNDLED] = None
     for root in model_roots():
-        if not root.is_dir():
-            continue
-        for p in sorted(root.iterdir()):
-            if (p / "config.json").is_file() or p.suffix == ".gguf":
+        for p in _entries(root):
+            if _is_file(p / "config.json") or (p.suffix == ".gguf" and _is_file(p)):
                 choices[f"{p.name} (server models)"] = str(p)
     for hub in hub_cache_dirs():
-        if hub.is_dir():
-            for repo in sorted(hub.glob("models--*--*")):
-                repo_id = repo.name.removeprefix("models--").replace("--", "/", 1)
-                snap = find_in_hub_cache(repo_id)
-                if snap is not None and (snap / "config.json").is_file():
-                    choices[f"{repo_id} (hub cache)"] = repo_id
+        for repo in _entries(hub):
+            if not repo.name.startswith("models--") or "--" not in repo.name.removeprefix("models--"):
+                continue
+            repo_id = repo.name.removeprefix("models--").replace("--", "/", 1)
+            snap = find_in_hub_cache(repo_id)
+            if snap is not None and _is_file(snap / "config.json"):
+                choices[f"{repo_id} (hub cache)"] = repo_id
     return choices
+
+
+# Every page's sidebar lists the choices: an entry that cannot be read (a dangling symlink, a folder without
+# permission) is left out rather than raised.
+def _entries(folder: Path) -> list[Path]:
+    try:
+        return sorted(folder.iterdir())
+    except OSError:
+        return []
+
+
+def _is_file(p: Path) -> bool:
+    try:
+        return p.is_file()
+    except OSError:
+        return False
 
 
 def _max_models() -> int:
@@ -102,6 +119,8 @@ def shared_model(source: str | None, device: str, dtype: str, _progress=None) ->
     dev = pick_device(device)
     key = (source, str(dev), str(pick_dtype(None if dtype == "auto" else dtype, dev)))
     limit = _max_models()
+    if _progress is not None:        # a load's progress is drawn in a student's browser: no server folders
+        _progress = functools.partial(_redacted_progress, _progress, source)
     with _models_lock:
         slot = _models.get(key)
         if slot is None:
@@ -132,6 +151,10 @@ def shared_model(source: str | None, device: str, dtype: str, _progress=None) ->
         return slot.model
     finally:
         slot.lock.release()
+
+
+def _redacted_progress(progress, source: str | None, fraction: float, message: str) -> None:
+    progress(fraction, redact(message, source))
 
 
 def _check_room(limit: int) -> None:
@@ -172,11 +195,19 @@ def label(source: str | None) -> str:
 
 
 def redact(message: str, source: str | None) -> str:
-    """A load error as a browser may see it: the server's folders replaced by the model's name."""
-    if source:
+    """A load error or progress line as a browser may see it: the model's own folders replaced by its name,
+    the server's model caches and home folder by "…" and "~"."""
+    swaps: dict[str, str] = {}
+    if source and label(source) != source:          # a path on the server (a hub id is a name already)
         p = Path(source).expanduser()
-        for folder in {str(p.resolve()), str(p), str(p.resolve().parent), str(p.parent)} - {".", ""}:
-            message = message.replace(folder, label(source) if folder.endswith(p.name) else "…")
+        for folder in (p, p.resolve(), p.parent, p.resolve().parent):
+            swaps[str(folder)] = label(source) if folder.name == p.name else "…"
+    for cache in (engine_cache_dir(), *hub_cache_dirs()):
+        swaps[str(cache)] = swaps[str(cache.resolve())] = "…"
+    # Only whole absolute folders: a relative one ("org") or "/" would eat ordinary words and every slash.
+    for folder in sorted(swaps, key=len, reverse=True):      # the longest first: a folder before its parent
+        if Path(folder).is_absolute() and Path(folder) != Path(folder).parent:
+            message = message.replace(folder, swaps[folder])
     return message.replace(str(Path.home()), "~")
 
 

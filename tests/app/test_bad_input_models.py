@@ -157,3 +157,36 @@ def test_cli_main_reports_errors_with_exit_2(tmp_path, tiny_model_dir, capsys, a
     err = capsys.readouterr().err
     assert re.search("error: .*" + msg, err), err[-2000:]
     assert cli_main(["generate", "hello", "--model", str(tiny_model_dir), "--max-new-tokens", "2"]) == 0
+
+
+# ---- a broken hub cache, through a page's sidebar -------------------------------------------------------------
+
+def _sidebar_script():
+    from pages.sidebar import sidebar
+    sidebar()
+
+
+def test_a_dangling_hub_snapshot_does_not_break_the_sidebar(tmp_path, monkeypatch, tiny_model, tiny_model_dir):
+    """An interrupted download leaves snapshots/<rev> a symlink to nothing; every page's sidebar lists the hub
+    cache."""
+    from streamlit.testing.v1 import AppTest
+
+    import inspector.session.models as models
+    hub = tmp_path / "hub"
+    (hub / "models--org--broken" / "snapshots").mkdir(parents=True)
+    (hub / "models--org--broken" / "snapshots" / "rev1").symlink_to(tmp_path / "gone")
+    good = hub / "models--org--good" / "snapshots" / "abc"
+    good.mkdir(parents=True)
+    (good / "config.json").write_text("{}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.delenv("LLM_INSPECTOR_HUB_CACHE", raising=False)
+    monkeypatch.setenv("LLM_INSPECTOR_MODEL", str(tiny_model_dir))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: tiny_model)
+    models.shared_model.clear()
+    try:
+        at = AppTest.from_function(_sidebar_script, default_timeout=120).run()
+        assert not at.exception, at.exception
+        options = at.sidebar.selectbox(key="sb_model").options
+        assert "org/good (hub cache)" in options and not any("org/broken" in o for o in options)
+    finally:
+        models.shared_model.clear()
