@@ -170,7 +170,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress |
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    progress(1.0, f"imported into {out_dir}")
+    progress(1.0, f"imported {gguf_path.name}")   # progress may reach a browser: the file's name, not a folder
     return out_dir
 
 
