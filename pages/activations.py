@@ -21,7 +21,7 @@ from inspector.views.activations import (
 )
 from inspector.views.tokens import token_labels
 from pages.common import get_model, on_demand, require_run, was_stopped
-from pages.widgets import chart
+from pages.widgets import chart, checked, md
 
 LENS_K = 10
 LENS_AUTO = 512      # positions from here on compute the lens only when asked (a forward over them all)
@@ -65,8 +65,9 @@ labels = token_labels(model.tokenizer, run.ids) if same_model else [str(i) for i
 heat_bad = bad[bad["stage"] == heat_stage]
 start = 0
 if len(matrix) > MAX_POSITIONS:
-    start = st.slider(f"Positions from ({MAX_POSITIONS} shown; default: around the first NaN/Inf, else the last)", 0,
-                      len(matrix) - MAX_POSITIONS, position_window(matrix.index, heat_bad), key="act_heat_from")
+    label = f"Positions from ({MAX_POSITIONS} shown; default: around the first NaN/Inf, else the last)"
+    start = checked(st.slider(label, 0, len(matrix) - MAX_POSITIONS, position_window(matrix.index, heat_bad),
+                              key="act_heat_from"), 0, len(matrix) - MAX_POSITIONS, "Positions from")
 skip_first = st.toggle("Leave position 0 out of the colour scale", True, key="act_heat_skip0",
                        help="The first token carries activations many times larger than any other (the "
                             "attention sink's massive activations); counted in, they wash every other cell out.")
@@ -85,14 +86,15 @@ else:
 
 st.subheader("Logit lens")
 if not same_model:
-    st.warning(f"This run was made with **{run.model_name}**; choose that model in the sidebar for the logit lens.")
+    st.warning(f"This run was made with **{md(run.model_name)}**; choose that model in the sidebar for the logit lens.")
     st.stop()
 ids = run.ids
 l1, l2 = st.columns([3, 1])
-pos = l1.slider("Position", 0, len(ids) - 1, run.n_prompt - 1, key="act_lens_pos")
-k = l2.slider("Top-k", 1, LENS_K, 5, key="act_lens_k")
-nxt = f"the actual next token is {labels[pos + 1]!r}" if pos + 1 < len(ids) else "the run ends here"
-st.caption(f"What each layer's residual stream at {labels[pos]!r} predicts next (through the final norm and "
+pos = checked(l1.slider("Position", 0, len(ids) - 1, run.n_prompt - 1, key="act_lens_pos"), 0, len(ids) - 1,
+              "Position")
+k = checked(l2.slider("Top-k", 1, LENS_K, 5, key="act_lens_k"), 1, LENS_K, "Top-k")
+nxt = f"the actual next token is {md(repr(labels[pos + 1]))}" if pos + 1 < len(ids) else "the run ends here"
+st.caption(f"What each layer's residual stream at {md(repr(labels[pos]))} predicts next (through the final norm and "
            f"the unembedding); {nxt}. The last layer's row is the model's own prediction.")
 what = f"the logit lens over {pos + 1:,} positions"
 if ((key, "lens", pos) in cache or pos < LENS_AUTO or was_stopped(what, (key, "lens", pos))

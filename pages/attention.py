@@ -24,7 +24,7 @@ from inspector.views.attention import (
 )
 from inspector.views.tokens import token_labels
 from pages.common import on_demand, require_run_and_model, was_stopped
-from pages.widgets import chart, shared
+from pages.widgets import chart, checked, md, shared
 
 OVERVIEW_AUTO = 512   # longer runs compute the layers × heads overview only when asked
 
@@ -65,10 +65,11 @@ else:
     view = st.radio("Positions shown", ["Window", "Whole sequence, pooled"], horizontal=True, key="att_view")
     if view == "Window":
         w1, w2 = st.columns(2)
-        q0 = w1.slider("Queries from", 0, T - MAX_CELLS, T - MAX_CELLS, key="att_window")
+        q0 = checked(w1.slider("Queries from", 0, T - MAX_CELLS, T - MAX_CELLS, key="att_window"), 0,
+                     T - MAX_CELLS, "Queries from")
         k_default = key_window(m, range(q0, q0 + MAX_CELLS), MAX_CELLS)
-        k0 = w2.slider("Keys from (default: where these queries look)", 0, T - MAX_CELLS, k_default,
-                       key=f"att_key_window_{layer}_{head}")
+        k0 = checked(w2.slider("Keys from (default: where these queries look)", 0, T - MAX_CELLS, k_default,
+                               key=f"att_key_window_{layer}_{head}"), 0, T - MAX_CELLS, "Keys from")
         z, rows, cols = window_rows_cols(m, q0, k0, MAX_CELLS, hide_sink=hide)
         share, sink = mass_shown(m, rows, cols)
         block = 1
@@ -92,10 +93,10 @@ st.caption(note + " Colours run from 0 to a high quantile of the weights off pos
 
 st.subheader("Where does this token look?")
 q1, q2 = st.columns([3, 1])
-query = q1.slider("Query position", 0, T - 1, T - 1, key="att_query")
-k = q2.slider("Top-k", 1, 32, 10, key="att_topk")
+query = checked(q1.slider("Query position", 0, T - 1, T - 1, key="att_query"), 0, T - 1, "Query position")
+k = checked(q2.slider("Top-k", 1, 32, 10, key="att_topk"), 1, 32, "Top-k")
 top = top_attended(m, query, labels, k)
-st.caption(f"Query {labels[query]} (layer {layer}, {what})")
+st.caption(f"Query {md(labels[query])} (layer {layer}, {what})")
 chart(top_attended_figure(top), key="att_bars")
 st.dataframe(top, key="att_top_table", hide_index=True)
 

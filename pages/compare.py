@@ -12,13 +12,16 @@ from inspector.views import compare as cmp
 from inspector.views.tokens import visible
 from pages.common import device_slot, get_model, server_limits
 from pages.frame import ensure_frame
-from pages.widgets import chart, sampling_form
+from pages.widgets import chart, checked, checked_float, checked_text, md, sampling_form
 
 RESULT = "cmp_result"
 MAX_RECOMPUTED_POSITIONS = 16_384     # KV cache off: positions computed over all steps, per configuration
 MAX_ATTENTION_POSITIONS = 1_024       # attention maps: (heads, T, T) of one layer at a time
 DTYPES = ["sidebar's", "float32", "bfloat16", "float16"]
 IV_KINDS = ["none", "zero heads", "scale a stage"]
+MAX_FIELD_CHARS = 200                 # heads or a stage glob, parsed and matched against every stage
+MAX_FACTOR = 1e30
+MAX_SEED = 2**31 - 1
 s = st.session_state
 
 st.header("Compare two runs")
@@ -27,12 +30,14 @@ model = get_model()
 if model is None:
     st.stop()
 prompt = s.get("sb_prompt", "What is the capital of France?")
-st.caption(f"Prompt (from the sidebar): {prompt!r} · chat format {'on' if s.get('sb_chat', True) else 'off'}")
+st.caption(f"Prompt (from the sidebar): {md(repr(prompt))} · chat format {'on' if s.get('sb_chat', True) else 'off'}")
 limits = server_limits(show_error=False)
 c1, c2 = st.columns(2)
 max_new = int(c1.number_input("Max new tokens", 1, min(256, limits.max_new_tokens), min(16, limits.max_new_tokens),
                               key="cmp_max_new"))
-seed = int(c2.number_input("Seed (both runs)", 0, 2**31 - 1, int(s.get("sb_seed", 0)), key="cmp_seed"))
+seed0 = s.get("sb_seed", 0)                     # the sidebar's, as its widget holds it (any value a browser sent)
+seed0 = seed0 if type(seed0) is int and 0 <= seed0 <= MAX_SEED else 0
+seed = checked(c2.number_input("Seed (both runs)", 0, MAX_SEED, seed0, key="cmp_seed"), 0, MAX_SEED, "Seed (both runs)")
 
 
 def config_panel(k: str, temperature: float) -> cmp.RunConfig | None:
@@ -47,19 +52,24 @@ def config_panel(k: str, temperature: float) -> cmp.RunConfig | None:
     iv = None
     if kind == "zero heads":
         c = st.columns(3)
-        layer = c[0].number_input("Layer", 0, model.config.num_layers - 1, 0, key=f"cmp_iv_layer_{k}")
+        last = model.config.num_layers - 1
+        layer = checked(c[0].number_input("Layer", 0, last, 0, key=f"cmp_iv_layer_{k}"), 0, last, "Layer")
         stage = c[1].selectbox("Stage", ["attn.z", "attn.q", "attn.k", "attn.v"], key=f"cmp_iv_stage_{k}")
-        heads = c[2].text_input("Heads", "0", key=f"cmp_iv_heads_{k}")
+        heads = checked_text(c[2].text_input("Heads", "0", key=f"cmp_iv_heads_{k}", max_chars=MAX_FIELD_CHARS),
+                             MAX_FIELD_CHARS, "Heads")
         try:
             iv = cmp.Intervention("zero_heads", f"blocks.{layer}.{stage}",
                                   tuple(int(h) for h in heads.replace(",", " ").split()))
         except ValueError:
-            st.error(f"heads must be whole numbers separated by commas, got {heads!r}")
+            st.error(f"heads must be whole numbers separated by commas, got {md(repr(heads))}")
             return None
     elif kind == "scale a stage":
         c = st.columns(2)
-        stage = c[0].text_input("Stages (glob)", "blocks.0.mlp.act", key=f"cmp_iv_pattern_{k}")
-        iv = cmp.Intervention("scale", stage, factor=c[1].number_input("Factor", value=0.5, key=f"cmp_iv_factor_{k}"))
+        stage = checked_text(c[0].text_input("Stages (glob)", "blocks.0.mlp.act", key=f"cmp_iv_pattern_{k}",
+                                             max_chars=MAX_FIELD_CHARS), MAX_FIELD_CHARS, "Stages (glob)")
+        factor = checked_float(c[1].number_input("Factor", value=0.5, key=f"cmp_iv_factor_{k}"), -MAX_FACTOR,
+                               MAX_FACTOR, "Factor")
+        iv = cmp.Intervention("scale", stage, factor=factor)
     if params is None:
         return None
     try:

@@ -2,6 +2,7 @@
 Run to end / Reset; conditional breakpoints; new sampler settings after a break. After every step the run so
 far is this session's current run (st.session_state["run"]) and the step shown is st.session_state
 ["selected_step"], so every other page shows the run's state at that step."""
+import math
 from fnmatch import fnmatchcase
 
 import streamlit as st
@@ -18,6 +19,10 @@ from pages.widgets import (
     FILTERS,
     PENALTIES,
     SAMPLER_WIDGETS,
+    checked,
+    checked_float,
+    checked_text,
+    md,
     sampling_params_from,
     sampling_widgets,
     set_sampling_widgets,
@@ -26,6 +31,8 @@ from pages.widgets import (
 
 DBG, BPS, SELECTED = "dbg", "dbg_bps", "selected_step"
 KINDS = ["NaN / Inf", "|value| above", "Entropy below", "Repeated n-gram", "Token"]
+MAX_FIELD_CHARS = 200         # a stage glob or a token's text: matched against every stage / tokenized
+MAX_NGRAM = 20
 s = st.session_state
 
 st.header("Debugger")
@@ -57,6 +64,11 @@ def new_debugger(old: Debugger | None) -> Debugger | None:
     s[DBG] = dbg
     set_sampling_widgets("dbg", dbg.run.params)
     return dbg
+
+
+def glob_input(box, key: str) -> str:
+    return checked_text(box.text_input("Stages (glob)", "*", key=key, max_chars=MAX_FIELD_CHARS), MAX_FIELD_CHARS,
+                        "Stages (glob)")
 
 
 def publish(dbg: Debugger) -> None:
@@ -112,7 +124,7 @@ elif dbg is not None and dbg.steps and (dbg.published is None or (current_run() 
 if dbg is None:
     st.info("Press **Step** to start generating the sidebar's prompt one token at a time.")
 elif dbg.model_name != model.name:
-    st.warning(f"This run uses **{dbg.model_name}**; the sidebar now shows **{model.name}**. Press Reset.")
+    st.warning(f"This run uses **{md(dbg.model_name)}**; the sidebar now shows **{md(model.name)}**. Press Reset.")
 
 # ---- breakpoints -----------------------------------------------------------------------------------
 with st.expander(f"Breakpoints ({len(s[BPS])})", expanded=True):
@@ -120,17 +132,20 @@ with st.expander(f"Breakpoints ({len(s[BPS])})", expanded=True):
     kind = c1.selectbox("Break on", KINDS, key="dbg_bp_kind")
     try:
         if kind == "NaN / Inf":
-            bp = NonFinite(c2.text_input("Stages (glob)", "*", key="dbg_bp_stage"))
+            bp = NonFinite(glob_input(c2, "dbg_bp_stage"))
         elif kind == "|value| above":
-            thr = c2.number_input("Threshold", 0.0, value=1000.0, key="dbg_bp_abs")
-            bp = AbsAbove(thr, st.text_input("Stages (glob)", "*", key="dbg_bp_abs_stage"))
+            thr = checked_float(c2.number_input("Threshold", 0.0, value=1000.0, key="dbg_bp_abs"), 0.0, math.inf,
+                                "Threshold")
+            bp = AbsAbove(thr, glob_input(st, "dbg_bp_abs_stage"))
         elif kind == "Entropy below":
-            bp = EntropyBelow(c2.number_input("Entropy (nats)", 0.0, value=0.5, step=0.1, key="dbg_bp_entropy"))
+            bp = EntropyBelow(checked_float(c2.number_input("Entropy (nats)", 0.0, value=0.5, step=0.1,
+                                                            key="dbg_bp_entropy"), 0.0, math.inf, "Entropy (nats)"))
         elif kind == "Repeated n-gram":
-            bp = RepeatedNgram(int(c2.number_input("n", 1, 20, 3, key="dbg_bp_n")),
+            bp = RepeatedNgram(checked(c2.number_input("n", 1, MAX_NGRAM, 3, key="dbg_bp_n"), 1, MAX_NGRAM, "n"),
                                st.toggle("Count n-grams of the prompt too", False, key="dbg_bp_prompt"))
         else:
-            text = c2.text_input("Token text (' Paris') or id(s)", key="dbg_bp_token")
+            text = checked_text(c2.text_input("Token text (' Paris') or id(s)", key="dbg_bp_token",
+                                              max_chars=MAX_FIELD_CHARS), MAX_FIELD_CHARS, "Token text")
             bp = TokenIs(token_ids_for(model.tokenizer, text, model.config.vocab_size)) if text else None
         stage = getattr(bp, "stage", None)
         if stage is not None and not any(fnmatchcase(n, stage) for n in model.hook_names()):
@@ -143,7 +158,7 @@ with st.expander(f"Breakpoints ({len(s[BPS])})", expanded=True):
         st.rerun()
     for i, b in enumerate(s[BPS]):
         r1, r2 = st.columns([5, 1])
-        r1.markdown(f"`{i}` {b.describe()}")
+        r1.markdown(f"`{i}` {md(b.describe())}")
         if r2.button("Remove", key=f"dbg_bp_rm_{i}", use_container_width=True):
             s[BPS] = s[BPS][:i] + s[BPS][i + 1:]
             st.rerun()
@@ -161,7 +176,7 @@ if dbg is None:
 # ---- where the run stands -------------------------------------------------------------------------
 steps, tok = dbg.steps, model.tokenizer if dbg.model_name == model.name else None
 for note in dbg.notes:
-    st.info(note)
+    st.info(md(note))
 if dbg.message:
     st.warning(f"Breakpoint: {dbg.message}", icon="⏸️")
 cur = current_run()
@@ -177,12 +192,12 @@ if not steps:
 if "dbg_view_step" not in s:                              # first visit, or back from another page
     s["dbg_view_step"] = s.get(SELECTED, len(steps) - 1)
 s["dbg_view_step"] = min(max(int(s["dbg_view_step"]), 0), len(steps) - 1)
-view = int(st.number_input(f"Step shown (0–{len(steps) - 1}); every page shows this step", 0, len(steps) - 1,
-                           key="dbg_view_step"))
+view = checked(st.number_input(f"Step shown (0–{len(steps) - 1}); every page shows this step", 0, len(steps) - 1,
+                              key="dbg_view_step"), 0, len(steps) - 1, "Step shown")
 if cur is not None and cur is dbg.published:
     s[SELECTED] = view
 step = steps[view]
-st.markdown(f"**{describe_step(step, tok)}**")
+st.markdown(f"**{md(describe_step(step, tok))}**")
 m = st.columns(4)
 m[0].metric("Chosen token", repr(step.text) if tok is None else repr(tok.decode([step.token_id])))
 m[1].metric("p (sampling)", f"{step.prob:.4f}")

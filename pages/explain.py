@@ -17,10 +17,12 @@ from inspector.session.memo import memo, run_key
 from inspector.views import explain as xv
 from inspector.views.tokens import token_labels
 from pages.common import device_slot, require_run_and_model
-from pages.widgets import chart, columns
+from pages.widgets import chart, checked, checked_text, columns, md
 
 MAX_PATCH_TOKENS = 128       # the grid's cost grows with positions² x layers; beyond this it takes minutes
 MAX_ATTRIBUTION_TOKENS = 128
+MAX_RANDOM_ORDERS = 8
+MAX_REPLACEMENT_CHARS = 2_000   # tokenized on every rerun; the span it must match is at most a context's tokens
 STORE = "explain_memo"
 
 
@@ -55,7 +57,8 @@ def show_attribution(e) -> None:
     c[1].metric("Sum of contributions", f"{e.total:.6f}")
     c[2].metric("Residual error", f"{e.residual_error:.1e}")
     c[3].metric("Final-norm scale (frozen)", f"{e.norm_scale:.4g}")
-    st.caption(f"logit({e.target_text!r}) = {e.logit_a:.4f}, logit({e.versus_text!r}) = {e.logit_b:.4f}. The "
+    st.caption(f"logit({md(repr(e.target_text))}) = {e.logit_a:.4f}, "
+               f"logit({md(repr(e.versus_text))}) = {e.logit_b:.4f}. The "
                "final residual stream is the embedding plus every attention and MLP output; with the final "
                "RMSNorm's scale frozen at its value for this position, each part's share of the logit difference "
                "is exact, and the parts add up to it (the residual error is the forward's float rounding).")
@@ -80,17 +83,23 @@ def corrupted_prompt(model, ids: list[int], labels: list[str], neutral: int) -> 
     mid = max(0, n // 2 - 1)
     span = st.select_slider("Tokens to corrupt", options=list(range(n)), value=(mid, mid),
                             format_func=lambda p: labels[p], key="ex_span")
-    start, end = span[0], span[1] + 1
-    text = st.text_input("Replace them with (empty: a neutral token each)", "", key="ex_replacement",
-                         help="The replacement must be as many tokens as the span: patching compares the "
-                              "two prompts position by position.")
+    if not (isinstance(span, (tuple, list)) and len(span) == 2):
+        st.error(f"Tokens to corrupt must be two positions between 0 and {n - 1:,} (a first and a last)")
+        st.stop()
+    first = checked(span[0], 0, n - 1, "Tokens to corrupt (first)")
+    start, end = first, checked(span[1], first, n - 1, "Tokens to corrupt (last)") + 1
+    text = checked_text(st.text_input("Replace them with (empty: a neutral token each)", "", key="ex_replacement",
+                                      max_chars=MAX_REPLACEMENT_CHARS,
+                                      help="The replacement must be as many tokens as the span: patching compares "
+                                           "the two prompts position by position."),
+                        MAX_REPLACEMENT_CHARS, "The replacement")
     repl = model.tokenizer.encode(text) if text else [neutral] * (end - start)
     try:
         corrupt = replace_span(ids, start, end, repl)
     except EngineError as err:
         st.error(str(err))
         return None
-    st.caption("Corrupted context: " + " ".join(f"`{t}`" for t in token_labels(model.tokenizer, corrupt)[start:end])
+    st.caption("Corrupted context: " + " ".join(md(t) for t in token_labels(model.tokenizer, corrupt)[start:end])
                + f" at positions {start}–{end - 1}")
     return corrupt
 
@@ -150,14 +159,15 @@ with tab_why:
                lambda: explain_step(model, res.prompt_ids, res.token_ids, step, target=a, versus=b,
                                     params=res.params))
     st.caption(f"Step {step}: the logits at position {len(ids) - 1}, from the prompt and the {step} tokens "
-               f"generated before. A = {e.target_text!r}, B = {e.versus_text!r}.")
+               f"generated before. A = {md(repr(e.target_text))}, B = {md(repr(e.versus_text))}.")
     show_attribution(e)
 
 neutral = neutral_token(model)
 labels = token_labels(tok, ids)
 with tab_patch:
-    st.caption(f"Clean: this step's context ({len(ids)} tokens), target A = {tok.decode([a])!r}. Each cell restores "
-               "one activation of the clean run into the corrupted run and shows p(target) at the last position.")
+    st.caption(f"Clean: this step's context ({len(ids)} tokens), target A = {md(repr(tok.decode([a])))}. Each cell "
+               "restores one activation of the clean run into the corrupted run and shows p(target) at the last "
+               "position.")
     corrupt = corrupted_prompt(model, ids, labels, neutral) if len(ids) > 1 else None
     if len(ids) < 2:
         st.info("Patching needs a context of at least two tokens.")
@@ -174,10 +184,11 @@ with tab_patch:
             show_patching(r, labels)
 
 with tab_inputs:
-    st.caption(f"How much log p({tok.decode([a])!r}) at step {step} rests on each of the {len(ids)} context "
-               f"tokens. Occlusion replaces one token by {tok.decode([neutral])!r}; gradient × input takes the "
-               "embedding times the gradient. The deletion curves remove tokens in each method's order.")
-    orders = st.slider("Random orders for the baseline", 1, 8, 3, key="ex_random_orders")
+    st.caption(f"How much log p({md(repr(tok.decode([a])))}) at step {step} rests on each of the {len(ids)} "
+               f"context tokens. Occlusion replaces one token by {md(repr(tok.decode([neutral])))}; gradient × input "
+               "takes the embedding times the gradient. The deletion curves remove tokens in each method's order.")
+    orders = checked(st.slider("Random orders for the baseline", 1, MAX_RANDOM_ORDERS, 3, key="ex_random_orders"), 1,
+                     MAX_RANDOM_ORDERS, "Random orders for the baseline")
     ak = (rk, "inputs", tuple(ids), a, orders)
     if len(ids) > MAX_ATTRIBUTION_TOKENS:
         st.warning(f"Input attribution is offered for contexts of up to {MAX_ATTRIBUTION_TOKENS} tokens; this one "

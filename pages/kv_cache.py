@@ -3,7 +3,7 @@ import streamlit as st
 
 from inspector.views import kv_cache as kv
 from pages.common import require_run_and_model
-from pages.widgets import chart, metric_columns
+from pages.widgets import chart, checked, metric_columns
 
 st.header("KV cache")
 run, model = require_run_and_model()
@@ -62,7 +62,7 @@ st.subheader("Calculator")
 c1, c2, c3 = st.columns(3)
 contexts = c1.multiselect("Context lengths", [512, 1024, 2048, 4096, 8192, 16384, 32768, 131072],
                           default=[2048, 8192, 32768, 131072], key="kv_calc_contexts")
-batch = c2.number_input("Batch size", 1, 1024, 1, key="kv_calc_batch")
+batch = checked(c2.number_input("Batch size", 1, 1024, 1, key="kv_calc_batch"), 1, 1024, "Batch size")
 dtype = c3.selectbox("Dtype", list(kv.DTYPE_BYTES), index=2, key="kv_calc_dtype")
 names = st.multiselect("Models", ["this model", *kv.KNOWN_MODELS], default=["this model", *kv.KNOWN_MODELS],
                        key="kv_calc_models")

@@ -10,11 +10,13 @@ from inspector.session.memo import run_key
 from inspector.session.models import shared_copy
 from inspector.session.run import check_settings
 from inspector.views import doctor as dv
-from pages.common import device_slot, get_model, plain, require_run, server_limits
+from pages.common import device_slot, get_model, require_run, server_limits
 from pages.prescriptions import rescue_section
-from pages.widgets import chart
+from pages.widgets import chart, checked, checked_float, md
 
 MAX_PRECISION_POSITIONS = 256
+MAX_POSITION = 10**9          # a weight's element index can be large; an activation's position is checked by run_doctor
+MAX_FACTOR = 1e30             # a scale fault's factor (float32 overflows past 3.4e38 anyway)
 
 
 def low_precision_copy(model, key: tuple, dtype: str):
@@ -63,7 +65,7 @@ else:
 
 model = get_model()
 if model is None or model.name != run.model_name:
-    st.warning(f"This run was made with **{plain(run.model_name)}**; choose that model in the sidebar to inject faults "
+    st.warning(f"This run was made with **{md(run.model_name)}**; choose that model in the sidebar to inject faults "
                "or compare precisions.")
     st.stop()
 mkey = (model.name, id(model))
@@ -77,10 +79,13 @@ if preset == "custom":
     kind = c1.selectbox("Fault", ["nan", "inf", "zero", "scale"], key="nd_kind")
     target = c2.selectbox("Stage or weight", dv.target_choices(), key="nd_target",
                           index=dv.target_choices().index("mlp.act"))
-    layer = c3.number_input("Layer", 0, model.config.num_layers - 1, 0, key="nd_layer")
-    pos = c4.number_input("Position (−1: every; weights: element)", -1, 10**9, 0, key="nd_pos")
+    last = model.config.num_layers - 1
+    layer = checked(c3.number_input("Layer", 0, last, 0, key="nd_layer"), 0, last, "Layer")
+    pos = checked(c4.number_input("Position (−1: every; weights: element)", -1, MAX_POSITION, 0, key="nd_pos"), -1,
+                  MAX_POSITION, "Position")
     c5, c6, c7 = st.columns(3)
-    factor = c5.number_input("Scale factor", value=1000.0, key="nd_factor", disabled=kind != "scale")
+    factor = checked_float(c5.number_input("Scale factor", -MAX_FACTOR, MAX_FACTOR, 1000.0, key="nd_factor",
+                                           disabled=kind != "scale"), -MAX_FACTOR, MAX_FACTOR, "Scale factor")
     dtype = c6.selectbox("Dtype", ["as loaded", "float16", "bfloat16"], key="nd_dtype")
     eps0 = c7.checkbox("RMSNorm epsilon 0", key="nd_eps0")
     specs = [dv.injection_spec(kind, target, int(layer), None if pos < 0 else int(pos), float(factor))]
@@ -92,8 +97,10 @@ else:
 st.caption(f"Faults: `{' '.join(specs)}`" + (f" · dtype {dtype}" if dtype else "")
            + (f" · RMSNorm ε = {norm_eps}" if norm_eps is not None else ""))
 limits = server_limits(show_error=False)
-max_new = st.number_input("Max new tokens", 1, limits.max_new_tokens, min(8, run.settings.max_new_tokens,
-                                                                          limits.max_new_tokens), key="nd_max_new")
+default_new = run.settings.max_new_tokens      # a reopened trace's: any value its file holds
+default_new = min(8, default_new, limits.max_new_tokens) if type(default_new) is int and default_new >= 1 else 8
+max_new = checked(st.number_input("Max new tokens", 1, limits.max_new_tokens, default_new, key="nd_max_new"), 1,
+                  limits.max_new_tokens, "Max new tokens")
 reports = st.session_state.setdefault("nd_reports", {})        # run_key -> the last fault run on it
 autorun = st.session_state.pop("nd_autorun", False)           # a demo asked for the fault run
 if st.button("Run with the fault", key="nd_inject", type="primary") or autorun:
@@ -121,7 +128,7 @@ report = reports.get(run_key(run))
 if report is not None:
     st.markdown(f"`{', '.join(report.injections) or 'no fault'}` ({report.dtype}"
                 + (f", RMSNorm ε {report.norm_eps}" if report.norm_eps is not None else "") + f") · stop: "
-                f"**{report.result.stop_reason}**" + (f" · {report.error}" if report.error else ""))
+                f"**{md(report.result.stop_reason)}**" + (f" · {md(report.error)}" if report.error else ""))
     show_stop(report.result)
     if report.first_nonfinite is None:
         st.success("The fault produced no NaN or Inf: every stage stayed finite.")
@@ -134,8 +141,8 @@ st.caption("The run's tokens through this model and through a lower-precision co
            "activations, so the error shown is the accumulated one (‖low − ref‖ / ‖ref‖ over all positions).")
 c1, c2 = st.columns(2)
 low_dtype = c1.selectbox("Compare with", ["float16", "bfloat16"], key="nd_prec_dtype")
-thr = c2.number_input("Divergence threshold (relative error; 0 = 8 × unit roundoff)", 0.0, 10.0, 0.0,
-                      format="%.4f", key="nd_prec_thr")
+thr = checked_float(c2.number_input("Divergence threshold (relative error; 0 = 8 × unit roundoff)", 0.0, 10.0, 0.0,
+                                    format="%.4f", key="nd_prec_thr"), 0.0, 10.0, "Divergence threshold")
 precs = st.session_state.setdefault("nd_precs", {})            # run_key -> the last comparison
 if st.button("Compare precisions", key="nd_prec_run"):
     ids = run.ids[:MAX_PRECISION_POSITIONS]

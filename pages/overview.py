@@ -10,12 +10,12 @@ from engine.generate import nonfinite_stop
 from engine.report import build_html
 from engine.report_data import attention_maps, default_layers
 from engine.sources import BUNDLED_NAME
-from inspector.session.limits import LimitError, check_run_positions
+from inspector.session.limits import LimitError, check_run_positions, cut_text
 from inspector.session.memo import run_key
 from inspector.views.tokens import steps_table, token_counts
 from pages.common import current_run, get_model, on_demand, require_run, server_limits, was_stopped
 from pages.demos import demo_buttons
-from pages.widgets import metric_columns, page_link
+from pages.widgets import md, metric_columns, page_link
 
 
 def make_report(run, model, on_progress=None) -> str:
@@ -56,7 +56,7 @@ res = run.result
 model = get_model()
 tok = model.tokenizer if model is not None and model.name == run.model_name else None
 
-st.caption(f"Model **{run.model_name}** · {run.n_prompt} prompt tokens · {len(res.token_ids)} generated · "
+st.caption(f"Model **{md(run.model_name)}** · {run.n_prompt} prompt tokens · {len(res.token_ids)} generated · "
            f"seed {res.seed} · chat format {'on' if run.settings.chat else 'off'}")
 
 bad_logits, nf = nonfinite_stop(res), run.first_nonfinite
@@ -65,7 +65,8 @@ if bad_logits or nf:
         f"{bad_logits['nan']:,} NaN and {bad_logits['inf']:,} Inf"
     where = (f"step {bad_logits['step']}'s logits held {held} values, so no token was drawn from them and the run "
              "stopped there" if bad_logits else "a stage went non-finite")
-    first = f" The first NaN/Inf: `{nf['stage']}`, position {nf['position']}, step {nf['step']}." if nf else ""
+    first = (f" The first NaN/Inf: {md(nf['stage'])}, position {md(nf['position'])}, step {md(nf['step'])}."
+             if nf else "")
     st.error(f"**Non-finite values**: {where}.{first}")
     page_link("nan_doctor", "NaN doctor: where it began, and why", icon=":material/healing:")
     page_link("activations", "Activations: every NaN/Inf cell", icon=":material/monitoring:")
@@ -80,7 +81,12 @@ if run.loops:
 left, right = st.columns(2)
 with left:
     st.subheader("Prompt (as the model saw it)")
-    prompt = tok.decode(res.prompt_ids) if tok is not None else run.settings.prompt
+    if tok is not None:
+        prompt = tok.decode(res.prompt_ids)
+    else:      # the file's own prompt: any type, any length (a trace's settings are its writer's)
+        prompt, cut = cut_text(run.settings.prompt, server_limits(show_error=False).max_prompt_chars)
+        if cut:
+            st.caption(f"The run's prompt: {cut}.")
     st.code(prompt.replace("\n", "⏎\n"), language=None, wrap_lines=True)      # ⏎: each newline, the last too
 with right:
     st.subheader("Generated text")

@@ -12,17 +12,20 @@ import shlex
 import streamlit as st
 import torch
 
-from engine import EngineError
+from engine import EngineError, InputError
 from engine.doctor import PRESETS, cast_model
 from engine.quant import FORMATS, THRESHOLD, compare_formats
 from engine.rescue import MAX_NEW_TOKENS, find_rescue
 from engine.why_loop import HORIZON, MAX_RERUNS, why_loop
 from inspector.session.memo import memo, run_key
+from inspector.session.run import check_settings
 from inspector.views import prescribe as pv
-from pages.common import device_slot
-from pages.widgets import chart
+from pages.common import device_slot, server_limits
+from pages.widgets import chart, checked, checked_text, md
 
 MAX_QUANT_POSITIONS = 256
+MAX_RESCUE_TOKENS = 16
+MAX_INJECT_CHARS = 1_000      # a few KIND@STAGE[:N] specs; parsed (and matched against every stage) per rerun
 QUANT_CHOICES = (*FORMATS, "F16", "BF16", "F32")
 
 
@@ -35,6 +38,17 @@ def _reference_note(model) -> None:
     if model.dtype != torch.float32:
         st.caption(f"The model is loaded in {str(model.dtype).removeprefix('torch.')}: its weights upcast to "
                    "float32 serve as the fp32 reference here, not the original float32 weights.")
+
+
+def _checked_settings(run, model):
+    """The run's settings as this server would accept them for a new generation (inspector.session.run.
+    check_settings: the prompt's characters and tokens, new tokens, stop strings), or None after the message.
+    A reopened trace's settings are whatever its file holds: a section that reruns them checks them first."""
+    try:
+        return check_settings(model, run.settings, server_limits(show_error=False))[0]
+    except InputError as e:
+        st.error(f"This run's settings cannot be generated again on this server: {md(e)}")
+        return None
 
 
 def _compute(store: dict, key, what: str, compute) -> None:
@@ -57,12 +71,13 @@ def why_loop_section(run, model) -> None:
                "no-repeat n-gram and temperature, weakest first), the numerics (another dtype) and the prompt (each "
                "span left out). A cause counts only with its rerun: the loop is gone when the rerun's "
                f"{HORIZON} tokens hold no loop and no 3-token sequence three times.")
-    budget = int(st.number_input("Most reruns", 5, MAX_RERUNS, MAX_RERUNS, key="wl_budget"))
+    budget = checked(st.number_input("Most reruns", 5, MAX_RERUNS, MAX_RERUNS, key="wl_budget"), 5, MAX_RERUNS,
+                     "Most reruns")
     store = st.session_state.setdefault("wl_reports", {})
     key = (*run_key(run), budget)
-    if st.button("Find the cause", key="wl_run", type="primary"):
+    if st.button("Find the cause", key="wl_run", type="primary") and (settings := _checked_settings(run, model)):
         _compute(store, key, "the loop diagnosis",
-                 lambda progress: why_loop(model, run.settings, max_reruns=budget, on_progress=progress))
+                 lambda progress: why_loop(model, settings, max_reruns=budget, on_progress=progress))
     report = store.get(key)
     if report is not None:
         show_why_loop(report)
@@ -98,8 +113,9 @@ def _rescue_choices() -> tuple[list[str], float | None, str]:
     c1, c2, c3 = st.columns([2, 2, 1])
     preset = c1.selectbox("Fault", ["fp16-overflow", *[p for p in PRESETS if p != "fp16-overflow"], "none",
                                     "custom"], key="rs_preset")
-    custom = c2.text_input("Injections (KIND@STAGE[:N], comma-separated)", "scale=1e6@blocks.5.mlp_out",
-                           key="rs_inject", disabled=preset != "custom")
+    custom = checked_text(c2.text_input("Injections (KIND@STAGE[:N], comma-separated)", "scale=1e6@blocks.5.mlp_out",
+                                        key="rs_inject", disabled=preset != "custom", max_chars=MAX_INJECT_CHARS),
+                          MAX_INJECT_CHARS, "Injections")
     dtype = c3.selectbox("Low precision", ["float16", "bfloat16"], key="rs_dtype")
     if preset == "custom":
         return [s.strip() for s in custom.split(",") if s.strip()], None, dtype
@@ -116,16 +132,17 @@ def rescue_section(run, model) -> None:
                "its complement is shown not to fix the run.")
     _reference_note(model)
     specs, norm_eps, dtype = _rescue_choices()
-    tokens = int(st.number_input("Generated tokens compared", 1, 16, MAX_NEW_TOKENS, key="rs_tokens"))
+    tokens = checked(st.number_input("Generated tokens compared", 1, MAX_RESCUE_TOKENS, MAX_NEW_TOKENS,
+                                     key="rs_tokens"), 1, MAX_RESCUE_TOKENS, "Generated tokens compared")
     store = st.session_state.setdefault("rs_reports", {})
     key = (*run_key(run), tuple(specs), norm_eps, dtype, tokens)
 
     def compute(progress):
         ref = model if model.dtype == torch.float32 else cast_model(model, "float32")
         low = cast_model(ref, dtype)             # dropped with this call: one extra model at a time
-        return find_rescue(ref, low, run.settings, injections=specs, norm_eps=norm_eps, max_new_tokens=tokens,
+        return find_rescue(ref, low, settings, injections=specs, norm_eps=norm_eps, max_new_tokens=tokens,
                            on_progress=progress)
-    if st.button("Find the rescue set", key="rs_run", type="primary"):
+    if st.button("Find the rescue set", key="rs_run", type="primary") and (settings := _checked_settings(run, model)):
         _compute(store, key, "the fp32 rescue search", compute)
     report = store.get(key)
     if report is not None:

@@ -3,9 +3,10 @@ how the streaming detokenizer assembles multi-byte characters. Nothing here runs
 import streamlit as st
 
 from engine import InputError
-from inspector.session.limits import LimitError, Limits, check_text
+from inspector.session.limits import LimitError, check_text, cut_text
 from inspector.views.tokens import chat_messages, run_token_table, spans_html, stream_table, token_counts
-from pages.common import get_model, require_run
+from pages.common import get_model, require_run, server_limits
+from pages.widgets import md
 
 MAX_SAMPLE_CHARS = 2_000      # "Try any text": one row per token in the table below
 
@@ -13,7 +14,7 @@ st.header("Tokens")
 run = require_run()
 model = get_model()
 if model is None or model.name != run.model_name:
-    st.warning(f"This run was made with **{run.model_name}**; choose that model in the sidebar (or press Run "
+    st.warning(f"This run was made with **{md(run.model_name)}**; choose that model in the sidebar (or press Run "
                "again) to see its tokens.")
     st.stop()
 tok, res = model.tokenizer, run.result
@@ -42,10 +43,19 @@ st.caption("start/end: character offsets within the prompt's or the generated te
 st.dataframe(table, key="tok_table", hide_index=True)
 
 st.subheader("Chat template")
+limits = server_limits(show_error=False)
 if run.settings.chat and tok.chat_template:
-    messages = chat_messages(run.settings.prompt, run.settings.system)
+    # A reopened trace's prompt and system message are whatever its file holds: cut to this server's prompt
+    # limit before anything tokenizes them (the tokenizer holds the GIL: every session would wait).
+    prompt, cut = cut_text(run.settings.prompt, limits.max_prompt_chars)
+    system, cut_system = (None, None) if run.settings.system is None else \
+        cut_text(run.settings.system, limits.max_prompt_chars)
+    for what, note in (("prompt", cut), ("system message", cut_system)):
+        if note:
+            st.warning(f"The run's {what}: {note}. The template below is drawn from what is shown.")
+    messages = chat_messages(prompt, system)
     rendered = tok.render_chat(messages)
-    plain = tok.encode(run.settings.prompt)
+    plain = tok.encode(prompt)
     st.caption(f"The template wraps the {len(plain)} tokens of your prompt into {len(res.prompt_ids)} tokens "
                f"({len(res.prompt_ids) - len(plain)} added by the template); they are the prompt tokens above.")
     st.code(rendered.replace("\n", "⏎\n"), language=None, wrap_lines=True)   # ⏎: each newline, the last too
@@ -60,11 +70,12 @@ st.caption("A token can end in the middle of a UTF-8 character (emoji, CJK). The
 st.markdown("**This run's generated tokens**")
 fed = res.token_ids[:-1] if res.stop_reason == "eos" else res.token_ids    # generation never decodes the EOS
 st.dataframe(stream_table(tok, fed), key="tok_stream_run", hide_index=True)
-sample = st.text_input("Try any text", "héllo 👋 世界", key="tok_stream_text", max_chars=MAX_SAMPLE_CHARS)
-try:        # checked here too: a forged message is not held to the widget's max_chars
-    if isinstance(sample, str) and len(sample) > MAX_SAMPLE_CHARS:
-        raise LimitError(f"the text is {len(sample):,} characters long; this box takes at most {MAX_SAMPLE_CHARS:,}")
-    sample, notes = check_text(sample, Limits(), "text", allow_empty=True)
+most = min(MAX_SAMPLE_CHARS, limits.max_prompt_chars)
+sample = st.text_input("Try any text", "héllo 👋 世界", key="tok_stream_text", max_chars=most)
+try:        # checked here too, before any tokenizing: a forged message is not held to the widget's max_chars
+    if isinstance(sample, str) and len(sample) > most:
+        raise LimitError(f"the text is {len(sample):,} characters long; this box takes at most {most:,}")
+    sample, notes = check_text(sample, limits, "text", allow_empty=True)
 except InputError as e:
     st.error(str(e))
 else:

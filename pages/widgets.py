@@ -4,6 +4,7 @@ way to show a figure (chart: the app's style, projector mode), lay out charts (c
 `shared` makes a widget a room shares follow the teacher (pages.room_sync)."""
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from engine import InputError, SamplingParams
+from inspector.session.limits import LimitError, check_chars, check_float, check_int
 from inspector.views.theme import styled
 from pages.room_sync import ROOM_WIDGETS, SHARED_KEYS, following, is_teacher, publish_view
 
@@ -109,6 +111,51 @@ def sampling_form(prefix: str, default: SamplingParams, container=None) -> Sampl
     except InputError as e:
         box.error(str(e))
         return None
+
+
+# ---- text from outside -------------------------------------------------------------------------------
+_PUNCTUATION = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+# Streamlit's renderer (remark-gfm) finds bare links in the text *after* escapes are resolved, with
+# /(https?:\/\/|www(?=\.))/ and /[-.\w+]+@[-\w]+(\.[-\w]+)+/: a zero-width space breaks each pattern
+_AUTOLINK = re.compile(r"(?<=:)(?=//)|(?<=www)(?=\.)|(?=@)", re.IGNORECASE)
+_ZWSP = "\u200b"
+
+
+def md(text: object) -> str:
+    """Text from a file, a store or a browser (a run's model name and notes, a prompt, a token, a typed
+    stage) made safe inside Markdown (st.markdown, st.caption, st.warning, ...) so that it shows as the
+    characters it is: every ASCII punctuation character is backslash-escaped (CommonMark allows it for each;
+    no link, image, tag, emphasis or Streamlit :directive[...] can form), and a zero-width space goes into
+    each http://, www. and name@host, which GitHub-flavoured Markdown would otherwise turn into a link."""
+    text = _AUTOLINK.sub(_ZWSP, str(text))
+    return "".join("\\" + c if c in _PUNCTUATION else c for c in text)
+
+
+# ---- values a browser sent -----------------------------------------------------------------------------
+# A widget's bounds hold an honest browser only: a forged message can carry any value, and some Streamlit
+# releases hand it to the script unchecked. Each value that reaches the engine (or indexes a run) is checked
+# again on the server; a bad one gets one message naming the field and its range, and the page stops there,
+# before any model work.
+def checked(value, lo: int, hi: int, what: str) -> int:
+    """A whole number within [lo, hi] (inspector.session.limits.check_int), else st.error and st.stop."""
+    return _or_stop(check_int, value, lo, hi, what)
+
+
+def checked_float(value, lo: float, hi: float, what: str) -> float:
+    return _or_stop(check_float, value, lo, hi, what)
+
+
+def checked_text(value, most: int, what: str) -> str:
+    """Text of at most `most` characters (a short field: a glob, a token, a list of injections)."""
+    return _or_stop(check_chars, value, most, what)
+
+
+def _or_stop(check, *args):
+    try:
+        return check(*args)
+    except LimitError as e:
+        st.error(str(e))
+        st.stop()
 
 
 # ---- figures, layout, links --------------------------------------------------------------------------

@@ -161,8 +161,47 @@ def check_run_positions(ids, model, limits: Limits) -> None:
 def check_int(value: object, lo: int, hi: int, what: str) -> int:
     """A whole number a browser sent for a widget, within the widget's own bounds [lo, hi] (a forged message can
     carry any value; the page must not rely on the widget's clamp); LimitError naming the setting otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
+    if isinstance(value, bool) or not isinstance(value, (int, float)):      # (its type only: the value is a
+        raise LimitError(f"{what} must be a whole number, got {_kind(value)}")   # browser's, shown as Markdown)
+    if not float(value).is_integer():
         raise LimitError(f"{what} must be a whole number, got {value!r}")
     if not lo <= value <= hi:
         raise LimitError(f"{what} must be between {lo:,} and {hi:,}, got {int(value):,}")
     return int(value)
+
+
+def check_float(value: object, lo: float, hi: float, what: str) -> float:
+    """A number a browser sent for a widget, finite and within [lo, hi] (check_int's twin for real values)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LimitError(f"{what} must be a number, got {_kind(value)}")
+    if math.isnan(value):
+        raise LimitError(f"{what} must be a number, got NaN")
+    if not lo <= value <= hi:
+        raise LimitError(f"{what} must be between {lo:g} and {hi:g}, got {value:g}")
+    return float(value)
+
+
+def _kind(value: object) -> str:
+    return {str: "text", bool: "true/false", type(None): "nothing"}.get(type(value), type(value).__name__)
+
+
+def check_chars(value: object, most: int, what: str) -> str:
+    """Text a browser sent for a short field (a stage glob, a token, injections), at most `most` characters,
+    checked before anything parses or tokenizes it: a widget's max_chars binds only an honest browser."""
+    if not isinstance(value, str):
+        raise LimitError(f"{what} must be text, got {_kind(value)}")
+    if len(value) > most:
+        raise LimitError(f"{what} is {len(value):,} characters long; this field takes at most {most:,}")
+    return value
+
+
+def cut_text(value: object, most: int) -> tuple[str, str | None]:
+    """Text from a file or a store to show (and tokenize) on a page: at most `most` characters, and a note
+    saying what was cut (None when nothing was). Anything that is not text is shown as its repr, cut alike."""
+    text = value if isinstance(value, str) else repr(value)
+    note = None if isinstance(value, str) else f"it is not text ({type(value).__name__}); shown as written"
+    if len(text) > most:
+        cut = f"only its first {most:,} of {len(text):,} characters are shown ({env_name('max_prompt_chars')})"
+        note = cut if note is None else f"{note}; {cut}"
+        text = text[:most]
+    return text, note
