@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import struct
 import time
 from dataclasses import dataclass, field
@@ -31,10 +32,18 @@ from .probe import Capture, Probe, split_name
 from .sampling import SamplingParams
 from .settings import RunSettings
 from .stats import StatsBlock
-from .trace_check import TraceBounds, TraceError, check_meta, need
+from .trace_check import (
+    META_KEY,
+    TraceBounds,
+    TraceError,
+    check_header_length,
+    check_header_size,
+    check_meta,
+    check_meta_text,
+    need,
+)
 
-FORMAT, VERSION, META_KEY = "llm-inspector-trace", 1, "llm_inspector_trace"
-MAX_HEADER = 100_000_000          # safetensors' own limit on the JSON header
+FORMAT, VERSION = "llm-inspector-trace", 1
 
 
 @dataclass(eq=False)
@@ -129,11 +138,15 @@ def _meta(data: bytes, bounds: TraceBounds) -> tuple[dict, dict]:
         raise TraceError(f"the file is {len(data) / 2**20:,.0f} MiB; this server opens traces of at most "
                          f"{bounds.max_bytes / 2**20:,.0f} MiB")
     (n,) = struct.unpack("<Q", data[:8])
-    if n > min(MAX_HEADER, len(data) - 8):
+    if n > len(data) - 8:
         raise TraceError("not a trace file: bad safetensors header")
+    raw = data[8:8 + n]
+    check_header_size(raw)                       # before anything is parsed: a JSON bomb is refused unread
     try:
-        header = json.loads(data[8:8 + n])
-        meta = json.loads(header["__metadata__"][META_KEY])
+        header = json.loads(raw)
+        text = header["__metadata__"][META_KEY]
+        check_meta_text(text)
+        meta = json.loads(text)
     except RecursionError:
         raise TraceError("damaged trace file: its JSON is nested too deeply") from None
     except (ValueError, KeyError, TypeError):
@@ -197,13 +210,23 @@ def from_bytes(data: bytes, bounds: TraceBounds | None = None) -> Trace:
 
 
 def load_trace(path: str | Path, bounds: TraceBounds | None = None) -> Trace:
+    """A trace file, validated as from_bytes does. The header's declared length is checked before the rest of
+    the file is read, so an oversized header is refused as fast as a genuine file opens."""
     path = Path(path)
+    limit = (bounds or TraceBounds()).max_bytes
     try:
-        size = path.stat().st_size
-        if size > (bounds or TraceBounds()).max_bytes:
-            raise TraceError(f"{path.name} is {size / 2**20:,.0f} MiB; traces of at most "
-                             f"{(bounds or TraceBounds()).max_bytes / 2**20:,.0f} MiB are opened")
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise TraceError(f"{path.name} is {size / 2**20:,.0f} MiB; traces of at most "
+                                 f"{limit / 2**20:,.0f} MiB are opened")
+            head = f.read(8)
+            if len(head) == 8 and struct.unpack("<Q", head)[0] <= size - 8:
+                check_header_length(struct.unpack("<Q", head)[0])
+            data = head + f.read(limit + 1 - len(head))      # a device or pipe has no size to check beforehand
+            if len(data) > limit:
+                raise TraceError(f"{path.name} holds more than {limit / 2**20:,.0f} MiB; traces of at most that "
+                                 "are opened")
     except OSError as e:
         raise TraceError(f"cannot read {path.name}: {e.strerror or e}") from None
     return from_bytes(data, bounds)

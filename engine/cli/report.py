@@ -47,9 +47,11 @@ def add_commands(sub) -> None:
 
 
 def reproduce_command(trace: Trace, *, out: str = "run.html", layers: str | None = None, steps: str | None = None,
-                      model: str | None = None, dtype: str | None = None, device: str | None = None) -> str:
+                      model: str | None = None, dtype: str | None = None, device: str | None = None,
+                      model_from_extra: bool = True) -> str:
     """The `python3 -m engine report ...` command line that runs this trace's run again (same settings, faults,
-    model, dtype and device) and writes the same report. Re-parsed by this CLI, it gives trace.settings."""
+    model, dtype and device) and writes the same report. Re-parsed by this CLI, it gives trace.settings.
+    model_from_extra=False: --model only as given (a trace read from a file does not name the model to load)."""
     s, x, defaults = trace.settings, trace.extra, SamplingParams()
     flags = (["--chat"] if s.chat else []) + (["--system", s.system] if s.system is not None else [])
     flags += (["--allow-special"] if s.allow_special else []) + ["--max-new-tokens", str(s.max_new_tokens)]
@@ -59,7 +61,8 @@ def reproduce_command(trace: Trace, *, out: str = "run.html", layers: str | None
             flags += [flag, repr(float(v)) if kind is float else str(kind(v))]
     flags += ["--seed", str(s.seed)] + [f for stop in s.stop for f in ("--stop", stop)]
     flags += ["--ignore-eos"] if s.ignore_eos else []
-    model = model or x.get("model_source") or (None if trace.model_name == BUNDLED_NAME else trace.model_name)
+    if model_from_extra:
+        model = model or x.get("model_source") or (None if trace.model_name == BUNDLED_NAME else trace.model_name)
     for flag, v in (("--model", model), ("--dtype", dtype or x.get("dtype")), ("--device", device or x.get("device"))):
         flags += [flag, str(v)] if v else []
     flags += [f for spec in (x.get("injections") or []) for f in ("--inject", spec)]
@@ -98,18 +101,18 @@ def _run(a: argparse.Namespace, model, faults: tuple[list[str], float | None]) -
 
 
 def _saved(a: argparse.Namespace):
-    """(trace, model) for --from-trace: the model the trace names (or --model), in its dtype unless --dtype."""
+    """(trace, model) for --from-trace. The model, dtype and device are the command line's (--model, --dtype,
+    --device, or their defaults), never the file's: a trace from anywhere must not choose which folder or hub
+    repository this machine loads. A trace of another model is refused, naming the model it was made with."""
     changed = [k for k, v in a.run_defaults.items() if getattr(a, k) != v]
     if a.prompt is not None or changed:
         given = "a prompt" if a.prompt is not None else "--" + changed[0].replace("_", "-")
         raise InputError(f"--from-trace reports the saved run as it was: {given} does not apply (drop it, or "
                          "drop --from-trace to run again)")
     trace = load_trace(a.from_trace, TraceBounds())
-    a.model = a.model or trace.extra.get("model_source")
-    a.dtype = a.dtype or trace.extra.get("dtype")
     model = load(a)
     if model.name != trace.model_name:
-        raise InputError(f"{a.from_trace} was made with {trace.model_name}; pass --model for that model "
+        raise InputError(f"{a.from_trace} was made with {trace.model_name!r}; pass --model for that model "
                          f"(loaded: {model.name})")
     return trace, model
 
@@ -149,7 +152,8 @@ def cmd_report(a: argparse.Namespace) -> int:
     maps = attention_maps(model, trace.ids, layers, injections=trace.extra.get("injections") or (),
                           norm_eps=trace.extra.get("norm_eps"))
     command = reproduce_command(trace, out=a.out, layers=a.layers, steps=a.steps, model=a.model,
-                                dtype=str(model.dtype).removeprefix("torch."), device=model.device.type)
+                                dtype=str(model.dtype).removeprefix("torch."), device=model.device.type,
+                                model_from_extra=a.from_trace is None)
     html = build_html(trace, tokenizer=model.tokenizer, attention=maps, steps=_steps(a, trace, steps_asked),
                       command=command)
     out.write_text(html, encoding="utf-8")

@@ -58,6 +58,12 @@ def with_tensor(data: bytes, key: str, value: torch.Tensor) -> bytes:
     return st_save(tensors, metadata=header["__metadata__"])
 
 
+def bomb(data: bytes, item: str, n: int) -> str:
+    """The file's metadata text with a key "pad" holding n copies of item (built as text: fast at 60 MB)."""
+    text = split(data)[0]["__metadata__"][META_KEY]
+    return text[:-1] + ', "pad": [' + (item + ",") * (n - 1) + item + "]}"
+
+
 def setitem(path: str, value):
     """A change that sets meta[a][b]... = value (path 'result.token_ids')."""
     def change(meta):
@@ -119,9 +125,10 @@ CASES = {   # name -> (how to craft it from a good file's bytes, words the messa
                                                                | {"seconds": float("inf")})), "seconds must be"),
     "unknown stop reason": (lambda d: with_meta(d, setitem("result.stop_reason", "<img src=x>")), "stop_reason"),
     "timings as a list": (lambda d: with_meta(d, setitem("result.timings", [1, 2])), "timings must map"),
-    "unknown sampler field": (lambda d: with_meta(d, setitem("result.params.evil", 1)), "unexpected keyword"),
+    "unknown sampler field": (lambda d: with_meta(d, setitem("result.params.evil", 1)),
+                              "result params holds an unknown key 'evil'"),
     "negative temperature": (lambda d: with_meta(d, setitem("settings.params.temperature", -1)),
-                             "temperature must be >= 0"),
+                             "temperature must be a number in [0, 100]"),
     "settings as a list": (lambda d: with_meta(d, setitem("settings", [1])), "settings must be a JSON object"),
     "format version 2": (lambda d: with_meta(d, setitem("version", 2)), "version 2 is not supported"),
     "another format": (lambda d: with_meta(d, setitem("format", "pickle")), "not an LLM Inspector trace"),
@@ -147,6 +154,107 @@ CASES = {   # name -> (how to craft it from a good file's bytes, words the messa
         st_load(d)["stats.0.layers"], 1)), "disagrees with its stage name"),
     "empty file": (lambda d: b"", "too short"),
     "seed 2**70": (lambda d: with_meta(d, setitem("result.seed", 2**70)), "seed must be"),
+    # Run settings: what the sidebar could have sent on this server, nothing else (issue 19, item 2).
+    "a 20 MB prompt": (lambda d: with_meta(d, setitem("settings.prompt", "x" * 20_000_000)),
+                       "a trace's metadata is at most 16 MiB"),
+    "a prompt one character over the server's limit": (lambda d: with_meta(d, setitem(
+        "settings.prompt", "x" * 20_001)), "the prompt must be text of at most 20,000 characters"),
+    "a prompt that is a number": (lambda d: with_meta(d, setitem("settings.prompt", 12345)),
+                                  "the prompt must be text"),
+    "no prompt in the settings": (lambda d: with_meta(d, lambda m: m["settings"].pop("prompt")),
+                                  "settings have no prompt"),
+    "a prompt holding a lone surrogate": (lambda d: with_meta(d, setitem("settings.prompt", "hi \ud800")),
+                                          "valid Unicode"),
+    "a system message that is a list": (lambda d: with_meta(d, setitem("settings.system", ["be evil"])),
+                                        "the system message must be text"),
+    "500,000 stop strings": (lambda d: with_meta(d, setitem("settings.stop", ["x"] * 500_000)),
+                             "stop must be a list of at most 16 strings of at most 200"),
+    "17 stop strings": (lambda d: with_meta(d, setitem("settings.stop", ["x"] * 17)), "stop must be a list"),
+    "a stop string of 201 characters": (lambda d: with_meta(d, setitem("settings.stop", ["x" * 201])),
+                                        "stop must be a list"),
+    "a stop string that is a number": (lambda d: with_meta(d, setitem("settings.stop", [7])), "stop must be"),
+    "max_new_tokens 1e9": (lambda d: with_meta(d, setitem("settings.max_new_tokens", 1e9)),
+                           "max_new_tokens must be a whole number in [1, 1,024]"),
+    "max_new_tokens 'lots'": (lambda d: with_meta(d, setitem("settings.max_new_tokens", "lots")),
+                              "max_new_tokens must be a whole number in [1, 1,024]"),
+    "max_new_tokens 0": (lambda d: with_meta(d, setitem("settings.max_new_tokens", 0)),
+                         "max_new_tokens must be a whole number in [1, 1,024]"),
+    "max_new_tokens over the server's limit": (lambda d: with_meta(d, setitem("settings.max_new_tokens", 1025)),
+                                               "max_new_tokens must be a whole number in [1, 1,024]"),
+    "max_new_tokens true": (lambda d: with_meta(d, setitem("settings.max_new_tokens", True)), "max_new_tokens"),
+    "chat as text": (lambda d: with_meta(d, setitem("settings.chat", "yes")), "chat must be true or false"),
+    "ignore_eos as a number": (lambda d: with_meta(d, setitem("settings.ignore_eos", 1)), "ignore_eos must be"),
+    "a negative seed": (lambda d: with_meta(d, setitem("settings.seed", -1)), "settings: seed must be"),
+    "a seed as text": (lambda d: with_meta(d, setitem("settings.seed", "1")), "settings: seed must be"),
+    "an unknown settings key": (lambda d: with_meta(d, setitem("settings.evil", 1)),
+                                "settings holds an unknown key 'evil'"),
+    "top_p 0": (lambda d: with_meta(d, setitem("settings.params.top_p", 0)), "top_p must be a number in (0, 1]"),
+    "top_k 1.5": (lambda d: with_meta(d, setitem("settings.params.top_k", 1.5)), "top_k must be a whole number"),
+    "top_k 2**70": (lambda d: with_meta(d, setitem("settings.params.top_k", 2**70)), "top_k must be"),
+    "temperature NaN": (lambda d: with_meta(d, setitem("settings.params.temperature", float("nan"))),
+                        "temperature must be"),
+    "temperature true": (lambda d: with_meta(d, setitem("settings.params.temperature", True)), "temperature must"),
+    "no_repeat_ngram 10**9": (lambda d: with_meta(d, setitem("settings.params.no_repeat_ngram", 10**9)),
+                              "no_repeat_ngram must be"),
+    "an old flat sampler field out of range": (lambda d: with_meta(d, setitem("settings.min_p", 2.0)),
+                                               "min_p must be a number in [0, 1]"),
+    "settings params as a list": (lambda d: with_meta(d, setitem("settings.params", [1])),
+                                  "settings params must be a JSON object"),
+    "result params with a negative top_p": (lambda d: with_meta(d, setitem("result.params.top_p", -1)),
+                                            "result params: top_p must be"),
+    "a model name holding a lone surrogate": (lambda d: with_meta(d, setitem("model_name", "m\ud800")),
+                                              "model_name must be text"),
+    # JSON bombs and unknown keys (item 3): refused before anything of that size is parsed.
+    "a 60 MB JSON bomb": (lambda d: with_raw_meta(d, bomb(d, "[]", 20_000_000)),
+                          "a trace's header is at most 24 MiB"),
+    "a 15 MB bomb of empty lists": (lambda d: with_raw_meta(d, bomb(d, "[]", 5_000_000)),
+                                    "a trace holds at most 1,000,000"),
+    "a 15 MB bomb of empty objects": (lambda d: with_raw_meta(d, bomb(d, "{}", 5_000_000)),
+                                      "a trace holds at most 1,000,000"),
+    "a 12 MB bomb of numbers": (lambda d: with_raw_meta(d, bomb(d, "0", 6_000_000)),
+                                "a trace holds at most 4,000,000"),
+    "an unknown top-level key": (lambda d: with_meta(d, setitem("pad", [[], []])),
+                                 "the trace holds an unknown key 'pad'"),
+    "an unknown key in the result": (lambda d: with_meta(d, setitem("result.pad", 1)),
+                                     "result holds an unknown key 'pad'"),
+    "an unknown key in the probe": (lambda d: with_meta(d, setitem("probe.pad", 1)),
+                                    "probe holds an unknown key 'pad'"),
+    "a tensor the trace does not list": (lambda d: with_tensor(d, "pad", torch.zeros(4)),
+                                         "the file's tensor list holds an unknown key 'pad'"),
+    "another safetensors metadata entry": (lambda d: with_header(d, lambda h: h["__metadata__"].__setitem__(
+        "pad", "x")), "the safetensors metadata holds other entries"),
+    "a key naming a line break": (lambda d: with_meta(d, setitem("evil\nsecond line", 1)),
+                                  "unknown key 'evil\\nsecond line'"),
+    # Whole numbers in step records are indices (item 4): bounded by what they index.
+    "candidate id 2**70": (lambda d: with_meta(d, setitem("result.steps.0.top.0.id", 2**70)),
+                           "step candidates: every id must be a token id in [0, "),
+    "candidate id past the vocabulary": (lambda d: with_meta(d, setitem("result.steps.0.top.0.id", 10**9)),
+                                         "every id must be a token id"),
+    "negative candidate id": (lambda d: with_meta(d, setitem("result.steps.0.top.1.id", -1)),
+                              "every id must be a token id"),
+    "step token id 2**70": (lambda d: with_meta(d, setitem("result.steps.0.token_id", 2**70)),
+                            "step token_id must be a token id"),
+    "step position 10**9": (lambda d: with_meta(d, setitem("result.steps.1.position", 10**9)),
+                            "step position 1000000000 is outside"),
+    "negative step index": (lambda d: with_meta(d, setitem("result.steps.0.index", -1)), "step index -1 is outside"),
+    "step kept 2**70": (lambda d: with_meta(d, setitem("result.steps.0.kept", 2**70)), "step kept must be"),
+    # A 400-digit whole number is valid JSON; it cannot become a float, so formatting it would raise.
+    "seconds as a 400-digit number": (lambda d: with_meta(d, setitem("seconds", 10**400)), "seconds must be"),
+    "cache bytes as a 400-digit number": (lambda d: with_meta(d, setitem("result.cache.bytes_used", 10**400)),
+                                          "cache must map names to finite numbers"),
+    "a probability as a 400-digit number": (lambda d: with_meta(d, setitem("result.steps.0.prob", 10**400)),
+                                            "step field prob must be float"),
+    "a candidate probability as a 400-digit number": (lambda d: with_meta(d, setitem(
+        "result.steps.0.top.0.prob", 10**400)), "step candidates are malformed"),
+    "probe step 10**9": (lambda d: with_meta(d, setitem("probe.step", 10**9)), "probe timing/step/pos0"),
+    "a statistics block at step 10**9": (lambda d: with_meta(d, setitem("probe.stats.0.step", 10**9)),
+                                         "covers positions outside the run"),
+    "a capture at step 10**9": (lambda d: with_meta(d, setitem("probe.captures.0.step", 10**9)),
+                                "its step is outside the run"),
+    "a capture layer true": (lambda d: with_meta(d, lambda m: m["probe"]["captures"].__setitem__(0, {
+        **m["probe"]["captures"][0], "name": "blocks.1.resid_post", "layer": True})), "layer disagrees"),
+    "a timing mark at step 10**9": (lambda d: with_meta(d, setitem("probe.marks.0", [10**9, "x", 0.0])),
+                                    "timing marks are malformed"),
 }
 
 
