@@ -23,6 +23,7 @@ import torch
 from .errors import InputError
 from .probe import Probe
 from .sampling import SamplingParams, draw, entropy, sampler_chain
+from .settings import check_stop
 from .stats import StatsBlock
 
 TOP_CANDIDATES = 10
@@ -107,6 +108,14 @@ def prompt_ids(model, prompt_or_ids, *, chat: bool = False, system: str | None =
     if isinstance(prompt_or_ids, str):
         if not prompt_or_ids.strip():
             raise InputError("the prompt is empty")
+        # Refused before tokenizing: the tokenizer holds the GIL, so a few MB of text would stall every thread
+        # of a server for seconds, and text this long could never fit the context anyway.
+        longest = model.context_length * model.tokenizer.max_token_chars
+        text_chars = len(prompt_or_ids) + len(system or "")
+        if text_chars > longest:
+            raise InputError(f"the prompt is {text_chars:,} characters long; the model's context "
+                             f"({model.context_length:,} tokens of at most {model.tokenizer.max_token_chars} "
+                             f"characters each) can never hold more than {longest:,}")
         if chat:
             msgs = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt_or_ids}]
@@ -158,7 +167,7 @@ class GenerationRun:
             raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
         self.params = params or SamplingParams()
         self.use_cache = use_cache
-        self.stop = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+        self.stop = [s for s in check_stop(stop) if s]
         self.model, self.probe, self.on_token, self.seed = model, probe, on_token, seed
         self.on_progress = on_progress or getattr(on_token, "on_progress", None)
         t0 = time.perf_counter()

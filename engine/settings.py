@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from .errors import InputError
 from .sampling import SamplingParams
 
+# Stop strings are scanned against the text after every decoded token: a bound on them bounds that work.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 200
+
 # Keys of older trace files, where the sampler settings were stored flat beside the prompt.
 _SAMPLER_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -28,6 +32,7 @@ class RunSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.params, SamplingParams):
             raise InputError(f"params must be a SamplingParams, got {type(self.params).__name__}")
+        object.__setattr__(self, "stop", check_stop(self.stop))
 
     def generation_kwargs(self) -> dict:
         """Keyword arguments of GenerationRun / Model.generate for these settings (all but the prompt)."""
@@ -55,10 +60,27 @@ class RunSettings:
             raise InputError("run settings: params must be a JSON object")
         kw["params"] = SamplingParams(**{k: v for k, v in params.items() if k in _SAMPLER_KEYS})
         stop = kw.get("stop", ())
-        if isinstance(stop, str) or not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        if isinstance(stop, str):
             raise InputError("run settings: stop must be a list of strings")
-        kw["stop"] = tuple(stop)
+        kw["stop"] = check_stop(stop)
         try:
             return cls(**kw)
         except TypeError as e:
             raise InputError(f"run settings: {e}") from None
+
+
+def check_stop(stop) -> tuple[str, ...]:
+    """Stop strings as a tuple, or an InputError naming what is wrong: at most MAX_STOP_STRINGS strings of at
+    most MAX_STOP_CHARS characters each (a string alone is one stop string)."""
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is None:
+        return ()
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise InputError("stop must be a list of strings")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InputError(f"{len(stop):,} stop strings given; at most {MAX_STOP_STRINGS} are accepted")
+    long = next((s for s in stop if len(s) > MAX_STOP_CHARS), None)
+    if long is not None:
+        raise InputError(f"a stop string is {len(long):,} characters long; at most {MAX_STOP_CHARS} are accepted")
+    return tuple(stop)

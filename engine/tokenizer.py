@@ -199,6 +199,13 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its vocabulary string's length: byte-level strings
+        have a character per byte, so this bounds the decoded text too). A text longer than n times this
+        has more than n tokens, which a caller can know without tokenizing it."""
+        return max(1, max((len(t) for t in self._backend.get_vocab(with_added_tokens=True)), default=1))
+
     def stream(self) -> StreamDecoder:
         return StreamDecoder(self._backend)
 

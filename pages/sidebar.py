@@ -48,7 +48,7 @@ def sidebar() -> Model | None:
     history(limits)
     run = current_run()
     for note in (run.notes if run is not None else []):
-        sb.warning(note)
+        sb.warning(plain(note))       # a run's notes may come from a file: shown as the characters they are
     a = shared_admission(limits).state()
     sb.caption(f"Server: {a.running} of {a.max_concurrent} run slots busy · {a.waiting} waiting · "
                f"{live_runs()} runs in memory · model generations: {generations()}")
@@ -86,8 +86,13 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
         st.caption(f"Model: **{plain(model.name)}** · {model.config.num_layers} layers · {model.device.type} · "
                    f"{str(model.dtype).removeprefix('torch.')}")
     st.text_area("Prompt", "What is the capital of France?", key="sb_prompt", height=100,
+                 max_chars=limits.max_prompt_chars,
                  help=f"Up to {limits.max_prompt_chars:,} characters and {limits.max_prompt_tokens:,} tokens. "
                       "Tab, newline and carriage return are the only control characters accepted.")
+    typed = st.session_state.get("sb_prompt")
+    if isinstance(typed, str) and len(typed) > limits.max_prompt_chars:   # a forged browser ignores max_chars
+        st.warning(f"The prompt is {len(typed):,} characters long; this server accepts at most "
+                   f"{limits.max_prompt_chars:,} ({env_name('max_prompt_chars')}).")
     asked = int(st.session_state.get("sb_max_new") or 1)
     if asked > limits.max_new_tokens:
         st.warning(f"Max new tokens: {asked:,} is more than this server generates per run "
@@ -117,8 +122,11 @@ def settings_from_sidebar() -> RunSettings:
                        allow_special=bool(s["sb_allow_special"]))
 
 
-def _prompt_tokens(model: Model, settings: RunSettings) -> int | None:
-    """Prompt tokens as the model will see them (memoised per prompt text and format); None if invalid."""
+def _prompt_tokens(model: Model, settings: RunSettings, limits: Limits) -> int | None:
+    """Prompt tokens as the model will see them (memoised per prompt text and format); None if invalid. A prompt
+    over the server's length limit is never tokenized (a browser can send megabytes whatever max_chars says)."""
+    if not isinstance(settings.prompt, str) or len(settings.prompt) > limits.max_prompt_chars:
+        return None
     memo = st.session_state.setdefault("_sb_ntok", {})
     key = (model.name, settings.prompt, settings.chat, settings.allow_special)
     if key not in memo:
@@ -131,15 +139,15 @@ def _prompt_tokens(model: Model, settings: RunSettings) -> int | None:
     return memo[key]
 
 
-def _estimate(model: Model, settings: RunSettings) -> tuple[int, float, float] | None:
-    n = _prompt_tokens(model, settings)
+def _estimate(model: Model, settings: RunSettings, limits: Limits) -> tuple[int, float, float] | None:
+    n = _prompt_tokens(model, settings, limits)
     est = None if n is None else rates(model).estimate(n, settings.max_new_tokens)
     return None if est is None else (n, *est)
 
 
 def estimate_caption(model: Model, limits: Limits) -> None:
     try:
-        est = _estimate(model, settings_from_sidebar())
+        est = _estimate(model, settings_from_sidebar(), limits)
     except (TypeError, ValueError, InputError):
         return
     if est is not None:
@@ -160,7 +168,7 @@ def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
     except EngineError as e:
         st.error(str(e))
         return None
-    est = _estimate(model, checked)
+    est = _estimate(model, checked, limits)
     live = LiveRun(settings, model.name, est[0] if est else 0, None if est is None else est[1] + est[2], demo=demo,
                    client=client_key())
     st.session_state[LIVE] = live
@@ -263,7 +271,7 @@ def history(limits: Limits) -> None:
     by_time = {r.created: r for r in runs}
     if st.session_state.get("_history_newest") != runs[-1].created or st.session_state.get("sb_history") not in by_time:
         st.session_state["_history_newest"] = st.session_state["sb_history"] = runs[-1].created   # a new run shows
-    labels = {r.created: f"{time.strftime('%H:%M:%S', time.localtime(r.created))} · {r.settings.prompt[:30]!r} · "
+    labels = {r.created: f"{time.strftime('%H:%M:%S', time.localtime(r.created))} · {str(r.settings.prompt)[:30]!r} · "
                          f"{len(r.result.token_ids)} tokens" for r in runs}
 
     def show() -> None:    # only when the user picks: a run another page published stays current otherwise
