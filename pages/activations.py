@@ -20,8 +20,8 @@ from inspector.views.activations import (
     stage_table,
 )
 from inspector.views.tokens import token_labels
-from pages.common import get_model, on_demand, require_run, was_stopped
-from pages.widgets import chart, checked, md
+from pages.common import get_model, on_demand, plain, require_run, was_stopped
+from pages.widgets import chart, checked
 
 LENS_K = 10
 LENS_AUTO = 512      # positions from here on compute the lens only when asked (a forward over them all)
@@ -86,15 +86,16 @@ else:
 
 st.subheader("Logit lens")
 if not same_model:
-    st.warning(f"This run was made with **{md(run.model_name)}**; choose that model in the sidebar for the logit lens.")
+    st.warning(f"This run was made with **{plain(run.model_name)}**; choose that model in the sidebar for the "
+               "logit lens.")
     st.stop()
 ids = run.ids
 l1, l2 = st.columns([3, 1])
 pos = checked(l1.slider("Position", 0, len(ids) - 1, run.n_prompt - 1, key="act_lens_pos"), 0, len(ids) - 1,
               "Position")
 k = checked(l2.slider("Top-k", 1, LENS_K, 5, key="act_lens_k"), 1, LENS_K, "Top-k")
-nxt = f"the actual next token is {md(repr(labels[pos + 1]))}" if pos + 1 < len(ids) else "the run ends here"
-st.caption(f"What each layer's residual stream at {md(repr(labels[pos]))} predicts next (through the final norm and "
+nxt = f"the actual next token is {plain(repr(labels[pos + 1]))}" if pos + 1 < len(ids) else "the run ends here"
+st.caption(f"What each layer's residual stream at {plain(repr(labels[pos]))} predicts next (through the final norm and "
            f"the unembedding); {nxt}. The last layer's row is the model's own prediction.")
 what = f"the logit lens over {pos + 1:,} positions"
 if ((key, "lens", pos) in cache or pos < LENS_AUTO or was_stopped(what, (key, "lens", pos))

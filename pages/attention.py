@@ -23,8 +23,8 @@ from inspector.views.attention import (
     zmax_without_sink,
 )
 from inspector.views.tokens import token_labels
-from pages.common import on_demand, require_run_and_model, was_stopped
-from pages.widgets import chart, checked, md, shared
+from pages.common import on_demand, plain, require_run_and_model, was_stopped
+from pages.widgets import chart, checked, shared
 
 OVERVIEW_AUTO = 512   # longer runs compute the layers × heads overview only when asked
 
@@ -96,7 +96,7 @@ q1, q2 = st.columns([3, 1])
 query = checked(q1.slider("Query position", 0, T - 1, T - 1, key="att_query"), 0, T - 1, "Query position")
 k = checked(q2.slider("Top-k", 1, 32, 10, key="att_topk"), 1, 32, "Top-k")
 top = top_attended(m, query, labels, k)
-st.caption(f"Query {md(labels[query])} (layer {layer}, {what})")
+st.caption(f"Query {plain(labels[query])} (layer {layer}, {what})")
 chart(top_attended_figure(top), key="att_bars")
 st.dataframe(top, key="att_top_table", hide_index=True)
 

@@ -10,9 +10,9 @@ from inspector.session.models import model_choices, shared_model
 from inspector.session.run import check_settings
 from inspector.views import compare as cmp
 from inspector.views.tokens import visible
-from pages.common import device_slot, get_model, server_limits
+from pages.common import device_slot, get_model, plain, server_limits
 from pages.frame import ensure_frame
-from pages.widgets import chart, checked, checked_float, checked_text, md, sampling_form
+from pages.widgets import chart, checked, checked_float, checked_text, sampling_form
 
 RESULT = "cmp_result"
 MAX_RECOMPUTED_POSITIONS = 16_384     # KV cache off: positions computed over all steps, per configuration
@@ -30,7 +30,8 @@ model = get_model()
 if model is None:
     st.stop()
 prompt = s.get("sb_prompt", "What is the capital of France?")
-st.caption(f"Prompt (from the sidebar): {md(repr(prompt))} · chat format {'on' if s.get('sb_chat', True) else 'off'}")
+st.caption(f"Prompt (from the sidebar): {plain(repr(prompt))} · "
+           f"chat format {'on' if s.get('sb_chat', True) else 'off'}")
 limits = server_limits(show_error=False)
 c1, c2 = st.columns(2)
 max_new = int(c1.number_input("Max new tokens", 1, min(256, limits.max_new_tokens), min(16, limits.max_new_tokens),
@@ -61,7 +62,7 @@ def config_panel(k: str, temperature: float) -> cmp.RunConfig | None:
             iv = cmp.Intervention("zero_heads", f"blocks.{layer}.{stage}",
                                   tuple(int(h) for h in heads.replace(",", " ").split()))
         except ValueError:
-            st.error(f"heads must be whole numbers separated by commas, got {md(repr(heads))}")
+            st.error(f"heads must be whole numbers separated by commas, got {plain(repr(heads))}")
             return None
     elif kind == "scale a stage":
         c = st.columns(2)

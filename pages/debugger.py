@@ -13,7 +13,7 @@ from inspector.session.stepper import Debugger
 from inspector.views.debugger import candidates_table, describe_step, params_table, token_ids_for
 from inspector.views.sampling import describe as describe_params
 from inspector.views.tokens import steps_table
-from pages.common import RUN_KEY, current_run, device_slot, get_model, server_limits
+from pages.common import RUN_KEY, current_run, device_slot, get_model, plain, server_limits
 from pages.sidebar import settings_from_sidebar
 from pages.widgets import (
     FILTERS,
@@ -22,7 +22,6 @@ from pages.widgets import (
     checked,
     checked_float,
     checked_text,
-    md,
     sampling_params_from,
     sampling_widgets,
     set_sampling_widgets,
@@ -124,7 +123,8 @@ elif dbg is not None and dbg.steps and (dbg.published is None or (current_run() 
 if dbg is None:
     st.info("Press **Step** to start generating the sidebar's prompt one token at a time.")
 elif dbg.model_name != model.name:
-    st.warning(f"This run uses **{md(dbg.model_name)}**; the sidebar now shows **{md(model.name)}**. Press Reset.")
+    st.warning(f"This run uses **{plain(dbg.model_name)}**; the sidebar now shows **{plain(model.name)}**. "
+               "Press Reset.")
 
 # ---- breakpoints -----------------------------------------------------------------------------------
 with st.expander(f"Breakpoints ({len(s[BPS])})", expanded=True):
@@ -158,7 +158,7 @@ with st.expander(f"Breakpoints ({len(s[BPS])})", expanded=True):
         st.rerun()
     for i, b in enumerate(s[BPS]):
         r1, r2 = st.columns([5, 1])
-        r1.markdown(f"`{i}` {md(b.describe())}")
+        r1.markdown(f"`{i}` {plain(b.describe())}")
         if r2.button("Remove", key=f"dbg_bp_rm_{i}", use_container_width=True):
             s[BPS] = s[BPS][:i] + s[BPS][i + 1:]
             st.rerun()
@@ -176,7 +176,7 @@ if dbg is None:
 # ---- where the run stands -------------------------------------------------------------------------
 steps, tok = dbg.steps, model.tokenizer if dbg.model_name == model.name else None
 for note in dbg.notes:
-    st.info(md(note))
+    st.info(plain(note))
 if dbg.message:
     st.warning(f"Breakpoint: {dbg.message}", icon="⏸️")
 cur = current_run()
@@ -197,7 +197,7 @@ view = checked(st.number_input(f"Step shown (0–{len(steps) - 1}); every page s
 if cur is not None and cur is dbg.published:
     s[SELECTED] = view
 step = steps[view]
-st.markdown(f"**{md(describe_step(step, tok))}**")
+st.markdown(f"**{plain(describe_step(step, tok))}**")
 m = st.columns(4)
 m[0].metric("Chosen token", repr(step.text) if tok is None else repr(tok.decode([step.token_id])))
 m[1].metric("p (sampling)", f"{step.prob:.4f}")

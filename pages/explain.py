@@ -16,8 +16,8 @@ from engine.patching import patching_grid, replace_span
 from inspector.session.memo import memo, run_key
 from inspector.views import explain as xv
 from inspector.views.tokens import token_labels
-from pages.common import device_slot, require_run_and_model
-from pages.widgets import chart, checked, checked_text, columns, md
+from pages.common import device_slot, plain, require_run_and_model
+from pages.widgets import chart, checked, checked_text, columns
 
 MAX_PATCH_TOKENS = 128       # the grid's cost grows with positions² x layers; beyond this it takes minutes
 MAX_ATTRIBUTION_TOKENS = 128
@@ -57,8 +57,8 @@ def show_attribution(e) -> None:
     c[1].metric("Sum of contributions", f"{e.total:.6f}")
     c[2].metric("Residual error", f"{e.residual_error:.1e}")
     c[3].metric("Final-norm scale (frozen)", f"{e.norm_scale:.4g}")
-    st.caption(f"logit({md(repr(e.target_text))}) = {e.logit_a:.4f}, "
-               f"logit({md(repr(e.versus_text))}) = {e.logit_b:.4f}. The "
+    st.caption(f"logit({plain(repr(e.target_text))}) = {e.logit_a:.4f}, "
+               f"logit({plain(repr(e.versus_text))}) = {e.logit_b:.4f}. The "
                "final residual stream is the embedding plus every attention and MLP output; with the final "
                "RMSNorm's scale frozen at its value for this position, each part's share of the logit difference "
                "is exact, and the parts add up to it (the residual error is the forward's float rounding).")
@@ -99,7 +99,7 @@ def corrupted_prompt(model, ids: list[int], labels: list[str], neutral: int) -> 
     except EngineError as err:
         st.error(str(err))
         return None
-    st.caption("Corrupted context: " + " ".join(md(t) for t in token_labels(model.tokenizer, corrupt)[start:end])
+    st.caption("Corrupted context: " + " ".join(plain(t) for t in token_labels(model.tokenizer, corrupt)[start:end])
                + f" at positions {start}–{end - 1}")
     return corrupt
 
@@ -159,13 +159,13 @@ with tab_why:
                lambda: explain_step(model, res.prompt_ids, res.token_ids, step, target=a, versus=b,
                                     params=res.params))
     st.caption(f"Step {step}: the logits at position {len(ids) - 1}, from the prompt and the {step} tokens "
-               f"generated before. A = {md(repr(e.target_text))}, B = {md(repr(e.versus_text))}.")
+               f"generated before. A = {plain(repr(e.target_text))}, B = {plain(repr(e.versus_text))}.")
     show_attribution(e)
 
 neutral = neutral_token(model)
 labels = token_labels(tok, ids)
 with tab_patch:
-    st.caption(f"Clean: this step's context ({len(ids)} tokens), target A = {md(repr(tok.decode([a])))}. Each cell "
+    st.caption(f"Clean: this step's context ({len(ids)} tokens), target A = {plain(repr(tok.decode([a])))}. Each cell "
                "restores one activation of the clean run into the corrupted run and shows p(target) at the last "
                "position.")
     corrupt = corrupted_prompt(model, ids, labels, neutral) if len(ids) > 1 else None
@@ -184,8 +184,9 @@ with tab_patch:
             show_patching(r, labels)
 
 with tab_inputs:
-    st.caption(f"How much log p({md(repr(tok.decode([a])))}) at step {step} rests on each of the {len(ids)} "
-               f"context tokens. Occlusion replaces one token by {md(repr(tok.decode([neutral])))}; gradient × input "
+    st.caption(f"How much log p({plain(repr(tok.decode([a])))}) at step {step} rests on each of the {len(ids)} "
+               f"context tokens. Occlusion replaces one token by {plain(repr(tok.decode([neutral])))}; "
+               "gradient × input "
                "takes the embedding times the gradient. The deletion curves remove tokens in each method's order.")
     orders = checked(st.slider("Random orders for the baseline", 1, MAX_RANDOM_ORDERS, 3, key="ex_random_orders"), 1,
                      MAX_RANDOM_ORDERS, "Random orders for the baseline")

@@ -10,9 +10,9 @@ from inspector.session.memo import run_key
 from inspector.session.models import shared_copy
 from inspector.session.run import check_settings
 from inspector.views import doctor as dv
-from pages.common import device_slot, get_model, require_run, server_limits
+from pages.common import device_slot, get_model, plain, require_run, server_limits
 from pages.prescriptions import rescue_section
-from pages.widgets import chart, checked, checked_float, md
+from pages.widgets import chart, checked, checked_float
 
 MAX_PRECISION_POSITIONS = 256
 MAX_POSITION = 10**9          # a weight's element index can be large; an activation's position is checked by run_doctor
@@ -65,7 +65,7 @@ else:
 
 model = get_model()
 if model is None or model.name != run.model_name:
-    st.warning(f"This run was made with **{md(run.model_name)}**; choose that model in the sidebar to inject faults "
+    st.warning(f"This run was made with **{plain(run.model_name)}**; choose that model in the sidebar to inject faults "
                "or compare precisions.")
     st.stop()
 mkey = (model.name, id(model))
@@ -128,7 +128,7 @@ report = reports.get(run_key(run))
 if report is not None:
     st.markdown(f"`{', '.join(report.injections) or 'no fault'}` ({report.dtype}"
                 + (f", RMSNorm ε {report.norm_eps}" if report.norm_eps is not None else "") + f") · stop: "
-                f"**{md(report.result.stop_reason)}**" + (f" · {md(report.error)}" if report.error else ""))
+                f"**{plain(report.result.stop_reason)}**" + (f" · {plain(report.error)}" if report.error else ""))
     show_stop(report.result)
     if report.first_nonfinite is None:
         st.success("The fault produced no NaN or Inf: every stage stayed finite.")

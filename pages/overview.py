@@ -13,9 +13,9 @@ from engine.sources import BUNDLED_NAME
 from inspector.session.limits import LimitError, check_run_positions, cut_text
 from inspector.session.memo import run_key
 from inspector.views.tokens import steps_table, token_counts
-from pages.common import current_run, get_model, on_demand, require_run, server_limits, was_stopped
+from pages.common import current_run, get_model, on_demand, plain, require_run, server_limits, was_stopped
 from pages.demos import demo_buttons
-from pages.widgets import md, metric_columns, page_link
+from pages.widgets import metric_columns, page_link
 
 
 def make_report(run, model, on_progress=None) -> str:
@@ -56,7 +56,7 @@ res = run.result
 model = get_model()
 tok = model.tokenizer if model is not None and model.name == run.model_name else None
 
-st.caption(f"Model **{md(run.model_name)}** · {run.n_prompt} prompt tokens · {len(res.token_ids)} generated · "
+st.caption(f"Model **{plain(run.model_name)}** · {run.n_prompt} prompt tokens · {len(res.token_ids)} generated · "
            f"seed {res.seed} · chat format {'on' if run.settings.chat else 'off'}")
 
 bad_logits, nf = nonfinite_stop(res), run.first_nonfinite
@@ -65,7 +65,7 @@ if bad_logits or nf:
         f"{bad_logits['nan']:,} NaN and {bad_logits['inf']:,} Inf"
     where = (f"step {bad_logits['step']}'s logits held {held} values, so no token was drawn from them and the run "
              "stopped there" if bad_logits else "a stage went non-finite")
-    first = (f" The first NaN/Inf: {md(nf['stage'])}, position {md(nf['position'])}, step {md(nf['step'])}."
+    first = (f" The first NaN/Inf: {plain(nf['stage'])}, position {plain(nf['position'])}, step {plain(nf['step'])}."
              if nf else "")
     st.error(f"**Non-finite values**: {where}.{first}")
     page_link("nan_doctor", "NaN doctor: where it began, and why", icon=":material/healing:")

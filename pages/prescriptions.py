@@ -20,8 +20,8 @@ from engine.why_loop import HORIZON, MAX_RERUNS, why_loop
 from inspector.session.memo import memo, run_key
 from inspector.session.run import check_settings
 from inspector.views import prescribe as pv
-from pages.common import device_slot, server_limits
-from pages.widgets import chart, checked, checked_text, md
+from pages.common import device_slot, plain, server_limits
+from pages.widgets import chart, checked, checked_text
 
 MAX_QUANT_POSITIONS = 256
 MAX_RESCUE_TOKENS = 16
@@ -47,7 +47,7 @@ def _checked_settings(run, model):
     try:
         return check_settings(model, run.settings, server_limits(show_error=False))[0]
     except InputError as e:
-        st.error(f"This run's settings cannot be generated again on this server: {md(e)}")
+        st.error(f"This run's settings cannot be generated again on this server: {plain(e)}")
         return None
 
 

@@ -11,9 +11,9 @@ from inspector.session.memo import run_key
 from inspector.session.run import check_settings
 from inspector.views import repetition as rv
 from inspector.views.tokens import token_labels
-from pages.common import device_slot, get_model, on_demand, require_run, server_limits
+from pages.common import device_slot, get_model, on_demand, plain, require_run, server_limits
 from pages.prescriptions import why_loop_section
-from pages.widgets import chart, md
+from pages.widgets import chart
 
 st.header("Repetition")
 run = require_run()
@@ -48,7 +48,7 @@ st.caption("A model stuck in a loop usually grows more and more certain: the cho
 
 model = get_model()
 if model is None or model.name != run.model_name:
-    st.warning(f"This run was made with **{md(run.model_name)}**; choose that model in the sidebar to see attention "
+    st.warning(f"This run was made with **{plain(run.model_name)}**; choose that model in the sidebar to see attention "
                "and to compare penalty settings.")
     st.stop()
 

@@ -47,7 +47,7 @@ def following() -> bool:
 def voter_id(code: str) -> str:
     """The name this browser's answers in room `code` are kept under: every tab of one browser shares it (one
     answer per browser and poll, pages.common.client_key), never the browser's token itself."""
-    from pages.common import client_key          # pages.common imports the frame, which the widgets need first
+    from pages.common import client_key  # pages.common imports the frame, which the widgets need first
     ctx = get_script_run_ctx()
     return voter_of(code, client_key() or ("session:" + (ctx.session_id if ctx is not None else "no-session")))
 

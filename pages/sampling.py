@@ -14,8 +14,8 @@ from engine.sampling import sampler_chain
 from inspector.session.limits import LimitError, check_int
 from inspector.session.memo import memo, run_key
 from inspector.views import sampling as smp
-from pages.common import require_run_and_model
-from pages.widgets import chart, columns, md, sampling_form, shared
+from pages.common import plain, require_run_and_model
+from pages.widgets import chart, columns, sampling_form, shared
 
 DEFAULTS = [None, *smp.PRESETS]           # A: the run's own settings
 LABELS = "ABCDE"
@@ -27,7 +27,7 @@ run, model = require_run_and_model()
 result = run.result
 tok = model.tokenizer
 if not result.steps:
-    st.info(f"This run drew no token (stop reason: {md(result.stop_reason)}), so there is no step to replay.")
+    st.info(f"This run drew no token (stop reason: {plain(result.stop_reason)}), so there is no step to replay.")
     st.stop()
 if st.session_state.get("smp_for_run") != run.created:
     # a new run: setting A follows its settings again, and the step must exist in it
@@ -93,7 +93,7 @@ def body() -> None:
     chosen = result.token_ids[step]
     context, generated = smp.step_context(result, step)
     logits = smp.step_logits(run.probe, step)
-    st.caption(f"At step {step} the run chose **{md(repr(tok.decode([chosen])))}** (id {chosen}) with probability "
+    st.caption(f"At step {step} the run chose **{plain(repr(tok.decode([chosen])))}** (id {chosen}) with probability "
                f"{result.steps[step].prob:.4f} under its settings ({smp.describe(result.params)}); it is the red "
                "bar below wherever it appears.")
     try:

@@ -5,8 +5,7 @@ import streamlit as st
 from engine import InputError
 from inspector.session.limits import LimitError, check_text, cut_text
 from inspector.views.tokens import chat_messages, run_token_table, spans_html, stream_table, token_counts
-from pages.common import get_model, require_run, server_limits
-from pages.widgets import md
+from pages.common import get_model, plain, require_run, server_limits
 
 MAX_SAMPLE_CHARS = 2_000      # "Try any text": one row per token in the table below
 
@@ -14,7 +13,7 @@ st.header("Tokens")
 run = require_run()
 model = get_model()
 if model is None or model.name != run.model_name:
-    st.warning(f"This run was made with **{md(run.model_name)}**; choose that model in the sidebar (or press Run "
+    st.warning(f"This run was made with **{plain(run.model_name)}**; choose that model in the sidebar (or press Run "
                "again) to see its tokens.")
     st.stop()
 tok, res = model.tokenizer, run.result

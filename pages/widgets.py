@@ -4,7 +4,6 @@ way to show a figure (chart: the app's style, projector mode), lay out charts (c
 `shared` makes a widget a room shares follow the teacher (pages.room_sync)."""
 from __future__ import annotations
 
-import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -111,24 +110,6 @@ def sampling_form(prefix: str, default: SamplingParams, container=None) -> Sampl
     except InputError as e:
         box.error(str(e))
         return None
-
-
-# ---- text from outside -------------------------------------------------------------------------------
-_PUNCTUATION = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
-# Streamlit's renderer (remark-gfm) finds bare links in the text *after* escapes are resolved, with
-# /(https?:\/\/|www(?=\.))/ and /[-.\w+]+@[-\w]+(\.[-\w]+)+/: a zero-width space breaks each pattern
-_AUTOLINK = re.compile(r"(?<=:)(?=//)|(?<=www)(?=\.)|(?=@)", re.IGNORECASE)
-_ZWSP = "\u200b"
-
-
-def md(text: object) -> str:
-    """Text from a file, a store or a browser (a run's model name and notes, a prompt, a token, a typed
-    stage) made safe inside Markdown (st.markdown, st.caption, st.warning, ...) so that it shows as the
-    characters it is: every ASCII punctuation character is backslash-escaped (CommonMark allows it for each;
-    no link, image, tag, emphasis or Streamlit :directive[...] can form), and a zero-width space goes into
-    each http://, www. and name@host, which GitHub-flavoured Markdown would otherwise turn into a link."""
-    text = _AUTOLINK.sub(_ZWSP, str(text))
-    return "".join("\\" + c if c in _PUNCTUATION else c for c in text)
 
 
 # ---- values a browser sent -----------------------------------------------------------------------------

@@ -3,6 +3,7 @@ Streamlit server on a free 127.0.0.1 port."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -122,3 +123,12 @@ def open_generation_settings(page) -> None:
     value; this test helper still waits, as a person would, before typing.)"""
     page.get_by_text("Generation settings").click()
     page.locator('[data-testid="stSidebar"] [data-testid="stSliderThumbValue"]').first.wait_for(state="visible")
+
+
+_ESCAPED = re.compile(r"\\([!-/:-@\[-`{-~])")        # CommonMark's backslash escapes (any ASCII punctuation)
+
+
+def as_shown(markdown_source: str) -> str:
+    """What a Markdown element's source shows as text once its escapes are resolved (pages.common.plain escapes
+    every punctuation character and puts a zero-width space into bare links)."""
+    return _ESCAPED.sub(r"\1", markdown_source).replace("\u200b", "")

@@ -17,11 +17,11 @@ from engine import RunSettings
 from engine.model import Model
 from engine.why_loop import MAX_RERUNS
 from inspector.session.run import inspect_run
+from tests.helpers import as_shown
 
 pytestmark = pytest.mark.app
 EVIL = "![x](http://evil.example/img.png) [log in again](http://evil.example)"
 MARKDOWN_ELEMENTS = ("markdown", "caption", "warning", "error", "info", "success", "subheader", "header")
-_ESCAPED = re.compile(r"\\([!-/:-@\[-`{-~])")        # CommonMark's backslash escapes (any ASCII punctuation)
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +52,12 @@ def links_in(body: str) -> list[str]:
 
 def test_links_in_is_a_real_check():
     """The reference finds what the pages must not send (and nothing in escaped text)."""
-    from pages.widgets import md
+    from pages.common import plain as md
     assert links_in(f"Model **{EVIL}**") == ['<img src="http://evil.example/img.png" alt="x" />',
                                             '<a href="http://evil.example">']
     assert links_in("see www.evil.example or a@evil.example") == ["www.evil.example", "a@evil.example"]
     assert links_in(f"Model **{md(EVIL)}**") == []
-    assert _ESCAPED.sub(r"\1", md(EVIL)).replace("\u200b", "") == EVIL              # shown as its characters
+    assert as_shown(md(EVIL)) == EVIL              # shown as its characters
 
 
 @pytest.mark.parametrize("name", ["overview", "tokens", "activations", "repetition", "nan_doctor"])
@@ -65,7 +65,7 @@ def test_a_runs_strings_reach_no_markdown_element_as_markdown(page, tiny_model, 
     at = page(name, with_strings(run, EVIL), tiny_model, str(tiny_model_dir)).run()
     assert not at.exception, at.exception
     shown = bodies(at)
-    assert any(EVIL in _ESCAPED.sub(r"\1", b).replace("\u200b", "") for b in shown), shown   # shown, as text
+    assert any(EVIL in as_shown(b) for b in shown), shown   # shown, as text
     assert [links_in(b) for b in shown if links_in(b)] == []
 
 
@@ -147,7 +147,7 @@ def test_a_reruns_settings_are_checked_against_the_servers_limits(page, tiny_mod
     work = count_model_work(monkeypatch)
     at.button(key=button).click().run()
     assert not at.exception, at.exception
-    (said,) = [_ESCAPED.sub(r"\1", e.value) for e in at.error]
+    (said,) = [as_shown(e.value) for e in at.error]
     assert said.startswith("This run's settings cannot be generated again on this server: the prompt is 360 tokens")
     assert "at most 64 (LLM_INSPECTOR_MAX_PROMPT_TOKENS)" in said
     assert started == [] and work == []
