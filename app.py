@@ -5,8 +5,9 @@ bigger and higher-contrast (pages.widgets.chart). Rooms (pages.room): a teacher'
 import streamlit as st
 from streamlit.runtime.scriptrunner_utils.exceptions import StopException
 
+from inspector.session.clients import SessionToken, sessions
 from pages import room
-from pages.common import keep_within_budget
+from pages.common import browser_key, keep_within_budget, server_limits
 from pages.frame import frame
 from pages.sidebar import sidebar
 from pages.widgets import PROJECTOR, projector
@@ -48,6 +49,13 @@ if PROJECTOR not in st.session_state:          # a shared link decides the first
         KEPT, st.query_params.get("projector", "") in ("1", "true", "on", "yes"))
 st.session_state[KEPT] = bool(st.session_state[PROJECTOR])
 nav = st.navigation(PAGES, position="hidden")     # the sidebar lists the pages (pages.widgets)
+if "_session_token" not in st.session_state:     # counts this session for its browser while the session lives
+    st.session_state["_session_token"] = SessionToken()
+too_many = sessions.admit(browser_key(), st.session_state["_session_token"],
+                          server_limits(show_error=False).max_sessions_per_client)
+if too_many:                                      # before any run, room or model is touched: it holds nothing
+    st.error(too_many)
+    st.stop()
 page = nav.url_path or "overview"                 # the page's file name: what a room shows (pages.room)
 room.before_page(page)       # a student following a room takes the teacher's run, values and page
 sidebar()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import time
 from contextlib import contextmanager
 
@@ -31,15 +32,23 @@ STOPPED_KEY = "_od_stopped"  # on-demand computations a Stop ended (their tags),
 log = logging.getLogger("llm_inspector")
 
 
-def client_key() -> str | None:
-    """Who is asking, for fair admission: the browser (all its tabs share Streamlit's XSRF cookie), else this
-    session. Only a hash is kept. None outside a script run."""
+def browser_key() -> str | None:
+    """The browser asking (all its tabs share Streamlit's XSRF cookie), as a hash; None without the cookie or
+    outside a script run."""
     try:
         cookie = st.context.cookies.get(CLIENT_COOKIE)
     except Exception:          # no script run context (a worker thread, a test calling functions directly)
         cookie = None
     if isinstance(cookie, str) and cookie:
         return "browser:" + hashlib.sha256(xsrf_token(cookie).encode()).hexdigest()[:16]
+    return None
+
+
+def client_key() -> str | None:
+    """Who is asking, for fair admission: the browser, else this session. None outside a script run."""
+    browser = browser_key()
+    if browser is not None:
+        return browser
     ctx = get_script_run_ctx()
     return None if ctx is None else "session:" + ctx.session_id
 
@@ -214,10 +223,18 @@ def _show_stopped(what: str, tag: str, stopped: dict) -> None:
     st.button("Compute again", key=f"od_again_{tag}", on_click=stopped.__setitem__, args=(tag, "again"))
 
 
-_MD_SPECIAL = "\\`*_{}[]()#!|<>~$"
+_PUNCTUATION = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+# Streamlit's renderer (remark-gfm) finds bare links in the text *after* escapes are resolved, with
+# /(https?:\/\/|www(?=\.))/ and /[-.\w+]+@[-\w]+(\.[-\w]+)+/: a zero-width space breaks each pattern
+_AUTOLINK = re.compile(r"(?<=:)(?=//)|(?<=www)(?=\.)|(?=@)", re.IGNORECASE)
+_ZWSP = "\u200b"
 
 
 def plain(text: object) -> str:
-    """Text from outside (a file, a model's config) made safe to put inside Markdown: every character that
-    Markdown or HTML could act on is escaped, so a link, image or tag shows as the characters it is."""
-    return "".join("\\" + c if c in _MD_SPECIAL else c for c in str(text))
+    """Text from a file, a store or a browser (a run's model name and notes, a prompt, a token, a typed
+    stage) made safe inside Markdown (st.markdown, st.caption, st.warning, ...) so that it shows as the
+    characters it is: every ASCII punctuation character is backslash-escaped (CommonMark allows it for each;
+    no link, image, tag, emphasis or Streamlit :directive[...] can form), and a zero-width space goes into
+    each http://, www. and name@host, which GitHub-flavoured Markdown would otherwise turn into a link."""
+    text = _AUTOLINK.sub(_ZWSP, str(text))
+    return "".join("\\" + c if c in _PUNCTUATION else c for c in text)

@@ -8,40 +8,49 @@ trace was made with chosen in the sidebar. Files are safetensors + JSON: nothing
 import hashlib
 
 import streamlit as st
+from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from engine import EngineError
 from engine.trace import from_bytes, summary, to_bytes
 from engine.trace_check import TraceBounds
+from inspector.session.budget import trace_file_limit
 from inspector.session.memo import run_key
 from inspector.session.run import track
 from pages.common import current_run, get_model, plain, server_limits
 from pages.sidebar import keep_run
 
-OPENED = "tf_opened"       # (sha256 of the upload, the parsed trace or the error): parsed once per upload
+OPENED = "tf_opened"       # (file name, sha256, the parsed trace or the error): what this session keeps of an upload
+UPLOADS = "tf_uploads"     # uploads taken so far: the uploader's key, so a taken file leaves the widget
 
 
-def opened_trace(up):
-    """The uploaded file as a Trace, validated against this server's limits and the loaded model; parsed once
-    per upload (a rerun reuses it). A file that fails shows one message and the page stops."""
-    data = up.getvalue()
-    digest = hashlib.sha256(data).hexdigest()
-    cached = st.session_state.get(OPENED)
-    if cached is None or cached[0] != digest:
-        limits, model = server_limits(show_error=False), get_model()
+def take_upload(up) -> None:
+    """Parse the uploaded file once (validated against this server's limits and the loaded model), keep the
+    result in OPENED, and give the upload's bytes back: the server keeps no second copy of a file it has read,
+    and what it keeps is counted in the session's budget (inspector.session.budget)."""
+    limits, model = server_limits(show_error=False), get_model()
+    most = trace_file_limit(limits)
+    if up.size > most:
+        result = (f"the file is {up.size / 2**20:,.1f} MiB; this server opens trace files of at most "
+                  f"{most / 2**20:,.1f} MiB (half of a session's memory budget, LLM_INSPECTOR_MAX_SESSION_MB)")
+        digest = None
+    else:
+        data = up.getvalue()
+        digest = hashlib.sha256(data).hexdigest()
         bounds = TraceBounds(max_prompt_tokens=limits.max_prompt_tokens, max_new_tokens=limits.max_new_tokens,
-                             vocab_size=model.config.vocab_size if model else None,
+                             max_bytes=most, vocab_size=model.config.vocab_size if model else None,
                              num_layers=model.config.num_layers if model else None)
         try:
-            cached = (digest, from_bytes(data, bounds))
+            result = from_bytes(data, bounds)
         except EngineError as e:
-            cached = (digest, str(e))
+            result = str(e)
         except Exception as e:     # a parser failure the checks did not foresee: still one clear message
-            cached = (digest, f"the file could not be read ({type(e).__name__})")
-        st.session_state[OPENED] = cached
-    if isinstance(cached[1], str):
-        st.error(f"Could not open {plain(up.name)}: {plain(cached[1])}")
-        st.stop()
-    return cached[1]
+            result = f"the file could not be read ({type(e).__name__})"
+        del data
+    st.session_state[OPENED] = (str(up.name)[:200], digest, result)
+    ctx = get_script_run_ctx()
+    if ctx is not None:
+        ctx.uploaded_file_mgr.remove_file(ctx.session_id, up.file_id)
+    st.session_state[UPLOADS] = st.session_state.get(UPLOADS, 0) + 1
 
 
 st.header("Trace files")
@@ -56,7 +65,7 @@ else:
         files.clear()                                                # one file kept: the current run's
         files[run_key(run)] = to_bytes(run)
     data = files[run_key(run)]
-    st.caption(f"{run.model_name} · {run.n_prompt} prompt + {len(run.result.token_ids)} generated tokens · "
+    st.caption(f"{plain(run.model_name)} · {run.n_prompt} prompt + {len(run.result.token_ids)} generated tokens · "
                f"{len(run.probe.stats)} statistics blocks · {len(run.probe.captures)} captures · "
                f"{len(data) / 2**20:.2f} MiB")
     st.download_button("Download trace", data=data, file_name=f"run-{int(run.created)}.trace",
@@ -65,9 +74,18 @@ else:
                "format.")
 
 st.subheader("Open a trace")
-up = st.file_uploader("Trace file (.trace / .safetensors)", type=["trace", "safetensors"], key="tf_upload")
+up = st.file_uploader("Trace file (.trace / .safetensors)", type=["trace", "safetensors"],
+                      key=f"tf_upload_{st.session_state.get(UPLOADS, 0)}",
+                      max_upload_size=max(1, trace_file_limit(server_limits(show_error=False)) >> 20))
 if up is not None:
-    trace = opened_trace(up)
+    take_upload(up)
+    st.rerun()
+opened = st.session_state.get(OPENED)
+if opened is not None and isinstance(opened[2], str):
+    st.error(f"Could not open {plain(opened[0])}: {plain(opened[2])}")
+elif opened is not None:
+    name, _, trace = opened
+    st.text(f"File: {name}")
     info = summary(trace)
     c = st.columns(4)
     c[0].metric("Prompt tokens", info["prompt_tokens"])
@@ -87,6 +105,7 @@ if up is not None:
         st.text(f"Made with: {', '.join(map(str, made_with))}")
     st.code(trace.result.text or "(nothing)", language=None, wrap_lines=True)
     if st.button("Open as the current run", key="tf_open", type="primary"):
+        del st.session_state[OPENED]          # the run list holds it from now on: one copy, counted once
         keep_run(track(trace), server_limits(show_error=False).max_runs_kept)
         st.toast("Opened the file: every page now shows this run.")
         st.rerun()

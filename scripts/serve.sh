@@ -18,13 +18,21 @@ IFS=',' read -r -a names <<< "${LLM_INSPECTOR_HOSTS:-localhost,127.0.0.1}"
 for h in "${names[@]}"; do
   [ -n "$h" ] && hosts+=(--server.allowedHosts "$h")
 done
+# Uploads are at most half of a session's data allowance (80 % of LLM_INSPECTOR_MAX_SESSION_MB, default 400 MiB):
+# the same bound the app puts on a trace file (inspector/session/budget.py: trace_file_limit), so one tab's upload
+# cannot hold more memory than its session is allowed.
+session_mb=${LLM_INSPECTOR_MAX_SESSION_MB:-400}
+session_mb=${session_mb//_/}
+[[ "$session_mb" =~ ^[0-9]+$ ]] && [ "$session_mb" -ge 1 ] || session_mb=400
+upload_mb=$(( session_mb * 8 / 10 / 2 ))
+[ "$upload_mb" -ge 1 ] || upload_mb=1
 exec "${PYTHON:-python3}" -m streamlit run app.py \
   --server.address "${LLM_INSPECTOR_ADDRESS:-127.0.0.1}" \
   --server.port "${LLM_INSPECTOR_PORT:-8501}" \
   --server.headless true \
   --server.enableXsrfProtection true \
   --server.enableCORS true \
-  --server.maxUploadSize 256 \
+  --server.maxUploadSize "$upload_mb" \
   --server.enableAgentApi false \
   --client.showErrorDetails type \
   --client.toolbarMode minimal \

@@ -10,6 +10,7 @@ Works on any mutable mapping (st.session_state in the app, a dict in tests); kno
 from __future__ import annotations
 
 import dataclasses
+import io
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -31,6 +32,12 @@ def data_allowance(budget_mb: int) -> int:
     return int(budget_mb * 2**20 * DATA_SHARE)
 
 
+def trace_file_limit(limits) -> int:
+    """Bytes of the largest trace file a session may open: half its data allowance, since the parsed run takes
+    about as much again as the file while it is read (serve.sh sets Streamlit's upload limit to the same)."""
+    return data_allowance(limits.max_session_mb) // 2
+
+
 def nbytes(obj: Any, seen: set | None = None, depth: int = 0) -> int:
     """Bytes an object holds in tensors, arrays, frames and byte strings (each storage counted once)."""
     seen = set() if seen is None else seen
@@ -49,6 +56,8 @@ def nbytes(obj: Any, seen: set | None = None, depth: int = 0) -> int:
         return int(obj.memory_usage(deep=True).sum())
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return len(obj)
+    if isinstance(obj, io.BytesIO):           # an uploaded file (Streamlit's UploadedFile) or any in-memory file
+        return obj.getbuffer().nbytes
     if isinstance(obj, str):
         return len(obj)
     if isinstance(obj, Mapping):
@@ -71,21 +80,29 @@ class Holding:
 
 
 def holdings(state: Mapping) -> list[Holding]:
-    """What the session holds, in the order the budget drops it: memo entries oldest first, then uploads and
-    trace bytes, then the debugger's run, then earlier runs oldest first. The current run is never listed."""
+    """What the session holds, in the order the budget drops it: memo entries oldest first, then uploads, opened
+    trace files and trace bytes, then the debugger's run, then earlier runs oldest first. The current run and the
+    app's own state (keys starting with "_") are never listed; everything else is, dict entry by dict entry or
+    as a whole value."""
     current = state.get(RUN_KEY)
     seen: set = set() if current is None else {id(current)}
     nbytes(current, seen)              # what the current run holds is never counted as droppable
     out: list[Holding] = []
     for key in list(state.keys()):
         value = state[key]
-        if key in (RUNS_KEY, RUN_KEY, DEBUGGER_KEY) or not isinstance(value, dict):
+        if key in (RUNS_KEY, RUN_KEY, DEBUGGER_KEY) or str(key).startswith("_"):
+            continue       # "_..." keys are the app's own state (a live run, a room seat): counted, never dropped
+        rank = 1 if str(key).startswith("tf_") else 0
+        label = "a trace file" if rank else f"a cached view ({key})"
+        if not isinstance(value, dict):          # a whole value: an opened upload, a report, a widget's file
+            n = nbytes(value, seen)
+            if n:
+                out.append(Holding(key, None, n, rank, label))
             continue
         for k in list(value.keys()):
             n = nbytes(value[k], seen)
             if n:
-                rank = 1 if str(key).startswith("tf_") else 0
-                out.append(Holding(key, k, n, rank, "a trace file's bytes" if rank else f"a cached view ({key})"))
+                out.append(Holding(key, k, n, rank, label))
     dbg = state.get(DEBUGGER_KEY)
     if dbg is not None and getattr(dbg, "published", None) is not current:
         out.append(Holding(DEBUGGER_KEY, None, nbytes(dbg, seen), 2, "the debugger's run"))

@@ -57,6 +57,7 @@ class Limits:
     max_running_per_client: int = 1      # runs one browser (all its tabs) may have generating at once
     max_queued_per_client: int = 1       # runs one browser may have waiting in the queue
     max_session_mb: int = 400            # memory one browser session may keep (runs, maps, traces, reports)
+    max_sessions_per_client: int = 8     # sessions (tabs) one browser may hold open on this server at once
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -104,6 +105,8 @@ LIMITS = {
     "max_queued_per_client": "runs one browser may have waiting in the queue; one more is refused",
     "max_session_mb": "MiB one browser session may keep (runs, attention maps, traces, uploads, reports); "
                       "past it the oldest derived data is dropped, and the user told",
+    "max_sessions_per_client": "sessions (tabs, kept about two minutes after they close) one browser may hold on "
+                               "this server; one more is told to close a tab and holds nothing",
 }
 
 

@@ -11,6 +11,7 @@ from engine import RunSettings, make_trace
 from engine.doctor import fault_probe
 from engine.trace import to_bytes
 from inspector.session.run import inspect_run
+from tests.helpers import as_shown
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOP_PROMPT = "I like apples. I like apples. I like"
@@ -88,7 +89,7 @@ def test_trace_page_saves_and_opens_a_run(page, tiny_model, tiny_model_dir, tiny
     probe = fault_probe(tiny_model, ["inf@blocks.0.mlp.gate:2"], timing=True).capture("logits")
     res = tiny_model.generate([5, 6, 7, 8], max_new_tokens=2, ignore_eos=True, probe=probe)
     bad = make_trace(RunSettings(prompt="five six", chat=False, max_new_tokens=2), res, probe, tiny_model.name, 0.5)
-    at.file_uploader(key="tf_upload").set_value(("nan.trace", to_bytes(bad), "application/octet-stream"))
+    at.file_uploader[0].set_value(("nan.trace", to_bytes(bad), "application/octet-stream"))
     at.run()
     assert not at.exception, at.exception
     assert "first non-finite: `blocks.0.mlp.gate` layer 0, position 2, step 0" in markdowns(at)
@@ -97,8 +98,8 @@ def test_trace_page_saves_and_opens_a_run(page, tiny_model, tiny_model_dir, tiny
     assert opened.ids == bad.ids and opened.settings == bad.settings and len(opened.probe.stats) == len(probe.stats)
     doc = page("nan_doctor", opened, tiny_model, str(tiny_model_dir)).run()
     assert "stage **`blocks.0.mlp.gate`**, layer **0**, position **2**, step **0**" in markdowns(doc)
-    at.file_uploader(key="tf_upload").set_value(("junk.trace", b"\x00" * 40, "application/octet-stream")).run()
-    assert "Could not open junk.trace" in at.error[0].value
+    at.file_uploader[0].set_value(("junk.trace", b"\x00" * 40, "application/octet-stream")).run()
+    assert "Could not open junk.trace" in as_shown(at.error[0].value)
 
 
 def test_other_pages_read_a_reopened_trace(page, tiny_model, tiny_model_dir, tiny_run):

@@ -11,6 +11,7 @@ import streamlit as st
 from engine import RunSettings
 from engine.trace import to_bytes
 from inspector.session.run import inspect_run
+from tests.helpers import as_shown
 from tests.unit.test_hostile_traces import CASES, setitem, with_meta
 
 pytestmark = pytest.mark.app
@@ -28,10 +29,10 @@ def test_a_crafted_upload_is_one_message_and_the_run_stays(page, tiny_model, tin
     at = page("trace_files", run, tiny_model, str(tiny_model_dir)).run()
     data = CASES[name][0](to_bytes(run))
     t0 = time.perf_counter()
-    at.file_uploader(key="tf_upload").set_value(("crafted.trace", data, "application/octet-stream")).run()
+    at.file_uploader[0].set_value(("crafted.trace", data, "application/octet-stream")).run()
     assert time.perf_counter() - t0 < 5
     assert not at.exception, at.exception
-    assert len(at.error) == 1 and at.error[0].value.startswith("Could not open crafted.trace: ")
+    assert len(at.error) == 1 and as_shown(at.error[0].value).startswith("Could not open crafted.trace: ")
     assert at.session_state["run"] is run and len(at.button) == 0        # nothing to open, nothing replaced
     assert tiny_model.generate(run.result.prompt_ids, max_new_tokens=3).token_ids == run.result.token_ids
 
@@ -40,7 +41,7 @@ def test_strings_from_a_file_are_text_never_markdown(page, tiny_model, tiny_mode
     evil = "![x](http://198.51.100.7/pixel.png) [click](javascript:alert(1)) <img src=x onerror=alert(1)>"
     data = with_meta(to_bytes(run), setitem("model_name", evil))
     at = page("trace_files", run, tiny_model, str(tiny_model_dir)).run()
-    at.file_uploader(key="tf_upload").set_value(("x.trace", data, "application/octet-stream")).run()
+    at.file_uploader[0].set_value(("x.trace", data, "application/octet-stream")).run()
     assert not at.exception
     assert any(evil in t.value for t in at.text)                          # shown as the characters it is
     assert not any("198.51.100.7" in m.value for m in at.markdown)
@@ -53,10 +54,10 @@ def test_a_reupload_is_parsed_once(page, tiny_model, tiny_model_dir, run, monkey
     real = engine.trace.from_bytes
     monkeypatch.setattr(engine.trace, "from_bytes", lambda *a, **k: calls.append(1) or real(*a, **k))
     at = page("trace_files", run, tiny_model, str(tiny_model_dir)).run()
-    at.file_uploader(key="tf_upload").set_value(("ok.trace", to_bytes(run), "application/octet-stream")).run()
+    at.file_uploader[0].set_value(("ok.trace", to_bytes(run), "application/octet-stream")).run()
     at.run()
     at.run()
-    assert not at.exception and len(calls) <= 1 and at.session_state["tf_opened"][1].result.token_ids
+    assert not at.exception and len(calls) <= 1 and at.session_state["tf_opened"][2].result.token_ids
 
 
 def forge(monkeypatch, key: str, value) -> None:

@@ -28,15 +28,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def upgrade(conn: http.client.HTTPConnection, host: str, auth: str | None) -> int:
-    """Ask for Streamlit's WebSocket; the HTTP status of the answer (101 = switched)."""
+def upgrade(conn: http.client.HTTPConnection, host: str, auth: str | None, keep: bool = False) -> int:
+    """Ask for Streamlit's WebSocket; the HTTP status of the answer (101 = switched). keep: leave the
+    connection open (a tab that stays)."""
     headers = {"Host": host, "Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13",
                "Sec-WebSocket-Key": base64.b64encode(os.urandom(16)).decode(), "Origin": f"https://{host}"}
     if auth:
         headers["Authorization"] = auth
     conn.request("GET", "/_stcore/stream", headers=headers)
     status = conn.getresponse().status
-    conn.close()
+    if not keep:
+        conn.close()
     return status
 
 
@@ -122,3 +124,40 @@ def test_serve_sh_applies_the_safe_settings_from_any_folder(served, tmp_path):
     local = [line.split()[3] for line in listening.splitlines() if line.strip()]
     if local:                                   # the app listens on the loopback interface only
         assert all(addr.startswith("127.0.0.1:") for addr in local), local
+
+
+def test_the_proxy_caps_open_connections_per_address(served):
+    """Every tab is a session with its own memory budget, and a script can invent a browser per connection:
+    the recipe's limit_conn bounds what one address holds open (24 connections), then answers 429."""
+    _, proxy_port = served
+    tls = ssl.create_default_context()
+    tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE
+    good = "Basic " + base64.b64encode(b"class:s3cret").decode()
+    held = []
+    try:
+        for _ in range(24):
+            held.append(http.client.HTTPSConnection("127.0.0.1", proxy_port, context=tls, timeout=30))
+            assert upgrade(held[-1], "localhost", good, keep=True) == 101
+        one_more = http.client.HTTPSConnection("127.0.0.1", proxy_port, context=tls, timeout=30)
+        assert upgrade(one_more, "localhost", good) == 429
+    finally:
+        for c in held:
+            c.close()
+    time.sleep(1)
+    assert upgrade(http.client.HTTPSConnection("127.0.0.1", proxy_port, context=tls, timeout=30), "localhost",
+                   good) == 101                                       # closed tabs free their places
+
+
+def test_serve_sh_bounds_uploads_by_the_session_budget(tmp_path):
+    """Streamlit's upload limit is half of a session's data allowance (inspector.session.budget), whatever the
+    budget; a malformed budget falls back to the default, as the app does."""
+    from inspector.session.budget import trace_file_limit
+    from inspector.session.limits import Limits
+    for mb, want in (("64", 25), ("400", 160), ("1_000", 400), ("lots", 160)):
+        env = dict(os.environ, PYTHON="echo", LLM_INSPECTOR_MAX_SESSION_MB=mb)
+        out = subprocess.run(["bash", str(ROOT / "scripts" / "serve.sh")], cwd=tmp_path, env=env, text=True,
+                             capture_output=True, check=True).stdout.split()
+        got = int(out[out.index("--server.maxUploadSize") + 1])
+        assert got == want, (mb, got)
+        budget = Limits(max_session_mb=int(mb.replace("_", ""))) if mb != "lots" else Limits()
+        assert got * 2**20 <= trace_file_limit(budget)
