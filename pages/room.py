@@ -23,7 +23,8 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 from engine.trace import from_bytes, to_bytes
 from engine.trace_check import TraceBounds
 from inspector.session.memo import run_key
-from inspector.session.rooms import failed_joins, shared_store, teacher_key_state, teacher_login, warn_short_key
+from inspector.session.rooms import shared_store
+from inspector.session.rooms_keys import failed_joins, teacher_key_state, teacher_login, warn_short_key
 from inspector.session.rooms_state import ROOM_ERRORS, RoomError, View, check_code
 from inspector.session.run import track
 from pages.common import RUN_KEY, client_key, get_model, plain, server_limits

@@ -22,12 +22,10 @@ import hmac
 import logging
 import os
 import secrets
-import sys
 import threading
-import time
 from dataclasses import replace
-from typing import Protocol
 
+from .rooms_memory import Backend, MemoryBackend
 from .rooms_redis import RedisBackend, RedisError
 from .rooms_state import (
     CODE_ALPHABET,
@@ -50,112 +48,12 @@ from .rooms_state import (
     check_run_id,
 )
 
-KEY_ENV, STORE_ENV, TTL_ENV = "LLM_INSPECTOR_TEACHER_KEY", "LLM_INSPECTOR_ROOMS", "LLM_INSPECTOR_ROOM_TTL_S"
+STORE_ENV, TTL_ENV = "LLM_INSPECTOR_ROOMS", "LLM_INSPECTOR_ROOM_TTL_S"
 ANSWERS_ENV = "LLM_INSPECTOR_ROOM_ANSWERS"
-MIN_KEY_CHARS = 16               # a key a class cannot guess at any rate: no limit on tries has to protect it
 DEFAULT_TTL_S = 12 * 3600        # a room nobody touches for this long ends by itself
-SWEEP_S = 60.0                   # the in-process store drops every expired key at most this often
 log = logging.getLogger("llm_inspector")
 
 
-# ---- where it is kept ------------------------------------------------------------------------------------
-class Backend(Protocol):
-    """The storage a RoomStore needs: bytes under string keys, each key with a time to live (seconds)."""
-
-    def get(self, key: str) -> bytes | None: ...
-    def set(self, key: str, value: bytes, ttl: int, only_new: bool = False) -> bool: ...
-    def delete(self, *keys: str) -> None: ...
-    def expire(self, key: str, ttl: int) -> None: ...
-    def incr(self, key: str, ttl: int) -> int: ...
-    def hsetnx(self, key: str, name: str, value: bytes, ttl: int) -> bool: ...
-    def hgetall(self, key: str) -> dict[str, bytes]: ...
-    def hlen(self, key: str) -> int: ...
-
-
-class MemoryBackend:
-    """In this process (the default): a dict under a lock; expired keys are dropped as they are met, and all of
-    them every sweep_s (a room nobody reads again, its run included, would otherwise stay until the process
-    ends)."""
-
-    def __init__(self, clock=time.monotonic, sweep_s: float = SWEEP_S) -> None:
-        self._d: dict[str, tuple[float, object]] = {}
-        self._lock = threading.Lock()
-        self._clock = clock
-        self.sweep_s = sweep_s
-        self._next_sweep = clock() + sweep_s
-
-    def _sweep(self, now: float) -> None:
-        """Called under the lock: at most once per sweep_s, every expired key goes (one pass over the keys)."""
-        if now < self._next_sweep:
-            return
-        self._next_sweep = now + self.sweep_s
-        for k in [k for k, (until, _) in self._d.items() if until <= now]:
-            del self._d[k]
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._d)
-
-    def _live(self, key: str):
-        self._sweep(self._clock())
-        item = self._d.get(key)
-        if item is not None and item[0] <= self._clock():
-            del self._d[key]
-            return None
-        return None if item is None else item[1]
-
-    def get(self, key):
-        with self._lock:
-            v = self._live(key)
-            return v if isinstance(v, bytes) else None
-
-    def set(self, key, value, ttl, only_new=False):
-        with self._lock:
-            self._sweep(self._clock())
-            if only_new and self._live(key) is not None:
-                return False
-            self._d[key] = (self._clock() + ttl, bytes(value))
-            return True
-
-    def delete(self, *keys):
-        with self._lock:
-            self._sweep(self._clock())
-            for k in keys:
-                self._d.pop(k, None)
-
-    def expire(self, key, ttl):
-        with self._lock:
-            v = self._live(key)
-            if v is not None:
-                self._d[key] = (self._clock() + ttl, v)
-
-    def incr(self, key, ttl):
-        with self._lock:
-            v = self._live(key)
-            n = (int(v) if isinstance(v, bytes) else 0) + 1
-            self._d[key] = (self._clock() + ttl, str(n).encode())
-            return n
-
-    def hsetnx(self, key, name, value, ttl):
-        with self._lock:
-            h = self._live(key)
-            h = dict(h) if isinstance(h, dict) else {}
-            if name in h:
-                return False
-            h[name] = bytes(value)
-            self._d[key] = (self._clock() + ttl, h)
-            return True
-
-    def hgetall(self, key):
-        with self._lock:
-            h = self._live(key)
-            return dict(h) if isinstance(h, dict) else {}
-
-    def hlen(self, key):
-        return len(self.hgetall(key))
-
-
-# ---- the rules -------------------------------------------------------------------------------------------
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest().encode()
 
@@ -333,107 +231,7 @@ class RoomStore:
                       self._k(code, "state"), self._k(code, "ver"), self._k(code, "polls"), self._k(code, "auth"))
 
 
-# ---- the teacher key, rate limits, the process's store ---------------------------------------------------
-GENERATE_KEY = 'python3 -c "import secrets; print(secrets.token_urlsafe(18))"'
-
-
-def suggest_key() -> str:
-    """A fresh teacher key: 24 characters, 144 random bits."""
-    return secrets.token_urlsafe(18)
-
-
-def teacher_key_state(env=os.environ) -> str | None:
-    """None when the room feature is on; otherwise why not (said to the user, naming the variable). Shown in
-    any browser, so it never holds a key: the server's log has the suggested one (warn_short_key)."""
-    key = env.get(KEY_ENV, "")
-    if not key:
-        return f"Rooms are off on this server. To turn them on, start the app with {KEY_ENV} set to a secret."
-    if len(key) < MIN_KEY_CHARS:
-        return (f"Rooms are off: {KEY_ENV} is too short; a teacher key has at least {MIN_KEY_CHARS} characters. "
-                f"The server's log suggests one, or make one with {GENERATE_KEY}.")
-    return None
-
-
-_warned: set[str] = set()
-
-
-def warn_short_key(env=os.environ) -> str | None:
-    """Once per process, when the key is set but too short: print why and a generated key to the server's
-    console (where the teacher started it, which no student reads). The line printed, or None."""
-    key = env.get(KEY_ENV, "")
-    if not key or len(key) >= MIN_KEY_CHARS or "short" in _warned:
-        return None
-    _warned.add("short")
-    line = (f"llm-inspector: rooms are off: {KEY_ENV} has {len(key)} characters, a teacher key needs at least "
-            f"{MIN_KEY_CHARS}. For example, restart with {KEY_ENV}='{suggest_key()}'")
-    print(line, file=sys.stderr, flush=True)
-    return line
-
-
-def teacher_key_ok(entered, env=os.environ) -> bool:
-    key = env.get(KEY_ENV, "")
-    if teacher_key_state(env) is not None or not isinstance(entered, str) or len(entered) > 1024:
-        return False
-    return hmac.compare_digest(entered.encode("utf-8", "surrogatepass"), key.encode("utf-8", "surrogatepass"))
-
-
-class RateLimiter:
-    """At most `limit` events per `window_s` for each key (and, if `total` is set, for all keys together).
-    At most `max_keys` keys are remembered: past that, the one whose last event is oldest is forgotten (a
-    script inventing a client per try grows nothing)."""
-
-    def __init__(self, limit: int, total: int | None = None, window_s: float = 60.0, clock=time.monotonic,
-                 max_keys: int = 10_000) -> None:
-        self.limit, self.total, self.window, self.clock, self.max_keys = limit, total, window_s, clock, max_keys
-        self._events: dict[str, list[float]] = {}
-        self._lock = threading.Lock()
-
-    def _prune(self, now: float) -> None:
-        for k in list(self._events):
-            self._events[k] = [t for t in self._events[k] if now - t < self.window]
-            if not self._events[k]:
-                del self._events[k]
-
-    def over(self, key: str) -> bool:
-        """Whether key (or everyone, with a total) is at the limit now; records nothing."""
-        now = self.clock()
-        with self._lock:
-            self._prune(now)
-            return len(self._events.get(key, [])) >= self.limit or (
-                self.total is not None and sum(map(len, self._events.values())) >= self.total)
-
-    def allow(self, key: str) -> bool:
-        """Record one event for key; False (not recorded) when key or everyone is over the limit."""
-        now = self.clock()
-        with self._lock:
-            self._prune(now)
-            mine = self._events.pop(key, [])
-            if len(mine) >= self.limit or (self.total is not None
-                                           and sum(map(len, self._events.values())) + len(mine) >= self.total):
-                if mine:
-                    self._events[key] = mine
-                return False
-            self._events[key] = mine + [now]            # re-inserted: dict order is the order of last events
-            while len(self._events) > self.max_keys:
-                del self._events[next(iter(self._events))]
-            return True
-
-
-failed_joins = RateLimiter(limit=10, total=200)      # unknown codes tried, per browser / this process
-failed_keys = RateLimiter(limit=5)                   # wrong teacher keys, per browser: no total a student can fill
-
-
-def teacher_login(entered, who: str, env=os.environ, wrong: RateLimiter = failed_keys) -> str | None:
-    """A session asks to be the teacher with key `entered`, from client `who`. None: accepted. Otherwise the
-    refusal to show. The right key is always accepted, whoever else tried what; only wrong keys are counted,
-    per client (five a minute), so nobody can use up the teacher's tries."""
-    if teacher_key_ok(entered, env):
-        return None
-    if not wrong.allow(who):
-        return "Too many wrong keys from this browser: wait a minute."
-    return "That is not the teacher key: refused."
-
-
+# ---- the process's store ----------------------------------------------------------------------------
 def voter_of(code: str, client: str) -> str:
     """The name a poll's answer is kept under: one per browser (pages.common.client_key) and room, never the
     browser's own token."""

@@ -8,19 +8,17 @@ import uuid
 
 import pytest
 
-from inspector.session import rooms
-from inspector.session.rooms import (
+from inspector.session import rooms_keys
+from inspector.session.rooms import RoomStore, shared_store, voter_of
+from inspector.session.rooms_keys import (
     MIN_KEY_CHARS,
-    MemoryBackend,
     RateLimiter,
-    RoomStore,
-    shared_store,
     teacher_key_ok,
     teacher_key_state,
     teacher_login,
-    voter_of,
     warn_short_key,
 )
+from inspector.session.rooms_memory import MemoryBackend
 from inspector.session.rooms_redis import RedisBackend, RedisError
 from inspector.session.rooms_state import ROOM_ANSWERS, RoomError, View
 from tests.redis_server import hung_server, redis_process
@@ -34,7 +32,7 @@ TOO_MANY = "Too many wrong keys from this browser: wait a minute."
 
 # ---- 7: the teacher's seat -------------------------------------------------------------------------------
 def test_ten_fresh_cookies_of_wrong_keys_do_not_lock_the_teacher_out():
-    """The shipped limiter (rooms.failed_keys), as the page calls it: ten clients send five wrong keys each
+    """The shipped limiter (rooms_keys.failed_keys), as the page calls it: ten clients send five wrong keys each
     (the issue's reproduction); the teacher's right key is still accepted, from a new client and from one
     of those ten; only the guessing client itself is slowed."""
     run = uuid.uuid4().hex                      # the limiter is process-wide: clients of this test only
@@ -77,7 +75,7 @@ def test_a_teacher_key_has_at_least_16_characters_and_the_server_suggests_one(ca
     assert teacher_login("x" * 15, "browser:s", short, wrong=RateLimiter(limit=5)) == WRONG
     assert teacher_key_state({"LLM_INSPECTOR_TEACHER_KEY": "y" * 16}) is None
     assert teacher_key_ok("y" * 16, {"LLM_INSPECTOR_TEACHER_KEY": "y" * 16})
-    monkeypatch.setattr(rooms, "_warned", set())
+    monkeypatch.setattr(rooms_keys, "_warned", set())
     line = warn_short_key(short)
     printed = capsys.readouterr().err
     assert line and line in printed and "at least 16" in printed

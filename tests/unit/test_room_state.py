@@ -12,14 +12,9 @@ import pytest
 
 from engine import RunSettings, SamplingParams
 from engine.trace import from_bytes, to_bytes
-from inspector.session.rooms import (
-    MemoryBackend,
-    RateLimiter,
-    RoomStore,
-    shared_store,
-    teacher_key_ok,
-    teacher_key_state,
-)
+from inspector.session.rooms import RoomStore, shared_store
+from inspector.session.rooms_keys import RateLimiter, teacher_key_ok, teacher_key_state
+from inspector.session.rooms_memory import MemoryBackend
 from inspector.session.rooms_redis import RedisBackend, RedisError, encode, read_reply
 from inspector.session.rooms_state import (
     ROOM_PAGES,
