@@ -23,15 +23,13 @@ from dataclasses import dataclass
 from .errors import EngineError
 from .probe import split_name
 from .sampling import SamplingParams
-from .settings import RunSettings
+from .settings import MAX_STOP_CHARS, MAX_STOP_STRINGS, RunSettings
 from .stages import LAYER_STAGES, SAMPLER_STAGES
 
 GLOBAL_STAGES = ("tokenizer", "embed", "final_norm", "logits", "detokenizer", *SAMPLER_STAGES)
 STOP_REASONS = ("eos", "stop_string", "max_new_tokens", "context", "running", "nonfinite", "error",
                 "non-finite logits", "stopped")
 META_KEY = "llm_inspector_trace"          # the safetensors metadata entry that holds the trace's JSON
-# The stop strings one run may have: each is searched for in the new text at every decode step.
-MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 200
 # Real traces hold about 2.5 KB of metadata (3.3 KB of header) and ~60 JSON values a generated token; these
 # leave room for several thousand steps. The header holds the metadata JSON as an escaped string plus one entry
 # per tensor; every JSON value sits after a comma or opens a container, so counting ',', '[' and '{' bytes

@@ -90,9 +90,8 @@ class NativeDecoder:
         lib, _ = build.load()
         return None if lib is None else cls(model, lib)
 
-    def _work(self, cache) -> torch.Tensor:
+    def _work(self, cache, nth: int) -> torch.Tensor:
         work = getattr(cache, "native_work", None)
-        nth = torch.get_num_threads()
         if work is None or work[1] != nth:
             c = self.model.config
             n = self.lib.llmi_work_floats(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
@@ -108,9 +107,10 @@ class NativeDecoder:
         x = w.embed[token]
         logits = torch.empty(1, c.vocab_size)
         st = torch.empty(len(self.names), 1, 7) if stats else None
-        work = self._work(cache)
+        nth = torch.get_num_threads()     # read once: the work buffer is sized for the threads the call uses
+        work = self._work(cache, nth)
         s = Step(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                 c.vocab_size, cache.max_len, pos, torch.get_num_threads(), eps, c.head_dim ** -0.5, x.data_ptr(),
+                 c.vocab_size, cache.max_len, pos, nth, eps, c.head_dim ** -0.5, x.data_ptr(),
                  self.layer_ptrs["attn_norm"], self.layer_ptrs["wqkv"], self.layer_ptrs["wo"],
                  self.layer_ptrs["mlp_norm"], self.layer_ptrs["w_gate_up"], self.layer_ptrs["w_down"],
                  cache.k.data_ptr(), cache.v.data_ptr(), m.cos[pos].data_ptr(), m.sin[pos].data_ptr(),
