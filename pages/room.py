@@ -21,7 +21,7 @@ import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from engine.trace import from_bytes, to_bytes
-from engine.trace_check import TraceBounds
+from inspector.session.limits import trace_bounds
 from inspector.session.memo import run_key
 from inspector.session.rooms import shared_store
 from inspector.session.rooms_keys import failed_joins, teacher_key_state, teacher_login, warn_short_key
@@ -85,10 +85,7 @@ def _load_run(code: str, run_id: str):
     if data is None:
         raise RoomError("the teacher's run is no longer in the room")
     limits, model = server_limits(show_error=False), get_model()
-    bounds = TraceBounds(max_prompt_tokens=limits.max_prompt_tokens, max_new_tokens=limits.max_new_tokens,
-                         vocab_size=model.config.vocab_size if model else None,
-                         num_layers=model.config.num_layers if model else None)
-    trace = track(from_bytes(data, bounds))
+    trace = track(from_bytes(data, trace_bounds(limits, model)))
     trace.extra["room_run_id"] = run_id          # which of this session's runs is the room's (polls)
     keep_run(trace, limits.max_runs_kept)
     return trace

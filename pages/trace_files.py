@@ -12,8 +12,8 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from engine import EngineError
 from engine.trace import from_bytes, summary, to_bytes
-from engine.trace_check import TraceBounds
 from inspector.session.budget import trace_file_limit
+from inspector.session.limits import trace_bounds
 from inspector.session.memo import run_key
 from inspector.session.run import track
 from pages.common import current_run, get_model, plain, server_limits
@@ -36,11 +36,8 @@ def take_upload(up) -> None:
     else:
         data = up.getvalue()
         digest = hashlib.sha256(data).hexdigest()
-        bounds = TraceBounds(max_prompt_tokens=limits.max_prompt_tokens, max_new_tokens=limits.max_new_tokens,
-                             max_bytes=most, vocab_size=model.config.vocab_size if model else None,
-                             num_layers=model.config.num_layers if model else None)
         try:
-            result = from_bytes(data, bounds)
+            result = from_bytes(data, trace_bounds(limits, model, max_bytes=most))
         except EngineError as e:
             result = str(e)
         except Exception as e:     # a parser failure the checks did not foresee: still one clear message

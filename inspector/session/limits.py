@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 from typing import Mapping
 
 from engine import InputError
+from engine.trace_check import TraceBounds
 
 ENV_PREFIX = "LLM_INSPECTOR_"
 ALLOWED_CONTROLS = "\t\n\r"
@@ -208,3 +209,12 @@ def cut_text(value: object, most: int) -> tuple[str, str | None]:
         note = cut if note is None else f"{note}; {cut}"
         text = text[:most]
     return text, note
+
+
+def trace_bounds(limits: Limits, model=None, max_bytes: int | None = None) -> TraceBounds:
+    """What a trace file from anywhere may hold on this server: its prompt and new-token limits, the loaded
+    model's vocabulary and layers, and (for an upload) the session's share of bytes."""
+    extra = {} if max_bytes is None else {"max_bytes": max_bytes}
+    return TraceBounds(max_prompt_chars=limits.max_prompt_chars, max_prompt_tokens=limits.max_prompt_tokens,
+                       max_new_tokens=limits.max_new_tokens, vocab_size=model.config.vocab_size if model else None,
+                       num_layers=model.config.num_layers if model else None, **extra)
