@@ -12,23 +12,25 @@ from pages.frame import frame
 from pages.sidebar import sidebar
 from pages.widgets import PROJECTOR, projector
 
-st.set_page_config(page_title="LLM Inspector", page_icon=":material/biotech:", layout="wide")
+# Emoji page icons, never Material Symbols ones: Streamlit makes a page's icon the browser's favicon, and a
+# material one is fetched from a public font server by every student's browser (missing without internet).
+st.set_page_config(page_title="LLM Inspector", page_icon="🔬", layout="wide")
 
 PAGES = [
-    st.Page("pages/overview.py", title="Overview", icon=":material/home:", default=True),
-    st.Page("pages/tokens.py", title="Tokens", icon=":material/text_fields:"),
-    st.Page("pages/attention.py", title="Attention", icon=":material/visibility:"),
-    st.Page("pages/activations.py", title="Activations", icon=":material/monitoring:"),
-    st.Page("pages/kv_cache.py", title="KV cache", icon=":material/memory:"),
-    st.Page("pages/sampling.py", title="Sampling", icon=":material/casino:"),
-    st.Page("pages/timeline.py", title="Timeline", icon=":material/timer:"),
-    st.Page("pages/debugger.py", title="Debugger", icon=":material/bug_report:"),
-    st.Page("pages/compare.py", title="Compare runs", icon=":material/compare_arrows:"),
-    st.Page("pages/nan_doctor.py", title="NaN doctor", icon=":material/healing:"),
-    st.Page("pages/repetition.py", title="Repetition", icon=":material/repeat:"),
-    st.Page("pages/explain.py", title="Explain", icon=":material/lightbulb:"),
-    st.Page("pages/quantization.py", title="Quantization", icon=":material/compress:"),
-    st.Page("pages/trace_files.py", title="Trace files", icon=":material/save:"),
+    st.Page("pages/overview.py", title="Overview", icon="🏠", default=True),
+    st.Page("pages/tokens.py", title="Tokens", icon="🔤"),
+    st.Page("pages/attention.py", title="Attention", icon="👀"),
+    st.Page("pages/activations.py", title="Activations", icon="📈"),
+    st.Page("pages/kv_cache.py", title="KV cache", icon="🧠"),
+    st.Page("pages/sampling.py", title="Sampling", icon="🎲"),
+    st.Page("pages/timeline.py", title="Timeline", icon="⏱️"),
+    st.Page("pages/debugger.py", title="Debugger", icon="🐞"),
+    st.Page("pages/compare.py", title="Compare runs", icon="⚖️"),
+    st.Page("pages/nan_doctor.py", title="NaN doctor", icon="🩺"),
+    st.Page("pages/repetition.py", title="Repetition", icon="🔁"),
+    st.Page("pages/explain.py", title="Explain", icon="💡"),
+    st.Page("pages/quantization.py", title="Quantization", icon="🗜️"),
+    st.Page("pages/trace_files.py", title="Trace files", icon="💾"),
 ]
 
 # Type for a room: the page's text, metrics and captions larger (charts are restyled by pages.widgets.chart).
