@@ -9,7 +9,7 @@ from inspector.session.clients import SessionToken, sessions
 from pages import room
 from pages.common import browser_key, keep_within_budget, server_limits
 from pages.frame import frame
-from pages.sidebar import sidebar
+from pages.sidebar import own_turn, sidebar
 from pages.widgets import PROJECTOR, projector
 
 # Emoji page icons, never Material Symbols ones: Streamlit makes a page's icon the browser's favicon, and a
@@ -72,7 +72,7 @@ def after_page() -> None:
 
 
 try:
-    with frame():
+    with own_turn(), frame():   # this session's previous click finishes its page first (pages.sidebar.own_turn)
         room.bar()
         nav.run()
 except StopException:        # a page that stopped early (st.stop) still shows what it shows to the room

@@ -4,11 +4,15 @@ the model, device, dtype, generation settings, demos and the runs kept.
 
 A run is checked against the server's limits and waits for a device slot; a waiting user sees their place
 in the queue. It generates in a thread of its own (inspector.session.live_run) so that Stop and page changes work
-while it runs. The run (engine.Trace) lives in this session's st.session_state only.
+while it runs. The run (engine.Trace) lives in this session's st.session_state only. When the run ends, the
+app is drawn again (Run and the demos enabled). A number outside its range is named above Run, and Run starts
+nothing until it is corrected. One click at a time per session draws its page (own_turn, used by app.py).
 """
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import contextmanager
 
 import streamlit as st
 import torch
@@ -17,17 +21,22 @@ from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ct
 from engine import EngineError, InputError, Model, RunSettings, SamplingParams, Trace
 from engine.generate import prompt_ids
 from inspector.session.admission import shared_admission
-from inspector.session.limits import Limits, env_name
-from inspector.session.live_run import Cancelled, LiveRun, rates
+from inspector.session.limits import LimitError, Limits, check_int, env_name
+from inspector.session.live_run import Cancelled, LiveRun, StillFinishing, rates
 from inspector.session.models import model_choices
 from inspector.session.run import check_settings, generations, live_runs
 from pages import demos
 from pages.common import RUN_KEY, RUNS_KEY, client_key, current_run, get_model, log, plain, server_limits
 from pages.room_sync import following
-from pages.widgets import PROJECTOR, navigation_links, sampling_params_from, sampling_widgets
+from pages.widgets import PROJECTOR, navigation_links, sampler_problems, sampling_params_from, sampling_widgets
 
 LIVE = "_live_run"           # the LiveRun of this session while it generates
+NOTICES = "_sb_notices"      # what the end of a run said, shown once by the next script run (watch)
+TURN = "_page_turn"          # held by the script run that draws the page (page_turn)
 LONG_S = 20.0                # runs estimated longer than this say so before they start
+SEED_MAX = 2**31 - 1
+PREVIOUS_WAIT_S = 30.0       # how long a click waits for this session's previous one to finish its page
+STILL_FINISHING = StillFinishing.message
 
 
 def sidebar() -> Model | None:
@@ -63,10 +72,11 @@ def settings_widgets(limits: Limits, live: LiveRun | None) -> None:
         c1.selectbox("Device", ["auto", "cpu"] + (["cuda"] if torch.cuda.is_available() else []), key="sb_device")
         c2.selectbox("Dtype", ["auto", "float32", "bfloat16", "float16"], key="sb_dtype")
     with st.sidebar.expander("Generation settings"):
-        st.number_input("Max new tokens", min_value=1, value=min(32, limits.max_new_tokens), key="sb_max_new",
-                        help=f"At most {limits.max_new_tokens:,} on this server.")
+        # no bounds in the browser (it would keep an out-of-range value to itself): generation_problems says
+        st.number_input("Max new tokens", value=min(32, limits.max_new_tokens), step=1, key="sb_max_new",
+                        help=f"At least 1, at most {limits.max_new_tokens:,} on this server.")
         sampling_widgets("sb", SamplingParams())
-        st.number_input("Seed", 0, 2**31 - 1, 0, key="sb_seed")
+        st.number_input("Seed", value=0, step=1, key="sb_seed", help=f"A whole number from 0 to {SEED_MAX:,}.")
         st.toggle("Special-token text in the prompt acts as control tokens", value=False, key="sb_allow_special")
     with st.sidebar.expander("Demos: one click, one lesson"):
         demos.demo_buttons("sb_demo", columns=False, disabled=live is not None)
@@ -93,12 +103,15 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
     if isinstance(typed, str) and len(typed) > limits.max_prompt_chars:   # a forged browser ignores max_chars
         st.warning(f"The prompt is {len(typed):,} characters long; this server accepts at most "
                    f"{limits.max_prompt_chars:,} ({env_name('max_prompt_chars')}).")
-    asked = int(st.session_state.get("sb_max_new") or 1)
-    if asked > limits.max_new_tokens:
+    asked = st.session_state.get("sb_max_new")
+    if isinstance(asked, (int, float)) and asked > limits.max_new_tokens:
         st.warning(f"Max new tokens: {asked:,} is more than this server generates per run "
                    f"({limits.max_new_tokens:,}, {env_name('max_new_tokens')}); Run generates at most "
                    f"{limits.max_new_tokens:,}.")
     follows = following()        # a student following a room's teacher never starts a generation
+    problems = [] if follows else generation_problems()
+    for problem in problems:     # the box may sit in a collapsed expander: said here, above Run
+        st.error(f"{problem}. Run starts nothing until it is corrected (Generation settings).")
     clicked = st.button("Run", type="primary", key="sb_run", disabled=model is None or live is not None or follows,
                         use_container_width=True) and not follows
     demo = st.session_state.pop(demos.PENDING, None) if not follows else None
@@ -106,7 +119,9 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
         st.caption("Following the teacher's room: press **Explore on my own** above the page to run your own.")
         if live is None:
             return
-    if live is None and model is not None and (clicked or demo):
+    for kind, text in st.session_state.pop(NOTICES, []):   # the end of the run a previous script run watched
+        getattr(st, kind)(text)
+    if live is None and model is not None and (clicked or demo) and not problems:
         live = start_run(model, limits, demo)
     elif live is None and model is not None:
         estimate_caption(model, limits)
@@ -114,7 +129,34 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
         watch(live, limits)
 
 
+def generation_problems() -> list[str]:
+    """The sidebar's generation numbers outside their ranges, in the order of their boxes, each named with its
+    range: values that would otherwise be replaced without a word (Streamlit keeps a bounded widget's old
+    value) or refused by the engine. Max new tokens above the server's limit is not one: that is said above
+    Run, and the run generates at the limit."""
+    limit = server_limits(show_error=False).max_new_tokens
+    asked = st.session_state.get("sb_max_new")
+    if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked > limit and float(asked).is_integer():
+        asked = limit
+    return (_whole_number(asked, "sb_max_new", "Max new tokens", 1, limit) + sampler_problems("sb")
+            + _whole_number(st.session_state.get("sb_seed"), "sb_seed", "Seed", 0, SEED_MAX))
+
+
+def _whole_number(value, key: str, what: str, lo: int, hi: int) -> list[str]:
+    if key not in st.session_state:
+        return []
+    try:
+        check_int(value, lo, hi, what)
+    except LimitError as e:
+        return [str(e)]
+    return []
+
+
 def settings_from_sidebar() -> RunSettings:
+    """The sidebar's prompt and settings; InputError names the first setting outside its range."""
+    problems = generation_problems()
+    if problems:
+        raise InputError(problems[0])
     s = st.session_state
     limit = server_limits(show_error=False).max_new_tokens
     return RunSettings(prompt=s["sb_prompt"], chat=s["sb_chat"], max_new_tokens=min(int(s["sb_max_new"]), limit),
@@ -169,14 +211,18 @@ def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
         st.error(str(e))
         return None
     est = _estimate(model, checked, limits)
+    turn = page_turn()
     live = LiveRun(settings, model.name, est[0] if est else 0, None if est is None else est[1] + est[2], demo=demo,
-                   client=client_key())
+                   client=client_key(), previous_click=turn.locked)
     st.session_state[LIVE] = live
     return live.start(model, limits, prepare=_with_script_context)
 
 
 def watch(live: LiveRun, limits: Limits) -> None:
-    """Show the run until it ends (Stop ends it early), then keep it."""
+    """Show the run until it ends (Stop ends it early), then keep it and draw the app again: Run, the demos and
+    the page were drawn for a running run (Run greyed out when this script run found it going: after Stop,
+    after a page change), and nothing else would redraw them before the user changes something. What the end
+    said is kept for that next script run (NOTICES)."""
     stop, note = st.empty(), st.empty()           # gone once the run has ended
     stop.button("Stop", key="sb_stop", on_click=live.stop, use_container_width=True,
                 help="End the run after the current layer or token; what it made so far is kept")
@@ -190,11 +236,19 @@ def watch(live: LiveRun, limits: Limits) -> None:
     for placeholder in (stop, note, bar, box, text):
         placeholder.empty()
     st.session_state.pop(LIVE, None)
-    finish(live, limits)
+    notices, kept = finish(live, limits)
+    st.session_state[NOTICES] = notices
+    if kept is not None and live.demo:
+        demos.after_run(live.demo)            # opens the demo's page: a new script run
+    st.rerun()
 
 
 def _draw(live: LiveRun, bar, box, text) -> None:
     now = time.monotonic()
+    if live.admitted_at is None and live.queue_position is not None and live.previous_click and live.previous_click():
+        bar.progress(0.0, text="waiting for your previous click")
+        box.info("Your previous click is still finishing; this run starts as soon as it has.")
+        return
     if live.admitted_at is None and live.queue_position is not None:
         bar.progress(0.0, text=f"waiting: number {live.queue_position} in the queue")
         box.info(f"The server is busy. You are number {live.queue_position} in the queue; your run starts as "
@@ -216,33 +270,32 @@ def _draw(live: LiveRun, bar, box, text) -> None:
         text.code(live.text, language=None, wrap_lines=True)
 
 
-def finish(live: LiveRun, limits: Limits) -> Trace | None:
-    """Keep the finished run (or say why there is none); open the demo's page when it was a demo."""
+def finish(live: LiveRun, limits: Limits) -> tuple[list[tuple[str, str]], Trace | None]:
+    """Keep the finished run; what to say about its end, as (st function, text) pairs, and the run kept."""
     e, record = live.error, live.record
     live.record = live.error = None           # a stale Stop callback keeps the LiveRun, never the run
     if isinstance(e, Cancelled):
-        st.info("Stopped while waiting in the queue: nothing was run.")
-        return None
+        return [("info", "Stopped while waiting in the queue: nothing was run.")], None
+    if isinstance(e, StillFinishing):
+        return [("warning", str(e))], None
     if isinstance(e, EngineError):
-        st.error(str(e))
-        return None
+        return [("error", str(e))], None
     if e is not None:         # an engine bug: say so, keep the server and the model going
         log.error("run failed", exc_info=e)
-        st.error(f"The run failed unexpectedly ({type(e).__name__}: {e}). The model is still loaded; "
-                         "please report this with the prompt and settings.")
-        return None
+        return [("error", f"The run failed unexpectedly ({type(e).__name__}: {e}). The model is still loaded; "
+                          "please report this with the prompt and settings.")], None
+    if record is None:        # another script run of this session, watching the same run, has kept it
+        return [], None
     if not record.result.steps and record.result.stop_reason == "stopped":
-        st.info("Stopped during the prefill, before the first token: nothing to keep.")
-        return None
+        return [("info", "Stopped during the prefill, before the first token: nothing to keep.")], None
     keep_run(record, limits.max_runs_kept)
+    said = []
     if live.waited_s is not None:
-        st.caption(f"This run waited {live.waited_s:.1f} s in the queue (it arrived as number "
-                   f"{live.first_position}), then generated for {record.seconds:.1f} s.")
+        said.append(("caption", f"This run waited {live.waited_s:.1f} s in the queue (it arrived as number "
+                                f"{live.first_position}), then generated for {record.seconds:.1f} s."))
     if record.result.stop_reason == "stopped":
-        st.info(f"Stopped after {len(record.result.token_ids)} tokens; the run is kept as it was.")
-    if live.demo:
-        demos.after_run(live.demo)
-    return record
+        said.append(("info", f"Stopped after {len(record.result.token_ids)} tokens; the run is kept as it was."))
+    return said, record
 
 
 def keep_run(record: Trace, max_runs: int) -> None:
@@ -287,3 +340,37 @@ def _with_script_context(thread) -> None:
     ctx = get_script_run_ctx(suppress_warning=True)
     if ctx is not None:
         add_script_run_ctx(thread, ctx)
+
+
+# ---- one click at a time per session ----------------------------------------------------------------------
+def page_turn() -> threading.Lock:
+    """This session's turn to draw a page (and do its model work)."""
+    return st.session_state.setdefault(TURN, threading.Lock())
+
+
+@contextmanager
+def own_turn(wait_s: float | None = None):
+    """Hold this session's turn while the page runs (app.py). A click while the page still computes starts a
+    new script run at once (Streamlit's fast reruns), and the previous one ends only at its next Streamlit call
+    (the next token or layer), holding its device slot until then. Without a turn, a quick Continue, Run to
+    end, Step gave three script runs of one tab in the queue, and the third was refused as if another tab held
+    the first two. So a new click waits here for the previous one, saying so; after wait_s (PREVIOUS_WAIT_S)
+    it says to try again and stops. A still newer click ends the waiting one at its next note."""
+    turn, wait_s = page_turn(), PREVIOUS_WAIT_S if wait_s is None else wait_s
+    held = turn.acquire(blocking=False)
+    try:
+        if not held:
+            note, end = st.empty(), time.monotonic() + wait_s
+            while not held:
+                left = end - time.monotonic()
+                if left <= 0:
+                    note.warning(STILL_FINISHING)
+                    st.stop()
+                note.info(f"Your previous click is still finishing; this one follows as soon as it has "
+                          f"(waiting at most {left:,.0f} s more).")
+                held = turn.acquire(timeout=min(0.25, left))
+            note.empty()
+        yield
+    finally:
+        if held:
+            turn.release()

@@ -4,6 +4,7 @@ way to show a figure (chart: the app's style, projector mode), lay out charts (c
 `shared` makes a widget a room shares follow the teacher (pages.room_sync)."""
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from pathlib import Path
 
@@ -66,12 +67,22 @@ def sampling_widgets(prefix: str, default: SamplingParams, names=tuple(SAMPLER_W
         label, kind, lo, hi, step = SAMPLER_WIDGETS[name]
         key = widget_key(prefix, name)
         value = shared(key, allowed=_Range(lo, hi))
-        # Always the value it holds now (a room's, or the default): a slider created without one gets its minimum
-        # as its default, and one that mounts late (inside a just-opened expander) has sent that minimum to the
-        # server (top-p 0.01, every penalty at its lowest) while showing the right value.
-        value["value"] = min(max(_value(name, st.session_state.get(key, getattr(default, name))), lo), hi)
-        draw = box.slider if kind == "slider" else box.number_input
-        draw(label, min_value=lo, max_value=hi, step=step, key=key, **value)
+        held = st.session_state.get(key, getattr(default, name))
+        if isinstance(held, bool) or not isinstance(held, (int, float)) or not math.isfinite(held):
+            held = getattr(default, name)      # a forged value: sampler_problems says what it is
+        now = _value(name, held)
+        if kind == "slider":
+            # Always the value it holds now (a room's, or the default): a slider created without one gets its
+            # minimum as its default, and one that mounts late (inside a just-opened expander) has sent that
+            # minimum to the server (top-p 0.01, every penalty at its lowest) while showing the right value.
+            value["value"] = min(max(now, lo), hi)
+            box.slider(label, min_value=lo, max_value=hi, step=step, key=key, **value)
+        else:
+            # No bounds in the browser: a number typed outside them would only get a red border there while the
+            # server kept the old value (Top-k -5 ran as 0). The value reaches the server as typed, and
+            # sampler_problems names the setting and its range (the sidebar refuses to run with it).
+            value["value"] = now
+            box.number_input(label, step=step, key=key, help=f"A whole number from {lo:,} to {hi:,}.", **value)
 
 
 class _Range:
@@ -82,9 +93,32 @@ class _Range:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and self.lo <= v <= self.hi
 
 
+def setting_name(name: str) -> str:
+    """The sampler setting's name as its widget says it, without the hint: "Top-k", "No-repeat n-gram"."""
+    return SAMPLER_WIDGETS[name][0].split(" (")[0]
+
+
+def sampler_problems(prefix: str, names=tuple(SAMPLER_WIDGETS)) -> list[str]:
+    """One message per setting of prefix's widgets that is outside its widget's range, naming the setting and
+    the range (inspector.session.limits.check_int / check_float); empty when every value may run."""
+    state, found = st.session_state, []
+    for name in names:
+        key = widget_key(prefix, name)
+        if key in state:
+            _, _, lo, hi, _ = SAMPLER_WIDGETS[name]
+            try:
+                (check_int if name in _INT else check_float)(state[key], lo, hi, setting_name(name))
+            except LimitError as e:
+                found.append(str(e))
+    return found
+
+
 def sampling_params_from(prefix: str, fallback: SamplingParams | None = None) -> SamplingParams:
     """The SamplingParams the widgets of prefix hold (fallback's value for a widget not drawn).
-    InputError names a setting the engine rejects."""
+    InputError names a setting outside its widget's range, or one the engine rejects; nothing is clamped."""
+    problems = sampler_problems(prefix)
+    if problems:
+        raise InputError(problems[0])
     state, base = st.session_state, fallback or SamplingParams()
     values = {name: _value(name, state.get(widget_key(prefix, name), getattr(base, name))) for name in SAMPLER_WIDGETS}
     try:

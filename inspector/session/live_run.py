@@ -22,12 +22,33 @@ from engine import Model, RunSettings, Step, Trace
 from engine.generate import STOP, Progress
 from engine.heap import trim
 
+from .admission import ServerBusyError
 from .limits import Limits
 from .run import inspect_run
+
+PER_CLIENT_REFUSAL = "You already have "     # how admission's refusal for one browser's runs begins
 
 
 class Cancelled(Exception):
     """Stop was pressed while the run was still waiting in the queue."""
+
+
+class StillFinishing(ServerBusyError):
+    """The queue refused this run for its browser's runs in flight, and one of them is this same session's
+    previous click, still finishing (not another tab, as the queue's own message guesses)."""
+    message = "Your previous click is still finishing; try again in a moment."
+
+    def __init__(self) -> None:
+        super().__init__(self.message)
+
+
+def own_refusal(e: BaseException, previous_click: Callable[[], bool] | None) -> BaseException:
+    """e, or StillFinishing when e is the queue's per-browser refusal while previous_click() says this
+    session's previous click still holds its device slot."""
+    if (isinstance(e, ServerBusyError) and str(e).startswith(PER_CLIENT_REFUSAL) and previous_click is not None
+            and previous_click()):
+        return StillFinishing()
+    return e
 
 
 class _Listener:
@@ -65,6 +86,7 @@ class LiveRun:
     demo: str | None = None                    # the demo (pages.demos) this run is for
     client: str | None = None                  # who asks, for the queue's per-browser turns: resolved by the app
                                                # in the script thread (a worker thread may not see the cookie)
+    previous_click: Callable[[], bool] | None = None   # whether this session's previous click still computes
     started_at: float = field(default_factory=time.monotonic)
     queued_at: float | None = None             # first time the queue reported a place
     admitted_at: float | None = None           # when generation began (the first progress or token)
@@ -94,7 +116,7 @@ class LiveRun:
                                       on_queue=self._on_queue, client=self.client)
             rates(model).add(self.record)
         except BaseException as e:             # shown by the script; the thread itself never raises
-            self.error = e
+            self.error = own_refusal(e, self.previous_click)
         finally:
             trim()                             # its KV cache and working tensors go back to the system
             self.finished_at = time.monotonic()
