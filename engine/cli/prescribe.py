@@ -5,9 +5,13 @@
     python -m engine doctor "PROMPT" [generation flags] --why-loop --json
         -> adds causes: [{kind, change, loop_gone, text_after, tokens, stopped, detail}] and why_loop
     python -m engine doctor "PROMPT" --dtype float16 [--preset P | --inject ...] --rescue --json
-        -> adds rescue: {fp32: [units], reruns, finite, top1_agreement, complement, trials, ...}
+        -> adds rescue: {fp32: [units], reruns, finite, top1_agreement, near_ties, ties, complement, trials,
+           check (the command that checks the set), ...}
     python -m engine doctor "PROMPT" --dtype float16 [--preset P | --inject ...] --fp32 UNIT[,UNIT...]
         -> the doctor runs with those units in fp32 (engine.model.Model.with_fp32); adds fp32: [units]
+    ... --fp32 UNIT[,UNIT...] --verify   (or --verify alone: the float16 / bfloat16 run as it is)
+        -> adds fp32_check: the plan judged against the fp32 run as the rescue search judges each rerun
+           (engine.rescue.check_plan): {passes, finite, top1_agreement, ties, disagreements, near_ties, ...}
 
 The doctor calls doctor_model(model, args) on its loaded model before run_doctor (so --fp32 changes the
 run), then extend_doctor(model, args, report_dict) with that same model. Bad input is an InputError.
@@ -18,6 +22,7 @@ import argparse
 import functools
 import json
 import math
+import shlex
 import sys
 from dataclasses import fields
 
@@ -27,10 +32,11 @@ from ..errors import InputError
 from ..loader import load_model
 from ..model import Model
 from ..quant import FORMATS, THRESHOLD, check_formats, quant_report
-from ..rescue import MAX_NEW_TOKENS, find_rescue
+from ..rescue import MAX_NEW_TOKENS, TIE_ULPS, RescueReport, check_plan, find_rescue
 from ..sampling import SamplingParams
 from ..settings import RunSettings
 from ..why_loop import HORIZON, MAX_RERUNS, why_loop
+from .args import SAMPLER_FLAGS
 
 
 def add_commands(sub, common) -> None:
@@ -56,6 +62,9 @@ def add_doctor_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp32", default=None, metavar="UNIT[,UNIT...]",
                    help="run these units in fp32: embed, blocks.I.attn, blocks.I.mlp, blocks.I.resid, final_norm, "
                         "logits")
+    p.add_argument("--verify", action="store_true",
+                   help="judge this float16 / bfloat16 run (with --fp32: that plan) against the fp32 run as the "
+                        "--rescue search judges each rerun: finite, top-1 agreement, ties")
 
 
 def parse_units(text: str) -> list[str]:
@@ -66,10 +75,13 @@ def parse_units(text: str) -> list[str]:
 
 
 def fp32_source(model: Model, a: argparse.Namespace) -> Model:
-    """The float32 weights (the model itself when it is float32; else the same source loaded again)."""
+    """The float32 weights (the model itself when it is float32; else the same source loaded again, once per
+    command: --fp32 and --verify / --rescue share it)."""
     if model.dtype == torch.float32:
         return model
-    return load_model(a.model, device=a.device, dtype="float32")
+    if getattr(a, "_fp32_source", None) is None:
+        a._fp32_source = load_model(a.model, device=a.device, dtype="float32")
+    return a._fp32_source
 
 
 def doctor_model(model: Model, a: argparse.Namespace) -> Model:
@@ -116,12 +128,66 @@ def extend_doctor(model: Model, a: argparse.Namespace, report: dict) -> dict:
                           norm_eps=report.get("norm_eps"), max_new_tokens=min(a.max_new_tokens, a.rescue_tokens),
                           on_progress=_progress("rescue"))
         report["rescue"] = rep.as_dict()
+        report["rescue"]["check"] = check_command(settings_of(a), rep, device=a.device, model=a.model)
+    if getattr(a, "verify", False):
+        report["fp32_check"] = verify(model, a, report)
     if getattr(a, "why_loop", False):
         rep = why_loop(model, settings_of(a, max_new_tokens=HORIZON), on_progress=_progress("why-loop"))
         d = rep.as_dict()
         report["causes"] = d.pop("causes")
         report["why_loop"] = d
     return report
+
+
+def verify(model: Model, a: argparse.Namespace, report: dict) -> dict:
+    """--verify: engine.rescue.check_plan on the doctor's model (its --fp32 plan, if any), the doctor's faults
+    and --max-new-tokens generated tokens."""
+    if model.dtype == torch.float32:
+        raise InputError("--verify judges a float16 / bfloat16 run against fp32; add --dtype float16 or bfloat16")
+    reference, t = check_plan(fp32_source(model, a), model, settings_of(a), injections=report.get("injections", []),
+                              norm_eps=report.get("norm_eps"), max_new_tokens=a.max_new_tokens)
+    near = reference.near_ties
+    # the doctor's own run records every stage's statistics (explicit attention): it rounds otherwise, and
+    # may take the other token of a near tie; where it first leaves fp32's tokens is said, and whether a tie
+    ran = report.get("token_ids") or []
+    left = next((i for i, (x, y) in enumerate(zip(ran, reference.tokens)) if x != y), None)
+    return {"units": t.units, "passes": t.passes(), "finite": t.finite, "first_nonfinite": t.first_nonfinite,
+            "top1_agreement": t.top1_agreement, "ties": t.ties, "disagreements": t.disagreements,
+            "near_ties": near, "tokens": len(reference.tokens), "logit_rel_err": t.logit_rel_err,
+            "tie_ulps": TIE_ULPS, "dtype": str(model.dtype).removeprefix("torch."),
+            "doctor_run_leaves_fp32_at": None if left is None else
+            {"step": left, "near_tie": any(n["step"] == left for n in near)}}
+
+
+def check_command(settings: RunSettings, report: RescueReport, *, device: str | None = None,
+                  model: str | None = None) -> str | None:
+    """The doctor command that checks a rescue report's set with --verify (the search's own judgement of a
+    rerun, so it gives the search's verdict); None when no set was found. settings: the run searched."""
+    if report.fp32 is None:
+        return None
+    defaults = SamplingParams()
+    parts = ["python -m engine doctor"] + ([] if settings.prompt.startswith("-") else [shlex.quote(settings.prompt)])
+    parts += ["--chat"] if settings.chat else []
+    parts += [f"--system {shlex.quote(settings.system)}"] if settings.chat and settings.system else []
+    parts += ["--allow-special"] if settings.allow_special else []
+    parts += [f"--model {shlex.quote(str(model))}"] if model else []
+    parts += [f"--device {shlex.quote(str(device))}"] if device else []
+    parts += [f"--dtype {report.dtype}"] + [f"--inject {shlex.quote(i)}" for i in report.injections]
+    parts += [] if report.norm_eps is None else [f"--norm-eps {report.norm_eps!r}"]
+    parts += [f"{flag} {getattr(settings.params, name)!r}" for flag, (name, _, _) in SAMPLER_FLAGS.items()
+              if getattr(settings.params, name) != getattr(defaults, name)]
+    parts += [f"--seed {settings.seed}"] if settings.seed else []
+    parts += [f"--max-new-tokens {report.tokens}"]
+    parts += [f"--fp32 {','.join(report.fp32)}"] if report.fp32 else []
+    parts += ["--verify"] + (["--", shlex.quote(settings.prompt)] if settings.prompt.startswith("-") else [])
+    return " ".join(parts)
+
+
+def _ties_text(near: list[dict], dtype: str) -> str:
+    if not near:
+        return f"no near ties (fp32's top two within {TIE_ULPS} {dtype} spacings)"
+    return f"near ties (fp32's top two within {TIE_ULPS} {dtype} spacings; a different top-1 there is a tie): " + \
+        ", ".join(f"step {t['step']} ({t['gap']:.4f} < {t['margin']:.4g})" for t in near)
 
 
 def human_lines(report: dict) -> list[str]:
@@ -133,10 +199,27 @@ def human_lines(report: dict) -> list[str]:
         r = report["rescue"]
         what = "none needed" if r["fp32"] == [] else ("none found" if r["fp32"] is None else ", ".join(r["fp32"]))
         lines.append(f"fp32 rescue set: {what} ({r['reruns']} reruns, bound {r['bound']}); finite {r['finite']}, "
-                     f"top-1 agreement {r['top1_agreement']:.3f}" + (f"; {r['note']}" if r["note"] else ""))
+                     f"top-1 agreement {r['top1_agreement']:.3f} outside ties"
+                     + (f"; ties at steps {r['ties']}" if r["ties"] else "") + (f"; {r['note']}" if r["note"] else ""))
+        lines.append("  " + _ties_text(r["near_ties"], r["dtype"]))
         if r["complement"]:
             c = r["complement"]
             lines.append(f"  complement ({c['units']} units): finite {c['finite']}, fixes it: {c['fixes']}")
+        if r.get("check"):
+            lines.append(f"  check it: {r['check']}")
+    if "fp32_check" in report:
+        v = report["fp32_check"]
+        lines.append(f"fp32 check ({', '.join(v['units']) or 'no unit'} in fp32; fp32's {v['tokens']} tokens replayed "
+                     f"step by step with the KV cache, as the rescue search judges a rerun): "
+                     f"{'passes' if v['passes'] else 'fails'}; finite {v['finite']}"
+                     + (f" (first non-finite: {v['first_nonfinite']})" if v["first_nonfinite"] else "")
+                     + f", top-1 agreement {v['top1_agreement']:.3f} outside ties; ties at steps {v['ties'] or 'none'}"
+                     + f"; disagreements at steps {v['disagreements'] or 'none'}")
+        lines.append("  " + _ties_text(v["near_ties"], v["dtype"]))
+        if (left := v["doctor_run_leaves_fp32_at"]) is not None:
+            lines.append(f"  the doctor's run above (every stage's statistics recorded, which rounds otherwise) "
+                         f"leaves fp32's tokens at step {left['step']}"
+                         + (", a near tie" if left["near_tie"] else ", not a near tie"))
     if "why_loop" in report:
         w = report["why_loop"]
         lines.append(f"why the loop: {w['status']} ({w['reruns']} reruns)")
