@@ -2,7 +2,16 @@
 
 Projector mode (the sidebar's toggle, or ?projector=1 in the URL) makes the type bigger here and every chart
 bigger and higher-contrast (pages.widgets.chart). Rooms (pages.room): a teacher's screen, followed by students'."""
-import streamlit as st
+import os
+
+# OpenMP threads that wait sleep instead of spinning (read once, when torch loads libgomp, so before the engine
+# is imported). libgomp's default spins ~300,000 times at every barrier; on a machine whose cores are also busy
+# with other runs, sessions or processes, a spinning thread burns the core its partner needs: the twenty-session
+# test took 56-87 s that way against 3-7 s sleeping, a 32-token decode 9-11 s against 1.7 s (docs/CLASSROOM.md,
+# "Many runs at once"). OMP_WAIT_POLICY=ACTIVE before starting brings the spinning back.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import streamlit as st  # noqa: E402
 from streamlit.runtime.scriptrunner_utils.exceptions import StopException
 
 from inspector.session.clients import SessionToken, sessions

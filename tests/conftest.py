@@ -5,13 +5,24 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
-import pytest
-import torch
+# As in app.py: OpenMP threads sleep at barriers instead of spinning, set before torch loads libgomp. With
+# libgomp's default spin, the suite's runs crawled whenever anything else used the cores (issue 22: the
+# twenty-session test took 56-87 s instead of 3-7 s beside another test run).
+TORCH_BEFORE_POLICY = "torch" in sys.modules     # True would mean libgomp never saw the setting
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from engine.sources import bundled_gguf
-from tests.helpers import write_model_dir
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine.sources import bundled_gguf  # noqa: E402
+from tests.helpers import write_model_dir  # noqa: E402
+
+
+def pytest_configure(config):
+    config.torch_before_policy = TORCH_BEFORE_POLICY      # read by tests/unit/test_concurrency_soak.py
 
 
 @pytest.fixture(scope="session")

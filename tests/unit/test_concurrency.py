@@ -8,80 +8,23 @@ import re
 import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 from streamlit.testing.v1 import AppTest
 
-from engine import RunSettings, SamplingParams
+from engine import RunSettings
 from inspector.session.admission import Admission, ServerBusyError, shared_admission, slot
 from inspector.session.limits import LIMITS, LimitError, Limits, LimitsConfigError, env_name
 from inspector.session.models import model_choices
 from inspector.session.run import inspect_run, live_runs
+from tests.concurrency import twenty_sessions
 
 ROOT = Path(__file__).resolve().parents[2]
-SESSIONS = 20
-PROMPTS = ["What is the capital of France?", "Write a haiku about GPUs.", "1 + 1 =", "Tell me a joke.",
-           "naïve café 👋", "def f(x):\n    return", "The quick brown fox", "<|im_start|> typed by a user"]
-
-
-def session_settings(i: int) -> RunSettings:
-    """Twenty different users: prompts, chat on and off, greedy and sampled, filters, seeds."""
-    return RunSettings(prompt=PROMPTS[i % len(PROMPTS)] + f" #{i}", chat=i % 3 != 0, max_new_tokens=6 + i % 5,
-                       seed=1000 + i,
-                       params=SamplingParams(temperature=0.0 if i % 4 == 0 else 0.7 + 0.1 * (i % 5),
-                                             top_k=[0, 50, 5][i % 3], top_p=[1.0, 0.9][i % 2],
-                                             repetition_penalty=[1.0, 1.3][i % 2]))
-
-
-def fingerprint(model) -> float:
-    w = model.weights
-    return float(sum(t.double().sum() for t in [w.embed, w.norm, w.lm_head] + [lw.wqkv for lw in w.layers]))
 
 
 def test_twenty_concurrent_sessions_equal_their_single_user_runs(tiny_model):
-    model, limits = tiny_model, Limits(max_concurrent_runs=4, max_queue=SESSIONS)
-    before = fingerprint(model)
-    alone = [inspect_run(model, session_settings(i), limits=limits, admission=Admission(1, 0))
-             for i in range(SESSIONS)]
-
-    admission = Admission(limits.max_concurrent_runs, limits.max_queue, heartbeat_s=0.05)
-    start = threading.Barrier(SESSIONS)
-    streamed: dict[int, list[str]] = {i: [] for i in range(SESSIONS)}
-    positions: dict[int, list[int]] = {i: [] for i in range(SESSIONS)}
-
-    def session(i: int):
-        start.wait()
-        return inspect_run(model, session_settings(i), on_token=lambda s: streamed[i].append(s.text),
-                           limits=limits, on_queue=positions[i].append, admission=admission)
-
-    with ThreadPoolExecutor(SESSIONS) as pool:
-        together = list(pool.map(session, range(SESSIONS)))          # re-raises any session's exception
-
-    for i, (a, b) in enumerate(zip(alone, together)):
-        assert b.result.token_ids == a.result.token_ids, f"session {i}"
-        assert b.result.text == a.result.text
-        assert "".join(streamed[i]) == "".join(s.text for s in b.result.steps)   # its own stream, in order
-        assert b.result.stop_reason == a.result.stop_reason
-        assert [s.token_id for s in b.result.steps] == b.result.token_ids
-        la, lb = a.probe.captured("logits"), b.probe.captured("logits")
-        assert len(lb) == len(b.result.steps) and [c.step for c in lb] == list(range(len(lb)))
-        for x, y in zip(la, lb):
-            torch.testing.assert_close(y.value, x.value, rtol=1e-4, atol=1e-4)
-        assert {blk.step for blk in b.probe.stats} == set(range(len(b.result.steps)))
-    # every run had its own probe, trace and cache
-    assert len({id(r.probe) for r in together}) == SESSIONS
-    assert len({id(r.result.steps) for r in together}) == SESSIONS
-    state = admission.state()
-    assert state.peak_running <= limits.max_concurrent_runs and state.running == state.waiting == 0
-    assert state.admitted == SESSIONS and state.refused == 0
-    assert state.peak_waiting >= 1 and any(positions.values())      # some sessions really queued ...
-    for seen in positions.values():                                 # ... and only moved forward
-        assert seen == sorted(seen, reverse=True) and all(1 <= p <= SESSIONS for p in seen)
-    assert model.live_hooks == 0
-    assert fingerprint(model) == before
+    twenty_sessions(tiny_model)           # tests/concurrency.py; again and again in test_concurrency_soak.py
 
 
 def test_runs_are_released_when_their_holders_go(tiny_model):
