@@ -165,7 +165,11 @@ with st.expander(f"Breakpoints ({len(s[BPS])})", expanded=True):
 
 # ---- the sampler for the next steps -----------------------------------------------------------------
 if any(widget_key("dbg", name) not in s for name in SAMPLER_WIDGETS):   # first visit, or back from another page
-    set_sampling_widgets("dbg", dbg.run.params if dbg is not None else sidebar_settings().params)
+    try:
+        first = dbg.run.params if dbg is not None else sidebar_settings().params
+    except EngineError:      # a sidebar number out of range (said above Run): the sampler starts at the defaults
+        first = SamplingParams()
+    set_sampling_widgets("dbg", first)
 with st.expander("Sampler for the next steps (applied at Step / Continue)", expanded=bool(dbg and dbg.message)):
     p = st.columns(2)
     sampling_widgets("dbg", SamplingParams(), FILTERS, p[0])

@@ -7,12 +7,11 @@ the choices that change the result; display-only controls never re-run the model
 """
 from __future__ import annotations
 
-import shlex
-
 import streamlit as st
 import torch
 
 from engine import EngineError, InputError
+from engine.cli.prescribe import check_command
 from engine.doctor import PRESETS, cast_model
 from engine.quant import FORMATS, THRESHOLD, compare_formats
 from engine.rescue import MAX_NEW_TOKENS, find_rescue
@@ -127,7 +126,8 @@ def _rescue_choices() -> tuple[list[str], float | None, str]:
 def rescue_section(run, model) -> None:
     st.subheader("fp32 rescue set")
     st.caption("Which units must compute in fp32 for a float16 / bfloat16 run (with a fault, or as it is) to stay "
-               "finite and agree with fp32 on ≥ 99 % of its top-1 tokens? Bisection over attn, mlp, resid (the "
+               "finite and agree with fp32 on ≥ 99 % of its top-1 tokens (a different top-1 where fp32's top two are "
+               "within 4 spacings of the low dtype is a tie and is not counted)? Bisection over attn, mlp, resid (the "
                "residual stream in fp32 from that layer on), final_norm and logits; the set is then verified, and "
                "its complement is shown not to fix the run.")
     _reference_note(model)
@@ -146,10 +146,10 @@ def rescue_section(run, model) -> None:
         _compute(store, key, "the fp32 rescue search", compute)
     report = store.get(key)
     if report is not None:
-        show_rescue(report, run, model.config.num_layers, norm_eps)
+        show_rescue(report, run, model.config.num_layers, device=model.device.type)
 
 
-def show_rescue(report, run, num_layers: int, norm_eps) -> None:
+def show_rescue(report, run, num_layers: int, device: str | None = None) -> None:
     faults = ", ".join(report.injections) or "no fault"
     if report.fp32 is None:
         st.error(f"{report.dtype}, {faults}: no fp32 set found. {report.note}")
@@ -157,7 +157,15 @@ def show_rescue(report, run, num_layers: int, norm_eps) -> None:
         st.success(f"{report.dtype}, {faults}: {report.note}")
     else:
         st.warning(f"{report.dtype}, {faults} ({', '.join(report.trigger)}): keep **{', '.join(report.fp32)}** in "
-                   f"fp32. Verified: finite {report.finite}, top-1 agreement {report.top1_agreement:.1%}.")
+                   f"fp32. Verified: finite {report.finite}, top-1 agreement {report.top1_agreement:.1%} outside ties.")
+    if report.near_ties:
+        st.info(f"Near ties at step(s) {', '.join(str(t['step']) for t in report.near_ties)}: fp32's top two logits "
+                f"are closer than {report.tie_ulps} {report.dtype} spacings ("
+                + ", ".join(f"{t['gap']:.4f} < {t['margin']:.4g}" for t in report.near_ties)
+                + "), so rounding alone can swap them: a different top-1 there is a tie, not a disagreement, and no "
+                "unit joins the set for it."
+                + (f" The set's run took the other token at step(s) {', '.join(map(str, report.ties))}."
+                   if report.ties else ""))
     c = st.columns(3)
     c[0].metric("Units in fp32", "—" if report.fp32 is None else len(report.fp32))
     c[1].metric("Reruns", f"{report.reruns} (bound {report.bound})")
@@ -166,16 +174,15 @@ def show_rescue(report, run, num_layers: int, norm_eps) -> None:
                     help=f"{report.complement['units']} units in fp32, every one but the set")
     if report.fp32:
         chart(pv.rescue_figure(report, num_layers), key="rs_units_fig")
-        s = run.settings
-        cmd = (f"python -m engine doctor {shlex.quote(s.prompt)}" + (" --chat" if s.chat else "")
-               + f" --dtype {report.dtype}" + "".join(f" --inject {shlex.quote(i)}" for i in report.injections)
-               + ("" if norm_eps is None else f" --norm-eps {norm_eps:g}")
-               + f" --max-new-tokens {report.tokens} --fp32 {','.join(report.fp32)}")
-        st.markdown("Check it with the doctor from the command line:")
-        st.code(cmd, language="bash", wrap_lines=True)
+        cmd = check_command(run.settings, report, device=device)
+        if cmd:
+            st.markdown("Check it with the doctor from the command line (`--verify` judges the plan exactly as the "
+                        "search judged each rerun):")
+            st.code(cmd, language="bash", wrap_lines=True)
     st.dataframe(pv.rescue_trials_frame(report), key="rs_trials", hide_index=True)
-    st.caption(f"Every rerun reads the same {report.positions} positions (the prompt and the fp32 run's "
-               f"{report.tokens} tokens) in one forward, stopping at the first non-finite stage.")
+    st.caption(f"Every rerun computes the run as generation does: the prompt prefilled into a KV cache, then the fp32 "
+               f"run's {report.tokens} tokens one at a time ({report.positions} positions), stopping at the first "
+               "non-finite stage; the check command's --verify computes the same.")
 
 
 # ---- Quantization page ----------------------------------------------------------------------------

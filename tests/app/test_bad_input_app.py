@@ -110,8 +110,8 @@ def test_app_special_token_text_note_and_opt_in(monkeypatch, app_file, tiny_mode
     app_still_works(at, good_answer)
 
 
-WIDGET_OUT_OF_RANGE = [("sb_temperature", -5.0), ("sb_top_k", -3), ("sb_top_p", 0.0), ("sb_seed", -1),
-                       ("sb_max_new", 5000), ("sb_repetition_penalty", 1e9)]
+WIDGET_OUT_OF_RANGE = [("sb_temperature", -5.0), ("sb_top_p", 0.0), ("sb_max_new", 5000),
+                       ("sb_repetition_penalty", 1e9)]
 
 
 @pytest.mark.parametrize("key,value", WIDGET_OUT_OF_RANGE, ids=[k for k, _ in WIDGET_OUT_OF_RANGE])
@@ -125,6 +125,25 @@ def test_app_widgets_never_pass_absurd_parameters(monkeypatch, app_file, tiny_mo
     assert 0 <= p.temperature <= 2 and 0 <= p.top_k <= 1000 and 0 < p.top_p <= 1 and 0 <= s.seed
     assert 1 <= s.max_new_tokens <= 8 and 0.5 <= p.repetition_penalty <= 2
     # the forged widget keeps its clamped value in this session; a fresh session's run is the reference
+    app_still_works(new_session(monkeypatch, app_file, tiny_model_dir, LLM_INSPECTOR_MAX_NEW_TOKENS="8"), good_answer)
+
+
+NUMBER_OUT_OF_RANGE = [("sb_top_k", -3, "Top-k must be between 0 and 1,000, got -3"),
+                       ("sb_seed", -1, "Seed must be between 0 and 2,147,483,647, got -1")]
+
+
+@pytest.mark.parametrize("key,value,msg", NUMBER_OUT_OF_RANGE, ids=[k for k, _, _ in NUMBER_OUT_OF_RANGE])
+def test_app_out_of_range_numbers_are_refused_by_name(monkeypatch, app_file, tiny_model_dir, key, value, msg,
+                                                      good_answer):
+    """A number the user typed (or a forged message sent) outside its range is named above Run and nothing runs
+    (issue 21, item 3): never replaced by a value the user did not see."""
+    at = new_session(monkeypatch, app_file, tiny_model_dir, LLM_INSPECTOR_MAX_NEW_TOKENS="8")
+    at.session_state[key] = value
+    at.sidebar.button(key="sb_run").click().run()
+    assert not at.exception
+    assert [e.value for e in at.sidebar.error] == [f"{msg}. Run starts nothing until it is corrected "
+                                                   "(Generation settings)."]
+    assert "run" not in at.session_state
     app_still_works(new_session(monkeypatch, app_file, tiny_model_dir, LLM_INSPECTOR_MAX_NEW_TOKENS="8"), good_answer)
 
 
