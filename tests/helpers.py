@@ -132,3 +132,18 @@ def as_shown(markdown_source: str) -> str:
     """What a Markdown element's source shows as text once its escapes are resolved (pages.common.plain escapes
     every punctuation character and puts a zero-width space into bare links)."""
     return _ESCAPED.sub(r"\1", markdown_source).replace("\u200b", "")
+
+
+def forge(monkeypatch, key: str, value) -> None:
+    """The widget with this key hands the page `value` whatever its bounds, as a forged message does with a
+    Streamlit release that does not clamp (the installed one clamps; the page must not rely on it)."""
+    import streamlit as st
+    from streamlit.delta_generator import DeltaGenerator
+    for name in ("number_input", "slider", "select_slider", "text_input"):
+        real = getattr(DeltaGenerator, name)
+
+        def fake(self, *a, _real=real, **k):
+            out = _real(self, *a, **k)
+            return value if k.get("key") == key else out
+        monkeypatch.setattr(DeltaGenerator, name, fake)
+        monkeypatch.setattr(st, name, lambda *a, _fake=fake, **k: _fake(st._main, *a, **k))

@@ -6,12 +6,11 @@ from __future__ import annotations
 import time
 
 import pytest
-import streamlit as st
 
 from engine import RunSettings
 from engine.trace import to_bytes
 from inspector.session.run import inspect_run
-from tests.helpers import as_shown
+from tests.helpers import as_shown, forge
 from tests.unit.test_hostile_traces import CASES, setitem, with_meta
 
 pytestmark = pytest.mark.app
@@ -58,21 +57,6 @@ def test_a_reupload_is_parsed_once(page, tiny_model, tiny_model_dir, run, monkey
     at.run()
     at.run()
     assert not at.exception and len(calls) <= 1 and at.session_state["tf_opened"][2].result.token_ids
-
-
-def forge(monkeypatch, key: str, value) -> None:
-    """The widget with this key hands the page a value its bounds do not allow, as a forged message would with
-    a Streamlit release that does not clamp (today's clamps; the page must not rely on it)."""
-    from streamlit.delta_generator import DeltaGenerator
-    for name in ("number_input", "slider", "text_input"):
-        real = getattr(DeltaGenerator, name)
-
-        def fake(self, *a, _real=real, **k):
-            out = _real(self, *a, **k)
-            return value if k.get("key") == key else out
-        monkeypatch.setattr(DeltaGenerator, name, fake)
-        # st.number_input etc. are bound to the main container at import: replace those too
-        monkeypatch.setattr(st, name, lambda *a, _fake=fake, **k: _fake(st._main, *a, **k))
 
 
 @pytest.mark.parametrize("value, words", [

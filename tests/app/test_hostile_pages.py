@@ -10,14 +10,13 @@ import html
 import re
 
 import pytest
-import streamlit as st
 from markdown_it import MarkdownIt
 
 from engine import RunSettings
 from engine.model import Model
 from engine.why_loop import MAX_RERUNS
 from inspector.session.run import inspect_run
-from tests.helpers import as_shown
+from tests.helpers import as_shown, forge
 
 pytestmark = pytest.mark.app
 EVIL = "![x](http://evil.example/img.png) [log in again](http://evil.example)"
@@ -154,20 +153,6 @@ def test_a_reruns_settings_are_checked_against_the_servers_limits(page, tiny_mod
 
 
 # ---- forged widget values -------------------------------------------------------------------------------
-def forge(monkeypatch, key: str, value) -> None:
-    """The widget with this key hands the page `value` whatever its bounds, as a forged message does with a
-    Streamlit release that does not clamp (the installed one clamps; the page must not rely on it)."""
-    from streamlit.delta_generator import DeltaGenerator
-    for name in ("number_input", "slider", "select_slider", "text_input"):
-        real = getattr(DeltaGenerator, name)
-
-        def fake(self, *a, _real=real, **k):
-            out = _real(self, *a, **k)
-            return value if k.get("key") == key else out
-        monkeypatch.setattr(DeltaGenerator, name, fake)
-        monkeypatch.setattr(st, name, lambda *a, _fake=fake, **k: _fake(st._main, *a, **k))
-
-
 def spy(monkeypatch, target: str) -> list:
     """Record every call of module.function (the model work a forged value would reach)."""
     module, _, name = target.rpartition(".")
