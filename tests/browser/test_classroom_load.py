@@ -31,7 +31,9 @@ def room(tmp_path_factory, tokenizer_files):
     env = dict(os.environ, LLM_INSPECTOR_MODEL=str(d), LLM_INSPECTOR_MAX_CONCURRENT_RUNS="2",
                LLM_INSPECTOR_MAX_QUEUE="64", LLM_INSPECTOR_MAX_NEW_TOKENS="16", LLM_INSPECTOR_MAX_PROMPT_TOKENS="2048",
                LLM_INSPECTOR_MAX_RUNS_KEPT="1", LLM_INSPECTOR_MAX_SESSION_MB=str(BUDGET_MB),
-               LLM_INSPECTOR_MODEL_ROOTS="", LLM_INSPECTOR_HUB_CACHE="off")
+               LLM_INSPECTOR_MODEL_ROOTS="", LLM_INSPECTOR_HUB_CACHE="off",
+               # the ten-tab test opens ten sessions in one browser (its fair turns), past the default cap of 8
+               LLM_INSPECTOR_MAX_SESSIONS_PER_CLIENT="12")
     # the shipped disconnectedSessionTTL (120 s): a tab whose connection drops under load gets its session back
     with streamlit_server(env, log, "--server.fileWatcherType", "none") as (url, proc):
         yield url, proc, log, d
