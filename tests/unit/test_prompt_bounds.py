@@ -21,10 +21,10 @@ def test_the_longest_token_bounds_the_characters_a_context_can_hold(tiny_model):
 def test_a_prompt_longer_than_any_context_is_refused_without_tokenizing(tiny_model, monkeypatch):
     most = tiny_model.context_length * tiny_model.tokenizer.max_token_chars
     calls = []
-    for name in ("encode", "encode_chat"):
-        real = getattr(type(tiny_model.tokenizer), name)
-        monkeypatch.setattr(type(tiny_model.tokenizer), name,
-                            lambda self, *a, _r=real, **k: calls.append(1) or _r(self, *a, **k))
+    tok = tiny_model.tokenizer
+    for name in ("encode", "encode_chat"):     # on the instance: another test may have left one there
+        real = getattr(tok, name)
+        monkeypatch.setattr(tok, name, lambda *a, _r=real, **k: calls.append(1) or _r(*a, **k))
     for chat in (False, True):
         with pytest.raises(InputError, match=rf"the prompt is {most + 1:,} characters long; the model's context "
                                              rf"\({tiny_model.context_length:,} tokens of at most \d+ characters "
