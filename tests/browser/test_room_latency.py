@@ -26,9 +26,7 @@ from inspector.session.rooms import RoomStore
 from inspector.session.rooms_redis import RedisBackend
 from inspector.session.rooms_state import View
 from inspector.session.run import inspect_run
-from tests.browser.test_rooms import SERVER_ARGS, p95, server_env
-from tests.helpers import streamlit_server
-from tests.redis_server import redis_server
+from tests.browser.test_rooms import p95, redis_room_servers
 
 pytestmark = pytest.mark.browser
 STUDENTS = int(os.environ.get("LLM_INSPECTOR_LATENCY_STUDENTS", "30"))
@@ -109,12 +107,8 @@ def change(store, code, token, students, publish: dict, text: str) -> list[float
 
 @pytest.fixture(scope="module")
 def two_servers(tmp_path_factory, tiny_model_dir):
-    logs = tmp_path_factory.mktemp("room-latency")
-    with redis_server() as url:
-        env = server_env(tiny_model_dir, LLM_INSPECTOR_ROOMS=url)
-        with streamlit_server(env, logs / "a.log", *SERVER_ARGS) as (a, proc_a), \
-                streamlit_server(env, logs / "b.log", *SERVER_ARGS) as (b, proc_b):
-            yield url, [(a, proc_a, logs / "a.log"), (b, proc_b, logs / "b.log")]
+    with redis_room_servers(tmp_path_factory.mktemp("room-latency"), tiny_model_dir) as (url, servers):
+        yield url, servers
 
 
 def test_thirty_websocket_students_follow_within_a_second(two_servers, tiny_model):

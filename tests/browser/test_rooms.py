@@ -11,6 +11,7 @@ import os
 import re
 import time
 from ast import literal_eval
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -18,6 +19,7 @@ import pytest
 
 from inspector.session.rooms_poll import answer_token
 from tests.helpers import streamlit_server
+from tests.redis_server import redis_server
 
 pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +50,16 @@ def server_env(model_dir, **extra) -> dict:
 # recommends the same setting for a room's server.
 SERVER_ARGS = ("--server.fileWatcherType", "none", "--server.disconnectedSessionTTL", "5",
                "--runner.postScriptGC", "false")
+
+
+@contextmanager
+def redis_room_servers(logs, model_dir):
+    """One real redis-server and two app processes sharing it: (redis url, [(url, process, log), ...])."""
+    with redis_server() as url:
+        env = server_env(model_dir, LLM_INSPECTOR_ROOMS=url)
+        with streamlit_server(env, logs / "a.log", *SERVER_ARGS) as (a, proc_a), \
+                streamlit_server(env, logs / "b.log", *SERVER_ARGS) as (b, proc_b):
+            yield url, [(a, proc_a, logs / "a.log"), (b, proc_b, logs / "b.log")]
 
 
 @pytest.fixture(scope="module")

@@ -10,21 +10,15 @@ import pytest
 from inspector.session.rooms import RoomStore
 from inspector.session.rooms_redis import RedisBackend
 from inspector.session.rooms_state import Forbidden, View
-from tests.browser.test_rooms import SERVER_ARGS, check_lesson, lesson, server_env
-from tests.helpers import streamlit_server
-from tests.redis_server import redis_server
+from tests.browser.test_rooms import check_lesson, lesson, redis_room_servers
 
 pytestmark = pytest.mark.browser
 
 
 @pytest.fixture(scope="module")
 def two_servers(tmp_path_factory, tiny_model_dir):
-    logs = tmp_path_factory.mktemp("rooms-redis")
-    with redis_server() as url:
-        env = server_env(tiny_model_dir, LLM_INSPECTOR_ROOMS=url)
-        with streamlit_server(env, logs / "a.log", *SERVER_ARGS) as (a, proc_a), \
-                streamlit_server(env, logs / "b.log", *SERVER_ARGS) as (b, proc_b):
-            yield url, (a, proc_a, logs / "a.log"), (b, proc_b, logs / "b.log")
+    with redis_room_servers(tmp_path_factory.mktemp("rooms-redis"), tiny_model_dir) as (url, servers):
+        yield url, *servers
 
 
 def test_teacher_on_one_server_students_on_another(two_servers, browser, tiny_model):
