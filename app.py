@@ -69,7 +69,7 @@ if too_many:                                      # before any run, room or mode
     st.stop()
 page = nav.url_path or "overview"                 # the page's file name: what a room shows (pages.room)
 room.before_page(page)       # a student following a room takes the teacher's run, values and page
-sidebar()
+sidebar(PAGES)
 room.sidebar_panel()
 if projector():
     st.html(PROJECTOR_CSS)

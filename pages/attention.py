@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 import streamlit as st
 
-from inspector.session.memo import run_key
+from inspector.session.memo import content_key, memo, view_store
 from inspector.views.attention import (
     MAX_CELLS,
     attention_pattern,
@@ -32,10 +32,11 @@ OVERVIEW_AUTO = 512   # longer runs compute the layers × heads overview only wh
 st.header("Attention")
 run, model = require_run_and_model("compute its attention")
 cfg, ids = model.config, run.ids
-T, key = len(ids), run_key(run)
+T, key = len(ids), content_key(run, model)     # a room's run: every student's session shares what is derived
 labels = token_labels(model.tokenizer, ids)
-maps = st.session_state.setdefault("att_maps", OrderedDict())
-overviews = st.session_state.setdefault("att_overviews", OrderedDict())
+maps = view_store(run, st.session_state.setdefault("att_maps", OrderedDict()))
+overviews = view_store(run, st.session_state.setdefault("att_overviews", OrderedDict()))
+figures = view_store(run, None)                # figures: shared for a room, else drawn afresh
 
 c1, c2 = st.columns(2)
 layer = c1.selectbox("Layer", list(range(cfg.num_layers)), key="att_layer", format_func=lambda i: f"Layer {i}",
@@ -59,7 +60,7 @@ hide = st.toggle("Hide the attention sink (position 0)", False, key="att_hide_si
                       "colour scale (it would wash every other cell out); this hides the column itself.")
 if T <= MAX_CELLS:
     z, rows, cols = window_rows_cols(m, 0, 0, T, hide_sink=hide)
-    block = 1
+    block, shown = 1, ("all",)
     note = "Each row is a query position's attention over the key positions; rows sum to 1."
 else:
     view = st.radio("Positions shown", ["Window", "Whole sequence, pooled"], horizontal=True, key="att_view")
@@ -72,7 +73,7 @@ else:
                                key=f"att_key_window_{layer}_{head}"), 0, T - MAX_CELLS, "Keys from")
         z, rows, cols = window_rows_cols(m, q0, k0, MAX_CELLS, hide_sink=hide)
         share, sink = mass_shown(m, rows, cols)
-        block = 1
+        block, shown = 1, ("window", q0, k0)
         note = (f"Queries {rows[0]}–{rows[-1]} and keys {cols[0]}–{cols[-1]} of {T} positions: {share:.0%} of these "
                 f"queries' attention falls on the keys shown ({sink:.0%} on position 0).")
     else:
@@ -83,11 +84,12 @@ else:
         if hide:
             src[:, 0] = 0.0
         z, rows, cols = pool(src, MAX_CELLS, how)
-        block = int(rows[1] - rows[0]) if len(rows) > 1 else 1
+        block, shown = (int(rows[1] - rows[0]) if len(rows) > 1 else 1), ("pooled", how)
         note = f"{T} positions pooled into blocks of {block} ({how})" + (
             "; position 0's weight left out, so rows sum to less than 1." if hide else ".")
-chart(heatmap_figure(z, rows, cols, labels, title=f"Layer {layer}, {what}", block=block,
-                     zmax=zmax_without_sink(z, cols)), key="att_map")
+chart(memo(figures, (key, "map", layer, head, hide, shown),
+           lambda: heatmap_figure(z, rows, cols, labels, title=f"Layer {layer}, {what}", block=block,
+                                  zmax=zmax_without_sink(z, cols)), max_entries=8), key="att_map")
 st.caption(note + " Colours run from 0 to a high quantile of the weights off position 0; brighter cells are "
            "clipped to the top colour." + (" (memoised)" if cached else f" Computed in {elapsed:.2f} s."))
 
@@ -95,9 +97,10 @@ st.subheader("Where does this token look?")
 q1, q2 = st.columns([3, 1])
 query = checked(q1.slider("Query position", 0, T - 1, T - 1, key="att_query"), 0, T - 1, "Query position")
 k = checked(q2.slider("Top-k", 1, 32, 10, key="att_topk"), 1, 32, "Top-k")
-top = top_attended(m, query, labels, k)
+top, top_fig = memo(figures, (key, "top", layer, head, query, k),
+                    lambda: (lambda t: (t, top_attended_figure(t)))(top_attended(m, query, labels, k)), max_entries=8)
 st.caption(f"Query {plain(labels[query])} (layer {layer}, {what})")
-chart(top_attended_figure(top), key="att_bars")
+chart(top_fig, key="att_bars")
 st.dataframe(top, key="att_top_table", hide_index=True)
 
 st.subheader("All layers × heads: attention entropy")
@@ -112,6 +115,6 @@ if ok:
     ent = on_demand(overviews, key, what, lambda tell: entropy_overview(model, ids, on_progress=tell),
                     work=(model, T, cfg.num_layers), max_entries=4)
     if ent is not None:
-        chart(entropy_figure(ent), key="att_entropy")
+        chart(memo(figures, (key, "entropy"), lambda: entropy_figure(ent), max_entries=8), key="att_entropy")
 else:
     st.info(f"{T} positions: one full forward (several seconds on a CPU). Press the button to compute it.")

@@ -89,15 +89,20 @@ def get_model() -> Model | None:
     device = st.session_state.get("sb_device", "auto")
     device = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     dtype = st.session_state.get("sb_dtype", "auto")
-    bar = st.sidebar.empty()
+    bar = []                  # made at the first progress record: a loaded model costs no element per call
+
+    def progress(f: float, msg: str) -> None:
+        if not bar:
+            bar.append(st.sidebar.empty())
+        bar[0].progress(min(max(f, 0.0), 1.0), text=msg)
     try:
-        model = shared_model(source, device, dtype,
-                             _progress=lambda f, msg: bar.progress(min(max(f, 0.0), 1.0), text=msg))
+        model = shared_model(source, device, dtype, _progress=progress)
     except EngineError as e:
         st.sidebar.error(f"Could not load the model: {e}")
         return None
     finally:
-        bar.empty()
+        if bar:
+            bar[0].empty()
     return model
 
 

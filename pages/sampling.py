@@ -12,7 +12,7 @@ import streamlit as st
 from engine import SamplingParams
 from engine.sampling import sampler_chain
 from inspector.session.limits import LimitError, check_int
-from inspector.session.memo import memo, run_key
+from inspector.session.memo import content_key, memo, view_store
 from inspector.views import sampling as smp
 from pages.common import plain, require_run_and_model
 from pages.widgets import chart, columns, sampling_form, shared
@@ -74,6 +74,25 @@ def empirical_check(stats: dict, n_draws: int, seed: int, chain_label: str, prob
                    f"gives about 5 % ({lo}–{hi} of {SEEDS} by chance): {verdict}.")
 
 
+def derive(step: int, settings: dict, chain_label: str, n_draws: int, seed: int, top_n: int) -> tuple:
+    """(the chain setting's final probabilities, smp.redraw's view) at this step. Keys start with the run's
+    content key: dropping the run drops them (keep_run); a room's run shares them with every student's session
+    (inspector.session.memo), figures included; a run of one's own keeps the chains and draws, not figures."""
+    logits, (context, generated) = smp.step_logits(run.probe, step), smp.step_context(result, step)
+    store, rk = view_store(run, cache), content_key(run, model)
+    stages = {label: memo(store, (rk, step, "chain", p), lambda p=p: sampler_chain(logits, p, context, generated),
+                          max_entries=32) for label, p in settings.items()}
+    probs = stages[chain_label]["sampler.probs"]
+    draws = memo(store, (rk, step, "draws", settings[chain_label], n_draws, seed),
+                 lambda: smp.empirical(probs, n_draws, seed, lambda i: tok.decode([i])), max_entries=32)
+    figures = view_store(run, None)
+    view = memo(figures, (rk, step, "view", tuple(settings.items()), chain_label, n_draws, seed, top_n),
+                lambda: smp.redraw(logits, settings, chain_label, context, generated, lambda i: tok.decode([i]),
+                                   chosen=result.token_ids[step], n_draws=n_draws, seed=seed, top_n=top_n,
+                                   stages=stages, draws=draws), max_entries=32)
+    return probs, view
+
+
 @st.fragment
 def body() -> None:
     t0 = time.perf_counter()
@@ -92,7 +111,6 @@ def body() -> None:
         return
     chosen = result.token_ids[step]
     context, generated = smp.step_context(result, step)
-    logits = smp.step_logits(run.probe, step)
     st.caption(f"At step {step} the run chose **{plain(repr(tok.decode([chosen])))}** (id {chosen}) with probability "
                f"{result.steps[step].prob:.4f} under its settings ({smp.describe(result.params)}); it is the red "
                "bar below wherever it appears.")
@@ -116,14 +134,7 @@ def body() -> None:
         st.error(str(e))
         return
 
-    rk = run_key(run)                     # memo keys start with it: dropping the run drops them (keep_run)
-    stages = {label: memo(cache, (rk, step, "chain", p), lambda p=p: sampler_chain(logits, p, context, generated),
-                          max_entries=32) for label, p in settings.items()}
-    probs = stages[chain_label]["sampler.probs"]
-    draws = memo(cache, (rk, step, "draws", settings[chain_label], n_draws, seed),
-                 lambda: smp.empirical(probs, n_draws, seed, lambda i: tok.decode([i])), max_entries=32)
-    view = smp.redraw(logits, settings, chain_label, context, generated, lambda i: tok.decode([i]), chosen=chosen,
-                      n_draws=n_draws, seed=seed, top_n=top_n, stages=stages, draws=draws)
+    probs, view = derive(step, settings, chain_label, n_draws, seed, top_n)
 
     st.subheader("Side by side")
     st.info("**The chain runs in this order: penalties → temperature → top-k → top-p → min-p.** Temperature "
@@ -149,7 +160,7 @@ def body() -> None:
 
     st.subheader("Empirical check")
     empirical_check(view["stats"], n_draws, seed, chain_label, probs,
-                    (rk, step, "pass", settings[chain_label], n_draws))
+                    (content_key(run, model), step, "pass", settings[chain_label], n_draws))
     st.dataframe(view["empirical"], hide_index=True, key="smp_empirical")
     st.caption(f"Page computed in {1e3 * (time.perf_counter() - t0):.0f} ms from the captured logits (each "
                "setting's chain and the draws memoised); the model was not called.")

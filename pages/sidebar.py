@@ -39,12 +39,13 @@ PREVIOUS_WAIT_S = 30.0       # how long a click waits for this session's previou
 STILL_FINISHING = StillFinishing.message
 
 
-def sidebar() -> Model | None:
+def sidebar(app_pages: list | None = None) -> Model | None:
+    """The sidebar; app_pages: app.py's st.Page objects, linked at its top (pages.widgets.navigation_links)."""
     sb = st.sidebar
     limits = server_limits()
     top = sb.container()                          # drawn first on screen, filled once the model is known
     with sb.container():
-        navigation_links()
+        navigation_links(app_pages)
     sb.toggle("Chat format", value=True, key="sb_chat")
     sb.toggle("Projector mode", key=PROJECTOR, on_change=_projector_url,
               help="Big type, thick lines, high contrast, one chart per row (also: add ?projector=1 to the URL)")

@@ -13,7 +13,7 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from engine import InputError, SamplingParams
 from inspector.session.limits import LimitError, check_chars, check_float, check_int
-from inspector.views.theme import styled
+from inspector.session.memo import styled_once
 from pages.room_sync import ROOM_WIDGETS, SHARED_KEYS, following, is_teacher, publish_view
 
 PROJECTOR = "sb_projector"          # the sidebar's projector toggle (also ?projector=1)
@@ -182,7 +182,7 @@ def projector() -> bool:
 def chart(fig, key: str, **kwargs) -> None:
     """st.plotly_chart of the figure in the app's style (inspector.views.theme.styled): every colour drawn as
     itself under the chart theme, whole-number log axes, and the projector style when it is on."""
-    st.plotly_chart(styled(fig, projector=projector()), key=key, **kwargs)
+    st.plotly_chart(styled_once(fig, projector=projector()), key=key, **kwargs)
 
 
 def columns(spec, **kwargs) -> list:
@@ -217,17 +217,21 @@ def pages() -> list[dict]:
     return [] if ctx is None else list(ctx.pages_manager.get_pages().values())
 
 
-def navigation_links(n_columns: int = 2) -> None:
+def navigation_links(app_pages: list | None = None, n_columns: int = 2) -> None:
     """Every page of the app as a link, n_columns to a row (titles only: two fit a row of the sidebar): the
     app's navigation. st.navigation is hidden so that the prompt and Run come first in the sidebar, and no
-    page hides behind a "more" menu as it would in a navigation bar across the top."""
-    found = [p for p in pages() if p.get("script_path")]
-    if len(found) < 2:
+    page hides behind a "more" menu as it would in a navigation bar across the top. app_pages: the st.Page
+    objects app.py registered (a link to one costs no path lookups; by script path, each link resolves every
+    page's path again: 14 pages, 196 lookups on every rerun of every session)."""
+    links = ([(p, p.title) for p in app_pages] if app_pages else
+             [(i["script_path"], i.get("page_name") or Path(i["script_path"]).stem) for i in pages()
+              if i.get("script_path")])
+    if len(links) < 2:
         return
     cols = st.columns(n_columns, gap="small")
-    for i, info in enumerate(found):
+    for i, (page, title) in enumerate(links):
         with cols[i % n_columns]:
-            st.page_link(info["script_path"], label=info.get("page_name") or Path(info["script_path"]).stem)
+            st.page_link(page, label=title, icon=None if isinstance(page, str) else "")   # titles only
 
 
 def page_link(name: str, label: str, icon: str | None = None) -> None:

@@ -192,3 +192,4 @@ def styled(fig: go.Figure, *, projector: bool = False) -> go.Figure:
         if shape.type == "line":
             shape.update(line=dict(width=max(3, shape.line.width or 0)))
     return out
+

@@ -8,10 +8,10 @@ from the publish to the first message in which a student's session draws the new
 naming the teacher's page, layer, head and step; the new run's prompt).
 
 The issue's target is p95 <= 1.0 s over every change and student; the line printed says whether it was met.
-Measured here (two servers and 30 students on one 2-core machine shared with other test runs, load average
-about 10) it was not: p95 3.1-3.9 s, the Sampling page's reruns the slowest (4 students: 0.2 s). The bound
-asserted is what this machine holds with a margin; LLM_INSPECTOR_LATENCY_P95_S=1.0 checks the target itself
-(docs/CLASSROOM.md, "How fast students follow")."""
+Measured here (two servers and 30 students on one idle 2-core machine), with the students' sessions sharing
+what their pages derive from the room's run (inspector.session.memo.SHARED): p95 0.84-1.06 s over seven runs
+(2.1-2.4 s before it). The bound asserted is what a loaded CI machine holds with a margin;
+LLM_INSPECTOR_LATENCY_P95_S=1.0 checks the target itself (docs/CLASSROOM.md, "How fast students follow")."""
 from __future__ import annotations
 
 import os
