@@ -36,5 +36,6 @@ exec "${PYTHON:-python3}" -m streamlit run app.py \
   --server.enableAgentApi false \
   --client.showErrorDetails type \
   --client.toolbarMode minimal \
+  --client.showSidebarNavigation false \
   --browser.gatherUsageStats false \
   "${hosts[@]}" "$@"
