@@ -42,9 +42,11 @@ class Preset:
 
 
 PRESETS = {
-    "fp16-overflow": Preset("float16 run with layer 11's MLP activation ×4: the first token's massive activation "
-                            "(~22,500 in fp32) passes float16's largest value, 65,504", ("scale=4@blocks.11.mlp.act",),
-                            dtype="float16"),
+    # The ×4 activation itself still fits float16 (|x| max ~11,300 at the first token); its down projection,
+    # mlp_out (~90,000 in fp32), is what passes 65,504: the text names the stage the run finds (issue 21, item 8).
+    "fp16-overflow": Preset("float16 run with layer 11's MLP activation ×4: the activation still fits float16, but "
+                            "the MLP's output (its down projection, ~90,000 at the first token in fp32) passes "
+                            "float16's largest value, 65,504", ("scale=4@blocks.11.mlp.act",), dtype="float16"),
     "nan-activation": Preset("a NaN planted in layer 17's MLP activation at position 3", ("nan@blocks.17.mlp.act:3",)),
     "inf-activation": Preset("an Inf planted in layer 5's rotated queries at position 2",
                              ("inf@blocks.5.attn.q_rot:2",)),

@@ -25,16 +25,22 @@ def low_precision_copy(model, key: tuple, dtype: str):
     return shared_copy(model, dtype)
 
 
-def show_nonfinite(nf, probe, key: str, fp16: bool) -> None:
+def show_nonfinite(nf, probe, key: str, fp16: bool, specs=()) -> None:
     st.error(dv.nonfinite_headline(nf))
+    prof = dv.profile_frame(probe, nf.step, nf.position)
+    found = dv.fault_outcome(specs, nf, prof, fp16=fp16)
+    if found:
+        st.markdown(found)
     c = st.columns(4)
     for col, (label, value) in zip(c, [("Step", nf.step), ("Stage", nf.stage_in_layer),
                                        ("Layer", "—" if nf.layer is None else nf.layer), ("Position", nf.position)]):
         col.metric(label, value)
-    prof = dv.profile_frame(probe, nf.step, nf.position)
     chart(dv.profile_figure(prof, nf.stage, fp16_line=fp16), key=f"{key}_profile")
-    st.caption("Largest magnitude of every stage at this position, in forward order. Red crosses: stages holding a "
-               "NaN or Inf. The table: the stages leading up to the first one (marked ◀), and the two after it.")
+    st.caption("Largest magnitude of every stage at this position, in forward order, around the first NaN/Inf "
+               "(double-click the chart for the whole forward). Red crosses: stages holding a NaN; orange triangles: "
+               "stages holding an Inf and no NaN. The table: the stages leading up to the first one (marked ◀), "
+               "and the two after it: min and max leave NaN out, mean and std leave NaN and Inf out (NaN where "
+               "nothing is left); nan and inf count the elements.")
     lead = dv.lead_up_frame(prof, nf.stage)
     st.dataframe(lead, key=f"{key}_leadup", hide_index=True, height=38 * (len(lead) + 1),
                  column_config={"where": st.column_config.TextColumn("", width="medium")})
@@ -61,7 +67,7 @@ if nf is None:
     st.success(f"Every stage stayed finite at every step of this run ({sum(len(b.names) for b in run.probe.stats):,} "
                "stage records checked).")
 else:
-    show_nonfinite(nf, run.probe, "nd_run", fp16=True)
+    show_nonfinite(nf, run.probe, "nd_run", fp16=True, specs=run.extra.get("injections") or ())
 
 model = get_model()
 if model is None or model.name != run.model_name:
@@ -133,7 +139,8 @@ if report is not None:
     if report.first_nonfinite is None:
         st.success("The fault produced no NaN or Inf: every stage stayed finite.")
     else:
-        show_nonfinite(report.first_nonfinite, report.probe, "nd_fault", fp16=report.dtype == "float16")
+        show_nonfinite(report.first_nonfinite, report.probe, "nd_fault", fp16=report.dtype == "float16",
+                       specs=report.injections)
     st.code(report.result.text or "(nothing)", language=None, wrap_lines=True)
 
 st.subheader("Precision: fp32 vs float16 / bfloat16")

@@ -10,13 +10,15 @@ import math
 import pandas as pd
 import plotly.graph_objects as go
 
-from engine import STAT_NAMES
-from engine.doctor import FP16_MAX, PRESETS, NonFinite, stage_profile
+from engine import STAT_NAMES, InputError
+from engine.doctor import FP16_MAX, PRESETS, Injection, NonFinite, is_weight, stage_profile
 from engine.stages import LAYER_STAGES
 
 from .theme import colorscale
 
 GLOBAL_STAGES = ("embed", "final_norm", "logits")
+VALUE_STATS = ("min", "max", "mean", "std", "absmax")
+WINDOW = 12        # stages shown each side of the first non-finite one: one readable column per stage
 WEIGHTS = ("attn_norm.weight", "attn.wqkv", "attn.wo", "mlp_norm.weight", "mlp.w_gate_up", "mlp.w_down")
 
 
@@ -41,10 +43,39 @@ def preset_label(name: str) -> str:
 # ---- the first non-finite value -------------------------------------------------------------------
 def nonfinite_headline(nf: NonFinite) -> str:
     what = ", ".join(f"{int(nf.stats[k])} {'NaN' if k == 'nan' else 'Inf'}" for k in ("nan", "inf") if nf.stats[k])
-    where = "the prompt (prefill)" if nf.step == 0 else f"decode step {nf.step}"
+    where = "the prompt's prefill" if nf.step == 0 else f"decode step {nf.step}"
     layer = "" if nf.layer is None else f", layer **{nf.layer}**"
     return (f"First non-finite value: stage **`{nf.stage}`**{layer}, position **{nf.position}**, step **{nf.step}** "
             f"({where}): {what} at that position.")
+
+
+def fault_outcome(specs, nf: NonFinite | None, prof: pd.DataFrame | None, fp16: bool = False) -> str | None:
+    """What a fault run found, said against what was planted: the first NaN/Inf can appear stages after the
+    planted one (a ×4 activation that fits float16 whose down projection overflows), and the page must not
+    suggest the planted stage itself went non-finite when it did not."""
+    targets = []
+    for s in specs if isinstance(specs, (list, tuple)) else ():     # a trace file's notes may hold anything
+        try:
+            targets.append(Injection.parse(s).target)
+        except (InputError, AttributeError, TypeError):
+            continue
+    if nf is None or not targets:
+        return None
+    if nf.stage in targets:
+        return f"The first NaN/Inf is at the planted stage `{nf.stage}` itself."
+    stages = [] if prof is None else list(prof["stage"])
+    planted = [t for t in targets if t in stages and stages.index(t) < stages.index(nf.stage)]
+    if planted:
+        row = prof[prof["stage"] == planted[-1]].iloc[0]
+        later = stages.index(nf.stage) - stages.index(planted[-1])
+        fits = f", below float16's largest value {FP16_MAX:,.0f}" if fp16 and row["absmax"] <= FP16_MAX else ""
+        return (f"The fault was planted at `{planted[-1]}`, which stayed finite there (|x| max "
+                f"{row['absmax']:,.0f}{fits}); the first NaN/Inf appeared {later} stage{'s' * (later != 1)} later, "
+                f"at `{nf.stage}`.")
+    weights = [t for t in targets if is_weight(t)]
+    if weights:
+        return f"The fault changed the weight `{weights[0]}`; the first NaN/Inf appeared at stage `{nf.stage}`."
+    return f"The first NaN/Inf appeared at stage `{nf.stage}`, not at a planted stage ({', '.join(targets)})."
 
 
 def profile_frame(probe, step: int, position: int) -> pd.DataFrame:
@@ -55,35 +86,66 @@ def profile_frame(probe, step: int, position: int) -> pd.DataFrame:
     return df
 
 
+def shown_value(v: float) -> str:
+    """A statistic as a table shows it: NaN as NaN and Inf as Inf (not "None" or "Infinity")."""
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "Inf" if v > 0 else "-Inf"
+    return f"{v:.4g}"
+
+
 def lead_up_frame(prof: pd.DataFrame, stage: str, before: int = 6, after: int = 2) -> pd.DataFrame:
     """The stages just before the first non-finite one, that stage, and a few after it (the order column
     dropped), with a "where" column pointing at the offending row. Short enough to show whole: the row
-    that matters is never below the table's fold."""
+    that matters is never below the table's fold. Statistics are text so that NaN reads NaN: the engine's
+    min and max leave NaN out (a row of NaN only has min +Inf > max -Inf) and its mean and std cover finite
+    values only, so such a row's value statistics are all NaN. The counts are whole numbers."""
     i = int(prof.index[prof["stage"] == stage][0])
     out = prof.iloc[max(0, i - before): i + after + 1].drop(columns=["order"]).copy()
     out.insert(0, "where", ["◀ first NaN/Inf" if s == stage else "" for s in out["stage"]])
+    only_nan = ~(out["min"] <= out["max"])
+    for col in VALUE_STATS:
+        out[col] = [("NaN" if gone else shown_value(float(v))) for v, gone in zip(out[col], only_nan)]
+    for col in ("nan", "inf"):
+        out[col] = out[col].astype("int64")
+    out["layer"] = ["—" if v is None or v != v else str(int(v)) for v in out["layer"]]
     return out
 
 
+def short_stage(name: str) -> str:
+    return name.removeprefix("blocks.")
+
+
 def profile_figure(df: pd.DataFrame, first: str | None, *, fp16_line: bool = True) -> go.Figure:
-    """Absmax per stage (log scale) at one position; non-finite stages drawn as red crosses at the top."""
+    """Absmax per stage (log scale) at one position; stages holding a NaN drawn as red crosses, stages holding
+    only Inf as orange triangles, each at the top. With many stages the x axis opens on the WINDOW stages
+    each side of the first non-finite one, one labelled column per stage, so every marker downstream stands
+    apart (the whole forward, 500 stages in 1,000 px, would merge them into one bar); double-click zooms out."""
     fin = df[df["finite"]]
     bad = df[~df["finite"]]
     top = max([float(fin["absmax"].max()) if len(fin) else 1.0, FP16_MAX if fp16_line else 1.0]) * 4
     fig = go.Figure()
     fig.add_scatter(x=fin["order"], y=fin["absmax"].clip(lower=1e-6), mode="lines+markers", name="absmax",
                     text=fin["stage"], hovertemplate="%{text}<br>absmax %{y:.4g}<extra></extra>")
-    if len(bad):
-        fig.add_scatter(x=bad["order"], y=[top] * len(bad), mode="markers", name="NaN / Inf",
-                        marker=dict(symbol="x", color="red", size=9), text=bad["stage"],
-                        hovertemplate="%{text}: non-finite<extra></extra>")
+    for part, name, symbol, color in ((bad[bad["nan"] > 0], "holds NaN", "x", "red"),
+                                      (bad[bad["nan"] == 0], "holds Inf", "triangle-up", "darkorange")):
+        if len(part):
+            fig.add_scatter(x=part["order"], y=[top] * len(part), mode="markers", name=name,
+                            marker=dict(symbol=symbol, color=color, size=11, line=dict(width=1, color="white")),
+                            text=part["stage"], customdata=part[["nan", "inf"]].astype(int).values,
+                            hovertemplate="%{text}: %{customdata[0]} NaN, %{customdata[1]} Inf<extra></extra>")
     if fp16_line:
         fig.add_hline(y=FP16_MAX, line_dash="dot", annotation_text="float16 max 65504")
     if first is not None and (df["stage"] == first).any():
-        fig.add_vline(x=int(df.loc[df["stage"] == first, "order"].iloc[0]), line_color="red",
-                      annotation_text=first)
+        i = int(df.loc[df["stage"] == first, "order"].iloc[0])
+        fig.add_vline(x=i, line_color="red", line_width=1, annotation_text=first)
+        if len(df) > 2 * WINDOW + 1:
+            lo, hi = max(0, i - WINDOW), min(len(df) - 1, i + WINDOW)
+            fig.update_xaxes(range=[lo - 0.5, hi + 0.5], tickmode="array", tickvals=list(df["order"]),
+                             ticktext=[short_stage(s) for s in df["stage"]], tickangle=-60)
     fig.update_layout(yaxis_type="log", xaxis_title="stage (forward order)", yaxis_title="|x| max at this position",
-                      height=360, margin=dict(t=30, b=40))
+                      height=400, margin=dict(t=30, b=40))
     return fig
 
 
