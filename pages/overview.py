@@ -12,10 +12,16 @@ from engine.report_data import attention_maps, default_layers
 from engine.sources import BUNDLED_NAME
 from inspector.session.limits import LimitError, check_run_positions, cut_text
 from inspector.session.memo import run_key
-from inspector.views.tokens import steps_table, token_counts
+from inspector.views.tokens import seen_prompt_text, steps_table, token_counts
 from pages.common import current_run, get_model, on_demand, plain, require_run, server_limits, was_stopped
 from pages.demos import demo_buttons
 from pages.widgets import metric_columns, page_link
+
+STOP_HELP = {"eos": "The model chose its end-of-text token.", "stop_string": "The text reached a stop string.",
+             "max_new_tokens": "The run generated the number of new tokens asked for.",
+             "context": "The sequence filled the model's context window.",
+             "non-finite logits": "The logits held NaN or Inf: nothing could be sampled.",
+             "stopped": "Stop was pressed."}
 
 
 def make_report(run, model, on_progress=None) -> str:
@@ -82,7 +88,11 @@ left, right = st.columns(2)
 with left:
     st.subheader("Prompt (as the model saw it)")
     if tok is not None:
-        prompt = tok.decode(res.prompt_ids)
+        prompt, typed = seen_prompt_text(tok, res.prompt_ids)
+        if typed:
+            st.caption(f"[typed text: …] marks text in the prompt that spells a special token ({typed} in all): "
+                       "the model read it as ordinary characters, not as that control token (the sidebar's toggle "
+                       "'Special-token text in the prompt acts as control tokens' makes it one).")
     else:      # the file's own prompt: any type, any length (a trace's settings are its writer's)
         prompt, cut = cut_text(run.settings.prompt, server_limits(show_error=False).max_prompt_chars)
         if cut:
@@ -93,13 +103,16 @@ with right:
     st.code(res.text or "(nothing)", language=None, wrap_lines=True)
 
 t = res.timings
-c = metric_columns(6)
-c[0].metric("Stop reason", res.stop_reason)
-c[1].metric("Tokenize", f"{t.get('tokenize', 0) * 1e3:.1f} ms")
-c[2].metric("Prefill", f"{t.get('prefill', 0) * 1e3:.0f} ms")
-c[3].metric("Decode (total)", f"{t.get('decode', 0):.2f} s")
-c[4].metric("Per decoded token", f"{t.get('per_token_decode', 0) * 1e3:.1f} ms")
-c[5].metric("Run (with inspection)", f"{run.seconds:.2f} s")
+# The stop reason is a word ("max_new_tokens", "non-finite logits"), as wide as three numbers: it gets a wide
+# column of its own, the times a row beneath, so neither is cut off at 1280-1440 px (nor in projector mode).
+c = st.columns([3, 2])
+c[0].metric("Stop reason", res.stop_reason, help=STOP_HELP.get(res.stop_reason))
+c[1].metric("Run (with inspection)", f"{run.seconds:.2f} s")
+c = metric_columns(4)
+c[0].metric("Tokenize", f"{t.get('tokenize', 0) * 1e3:.1f} ms")
+c[1].metric("Prefill", f"{t.get('prefill', 0) * 1e3:.0f} ms")
+c[2].metric("Decode (total)", f"{t.get('decode', 0):.2f} s")
+c[3].metric("Per decoded token", f"{t.get('per_token_decode', 0) * 1e3:.1f} ms")
 if len(res.token_ids) > 1 and t.get("decode"):
     st.caption(f"Decode speed {(len(res.token_ids) - 1) / t['decode']:.1f} tokens/s · KV cache "
                f"{res.cache['bytes_used'] / 2**20:.2f} MiB used of {res.cache['bytes_allocated'] / 2**20:.2f} MiB")

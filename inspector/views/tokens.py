@@ -136,6 +136,40 @@ def spans_html(table: pd.DataFrame) -> str:
     return "".join(out)
 
 
+TYPED = "[typed text: {}]"
+
+
+def seen_prompt_text(tok, ids: Sequence[int]) -> tuple[str, int]:
+    """The prompt as the model saw it, and how many typed spellings of a special token it holds. Real special
+    tokens (ids the tokenizer marks special) read as themselves; text that merely spells one, read by the
+    model as ordinary characters ("<|im_end|>" typed in a prompt with special-token text off), is written
+    [typed text: <|im_end|>], so the two never look alike. Without such text it is exactly tok.decode(ids)."""
+    out: list[str] = []
+    pending: list[int] = []
+    typed = 0
+
+    def flush() -> None:
+        nonlocal typed
+        if not pending:
+            return
+        text = tok.decode(pending)
+        pending.clear()
+        ids2, offsets = tok.encode_with_offsets(text, allow_special=True)
+        last = 0
+        for s, e in (o for i, o in zip(ids2, offsets) if tok.is_special(i)):
+            out.extend([text[last:s], TYPED.format(text[s:e])])
+            last, typed = e, typed + 1
+        out.append(text[last:])
+    for i in (int(x) for x in ids):
+        if tok.is_special(i):
+            flush()
+            out.append(tok.decode([i]))
+        else:
+            pending.append(i)
+    flush()
+    return "".join(out), typed
+
+
 def stream_table(tok, ids: Sequence[int]) -> pd.DataFrame:
     """What the streaming decoder emits token by token: '' while a character is still incomplete, then the
     whole character at the token that completes it. A last row 'flush' shows bytes left open at the end."""

@@ -43,8 +43,8 @@ def first_run_messages(url: str) -> list:
 
 
 def assert_no_file_list_and_no_deploy(msgs: list) -> None:
-    from streamlit.proto.NewSession_pb2 import Config
     from streamlit.proto.Navigation_pb2 import Navigation
+    from streamlit.proto.NewSession_pb2 import Config
     session = next(m.new_session for m in msgs if m.WhichOneof("type") == "new_session")
     assert session.config.toolbar_mode in (Config.ToolbarMode.MINIMAL, Config.ToolbarMode.VIEWER), \
         Config.ToolbarMode.Name(session.config.toolbar_mode)           # AUTO shows Deploy on localhost
