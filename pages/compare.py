@@ -1,6 +1,7 @@
-"""Compare two runs of the sidebar's prompt with one seed: sampler settings, dtype (another load of the model),
-KV cache on/off, an intervention. A token-aligned table, the first step where the runs diverge, and how much
-every stage differs at that step. Only the Compare button runs the model; the rest is display."""
+"""Compare two runs of one prompt (the current run's or the sidebar's) with one seed: sampler settings, dtype
+(another load of the model), KV cache on/off, an intervention. A token-aligned table, the first step where the
+runs diverge, and how much every stage differs at that step. Only the Compare button runs the model; the rest is
+display."""
 import streamlit as st
 
 from engine import EngineError, Probe, RunSettings, SamplingParams
@@ -10,7 +11,7 @@ from inspector.session.models import model_choices, shared_model
 from inspector.session.run import check_settings
 from inspector.views import compare as cmp
 from inspector.views.tokens import visible
-from pages.common import device_slot, get_model, plain, server_limits
+from pages.common import current_run, device_slot, get_model, plain, server_limits
 from pages.frame import ensure_frame
 from pages.widgets import chart, checked, checked_float, checked_text, sampling_form
 
@@ -29,14 +30,35 @@ ensure_frame()
 model = get_model()
 if model is None:
     st.stop()
-prompt = s.get("sb_prompt", "What is the capital of France?")
-st.caption(f"Prompt (from the sidebar): {plain(repr(prompt))} · "
-           f"chat format {'on' if s.get('sb_chat', True) else 'off'}")
+
+
+def prompt_settings() -> RunSettings:
+    """The prompt both runs continue, said on the page: the current run's (the run every other page shows, a
+    trace file opened among them) where it is not the sidebar's, unless the user picks the sidebar's; otherwise
+    the sidebar's. Only its text, chat format, system message and special-token switch are used, and its seed
+    as the first seed offered."""
+    sidebar = RunSettings(prompt=s.get("sb_prompt", "What is the capital of France?"),
+                          chat=bool(s.get("sb_chat", True)), allow_special=bool(s.get("sb_allow_special", False)),
+                          seed=s.get("sb_seed", 0))
+    run = current_run()
+    run = run.settings if run is not None else None
+    if run is None or (run.prompt, run.chat, run.system) == (sidebar.prompt, sidebar.chat, None) or st.radio(
+            "Prompt from", ["the current run", "the sidebar"], key="cmp_source", horizontal=True) == "the sidebar":
+        st.caption(f"Prompt (from the sidebar): {plain(repr(sidebar.prompt)[:200])} · "
+                   f"chat format {'on' if sidebar.chat else 'off'}")
+        return sidebar
+    st.caption(f"Prompt (from the current run, the one every other page shows; choose the sidebar to compare its "
+               f"prompt instead): {plain(repr(run.prompt)[:200])} · chat format {'on' if run.chat else 'off'}")
+    return run
+
+
+base = prompt_settings()
+prompt = base.prompt
 limits = server_limits(show_error=False)
 c1, c2 = st.columns(2)
 max_new = int(c1.number_input("Max new tokens", 1, min(256, limits.max_new_tokens), min(16, limits.max_new_tokens),
                               key="cmp_max_new"))
-seed0 = s.get("sb_seed", 0)                     # the sidebar's, as its widget holds it (any value a browser sent)
+seed0 = base.seed                    # the sidebar's as its widget holds it, or a file's: any value, checked here
 seed0 = seed0 if type(seed0) is int and 0 <= seed0 <= MAX_SEED else 0
 seed = checked(c2.number_input("Seed (both runs)", 0, MAX_SEED, seed0, key="cmp_seed"), 0, MAX_SEED, "Seed (both runs)")
 
@@ -103,10 +125,11 @@ def model_for(dtype: str):
 def checked_ids(cfg_a, cfg_b) -> list[int]:
     """The prompt's ids after the same server-side checks as a Run (the widgets' bounds are not a guard), and
     the comparison's own bounds: recomputing without a cache and attention maps cost O(positions²)."""
-    settings, _ = check_settings(model, RunSettings(prompt=prompt, chat=bool(s.get("sb_chat", True)),
-                                                    allow_special=bool(s.get("sb_allow_special", False)),
-                                                    max_new_tokens=max_new, params=cfg_a.params, seed=seed), limits)
-    ids = prompt_ids(model, settings.prompt, chat=settings.chat, allow_special=settings.allow_special)
+    settings, _ = check_settings(model, RunSettings(prompt=prompt, chat=bool(base.chat), system=base.system,
+                                                    allow_special=bool(base.allow_special), max_new_tokens=max_new,
+                                                    params=cfg_a.params, seed=seed), limits)
+    ids = prompt_ids(model, settings.prompt, chat=settings.chat, system=settings.system,
+                     allow_special=settings.allow_special)
     n = len(ids) + max_new
     if not (cfg_a.cache and cfg_b.cache) and n * max_new > MAX_RECOMPUTED_POSITIONS:
         raise LimitError(f"KV cache off recomputes every position at every step: {len(ids):,} prompt tokens and "

@@ -2,6 +2,7 @@
 Run to end / Reset; conditional breakpoints; new sampler settings after a break. After every step the run so
 far is this session's current run (st.session_state["run"]) and the step shown is st.session_state
 ["selected_step"], so every other page shows the run's state at that step."""
+import dataclasses
 import math
 from fnmatch import fnmatchcase
 
@@ -49,14 +50,43 @@ def sidebar_settings() -> RunSettings:
     return RunSettings(prompt="What is the capital of France?")
 
 
-def new_debugger(old: Debugger | None) -> Debugger | None:
-    """A fresh run from the sidebar's settings (checked against the server's limits, as the sidebar's Run is)."""
+def run_settings() -> RunSettings | None:
+    """The settings of the run the other pages show (a trace file opened, an earlier run chosen): those of the
+    debugger's own run while that is the current one, so Reset starts it over."""
+    cur, dbg = current_run(), s.get(DBG)
+    if cur is not None and (dbg is None or cur is not dbg.published):
+        return cur.settings
+    return dbg.settings if dbg is not None else None
+
+
+def start_settings() -> RunSettings:
+    """What Step / Reset start a new run from, said on the page: the current run's prompt and settings where
+    its prompt is not the sidebar's (after opening a trace file the sidebar still holds its own), unless the
+    user picks the sidebar's; otherwise the sidebar's, as a sidebar Run would."""
+    run = run_settings()
+    differs = run is not None and (run.prompt, run.chat, run.system) != (s.get("sb_prompt"), s.get("sb_chat"), None)
+    use_run = differs and ("sb_prompt" not in s or st.radio(     # no sidebar: this page run without the app's frame
+        "Prompt and settings from", ["the current run", "the sidebar"], key="dbg_source",
+        horizontal=True) == "the current run")
+    shown = run.prompt if use_run else s.get("sb_prompt", "What is the capital of France?")
+    st.caption(f"Step and Reset start a run of **{'the current run' if use_run else 'the sidebar'}'s** prompt: "
+               f"{plain(repr(shown)[:200])}" + (" (the run every other page shows; choose the sidebar to run "
+                                                "its prompt instead)" if use_run else ""))
+    if not use_run:
+        return sidebar_settings()
+    limit = server_limits(show_error=False).max_new_tokens       # a file's run may ask for more than this server
+    n = run.max_new_tokens
+    return dataclasses.replace(run, max_new_tokens=min(n, limit)) if type(n) is int and n >= 1 else run
+
+
+def new_debugger(old: Debugger | None, settings) -> Debugger | None:
+    """A fresh run from these settings (checked against the server's limits, as the sidebar's Run is)."""
     if old is not None and current_run() is old.published:     # the pages stop showing the old run
         s.pop(RUN_KEY, None)
         s.pop(SELECTED, None)
     s.pop(DBG, None)
     try:
-        dbg = Debugger(model, sidebar_settings(), s[BPS], limits=server_limits())
+        dbg = Debugger(model, settings, s[BPS], limits=server_limits())
     except (EngineError, TypeError, ValueError) as e:
         st.error(f"Could not start the run: {e}")
         return None
@@ -77,9 +107,13 @@ def publish(dbg: Debugger) -> None:
         s[SELECTED] = s["dbg_view_step"] = len(dbg.steps) - 1
 
 
+try:
+    start: RunSettings | EngineError = start_settings()
+except EngineError as e:      # a sidebar number out of range: said when a run is started from it
+    start = e
 c = st.columns(4)
 reset = c[0].button("Reset", key="dbg_reset", use_container_width=True,
-                    help="A new run from the sidebar's prompt and settings (breakpoints are kept)")
+                    help="A new run from the prompt and settings named above (breakpoints are kept)")
 do_step = c[1].button("Step", key="dbg_step", type="primary", use_container_width=True)
 do_cont = c[2].button("Continue", key="dbg_continue", use_container_width=True,
                       help="Run until a breakpoint fires or the run ends")
@@ -87,7 +121,11 @@ do_end = c[3].button("Run to end", key="dbg_run_end", use_container_width=True, 
 
 dbg: Debugger | None = s.get(DBG)
 if reset or ((do_step or do_cont or do_end) and (dbg is None or dbg.model_name != model.name)):
-    dbg = new_debugger(dbg)
+    if isinstance(start, EngineError):
+        st.error(f"Could not start the run: {start}")
+        dbg = None
+    else:
+        dbg = new_debugger(dbg, start)
 if dbg is not None and (do_step or do_cont or do_end):
     if dbg.done:
         st.info(f"The run has ended ({dbg.run.stop_reason}); press Reset for a new one.")
@@ -121,7 +159,7 @@ elif dbg is not None and dbg.steps and (dbg.published is None or (current_run() 
     publish(dbg)                             # steps an interrupted rerun took but did not publish
 
 if dbg is None:
-    st.info("Press **Step** to start generating the sidebar's prompt one token at a time.")
+    st.info("Press **Step** to start generating the prompt named above one token at a time.")
 elif dbg.model_name != model.name:
     st.warning(f"This run uses **{plain(dbg.model_name)}**; the sidebar now shows **{plain(model.name)}**. "
                "Press Reset.")
@@ -165,10 +203,9 @@ with st.expander(f"Breakpoints ({len(s[BPS])})", expanded=True):
 
 # ---- the sampler for the next steps -----------------------------------------------------------------
 if any(widget_key("dbg", name) not in s for name in SAMPLER_WIDGETS):   # first visit, or back from another page
-    try:
-        first = dbg.run.params if dbg is not None else sidebar_settings().params
-    except EngineError:      # a sidebar number out of range (said above Run): the sampler starts at the defaults
-        first = SamplingParams()
+    # a sidebar number out of range (said above Run): the sampler starts at the defaults
+    first = dbg.run.params if dbg is not None else start.params if isinstance(start, RunSettings) else \
+        SamplingParams()
     set_sampling_widgets("dbg", first)
 with st.expander("Sampler for the next steps (applied at Step / Continue)", expanded=bool(dbg and dbg.message)):
     p = st.columns(2)
