@@ -15,7 +15,8 @@ from inspector.session.limits import LimitError, check_int
 from inspector.session.memo import content_key, memo, view_store
 from inspector.views import sampling as smp
 from pages.common import plain, require_run_and_model
-from pages.widgets import chart, columns, sampling_form, shared
+from pages.demos import lesson
+from pages.widgets import chart, columns, metric_columns, projector, sampling_form, shared, table
 
 DEFAULTS = [None, *smp.PRESETS]           # A: the run's own settings
 LABELS = "ABCDE"
@@ -24,6 +25,7 @@ MAX_DRAWS = 100_000                       # draws per check (a forged larger num
 
 st.header("Sampling")
 run, model = require_run_and_model()
+lesson("sampling")          # after the Temperature and top-p demo: its lesson on the first screen
 result = run.result
 tok = model.tokenizer
 if not result.steps:
@@ -50,7 +52,7 @@ def settings_panels(n: int) -> dict[str, SamplingParams]:
 
 
 def empirical_check(stats: dict, n_draws: int, seed: int, chain_label: str, probs, key: tuple) -> None:
-    c = st.columns(4)
+    c = metric_columns(4)
     c[0].metric("Draws", f"{n_draws:,}")
     c[1].metric("Total variation", f"{stats['tv_distance']:.4f}")
     c[2].metric("Chi-square", f"{stats['chi_square']:.2f}", f"dof {stats['dof']:.0f}", delta_color="off")
@@ -74,10 +76,12 @@ def empirical_check(stats: dict, n_draws: int, seed: int, chain_label: str, prob
                    f"gives about 5 % ({lo}–{hi} of {SEEDS} by chance): {verdict}.")
 
 
-def derive(step: int, settings: dict, chain_label: str, n_draws: int, seed: int, top_n: int) -> tuple:
-    """(the chain setting's final probabilities, smp.redraw's view) at this step. Keys start with the run's
-    content key: dropping the run drops them (keep_run); a room's run shares them with every student's session
-    (inspector.session.memo), figures included; a run of one's own keeps the chains and draws, not figures."""
+def derive(step: int, settings: dict, chain_label: str, n_draws: int, seed: int, top_n: int,
+           big: bool = False) -> tuple:
+    """(the chain setting's final probabilities, smp.redraw's view) at this step; big: the figures laid out for
+    a projector (part of the key). Keys start with the run's content key: dropping the run drops them
+    (keep_run); a room's run shares them with every student's session (inspector.session.memo), figures
+    included; a run of one's own keeps the chains and draws, not figures."""
     logits, (context, generated) = smp.step_logits(run.probe, step), smp.step_context(result, step)
     store, rk = view_store(run, cache), content_key(run, model)
     stages = {label: memo(store, (rk, step, "chain", p), lambda p=p: sampler_chain(logits, p, context, generated),
@@ -86,10 +90,10 @@ def derive(step: int, settings: dict, chain_label: str, n_draws: int, seed: int,
     draws = memo(store, (rk, step, "draws", settings[chain_label], n_draws, seed),
                  lambda: smp.empirical(probs, n_draws, seed, lambda i: tok.decode([i])), max_entries=32)
     figures = view_store(run, None)
-    view = memo(figures, (rk, step, "view", tuple(settings.items()), chain_label, n_draws, seed, top_n),
+    view = memo(figures, (rk, step, "view", tuple(settings.items()), chain_label, n_draws, seed, top_n, big),
                 lambda: smp.redraw(logits, settings, chain_label, context, generated, lambda i: tok.decode([i]),
                                    chosen=result.token_ids[step], n_draws=n_draws, seed=seed, top_n=top_n,
-                                   stages=stages, draws=draws), max_entries=32)
+                                   stages=stages, draws=draws, projector=big), max_entries=32)
     return probs, view
 
 
@@ -134,7 +138,8 @@ def body() -> None:
         st.error(str(e))
         return
 
-    probs, view = derive(step, settings, chain_label, n_draws, seed, top_n)
+    big = projector()
+    probs, view = derive(step, settings, chain_label, n_draws, seed, top_n, big)
 
     st.subheader("Side by side")
     st.info("**The chain runs in this order: penalties → temperature → top-k → top-p → min-p.** Temperature "
@@ -142,26 +147,32 @@ def body() -> None:
             "a smaller top-p. At this step:\n\n" + "\n\n".join(f"- {line}" for line in view["notes"]))
     st.caption("Tokens ranked by their logits after penalties and temperature; bars are probabilities before "
                "top-k/top-p/min-p cut (blue kept, grey cut, red the run's token), black dots the final sampling "
-               "probabilities, the dashed line where the kept set ends. Entropy H in nats of the final distribution.")
+               "probabilities, the dashed line where the kept set ends. Entropy H in nats of the final distribution."
+               + (f" On the projector each panel shows the top {min(top_n, smp.PROJECTOR_TOKENS)} tokens, one "
+                  "panel per row." if big else ""))
     chart(view["compare_fig"], key="smp_compare_fig")
-    st.dataframe(view["summary"], hide_index=True, key="smp_summary",
-                 column_config={"entropy": st.column_config.NumberColumn(format="%.3f"),
-                                "entropy_before": st.column_config.NumberColumn("entropy before cut", format="%.3f"),
-                                "mass_kept": st.column_config.NumberColumn(format="%.4f"),
-                                "chosen_prob": st.column_config.NumberColumn("p(run's token)", format="%.4f")})
+    table(view["summary"], "smp_summary",
+          formats={"kept": "localized", "kept_tiny": "localized", "entropy": "%.3f", "entropy_before": "%.3f",
+                   "mass_kept": "%.4f", "chosen_prob": "%.4f"},
+          labels={"kept_tiny": "kept with p < 1e-30", "entropy_before": "entropy before cut",
+                  "chosen_prob": "p(run's token)"})
+    st.caption("*kept*: tokens with a probability above 0 in the end; a setting that cuts nothing (no top-k, top-p "
+               "or min-p) keeps nearly the whole vocabulary, most of it at probabilities no draw will ever hit "
+               "(*kept with p < 1e-30*; only those that underflow to exactly 0 in float32 are not counted).")
 
     st.subheader(f"The chain, stage by stage ({chain_label}: {smp.describe(settings[chain_label])})")
     st.caption("penalties → temperature → top-k → top-p → min-p → probs, via engine.sampling.sampler_chain with "
                f"the {len(context)} context ids and {len(generated)} generated ids the sampler saw at this step.")
     c1, c2 = columns([3, 2])
-    c1.dataframe(view["chain"], hide_index=True, key="smp_chain_table")
+    with c1:
+        table(view["chain"], "smp_chain_table", formats={"kept": "localized", "entropy": "%.3f"})
     with c2:
         chart(view["chain_fig"], key="smp_chain_fig")
 
     st.subheader("Empirical check")
     empirical_check(view["stats"], n_draws, seed, chain_label, probs,
                     (content_key(run, model), step, "pass", settings[chain_label], n_draws))
-    st.dataframe(view["empirical"], hide_index=True, key="smp_empirical")
+    table(view["empirical"], "smp_empirical", formats={"token_id": "%d", "count": "localized"}, texts=("token",))
     st.caption(f"Page computed in {1e3 * (time.perf_counter() - t0):.0f} ms from the captured logits (each "
                "setting's chain and the draws memoised); the model was not called.")
 

@@ -14,6 +14,8 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 from engine import InputError, SamplingParams
 from inspector.session.limits import LimitError, check_chars, check_float, check_int
 from inspector.session.memo import styled_once
+from inspector.views.theme import PROJECTOR_FONT
+from pages.common import plain
 from pages.room_sync import ROOM_WIDGETS, SHARED_KEYS, following, is_teacher, publish_view
 
 PROJECTOR = "sb_projector"          # the sidebar's projector toggle (also ?projector=1)
@@ -183,6 +185,49 @@ def chart(fig, key: str, **kwargs) -> None:
     """st.plotly_chart of the figure in the app's style (inspector.views.theme.styled): every colour drawn as
     itself under the chart theme, whole-number log axes, and the projector style when it is on."""
     st.plotly_chart(styled_once(fig, projector=projector()), key=key, **kwargs)
+
+
+# st.dataframe draws its cells on a canvas (glide-data-grid) in a 13-px font that no CSS reaches; st.table is
+# HTML, so in projector mode tables are drawn with it, in the charts' type (inspector.views.theme.PROJECTOR_FONT).
+PROJECTOR_TABLE_CSS = f"""<style>
+[data-testid="stMain"] [data-testid="stTable"] :is(th, td),
+[data-testid="stMain"] [data-testid="stTable"] :is(th, td) :is(p, div, span) {{
+  font-size: {PROJECTOR_FONT}px; line-height: 1.4; }}
+</style>"""
+PROJECTOR_ROWS = 15         # rows of a table on the projector; all of them in an expander below
+
+
+def table(df, key: str, formats: dict[str, str] | None = None, labels: dict[str, str] | None = None,
+          texts: tuple[str, ...] = ()) -> None:
+    """A table of df without its index: st.dataframe with the columns' number formats ("%.3f", "localized")
+    and labels; in projector mode an HTML table (st.table) in the projector's type, its first PROJECTOR_ROWS
+    rows (the whole table in the usual grid in an expander below). texts: columns of raw text (tokens), shown
+    on the projector as repr() so that a leading space or a newline stays visible."""
+    formats, labels = formats or {}, labels or {}
+    config = {c: st.column_config.NumberColumn(labels.get(c), format=formats[c]) for c in formats}
+    config |= {c: st.column_config.Column(label) for c, label in labels.items() if c not in formats}
+    if not projector():
+        st.dataframe(df, hide_index=True, key=key, column_config=config or None)
+        return
+    st.html(PROJECTOR_TABLE_CSS)
+    st.table(projector_styler(df.head(PROJECTOR_ROWS), formats, labels, texts), hide_index=True)
+    if len(df) > PROJECTOR_ROWS:
+        with st.expander(f"All {len(df):,} rows"):
+            st.dataframe(df, hide_index=True, key=key, column_config=config or None)
+
+
+def projector_styler(df, formats: dict[str, str], labels: dict[str, str], texts: tuple[str, ...] = ()):
+    """df as st.table shows it on a projector: numbers in their formats (other floats to 4 decimals, missing
+    values as "—"), text as the characters it is (st.table reads its cells as Markdown), columns labelled."""
+    def fmt(f: str):    # "localized": whole numbers with thousands separators, as st.column_config shows them
+        return lambda v: "—" if v is None or v != v else f"{v:,}" if f == "localized" else f % v
+
+    def text(raw: bool):
+        return lambda v: "—" if v is None else plain(repr(v) if raw else v)
+    numbers = {c: fmt(formats.get(c, "%.4f")) for c in df.columns
+               if c in formats or (df[c].dtype.kind == "f")}
+    strings = {c: text(c in texts) for c in df.columns if df[c].dtype.kind == "O" and c not in numbers}
+    return df.rename(columns=labels).style.format({labels.get(c, c): f for c, f in {**numbers, **strings}.items()})
 
 
 def columns(spec, **kwargs) -> list:

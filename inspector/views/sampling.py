@@ -48,6 +48,14 @@ def kept_count(probs: torch.Tensor) -> int:
     return int((probs > 0).sum())
 
 
+TINY = 1e-30                # a probability no number of draws in a lesson (or a lifetime) would ever hit
+
+
+def tiny_count(probs: torch.Tensor) -> int:
+    """Tokens counted as kept (p > 0) whose probability is below TINY."""
+    return int(((probs > 0) & (probs < TINY)).sum())
+
+
 def chains(logits: torch.Tensor, settings: dict[str, SamplingParams], context: list[int],
            generated: list[int]) -> dict[str, dict[str, torch.Tensor]]:
     """engine.sampling.sampler_chain for each setting: {label: {stage: tensor}}."""
@@ -78,32 +86,63 @@ def compare(logits: torch.Tensor, settings: dict[str, SamplingParams], context: 
         b, p = before[top].tolist(), probs[top].tolist()
         for rank, i in enumerate(top):
             tokens.append((label, rank + 1, i, token_text(i), b[rank], p[rank], p[rank] > 0, i == chosen))
-        summary.append((label, describe(params), int(keep.sum()), entropy_nats(probs), entropy_nats(before),
-                        float(before[keep].sum()), None if chosen is None else float(probs[chosen])))
+        summary.append((label, describe(params), int(keep.sum()), tiny_count(probs), entropy_nats(probs),
+                        entropy_nats(before), float(before[keep].sum()),
+                        None if chosen is None else float(probs[chosen])))
     tok = pd.DataFrame(tokens, columns=["setting", "rank", "token_id", "token", "before", "prob", "kept", "chosen"])
-    summ = pd.DataFrame(summary, columns=["setting", "params", "kept", "entropy", "entropy_before",
+    summ = pd.DataFrame(summary, columns=["setting", "params", "kept", "kept_tiny", "entropy", "entropy_before",
                                           "mass_kept", "chosen_prob"])
     return tok, summ
 
 
-def compare_figure(tokens: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
+PROJECTOR_TOKENS = 10      # tokens per panel on a projector: ten horizontal 18-px labels fit one row
+PROJECTOR_ROW, PROJECTOR_GAP = 260, 110      # px of a panel, and between panels (ticks, then the next title)
+
+
+def _label(rank: int, text: str, projector: bool) -> str:
+    """A token's x label: "3. ' the'" cut to 16 characters, or on a projector the rank over the token, each
+    short enough to stand horizontally in the projector's type ("3." over "' the'", at most 8 characters)."""
+    if not projector:
+        return f"{rank}. {text!r}"[:16]
+    t = repr(text)
+    return f"{rank}.<br>{t if len(t) <= 8 else t[:7] + '…'}"
+
+
+def _panels(n: int, projector: bool) -> tuple[dict, list[tuple[list[float], list[float]]]]:
+    """The figure's layout and each panel's (x domain, y domain): side by side, or on a projector one per row
+    (full width, one below another) with room for two-line labels and the next panel's title between rows."""
+    if not projector:
+        gap = 0.03
+        width = (1 - gap * (n - 1)) / n
+        return (dict(height=460, margin=dict(t=50, b=120), legend=dict(orientation="h", y=-0.5), barmode="overlay"),
+                [([c * (width + gap), c * (width + gap) + width], [0.0, 1.0]) for c in range(n)])
+    total = n * PROJECTOR_ROW + (n - 1) * PROJECTOR_GAP
+    row, gap = PROJECTOR_ROW / total, PROJECTOR_GAP / total
+    return (dict(height=total + 190, margin=dict(t=150, b=40), barmode="overlay",
+                 legend=dict(orientation="h", x=0, y=1 + 45 / total, yanchor="bottom")),
+            [([0.0, 1.0], [1 - c * (row + gap) - row, 1 - c * (row + gap)]) for c in range(n)])
+
+
+def compare_figure(tokens: pd.DataFrame, summary: pd.DataFrame, projector: bool = False) -> go.Figure:
     """One panel per setting: bars of each token's probability before truncation (blue kept, grey cut, red
     the token the run chose), the final probability as dots, a dashed line where the kept set ends. Each
-    colour is its own trace, so the legend names the colour it shows.
+    colour is its own trace, so the legend names the colour it shows. projector: the panels one per row, at
+    most PROJECTOR_TOKENS tokens each, labelled horizontally (a label of the projector's size at 45° in a
+    third of the width was unreadable).
 
     Built in one go.Figure call: make_subplots + add_trace + add_vline validate the figure again at every
     step and cost ~8x more, which matters for a page redrawn at every slider move."""
-    labels, gap = list(summary["setting"]), 0.03
-    width = (1 - gap * (len(labels) - 1)) / len(labels)
+    labels = list(summary["setting"])
+    layout, domains = _panels(len(labels), projector)
     data, shapes, notes = [], [], []
-    layout = dict(height=460, margin=dict(t=50, b=120), legend=dict(orientation="h", y=-0.5), barmode="overlay")
     parts = (("kept (probability before the cut)", KEPT), ("cut by top-k / top-p / min-p", CUT),
              ("the run's token", CHOSEN))
     shown: set[int] = set()          # each legend entry once, from the first panel that has such bars
     for c, (label, kept, h) in enumerate(zip(labels, summary["kept"], summary["entropy"])):
         ax = "" if c == 0 else str(c + 1)
         d = tokens[tokens["setting"] == label]
-        x = [f"{r}. {t!r}"[:16] for r, t in zip(d["rank"], d["token"])]
+        d = d[d["rank"] <= PROJECTOR_TOKENS] if projector else d
+        x = [_label(r, t, projector) for r, t in zip(d["rank"], d["token"])]
         kind = [2 if ch else (0 if k else 1) for ch, k in zip(d["chosen"], d["kept"])]
         before, ids = d["before"].tolist(), d["token_id"].tolist()
         for j, (name, colour) in enumerate(parts):
@@ -117,12 +156,12 @@ def compare_figure(tokens: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
         data.append(go.Scatter(x=x, y=d["prob"].tolist(), mode="markers", marker=dict(color="black", size=7),
                                name="final sampling probability", legendgroup="final", showlegend=c == 0,
                                xaxis="x" + ax, yaxis="y" + ax, hovertemplate="%{x}<br>p %{y:.4f}<extra></extra>"))
-        lo = c * (width + gap)
-        layout["xaxis" + ax] = dict(domain=[lo, lo + width], anchor="y" + ax, tickangle=-60, categoryorder="array",
-                                    categoryarray=x)
-        layout["yaxis" + ax] = dict(anchor="x" + ax, **({"title": "probability"} if c == 0 else
-                                                       {"matches": "y", "showticklabels": False}))
-        notes.append(dict(text=f"{label}: kept {int(kept):,}, H={h:.2f}", x=lo + width / 2, y=1.0, xref="paper",
+        (x0, x1), (y0, y1) = domains[c]
+        layout["xaxis" + ax] = dict(domain=[x0, x1], anchor="y" + ax, tickangle=0 if projector else -60,
+                                    categoryorder="array", categoryarray=x)
+        layout["yaxis" + ax] = dict(domain=[y0, y1], anchor="x" + ax, **(
+            {"title": "probability"} if c == 0 else {"matches": "y", "showticklabels": projector}))
+        notes.append(dict(text=f"{label}: kept {int(kept):,}, H={h:.2f}", x=(x0 + x1) / 2, y=y1, xref="paper",
                           yref="paper", xanchor="center", yanchor="bottom", showarrow=False))
         n_kept = int(d["kept"].sum())
         if 0 < n_kept < len(d):   # the cut falls inside the shown tokens
@@ -133,6 +172,30 @@ def compare_figure(tokens: pd.DataFrame, summary: pd.DataFrame) -> go.Figure:
 
 def _tokens(n: int) -> str:
     return f"{n:,} token" + ("" if n == 1 else "s")
+
+
+def unfiltered(p: SamplingParams) -> bool:
+    """A sampled setting with no top-k, top-p or min-p: nothing is cut, whatever its temperature."""
+    return p.temperature > 0 and p.top_k == 0 and p.top_p >= 1 and p.min_p == 0
+
+
+def underflow_note(probs: torch.Tensor) -> str:
+    """Why a setting without a filter "keeps" nearly the whole vocabulary: kept means p > 0 in float32, and
+    a low temperature leaves most tokens with probabilities far below anything a draw can hit, while those
+    below float32's smallest number (about 1e-45) become exactly 0, the only ones not counted."""
+    kept, tiny, zero = kept_count(probs), tiny_count(probs), int((probs == 0).sum())
+    ranked = torch.sort(probs.double(), descending=True).values
+    core = min(int(torch.searchsorted(torch.cumsum(ranked, 0), torch.tensor(0.999, dtype=torch.float64))) + 1,
+               kept)
+    mass = float(probs[(probs > 0) & (probs < TINY)].double().sum())
+    note = (f"No top-k, top-p or min-p here, so nothing is cut: *kept* counts every token whose probability is above "
+            f"0. 99.9 % of the probability is on the top {_tokens(core)}; of the {kept:,} kept, {tiny:,} "
+            f"{'has' if tiny == 1 else 'have'} p below 1e-30")
+    note += f" (together {mass:.1e}: never drawn in practice)" if tiny else ""
+    if zero:
+        note += (f", and {_tokens(zero)} underflowed to exactly 0 in float32 (below about 1e-45): the only "
+                 "ones not counted")
+    return note + "."
 
 
 def chain_notes(settings: dict[str, SamplingParams], stages: dict[str, dict[str, torch.Tensor]]) -> list[str]:
@@ -149,7 +212,8 @@ def chain_notes(settings: dict[str, SamplingParams], stages: dict[str, dict[str,
         what = "greedy: only the most likely token" if p.temperature == 0 else (
             f"T={p.temperature:g} leaves the top token at p={top1:.3f}"
             + (f"; top-p {p.top_p:g} then needs {_tokens(nucleus)} to reach its mass" if p.top_p < 1 else ""))
-        lines.append(f"**{label}**: {what}; **{_tokens(kept[label])}** kept in the end.")
+        lines.append(f"**{label}**: {what}; **{_tokens(kept[label])}** kept in the end."
+                     + (" " + underflow_note(stages[label]["sampler.probs"]) if unfiltered(p) else ""))
     for a, pa in settings.items():
         for b, pb in settings.items():
             if (pa.temperature > pb.temperature > 0 and pa.top_p < pb.top_p and kept[a] > kept[b]):
@@ -236,15 +300,16 @@ def chi_square(observed: torch.Tensor, expected: torch.Tensor) -> dict[str, floa
 def redraw(logits: torch.Tensor, settings: dict[str, SamplingParams], chain_setting: str, context: list[int],
            generated: list[int], token_text: TokenText, chosen: int | None = None, n_draws: int = 1000,
            seed: int = 0, top_n: int = 20, stages: dict[str, dict[str, torch.Tensor]] | None = None,
-           draws: tuple[pd.DataFrame, dict[str, float]] | None = None) -> dict:
-    """Everything the sampling page shows for one step: comparison, chain, empirical check (and figures).
+           draws: tuple[pd.DataFrame, dict[str, float]] | None = None, projector: bool = False) -> dict:
+    """Everything the sampling page shows for one step: comparison, chain, empirical check (and figures;
+    projector: the comparison laid out for a projector, see compare_figure).
     stages (chains() of these settings) and draws (empirical() of the chain setting) may come from a cache:
     a slider move changes one setting, and the others' chains and the draws need not be recomputed."""
     stages = stages or chains(logits, settings, context, generated)
     tokens, summary = compare(logits, settings, context, generated, token_text, top_n, chosen, stages)
     chain = chain_table(stages[chain_setting], token_text)
     emp, stats = draws or empirical(stages[chain_setting]["sampler.probs"], n_draws, seed, token_text)
-    return {"tokens": tokens, "summary": summary, "compare_fig": compare_figure(tokens, summary),
+    return {"tokens": tokens, "summary": summary, "compare_fig": compare_figure(tokens, summary, projector),
             "chain": chain, "chain_fig": chain_figure(chain), "empirical": emp, "stats": stats,
             "notes": chain_notes(settings, stages)}
 

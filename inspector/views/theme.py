@@ -151,7 +151,7 @@ def styled(fig: go.Figure, *, projector: bool = False) -> go.Figure:
     """The figure as the app shows it (a new figure; the given one is left as it was): no colour the theme
     would replace, whole-number log axes, tick labels of at least BASE_TICKS px. With projector: type of
     PROJECTOR_FONT px (ticks PROJECTOR_TICKS), lines PROJECTOR_LINE px, markers bigger, the Okabe-Ito
-    palette, pale colours darkened, and the figure a third taller."""
+    palette, pale colours darkened, and the figure a third taller (up to 1,200 px, never shorter than it was)."""
     spec = fig.to_plotly_json()
     template = spec.get("layout", {}).pop("template", None)   # the theme's own placeholders are meant to be there
     spec = _recolour(spec, PROJECTOR_DARKER if projector else {})
@@ -173,8 +173,8 @@ def styled(fig: go.Figure, *, projector: bool = False) -> go.Figure:
     out.update_layout(font=dict(size=PROJECTOR_FONT), colorway=list(PROJECTOR_COLOURS),
                       legend=dict(font=dict(size=PROJECTOR_FONT)), title_font=dict(size=PROJECTOR_FONT + 4),
                       hoverlabel=dict(font_size=PROJECTOR_FONT))
-    if out.layout.height:
-        out.layout.height = min(1200, int(out.layout.height * 1.35))
+    if out.layout.height:        # a third taller up to 1,200 px; never shorter (a figure of stacked panels)
+        out.layout.height = max(out.layout.height, min(1200, int(out.layout.height * 1.35)))
     for tr in out.data:
         kind = tr.type
         if kind == "scatter":
