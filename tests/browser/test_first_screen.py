@@ -124,6 +124,11 @@ def test_overview_metrics_are_whole_and_there_is_no_deploy_button(tmp_path, tiny
                 page.wait_for_timeout(800)
                 assert page.locator('[data-testid="stMetric"]').count() >= 6
                 assert page.evaluate(CUT) == [], f"metrics cut off at {width} px: {page.evaluate(CUT)}"
+            page.locator('[data-testid="stSidebar"]').get_by_text("Projector mode").click()   # bigger type
+            page.wait_for_timeout(800)
+            wait_idle(page)
+            assert page.locator('[data-testid="stMetric"]').count() >= 6
+            assert page.evaluate(CUT) == [], f"metrics cut off in projector mode: {page.evaluate(CUT)}"
             assert page.locator('[data-testid="stAppDeployButton"]').count() == 0
         finally:
             browser.close()
