@@ -28,9 +28,11 @@ from inspector.session.rooms_keys import failed_joins, teacher_key_state, teache
 from inspector.session.rooms_state import ROOM_ERRORS, RoomError, View, check_code
 from inspector.session.run import track
 from pages.common import RUN_KEY, client_key, get_model, plain, server_limits
+from pages.room_live import panel as live_panel
+from pages.room_outage import LOST, offline, restore, teacher_offline
 from pages.room_poll import poll_box
+from pages.room_push import OFFLINE, signature, watcher
 from pages.room_push import available as push_available
-from pages.room_push import signature, watcher
 from pages.room_sync import ROOM, ROOM_WIDGETS, following, publish_view, room, voter_id, widget_values
 from pages.sidebar import keep_run
 from pages.widgets import page_path, pages
@@ -109,21 +111,31 @@ def before_page(page: str) -> None:
     state = None
     try:
         state = _store().state(r["code"])
-        if state is None:
+        if state is None and _store().was_ended(r["code"]):
             r.update(following=False, ended=True)
             st.session_state.pop(ROOM_WIDGETS, None)
+            return
+        if state is None:      # the store restarted without it: the teacher's screen re-opens it (bar)
+            r["error"], r["seen"] = LOST, None
+            if push_available():
+                watcher.watch(_session_id(), "follow", r["code"], None)
             return
         if state.run_id and state.run_id != r.get("run_id"):
             r["run_id"] = state.run_id           # tried once per run id: a bad run is not fetched again
             _load_run(r["code"], state.run_id)
         r["error"] = None
-    except Exception as e:     # a store that fails, a run that fails validation: one message, the app goes on
+    except ROOM_ERRORS as e:   # the store does not answer: the watcher reruns this screen when it does
+        if state is None:
+            r["error"], r["seen"] = offline(e), OFFLINE
+            return
+        r["error"] = f"Could not follow the room: {e}"
+    except Exception as e:     # a run that fails validation: one message, the app goes on
         r["error"] = f"Could not follow the room: {e}"
         if state is None:
             return
     run = st.session_state.get(RUN_KEY)
     st.session_state[ROOM_WIDGETS] = widget_values(state.view, len(run.result.steps) if run is not None else None)
-    r["version"], r["state"] = state.version, state
+    r["version"], r["state"], r["seen"] = state.version, state, state.version
     if push_available():
         watcher.watch(_session_id(), "follow", r["code"], state.version)
     if state.view.page != page and (path := page_path(state.view.page)) is not None:
@@ -268,9 +280,11 @@ def bar() -> None:
         st.info(f"**Room {plain(r['code'])}** · students open {plain(room_link(r['code']))} (or join with the code "
                 "in the sidebar's Classroom section) and follow what this screen shows.")
         state, failed = _state_or_error(r["code"])
-        if state is None and not failed:
-            st.warning(f"Room {plain(r['code'])} is no longer in the store (it expired, or the store restarted): "
-                       "press **End the room** in the sidebar's Classroom section, then start a new one.")
+        if failed:
+            teacher_offline(r)
+            _notify("teacher", r["code"], signature("teacher", False))
+        elif state is None:
+            state = restore(r)       # the store restarted empty: same code, this screen's run and view
         if state is not None:
             answers = _answers(r["code"], state)
             _notify("teacher", r["code"], signature("teacher", state, answers))
@@ -286,6 +300,8 @@ def bar() -> None:
         _notify("detached", r["code"], signature("detached", state))
     elif not push_available():
         _poll_fallback()
+    if following() and state is not None and state.live is not None and not r.get("error"):
+        live_panel(r["code"], state.live)      # the teacher's run as it generates
     if state is not None:
         poll_box(r, state)
 
@@ -357,9 +373,9 @@ def _poll_fallback() -> None:
     r = room()
     if r is None:
         return
-    state = _safe_state(r["code"])
-    if r["role"] == "student" and following():
-        changed = state is None or state.version != r.get("version")
+    state, failed = _state_or_error(r["code"])
+    if r["role"] == "student" and following():     # what the last full run drew (before_page): no rerun loop
+        changed = signature("follow", False if failed else state) != r.get("seen")     # while the store is down
     else:
         seen = r.get("fallback_seen")
         r["fallback_seen"] = (None if state is None else (state.poll, _answers(r["code"], state)))

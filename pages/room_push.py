@@ -8,7 +8,12 @@ Each session says what its screen shows when it draws it (`watch(kind, code, see
   "teacher"  the poll and its number of answers (the teacher's count goes up as answers arrive).
 When the store says otherwise, the watcher requests a rerun of that session with its last client state, as
 if its browser had asked (the page, query and widget values stay). At most one rerun per session per
-MIN_GAP_S for answer counts; a version change reruns at once.
+MIN_GAP_S for answer counts; a version change reruns at once. A store that stops answering is a state of its
+own (OFFLINE): each screen reruns once to say that the room is reconnecting, and once more when it answers.
+
+While the teacher's run generates (inspector.session.rooms_live), a following screen's live panel is a
+fragment that says its id (`watch_live`): when the room's live counter moves, the watcher reruns that
+fragment alone, not the whole app.
 
 Streamlit has no public API for a server-side rerun: `_rerun` reaches the session through the runtime's
 session manager (private names, checked at start). Where they are missing, `available()` is False and the
@@ -29,6 +34,7 @@ from inspector.session.rooms_state import ROOM_ERRORS, RoomState
 
 POLL_S = 0.1          # how often the watcher reads each followed room
 MIN_GAP_S = 0.5       # answer counts rerun a teacher's screen at most this often
+OFFLINE = "offline"   # the signature of a room whose store does not answer
 log = logging.getLogger("llm_inspector")
 
 
@@ -38,10 +44,15 @@ class _Sub:
     code: str
     seen: object
     asked_at: float = 0.0
+    fragment: str | None = None       # the live panel's fragment id, while the teacher's run generates
+    live_seen: int = 0
 
 
-def signature(kind: str, state: RoomState | None, answers: int | None = None) -> object:
-    """What a screen of this kind must show of the room's state (None: the room is gone)."""
+def signature(kind: str, state: RoomState | None | bool, answers: int | None = None) -> object:
+    """What a screen of this kind must show of the room's state (None: the room is gone; False: the store
+    does not answer)."""
+    if state is False:
+        return OFFLINE
     if state is None:
         return None
     if kind == "follow":
@@ -58,14 +69,31 @@ def _session(session_id: str):
     return None if info is None else info.session
 
 
+def fragment_id() -> str | None:
+    """The id of the fragment this code runs in (Streamlit keeps it in private thread state; None where it
+    does not, or outside a fragment)."""
+    try:
+        from streamlit.runtime.scriptrunner_utils.script_run_context import ThreadState
+        fid = ThreadState.get().fragment_id
+    except (ImportError, AttributeError):
+        return None
+    return fid if isinstance(fid, str) and fid else None
+
+
 def available() -> bool:
     """Whether this Streamlit lets the watcher rerun a session (else the page polls)."""
-    return Runtime.exists() and hasattr(Runtime.instance(), "_session_mgr") and all(
-        hasattr(AppSession, n) for n in ("request_rerun", "_call_soon_on_event_loop"))
+    try:
+        from streamlit.runtime.scriptrunner_utils.script_run_context import ThreadState
+        fragments = hasattr(ThreadState, "get")
+    except ImportError:
+        fragments = False
+    return fragments and Runtime.exists() and hasattr(Runtime.instance(), "_session_mgr") and all(
+        hasattr(AppSession, n) for n in ("request_rerun", "_call_soon_on_event_loop", "has_fragment"))
 
 
-def _rerun(session_id: str) -> bool:
-    """Ask Streamlit to rerun a session as its browser last left it; False when the session is gone."""
+def _rerun(session_id: str, fragment: str | None = None) -> bool:
+    """Ask Streamlit to rerun a session as its browser last left it (the whole app, or one fragment of it);
+    False when the session is gone."""
     session = _session(session_id)
     if session is None:
         return False
@@ -74,7 +102,11 @@ def _rerun(session_id: str) -> bool:
     if last is not None:
         state = type(last)()
         state.CopyFrom(last)
-        state.fragment_id = ""             # the whole app, not a fragment
+        state.fragment_id = fragment or ""
+    elif fragment:                   # a fragment rerun needs the client's state: the whole app then
+        fragment = None
+    if fragment and not session.has_fragment(fragment):
+        state.fragment_id = ""
     session._call_soon_on_event_loop(lambda: session.request_rerun(state))
     return True
 
@@ -87,13 +119,26 @@ class Watcher:
         self.poll_s, self.rerun = poll_s, rerun
 
     def watch(self, session_id: str, kind: str, code: str, seen) -> None:
+        """A full script run of this session drew `seen` (a live panel, if any, says so after: watch_live)."""
         with self._lock:
             sub = self._subs.get(session_id)
             if sub is None or (sub.kind, sub.code) != (kind, code):
                 self._subs[session_id] = _Sub(kind, code, seen)
             else:
-                sub.seen = seen
-            if self._thread is None or not self._thread.is_alive():
+                sub.seen, sub.fragment = seen, None
+            self._start()
+
+    def watch_live(self, session_id: str, code: str, seen: int, fragment: str | None) -> None:
+        """This session's live panel (fragment id) drew the room's live counter `seen`."""
+        with self._lock:
+            sub = self._subs.get(session_id)
+            if sub is None or sub.code != code:
+                return
+            sub.fragment, sub.live_seen = fragment, seen
+            self._start()
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, daemon=True, name="llm-inspector-rooms")
                 self._thread.start()
 
@@ -116,12 +161,14 @@ class Watcher:
         now = time.monotonic()
         for sid, sub in subs.items():
             if sub.code not in states:
-                states[sub.code] = self._read(sub.code)
-            state, answers = states[sub.code]
-            if state is False:            # the store failed: try again at the next tick
-                continue
+                states[sub.code] = self._read(sub.code, any(s.fragment and s.code == sub.code for s in subs.values()))
+            state, answers, live = states[sub.code]
             sig = signature(sub.kind, state, answers)
             if sig == sub.seen:
+                if sub.fragment and live is not None and live != sub.live_seen:
+                    sub.live_seen = live
+                    if not self.rerun(sid, sub.fragment):
+                        self.drop(sid)
                 continue
             if sub.kind == "teacher" and now - sub.asked_at < MIN_GAP_S:
                 continue
@@ -130,16 +177,18 @@ class Watcher:
                 self.drop(sid)
 
     @staticmethod
-    def _read(code: str) -> tuple:
+    def _read(code: str, live: bool) -> tuple:
+        """(state, or None when gone, or False when the store fails; the open poll's answers; the live counter
+        when a live panel watches)."""
         try:
             store = shared_store()
             state = store.state(code)
             answers = None
             if state is not None and state.poll is not None:
                 answers = store.answer_count(code, state.poll.id)
-            return state, answers
+            return state, answers, store.live_version(code) if live and state is not None else None
         except ROOM_ERRORS:
-            return False, None
+            return False, None, None
 
 
 watcher = Watcher()

@@ -25,13 +25,14 @@ from inspector.session.limits import LimitError, Limits, check_int, env_name
 from inspector.session.live_run import Cancelled, LiveRun, StillFinishing, rates
 from inspector.session.models import model_choices
 from inspector.session.run import check_settings, generations, live_runs
-from pages import demos
+from pages import demos, room_live
 from pages.common import RUN_KEY, RUNS_KEY, client_key, current_run, get_model, log, plain, server_limits
 from pages.room_sync import following
 from pages.widgets import PROJECTOR, navigation_links, sampler_problems, sampling_params_from, sampling_widgets
 
 LIVE = "_live_run"           # the LiveRun of this session while it generates
 NOTICES = "_sb_notices"      # what the end of a run said, shown once by the next script run (watch)
+OWN_PROMPT = "_sb_prompt_own"   # this student's own prompt while the sidebar shows the teacher's
 TURN = "_page_turn"          # held by the script run that draws the page (page_turn)
 LONG_S = 20.0                # runs estimated longer than this say so before they start
 SEED_MAX = 2**31 - 1
@@ -96,10 +97,18 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
     if model is not None:
         st.caption(f"Model: **{plain(model.name)}** · {model.config.num_layers} layers · {model.device.type} · "
                    f"{str(model.dtype).removeprefix('torch.')}")
-    st.text_area("Prompt", "What is the capital of France?", key="sb_prompt", height=100,
-                 max_chars=limits.max_prompt_chars,
-                 help=f"Up to {limits.max_prompt_chars:,} characters and {limits.max_prompt_tokens:,} tokens. "
-                      "Tab, newline and carriage return are the only control characters accepted.")
+    follows = following()        # a student following a room's teacher never starts a generation
+    state = st.session_state
+    if follows:                  # the teacher's prompt and settings; the student's own prompt is kept for later
+        state[OWN_PROMPT] = state.get("sb_prompt", state.get(OWN_PROMPT))
+        room_live.teacher_prompt(height=100)
+    else:
+        if "sb_prompt" not in state and isinstance(state.get(OWN_PROMPT), str):
+            state["sb_prompt"] = state[OWN_PROMPT]
+        st.text_area("Prompt", key="sb_prompt", height=100, max_chars=limits.max_prompt_chars,
+                     **({} if "sb_prompt" in state else {"value": "What is the capital of France?"}),
+                     help=f"Up to {limits.max_prompt_chars:,} characters and {limits.max_prompt_tokens:,} tokens. "
+                          "Tab, newline and carriage return are the only control characters accepted.")
     typed = st.session_state.get("sb_prompt")
     if isinstance(typed, str) and len(typed) > limits.max_prompt_chars:   # a forged browser ignores max_chars
         st.warning(f"The prompt is {len(typed):,} characters long; this server accepts at most "
@@ -109,7 +118,6 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
         st.warning(f"Max new tokens: {asked:,} is more than this server generates per run "
                    f"({limits.max_new_tokens:,}, {env_name('max_new_tokens')}); Run generates at most "
                    f"{limits.max_new_tokens:,}.")
-    follows = following()        # a student following a room's teacher never starts a generation
     problems = [] if follows else generation_problems()
     for problem in problems:     # the box may sit in a collapsed expander: said here, above Run
         st.error(f"{problem}. Run starts nothing until it is corrected (Generation settings).")
@@ -214,7 +222,8 @@ def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
     est = _estimate(model, checked, limits)
     turn = page_turn()
     live = LiveRun(settings, model.name, est[0] if est else 0, None if est is None else est[1] + est[2], demo=demo,
-                   client=client_key(), previous_click=turn.locked)
+                   client=client_key(), previous_click=turn.locked,
+                   observer=room_live.publisher(settings.prompt, settings.max_new_tokens))   # a teacher's room
     st.session_state[LIVE] = live
     return live.start(model, limits, prepare=_with_script_context)
 

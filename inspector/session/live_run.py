@@ -13,6 +13,7 @@ Also here: the measured speed of this server (per model), for an estimate before
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,7 +27,8 @@ from .admission import ServerBusyError
 from .limits import Limits
 from .run import inspect_run
 
-PER_CLIENT_REFUSAL = "You already have "     # how admission's refusal for one browser's runs begins
+PER_CLIENT_REFUSAL = "You already have "
+log = logging.getLogger("llm_inspector")     # how admission's refusal for one browser's runs begins
 
 
 class Cancelled(Exception):
@@ -63,11 +65,13 @@ class _Listener:
         live.pieces.append(step.text)
         live.tokens += 1
         live.last_token_at = time.monotonic()
+        live.tell("token", step)
         return STOP if live.stop_event.is_set() else None
 
     def on_progress(self, p: Progress):
         self.live.admitted()
         self.live.prefill = p
+        self.live.tell("progress", p.fraction)
         return STOP if self.live.stop_event.is_set() else None
 
 
@@ -87,6 +91,8 @@ class LiveRun:
     client: str | None = None                  # who asks, for the queue's per-browser turns: resolved by the app
                                                # in the script thread (a worker thread may not see the cookie)
     previous_click: Callable[[], bool] | None = None   # whether this session's previous click still computes
+    observer: object | None = None             # told progress(fraction), token(step), finished(kept, stopped) in the
+                                               # run's thread (a room's LivePublisher: rooms_live); never fails it
     started_at: float = field(default_factory=time.monotonic)
     queued_at: float | None = None             # first time the queue reported a place
     admitted_at: float | None = None           # when generation began (the first progress or token)
@@ -119,7 +125,19 @@ class LiveRun:
             self.error = own_refusal(e, self.previous_click)
         finally:
             trim()                             # its KV cache and working tensors go back to the system
+            r = self.record
+            self.tell("finished", r is not None and bool(r.result.steps), r is not None
+                      and r.result.stop_reason == "stopped")
             self.finished_at = time.monotonic()
+
+    def tell(self, what: str, *args) -> None:
+        """The observer's `what`(*args), if there is one; what it raises is logged, never the run's end."""
+        if self.observer is None:
+            return
+        try:
+            getattr(self.observer, what)(*args)
+        except Exception:
+            log.warning("the run's observer failed at %s", what, exc_info=True)
 
     def _on_queue(self, position: int) -> None:
         if self.queued_at is None:

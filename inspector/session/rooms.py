@@ -25,6 +25,7 @@ import secrets
 import threading
 from dataclasses import replace
 
+from .rooms_live import Live
 from .rooms_memory import Backend, MemoryBackend
 from .rooms_redis import RedisBackend, RedisError
 from .rooms_state import (
@@ -80,6 +81,7 @@ class RoomStore:
         for _ in range(20):
             code = "".join(secrets.choice(CODE_ALPHABET) for _ in range(CODE_LEN))
             if self.b.set(self._k(code, "auth"), _digest(token), self.ttl, only_new=True):
+                self.b.delete(self._k(code, "ended"))      # a code ended long ago, drawn again
                 self._write(RoomState(code, self.b.incr(self._k(code, "ver"), self.ttl)))
                 return code, token
         raise RoomError("could not find a free room code; try again")
@@ -143,9 +145,46 @@ class RoomStore:
                 if s.prev_run_id not in (None, rid):
                     self.b.delete(self._k(code, "run", s.prev_run_id))
                 changes |= {"run_id": rid, "prev_run_id": s.run_id}
+            if s.live is not None:
+                changes["live"] = None            # the full run replaces the live one
         if not changes:
             return s
         return self._bump(code, **changes)
+
+    # ---- the teacher's run while it generates (rooms_live) ------------------------------------------------
+    def start_live(self, code: str, token: str, prompt: str, max_new: int) -> Live:
+        """A run of the teacher's starts: the room says it is live (students' screens show its panel)."""
+        code = self._authorize(code, token)
+        live = Live(self.b.incr(self._k(code, "liveseq"), self.ttl), prompt[:1_000], max_new)
+        self.publish_live(code, token, live)
+        self._bump(code, live=live.seq)
+        return live
+
+    def publish_live(self, code: str, token: str, live: Live) -> int:
+        """The live run's newest state; returns the live counter (what the watcher compares)."""
+        code = self._authorize(code, token)
+        data = live.as_json()
+        Live.from_json(data)                           # the same checks as on reading: nothing oversized stored
+        self.b.set(self._k(code, "live"), data, self.ttl)
+        return self.b.incr(self._k(code, "livever"), self.ttl)
+
+    def end_live(self, code: str, token: str, seq: int) -> None:
+        """The live run ended with nothing to show (failed, stopped before a token): the room shows its run."""
+        code = self._authorize(code, token)
+        if self._state(code).live == seq:
+            self._bump(code, live=None)
+
+    def live(self, code: str) -> tuple[int, Live | None]:
+        """(the live counter, the live run's document or None): what a student's live panel draws."""
+        code = check_code(code)
+        ver = self.b.get(self._k(code, "livever"))
+        data = self.b.get(self._k(code, "live"))
+        n = int(ver) if ver is not None and ver.isdigit() and len(ver) < 19 else 0
+        return n, None if data is None else Live.from_json(data)
+
+    def live_version(self, code: str) -> int:
+        ver = self.b.get(self._k(check_code(code), "livever"))
+        return int(ver) if ver is not None and ver.isdigit() and len(ver) < 19 else 0
 
     def run_bytes(self, code: str, run_id: str) -> bytes | None:
         data = self.b.get(self._k(check_code(code), "run", check_run_id(run_id)))
@@ -228,7 +267,26 @@ class RoomStore:
         polls = [p.id for p in s.past_polls] + ([s.poll.id] if s.poll else [])
         runs = [r for r in (s.run_id, s.prev_run_id) if r]
         self.b.delete(*[self._k(code, "poll", i) for i in polls], *[self._k(code, "run", r) for r in runs],
-                      self._k(code, "state"), self._k(code, "ver"), self._k(code, "polls"), self._k(code, "auth"))
+                      *[self._k(code, k) for k in ("state", "ver", "polls", "auth", "live", "livever", "liveseq")])
+        self.b.set(self._k(code, "ended"), b"1", self.ttl)     # students told "ended", not "reconnecting"
+
+    def was_ended(self, code: str) -> bool:
+        """Whether the teacher ended room `code` (a room the store lost, when Redis restarted empty, was not)."""
+        return self.b.get(self._k(check_code(code), "ended")) is not None
+
+    def restore(self, code: str, token: str, *, view: View | None = None, run: bytes | None = None) -> RoomState:
+        """Re-open a room the store lost (Redis restarted without its data) under the same code, from what
+        the teacher's session holds: its publish token, view and run. Forbidden when the code now belongs to
+        another room; NoRoom when the teacher ended it. A room still there is only published to."""
+        code = check_code(code)
+        if self.was_ended(code):
+            raise NoRoom(f"room {code} has ended")
+        if not self.b.set(self._k(code, "auth"), _digest(token), self.ttl, only_new=True):
+            self._authorize(code, token)
+        if self.b.get(self._k(code, "state")) is None:
+            self._write(RoomState(code, self.b.incr(self._k(code, "ver"), self.ttl)))
+        log.info("room %s re-opened from its teacher's session", code)
+        return self.publish(code, token, view=view, run=run)
 
 
 # ---- the process's store ----------------------------------------------------------------------------

@@ -1,0 +1,131 @@
+"""Issue 23 in the app (AppTest of app.py): a following student's screen shows the teacher's run as it
+generates (item 1), is told that the room is reconnecting when its store (a real redis-server) stops or
+restarts empty and follows again once the teacher's screen has re-opened the room under the same code
+(item 2), and its sidebar shows the teacher's prompt and settings, not the student's own (item 3)."""
+from __future__ import annotations
+
+import pytest
+
+from engine import RunSettings, SamplingParams
+from engine.trace import to_bytes
+from inspector.session.memo import run_key
+from inspector.session.rooms import shared_store
+from inspector.session.rooms_live import Live, LiveToken
+from inspector.session.rooms_state import View
+from inspector.session.run import inspect_run
+from tests.app.test_app_pages_b import fresh_app
+from tests.redis_server import redis_process
+
+pytestmark = pytest.mark.app
+PROMPT = "Tell me about lighthouses."
+
+
+@pytest.fixture
+def env(monkeypatch, tiny_model_dir):
+    monkeypatch.setenv("LLM_INSPECTOR_MODEL", str(tiny_model_dir))
+    monkeypatch.delenv("LLM_INSPECTOR_ROOMS", raising=False)
+    return str(tiny_model_dir)
+
+
+def teacher_run(model):
+    return inspect_run(model, RunSettings(prompt=PROMPT, chat=False, max_new_tokens=5, seed=7,
+                                          params=SamplingParams(temperature=0.7, top_p=0.9)))
+
+
+def join(app_file, source, code):
+    at = fresh_app(app_file, source)
+    at.query_params["room"] = code
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def warnings(at) -> str:
+    return " ".join(w.value for w in at.warning)
+
+
+def test_a_following_students_sidebar_shows_the_teachers_prompt_and_settings(env, app_file, tiny_model):
+    store = shared_store()
+    code, token = store.create()
+    store.publish(code, token, run=to_bytes(teacher_run(tiny_model)), view=View())
+    at = fresh_app(app_file, env)
+    at.run()
+    at.sidebar.text_area(key="sb_prompt").set_value("my own question").run()
+    at.query_params["room"] = code
+    at.run()
+    assert at.session_state["_room"]["following"]
+    shown = at.sidebar.text_area(key="sb_room_prompt")
+    assert shown.value == PROMPT and shown.disabled
+    assert not [t for t in at.sidebar.text_area if t.key == "sb_prompt"]
+    said = " ".join(c.value for c in at.sidebar.caption).replace("\\", "")      # Markdown escapes
+    assert "T=0.7 top-p=0.9" in said and "seed 7" in said and "up to 5 new tokens" in said
+    at.button(key="room_detach").click().run()                     # explore on my own: my prompt is back
+    assert at.sidebar.text_area(key="sb_prompt").value == "my own question"
+
+
+def test_a_following_student_sees_the_teachers_run_grow(env, app_file, tiny_model):
+    store = shared_store()
+    code, token = store.create()
+    store.publish(code, token, run=to_bytes(teacher_run(tiny_model)), view=View())
+    at = join(app_file, env, code)
+    live = store.start_live(code, token, "Write a poem", 8)
+    at.run()
+    assert any("starting" in m.value or "waiting for a slot" in m.value for m in at.markdown)
+    store.publish_live(code, token, Live(live.seq, "Write a poem", 8, "prefill", 0.5))
+    at.run()
+    assert [p.proto.text for p in at.get("progress")] == ["reading the prompt: 50%"]
+    texts = []
+    for n, piece in enumerate(["Roses", " are", " red"], 1):
+        texts.append((texts[-1] if texts else "") + piece)
+        store.publish_live(code, token, Live(live.seq, "Write a poem", 8, "decode", 1.0, n, texts[-1],
+                                             LiveToken(piece, 0.25, ((piece, 0.25), (" blue", 0.2)))))
+        at.run()
+        assert not at.exception, at.exception
+        assert [p.proto.text for p in at.get("progress")] == [f"token {n} of at most 8"]
+        codes = [c.value for c in at.code]
+        assert codes[0] == texts[-1] and not set(texts[:-1]) & set(codes)   # above the page, growing
+        assert any(f"Newest token {piece!r}, chosen with probability 0.25" in t.value for t in at.text)
+    assert any(t.value == "Prompt: Write a poem" for t in at.text)
+    run = inspect_run(tiny_model, RunSettings(prompt="Write a poem", chat=False, max_new_tokens=3))
+    store.publish(code, token, run=to_bytes(run))                        # the full run replaces the live one
+    at.run()
+    assert not at.get("progress") and at.session_state["run"].settings.prompt == "Write a poem"
+
+
+def test_students_are_told_the_room_is_reconnecting_and_follow_again_after_a_restart(
+        env, app_file, tiny_model, monkeypatch):
+    with redis_process() as redis:
+        monkeypatch.setenv("LLM_INSPECTOR_ROOMS", redis.url)
+        store = shared_store()
+        code, token = store.create()
+        run = teacher_run(tiny_model)
+        view = View("attention", layer=1)
+        state = store.publish(code, token, run=to_bytes(run), view=view)
+        teacher = fresh_app(app_file, env)
+        teacher.session_state["att_layer"] = 1
+        teacher.session_state["runs"] = [run]
+        teacher.session_state["run"] = run
+        teacher.session_state["_room"] = {"role": "teacher", "code": code, "token": token, "page": "attention",
+                                          "view": view, "run_key": run_key(run), "run_id": state.run_id,
+                                          "published": True, "error": None}
+        student = join(app_file, env, code)
+        assert student.session_state["_room"]["following"] and "reconnecting" not in warnings(student)
+
+        redis.stop()                                                      # the store does not answer
+        student.run()
+        assert "The room is reconnecting" in warnings(student) and "does not answer" in warnings(student)
+        assert student.session_state["_room"]["following"] and not student.session_state["_room"].get("ended")
+
+        redis.start()                                                     # back, and empty
+        student.run()
+        assert "restarted and lost it" in warnings(student)
+        teacher.switch_page("views/attention.py").run()                # the teacher's screen shows layer 1
+        assert not teacher.exception, teacher.exception
+        assert any("re-opened it under the same code" in i.value for i in teacher.info)
+        back = store.state(code)
+        assert back is not None and back.run_id == state.run_id and back.view == view
+
+        student.run()
+        assert "reconnecting" not in warnings(student) and student.session_state["_room"]["following"]
+        assert any("following the teacher: Attention · layer 1" in m.value.replace("\\", "")
+                   for m in student.markdown)

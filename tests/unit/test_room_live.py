@@ -1,0 +1,188 @@
+"""Issue 23, items 1 and 2, below the app: the teacher's run carried live (the document's bounds, the
+publisher's pace, the store's live state), a room the store lost re-opened from the teacher's session, and the
+room's watcher rerunning screens when the store stops and starts answering and when the live run moves."""
+from __future__ import annotations
+
+import pytest
+
+from engine import RunSettings
+from engine.trace import to_bytes
+from inspector.session.limits import Limits
+from inspector.session.live_run import LiveRun
+from inspector.session.rooms import RoomStore
+from inspector.session.rooms_live import MAX_LIVE_BYTES, MAX_TEXT_CHARS, MAX_TOP, Live, LivePublisher, LiveToken
+from inspector.session.rooms_memory import MemoryBackend
+from inspector.session.rooms_redis import RedisError
+from inspector.session.rooms_state import Forbidden, NoRoom, RoomError, View
+from inspector.session.run import inspect_run
+from pages.room_push import OFFLINE, Watcher
+
+
+class FakeStep:
+    def __init__(self, text: str, prob: float = 0.5, top=()):
+        self.text, self.prob, self.top = text, prob, list(top)
+
+
+class Cand:
+    def __init__(self, text, prob):
+        self.text, self.prob = text, prob
+
+
+def test_the_live_document_round_trips_and_refuses_what_is_out_of_bounds():
+    live = Live(3, "Tell me", 40, "decode", 1.0, 2, "Once upon", LiveToken(" upon", 0.25, (("a", 0.5),)))
+    assert Live.from_json(live.as_json()) == live
+    bad = [b"x" * (MAX_LIVE_BYTES + 1), b"{", b'{"phase": "dancing"}',
+           Live(3, "p", 4, "decode", text="x" * (MAX_TEXT_CHARS + 1)).as_json(),
+           Live(3, "p", 4, "decode", last=LiveToken("a", 0.5, (("b", 0.1),) * (MAX_TOP + 1))).as_json(),
+           Live(3, "p", 4, "decode", last=LiveToken("a", 1.5)).as_json()]
+    for data in bad:
+        with pytest.raises(RoomError):
+            Live.from_json(data)
+
+
+def test_the_publisher_keeps_its_pace_cuts_what_it_sends_and_never_fails_the_run():
+    now, sent, ended = [0.0], [], []
+    pub = LivePublisher(1, "p" * 5000, 8, publish=sent.append, end=ended.append, every_s=0.15, clock=lambda: now[0])
+    pub.progress(0.5)                                    # a change of phase: sent at once
+    now[0] = 0.05
+    pub.progress(0.9)                                    # the same phase within 0.15 s: held back
+    now[0] = 0.1
+    pub.token(FakeStep("Once", 0.4, [Cand("x" * 100, 0.3)] * 9))   # decode begins: sent
+    now[0] = 0.2
+    pub.token(FakeStep(" upon"))                         # 0.1 s later: held
+    now[0] = 0.3
+    pub.token(FakeStep(" a"))                            # 0.2 s later: sent, with every token so far
+    assert [(d.phase, d.tokens) for d in sent] == [("prefill", 0), ("decode", 1), ("decode", 3)]
+    assert sent[-1].text == "Once upon a" and len(sent[0].prompt) <= 1000
+    assert len(sent[1].last.top) == MAX_TOP and all(len(t) <= 32 for t, _ in sent[1].last.top)
+    pub.finished(kept=True, stopped=False)               # the end is always sent; the full run follows
+    assert sent[-1].phase == "done" and ended == []
+
+    def down(_):
+        raise RedisError("connection refused")
+    failing = LivePublisher(2, "p", 8, publish=down, end=down)
+    failing.progress(0.1)
+    failing.finished(kept=False, stopped=True)
+    assert failing.failures == 3              # the progress, the end, and saying that nothing follows
+
+
+def test_the_store_says_a_run_is_live_until_the_full_run_replaces_it(tiny_model):
+    store = RoomStore(MemoryBackend())
+    code, token = store.create()
+    v0 = store.state(code).version
+    live = store.start_live(code, token, "Tell me", 8)
+    s = store.state(code)
+    assert s.live == live.seq and s.version > v0
+    n0, doc = store.live(code)
+    assert doc.phase == "queued" and doc.prompt == "Tell me"
+    n1 = store.publish_live(code, token, Live(live.seq, "Tell me", 8, "decode", 1.0, 1, "Once"))
+    assert n1 > n0 and store.live(code)[1].text == "Once" and store.live_version(code) == n1
+    with pytest.raises(Forbidden):
+        store.publish_live(code, "not-the-token", Live(live.seq, "x", 8))
+    run = inspect_run(tiny_model, RunSettings(prompt="Tell me", chat=False, max_new_tokens=3))
+    assert store.publish(code, token, run=to_bytes(run)).live is None       # the whole run replaces it
+    second = store.start_live(code, token, "Again", 8)
+    assert second.seq == live.seq + 1
+    store.end_live(code, token, second.seq)                                 # ended with nothing to show
+    assert store.state(code).live is None and store.state(code).run_id is not None
+
+
+def test_a_room_the_store_lost_is_reopened_under_its_code_and_an_ended_room_is_not(tiny_model):
+    store = RoomStore(MemoryBackend())
+    code, token = store.create()
+    run = to_bytes(inspect_run(tiny_model, RunSettings(prompt="Tell me", chat=False, max_new_tokens=3)))
+    before = store.publish(code, token, run=run, view=View("attention", layer=1))
+    store.b = MemoryBackend()                               # what a Redis restart without persistence leaves
+    assert store.state(code) is None and not store.was_ended(code)
+    after = store.restore(code, token, view=View("attention", layer=1), run=run)
+    assert (after.code, after.run_id, after.view) == (code, before.run_id, before.view)
+    assert store.run_bytes(code, after.run_id) == run
+    with pytest.raises(Forbidden):                          # the code now belongs to the restored room
+        store.restore(code, "another-token", view=View())
+    store.end(code, token)
+    assert store.was_ended(code)
+    with pytest.raises(NoRoom):
+        store.restore(code, token, view=View())
+
+
+class FlakyStore:
+    def __init__(self, store):
+        self.store, self.down = store, False
+
+    def __getattr__(self, name):
+        f = getattr(self.store, name)
+
+        def call(*a, **k):
+            if self.down:
+                raise RedisError("connection refused")
+            return f(*a, **k)
+        return call
+
+
+def test_the_watcher_reruns_screens_when_the_store_stops_and_starts_answering(monkeypatch):
+    import pages.room_push as push
+    store = RoomStore(MemoryBackend())
+    flaky = FlakyStore(store)
+    monkeypatch.setattr(push, "shared_store", lambda: flaky)
+    code, token = store.create()
+    reruns: list[tuple] = []
+    w = Watcher(rerun=lambda sid, fragment=None: reruns.append((sid, fragment)) or True)
+    w.watch("s1", "follow", code, store.state(code).version)
+    w.tick()
+    assert reruns == []
+    flaky.down = True
+    w.tick()
+    w.tick()
+    assert reruns == [("s1", None)] and w._subs["s1"].seen == OFFLINE     # told once, not at every tick
+    flaky.down = False
+    w.tick()
+    assert reruns == [("s1", None), ("s1", None)]                         # and once more when it answers
+
+
+def test_the_watcher_reruns_only_the_live_panel_when_the_live_run_moves(monkeypatch):
+    import pages.room_push as push
+    store = RoomStore(MemoryBackend())
+    monkeypatch.setattr(push, "shared_store", lambda: store)
+    code, token = store.create()
+    live = store.start_live(code, token, "Tell me", 8)
+    reruns: list[tuple] = []
+    w = Watcher(rerun=lambda sid, fragment=None: reruns.append((sid, fragment)) or True)
+    w.watch("s1", "follow", code, store.state(code).version)
+    w.watch_live("s1", code, store.live_version(code), "frag-1")
+    w.tick()
+    assert reruns == []
+    store.publish_live(code, token, Live(live.seq, "Tell me", 8, "decode", 1.0, 1, "Once"))
+    w.tick()
+    w.tick()
+    assert reruns == [("s1", "frag-1")]
+    w.watch("s1", "follow", code, store.state(code).version)               # a full rerun: no panel until it says
+    store.publish_live(code, token, Live(live.seq, "Tell me", 8, "decode", 1.0, 2, "Once upon"))
+    w.tick()
+    assert reruns == [("s1", "frag-1")]
+
+
+def test_a_live_run_tells_its_observer_and_an_observer_that_fails_does_not_end_it(tiny_model):
+    class Recorder:
+        def __init__(self, fail=False):
+            self.calls, self.fail = [], fail
+
+        def progress(self, f):
+            self.calls.append(("progress", f))
+
+        def token(self, step):
+            if self.fail:
+                raise RuntimeError("observer bug")
+            self.calls.append(("token", step.text))
+
+        def finished(self, kept, stopped):
+            self.calls.append(("finished", kept, stopped))
+
+    settings = RunSettings(prompt="Tell me a story", chat=False, max_new_tokens=4, ignore_eos=True)
+    for fail in (False, True):
+        rec = Recorder(fail)
+        live = LiveRun(settings, tiny_model.name, 0, observer=rec).start(tiny_model, Limits())
+        assert live.wait(60) and live.error is None and live.record is not None
+        tokens = [c[1] for c in rec.calls if c[0] == "token"]
+        assert tokens == ([] if fail else [s.text for s in live.record.result.steps])
+        assert rec.calls[-1] == ("finished", True, False)
+        assert any(c[0] == "progress" for c in rec.calls)
