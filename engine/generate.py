@@ -265,10 +265,11 @@ class GenerationRun:
         for a in range(0, n, size):
             b = min(n, a + size)
             seen = (len(probe.captures), len(probe.stats)) if probe is not None else (0, 0)
-            forward_probe = probe
-            if self.on_progress is not None:
-                forward_probe = Reporting(probe, lambda i, a=a, b=b: self._tell(Progress(a, b, n, i, layers)))
-            logits = self.model.forward(torch.tensor(ids[a:b]), self.cache, forward_probe, last_only=True)
+            on_layer = None
+            if self.on_progress is not None:          # told just before each block runs
+                def on_layer(i: int, a: int = a, b: int = b) -> None:
+                    self._tell(Progress(a, b, n, i, layers))
+            logits = self.model.forward(torch.tensor(ids[a:b]), self.cache, probe, last_only=True, on_layer=on_layer)
             if b < n and probe is not None:
                 _drop_logits(probe, *seen)
             self._tell(Progress(a, b, n, layers, layers))
@@ -335,9 +336,9 @@ def _drop_logits(probe: Probe, captures_before: int, stats_before: int) -> None:
 
 
 class Reporting:
-    """The run's probe as one prefill chunk's forward sees it: the forward asks for each block's weights once,
-    just before the block runs, and that is when the layer is reported. Everything else is the probe's own
-    (a run without a probe gets an empty one), so captures, statistics and marks are exactly as without it."""
+    """A probe that reports each layer as the forward asks for its weights (just before the block runs); all
+    else is the probe's own (an empty one without a probe). Kept for engine.progress.LayerProgress.probe only:
+    a new caller passes Model.forward's on_layer instead (the prefill does)."""
 
     def __init__(self, probe: Probe | None, report: Callable[[int], None]) -> None:
         self._probe, self._report = (probe if probe is not None else Probe()), report

@@ -14,7 +14,7 @@ import functools
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ from .config import ModelConfig
 from .errors import InputError
 from .kv_cache import KVCache
 from .native.step import NativeDecoder
-from .probe import Probe
+from .probe import Probe, StopPoint, stop_point
 from .probe_views import FULL, NO_PROBE, NoProbe
 from .rope import apply_rope, rope_tables
 from .stages import hook_names
@@ -84,9 +84,9 @@ def _split_unit(unit: str, num_layers: int) -> tuple[int | None, str]:
     if unit in ("embed", "final_norm", "logits"):
         return None, unit
     parts = unit.split(".")
-    if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] in ("attn", "mlp", "resid"):
-        if int(parts[1]) < num_layers:
-            return int(parts[1]), parts[2]
+    if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] in ("attn", "mlp", "resid") \
+            and int(parts[1]) < num_layers:
+        return int(parts[1]), parts[2]
     raise InputError(f"unknown precision unit {unit!r}; units are {', '.join(PRECISION_UNITS)} "
                      f"with i in [0, {num_layers})")
 
@@ -94,13 +94,8 @@ def _split_unit(unit: str, num_layers: int) -> tuple[int | None, str]:
 class Model:
     def __init__(self, cfg: ModelConfig, weights: Weights, tokenizer: "Tokenizer", *, device: torch.device,
                  dtype: torch.dtype, name: str = "model", path: Path | None = None) -> None:
-        self.config = cfg
-        self.weights = weights
-        self.tokenizer = tokenizer
-        self.device = device
-        self.dtype = dtype
-        self.name = name
-        self.path = path
+        self.config, self.weights, self.tokenizer = cfg, weights, tokenizer
+        self.device, self.dtype, self.name, self.path = device, dtype, name, path
         self.cos, self.sin = rope_tables(cfg, cfg.max_position_embeddings, device, dtype)
         self.resid_fp32_from: int | None = None    # precision plan (see with_fp32)
         self.fp32_units: list[str] = []
@@ -157,12 +152,14 @@ class Model:
         return self._native
 
     # ---- forward --------------------------------------------------------------------------------
-    def forward(self, ids: torch.Tensor, cache: KVCache, probe: Probe | None = None, *,
-                last_only: bool = False, grad: bool = False) -> torch.Tensor:
-        """ids (T,) at the cache's position -> logits (T, V), or (1, V) with last_only. Advances the cache.
-
-        grad=True runs outside inference mode so a replace hook may hand in a tensor that requires grad
-        (gradient x input attribution); the weights never require grad."""
+    def forward(self, ids: torch.Tensor, cache: KVCache, probe: Probe | None = None, *, last_only: bool = False,
+                grad: bool = False, stop_after: str | int | None = None,
+                on_layer: Callable[[int], object] | None = None) -> torch.Tensor:
+        """ids (T,) at the cache's position -> logits (T, V), or (1, V) with last_only. Advances the cache. grad=True
+        runs outside inference mode so a replace hook may hand in a tensor that requires grad (gradient x input
+        attribution); the weights never do. stop_after: a forward stage ("blocks.5.attn.pattern") or block index;
+        every stage up to it is offered, the forward ends with its half-block (engine.probe.stop_point), returns the
+        residual stream there (T, d) and leaves later layers' cache rows unwritten. on_layer(i): just before block i."""
         if ids.dim() != 1 or ids.numel() == 0:
             raise InputError(f"forward needs a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
         T, pos = ids.shape[0], cache.get_pos()
@@ -173,40 +170,46 @@ class Model:
         if lo < 0 or hi >= self.config.vocab_size:
             raise InputError(f"token id {hi if hi >= self.config.vocab_size else lo} is outside the "
                              f"vocabulary [0, {self.config.vocab_size})")
+        stop = None if stop_after is None else stop_point(stop_after, self.config.num_layers)
         ids = ids.to(self.device)
         with torch.inference_mode(not grad), self.attached(probe, pos):
-            logits = self._forward(ids, cache, probe or NO_PROBE, pos, last_only)
+            logits = self._forward(ids, cache, probe or NO_PROBE, pos, last_only, stop, on_layer)
         cache.advance(T)
         return logits
 
-    def _forward(self, ids, cache: KVCache, probe: Probe | NoProbe, pos: int, last_only: bool) -> torch.Tensor:
+    def _forward(self, ids, cache: KVCache, probe: Probe | NoProbe, pos: int, last_only: bool,
+                 stop: StopPoint | None = None, on_layer=None) -> torch.Tensor:
         cfg, w = self.config, self.weights
         T = ids.shape[0]
         eps = cfg.rms_norm_eps if probe.norm_eps is None else probe.norm_eps
         embed, norm = probe.weight("embed.weight", w.embed), probe.weight("final_norm.weight", w.norm)
         lm_head = probe.weight("lm_head.weight", w.lm_head)
         if T == 1 and (probe is NO_PROBE or probe.stats_only) and not torch.is_grad_enabled() \
-                and cache.k.dtype == torch.float32 and self.native() is not None:
-            logits = self._native_step(ids, cache, probe, pos, eps)
-            if logits is not None:
+                and cache.k.dtype == torch.float32 and stop is on_layer is None and self.native() is not None:
+            # one decode token through engine/native; status: a watching probe's step met a NaN or Inf (the
+            # PyTorch forward then redoes it: its accounting of non-finite values is the reference)
+            stats = probe is not NO_PROBE
+            logits, values, status = self._native(int(ids[0]), cache, pos, eps, stats)
+            if not status:
+                if stats:
+                    probe.offer_block(self._native.names, self._native.layers, values)
                 return logits
         cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]                 # (T, 1, hd)
         mask = None
         if T > 1 and pos > 0:   # a chunk after earlier positions: causal within, full view of the past
-            mask = torch.arange(pos + T, device=ids.device)[None, :] <= (pos + torch.arange(T, device=ids.device))[:,
-                                                                                                                   None]
+            rows = pos + torch.arange(T, device=ids.device)
+            mask = torch.arange(pos + T, device=ids.device)[None, :] <= rows[:, None]
         if probe.timing:
             probe.mark("start")
         x = probe("embed", F.embedding(ids, embed))                             # (T, d)
         if probe.timing:
             probe.mark("embed")
-        for i, lw in enumerate(w.layers):
-            if i == self.resid_fp32_from:
-                x = x.float()     # precision plan: the residual stream stays in fp32 from this layer on
-            x = self._block(probe.layer(i), probe.layer_weights(i, lw), x, cache, i, cos, sin, mask, eps)
-            if probe.timing:
-                probe.mark(f"blocks.{i}")
-        x = probe("final_norm", _norm(x, norm, eps))
+        end, half, final = (cfg.num_layers, False, True) if stop is None else stop
+        x = self._blocks(x, cache, probe, 0, end, cos, sin, mask, eps, on_layer, half)
+        if final:
+            x = probe("final_norm", _norm(x, norm, eps))
+        if stop is not None:
+            return x
         if last_only:
             x = x[-1:]
             probe.move_to(pos + T - 1)   # the one logits row belongs to the last position
@@ -215,22 +218,42 @@ class Model:
             probe.mark("logits")
         return logits
 
-    def _native_step(self, ids, cache: KVCache, probe, pos: int, eps: float) -> torch.Tensor | None:
-        """One decode token through engine/native: logits (1, V); None when a probe watches and the step met a
-        NaN or Inf (the PyTorch forward then redoes it: its accounting of non-finite values is the reference)."""
-        nat = self._native
-        stats = probe is not NO_PROBE
-        logits, values, status = nat(int(ids[0]), cache, pos, eps, stats)
-        if status:
-            return None
-        if stats:
-            probe.offer_block(nat.names, nat.layers, values)
-        return logits
+    def _blocks(self, x, cache, probe, first: int, end: int, cos, sin, mask, eps: float, on_layer,
+                attn_half: bool = False) -> torch.Tensor:
+        """Blocks [first, end) on the stream x, then with attn_half block `end`'s attention half: the one
+        layer loop of every forward and span."""
+        layers, timing = self.weights.layers, probe.timing
+        for i in range(first, end + attn_half):
+            if on_layer is not None:
+                on_layer(i)
+            if i == self.resid_fp32_from:
+                x = x.float()     # precision plan: the residual stream stays in fp32 from this layer on
+            x = self._block(probe.layer(i), probe.layer_weights(i, layers[i]), x, cache, i, cos, sin, mask, eps,
+                            i < end)
+            if timing:
+                probe.mark(f"blocks.{i}")
+        return x
 
-    def _block(self, p, lw: LayerWeights, x, cache: KVCache, i: int, cos, sin, mask, eps: float) -> torch.Tensor:
-        """One transformer block. p offers each stage under blocks.{i}.<name> (a no-op without a probe).
-        Each half computes in its weights' dtype (a precision plan may hold some units in fp32) and adds
-        its output to the residual stream in the stream's dtype."""
+    def run_blocks(self, x: torch.Tensor, cache, start: int, end: int, probe: Probe | None = None, *,
+                   positions: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocks [start, end) on the stream x (T, d) entering block `start` -> the stream leaving block end - 1, as
+        a forward computes it (precision plan, probe). positions (T,): the rows' absolute positions (RoPE; any order:
+        a hook's ctx.pos0 is the first's). cache: a KVCache (written, not advanced) or anything with its update(layer,
+        k, v) -> (keys, values). mask (T, S): True where row t reads key s; None: causal, S == T."""
+        if not 0 <= start <= end <= self.config.num_layers or x.shape[1:] != (self.config.hidden_size,) \
+                or positions.shape != x.shape[:1]:
+            raise InputError(f"run_blocks needs a span in [0, {self.config.num_layers}] and a stream (T, d) with T "
+                             f"positions; got [{start}, {end}), {tuple(x.shape)}, {tuple(positions.shape)}")
+        eps = self.config.rms_norm_eps if probe is None or probe.norm_eps is None else probe.norm_eps
+        with torch.inference_mode(), self.attached(probe, int(positions[0])):
+            return self._blocks(x.to(self.device), cache, probe or NO_PROBE, start, end, self.cos[positions],
+                                self.sin[positions], mask, eps, None)
+
+    def _block(self, p, lw: LayerWeights, x, cache, i: int, cos, sin, mask, eps: float,
+               mlp: bool = True) -> torch.Tensor:
+        """One transformer block (without mlp: its attention half, ending at resid_mid). p offers each stage
+        under blocks.{i}.<name> (a no-op without a probe). Each half computes in its weights' dtype (a precision
+        plan may hold some units in fp32) and adds its output to the residual stream in the stream's dtype."""
         cfg = self.config
         T, H, K, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = p("attn_norm", _norm(x, lw.attn_norm, eps))                         # (T, d)
@@ -258,6 +281,8 @@ class Model:
         z = p("attn.z", z.transpose(0, 1))                                      # (T, H, hd)
         attn_out = p("attn_out", _mm(z.reshape(T, H * hd), lw.wo).to(x.dtype))  # (T, d)
         x = p("resid_mid", x + attn_out)
+        if not mlp:
+            return x
         h = p("mlp_norm", _norm(x, lw.mlp_norm, eps))
         gate, up = _mm(h, lw.w_gate_up).chunk(2, dim=-1)                        # (T, F) each
         act = p("mlp.act", F.silu(p("mlp.gate", gate)) * p("mlp.up", up))
@@ -265,12 +290,11 @@ class Model:
         return p("resid_post", x + mlp_out)
 
     def _fused_attention(self, qh, keys, values, mask, guard: bool) -> torch.Tensor:
-        """Several query positions: torch SDPA (flash attention where available). (H, T, hd) out.
-
-        guard (a probe is watching): non-finite values must reach exactly the rows that read them, as in
-        the explicit path. The kernels do not promise that (a masked weight 0 times a NaN value is NaN; the
-        CPU kernel returns 0 for a NaN query under is_causal), so non-finite queries, keys and values are
-        zeroed for the kernel and the rows that read them are set to NaN afterwards."""
+        """Several query positions: torch SDPA (flash attention where available). (H, T, hd) out. guard (a probe is
+        watching): non-finite values must reach exactly the rows that read them, as in the explicit path. The kernels
+        do not promise that (a masked weight 0 times a NaN value is NaN; the CPU kernel returns 0 for a NaN query
+        under is_causal), so non-finite queries, keys and values are zeroed for the kernel and the rows that read them
+        are set to NaN afterwards."""
         bad = None
         # CPU: a finite sum proves every value finite (three cheap reductions); the device skips the check
         if guard and (qh.device.type != "cpu" or not bool(torch.isfinite(qh.sum() + keys.sum() + values.sum()))):
@@ -291,8 +315,7 @@ class Model:
     def _poison_readers(self, z, bad_q, bad_kv, mask) -> torch.Tensor:
         """z (H, T, hd) with NaN in rows whose query is not finite (bad_q (H, T, 1)), and where a row attends
         to a position whose key (any dim) or value (that dim) is not finite (bad_kv (K, S, hd))."""
-        H, T, hd = z.shape
-        K, S = bad_kv.shape[0], bad_kv.shape[1]
+        (H, T, hd), (K, S) = z.shape, bad_kv.shape[:2]
         if mask is None:              # causal: row t reads positions 0 .. S - T + t
             seen = bad_kv.cumsum(1, dtype=torch.int32)[:, S - T:] > 0                      # (K, T, hd)
         else:
@@ -302,9 +325,8 @@ class Model:
 
     def _explicit_attention(self, qh, keys, values, p, mask) -> torch.Tensor:
         """Attention with scores and pattern as tensors: one decode row (the usual path: two grouped matmuls
-        beat SDPA's kernels at this size) or a hook that needs them whole. (H, T, hd) out.
-
-        Query heads sharing a KV head are stacked (K, G*T, hd) so GQA needs no copies of the cache."""
+        beat SDPA's kernels at this size) or a hook that needs them whole. (H, T, hd) out. Query heads sharing
+        a KV head are stacked (K, G*T, hd) so GQA needs no copies of the cache."""
         H, T, hd = qh.shape
         K, S = keys.shape[0], keys.shape[1]
         scores = (qh.reshape(K, -1, hd) @ keys.transpose(1, 2)).view(H, T, S) * (hd ** -0.5)   # (H, T, S)
@@ -340,18 +362,17 @@ class Model:
         return (x.to(self.weights.lm_head.dtype) @ self.weights.lm_head).float().cpu()
 
     def with_fp32(self, units: list[str] | tuple[str, ...], source: "Model | None" = None) -> "Model":
-        """A precision plan: this (lower-precision) model with the named units computed in fp32.
-
-        Units: embed (the embedding table in fp32, so the stream it starts is fp32), blocks.{i}.attn (its
-        weights, RoPE and its KV cache in fp32: a plan with one keeps the whole cache in fp32, which holds
-        the other layers' keys and values exactly), blocks.{i}.mlp, blocks.{i}.resid (the residual stream in
-        fp32 from layer i on), final_norm, logits. Only those units' weights are copied to fp32 (from source
-        when given, e.g. the fp32 model, else upcast from this one); every other weight is shared with this
-        model. A plan of a plan holds both plans' units."""
+        """A precision plan: this (lower-precision) model with the named units computed in fp32. Units: embed (the
+        embedding table in fp32, so the stream it starts is fp32), blocks.{i}.attn (its weights, RoPE and its KV cache
+        in fp32: a plan with one keeps the whole cache in fp32, which holds the other layers' keys and values
+        exactly), blocks.{i}.mlp, blocks.{i}.resid (the residual stream in fp32 from layer i on), final_norm, logits.
+        Only those units' weights are copied to fp32 (from source when given, e.g. the fp32 model, else upcast from
+        this one); every other weight is shared with this model. A plan of a plan holds both plans' units."""
         units = list(dict.fromkeys([*self.fp32_units, *units]))
         src = source or self
         layers, resid_from = list(self.weights.layers), self.resid_fp32_from
-        embed, norm, lm_head = self.weights.embed, self.weights.norm, self.weights.lm_head
+        ends = {"embed": "embed", "final_norm": "norm", "logits": "lm_head"}    # unit -> Weights field
+        whole = {f: getattr(self.weights, f) for f in ends.values()}
         for unit in units:
             layer, part = _split_unit(unit, self.config.num_layers)
             if part == "resid":
@@ -362,21 +383,14 @@ class Model:
                 layers[layer] = dataclasses.replace(layers[layer], **{
                     f: None if getattr(lw, f) is None else getattr(lw, f).to(torch.float32, copy=True)
                     for f in fields})
-            elif part == "embed":
-                embed = src.weights.embed.to(torch.float32, copy=True)
-            elif part == "final_norm":
-                norm = src.weights.norm.to(torch.float32, copy=True)
             else:
-                lm_head = src.weights.lm_head.to(torch.float32, copy=True)
-        weights = Weights(embed, layers, norm, lm_head)
+                whole[ends[part]] = getattr(src.weights, ends[part]).to(torch.float32, copy=True)
+        weights = Weights(layers=layers, **whole)
         plan = Model(self.config, weights, self.tokenizer, device=self.device, dtype=self.dtype,
                      name=f"{self.base_name} [fp32: {', '.join(units) or 'none'}]", path=self.path)
-        plan.base_name = self.base_name
-        plan.resid_fp32_from = resid_from
-        plan.fp32_units = units
+        plan.base_name, plan.resid_fp32_from, plan.fp32_units = self.base_name, resid_from, units
         if any(u.endswith(".attn") for u in units):
-            plan.cos, plan.sin = rope_tables(self.config, self.config.max_position_embeddings, self.device,
-                                             torch.float32)
+            plan.cos, plan.sin = rope_tables(self.config, self.context_length, self.device, torch.float32)
             plan.cache_dtype = torch.float32
         return plan
 

@@ -1,12 +1,12 @@
-"""Activation patching (causal tracing) and a per-head ablation scan, through the engine's own block.
+"""Activation patching (causal tracing) and a per-head ablation scan, through the engine's own blocks.
 
 A grid cell is "run the corrupted prompt with one activation restored from the clean run". As separate
 forwards that is 1080 forwards for a 12-token prompt (30 layers x 12 positions x 3 sites) plus 270 for the
 heads, about 0.1 s each on two CPU cores: over two minutes. Two facts make it cheap:
 - a patch at (layer i, position t) leaves every layer below i and every position before t exactly as in the
   run it starts from (the model is causal), so a patched run only computes layers >= i at positions >= t;
-- many such partial runs can share one call of the model's block function (`Model._block`, the same code as
-  every forward) when their rows are packed along the position axis with a block-diagonal causal mask: a row
+- many such partial runs can share one span of the model's blocks (`Model.run_blocks`, the same code as every
+  forward) when their rows are packed along the position axis with a block-diagonal causal mask: a row
   attends to the base run's keys before its run's first position and to its own run's rows up to itself.
 A packed call is a batched GEMM over hundreds of rows instead of hundreds of one-row calls, each of which
 would re-read every weight. Patches are replace hooks on a Probe, as in any other run.
@@ -62,8 +62,8 @@ class PackedRun:
 
 
 class _PrefixKV:
-    """Stands in for the KV cache in one packed block call: the base run's keys of the shared prefix, then
-    the packed rows' own keys (the mask decides who sees what)."""
+    """The keys and values one packed block call reads (run_blocks takes any store with update()): the base
+    run's keys of the shared prefix, then the packed rows' own keys (the mask decides who sees what)."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys, self.values = keys, values                                   # (K, P, hd)
@@ -104,35 +104,30 @@ def _edit_probe(layer: int, edits: list[tuple[str, slice, Callable]]) -> Probe:
 def _run_pack(model, base: Base, runs: list[PackedRun]) -> torch.Tensor:
     """The last position's logits (len(runs), V), fp32 CPU, of runs packed into one block call per layer."""
     cfg, dev, T = model.config, model.device, len(base.ids)
-    x = torch.empty(0, cfg.hidden_size, device=dev, dtype=base.resid_pre[0].dtype)   # (R, d) packed rows
+    first = min(r.start for r in runs)
+    # (R, d) packed rows, in the dtype of the stream entering the first layer computed (fp32 past a plan's resid)
+    x = torch.empty(0, cfg.hidden_size, device=dev, dtype=base.resid_pre[first].dtype)
     run_of = torch.empty(0, dtype=torch.long, device=dev)                             # (R,) run of each row
     pos = torch.empty(0, dtype=torch.long, device=dev)                                # (R,) its position
     spans: list[slice] = [slice(0, 0)] * len(runs)
     pos0 = torch.tensor([r.pos0 for r in runs], device=dev)
-    eps = cfg.rms_norm_eps
-    with torch.inference_mode():
-        for j in range(min(r.start for r in runs), cfg.num_layers):
-            edits = []
-            for k, r in enumerate(runs):
-                if r.start != j:
-                    continue
-                rows = r.entry if r.entry is not None else base.resid_pre[j][r.pos0:]
-                spans[k] = slice(x.shape[0], x.shape[0] + T - r.pos0)
-                x = torch.cat([x, rows.to(dev, x.dtype)])
-                run_of = torch.cat([run_of, torch.full((T - r.pos0,), k, device=dev)])
-                pos = torch.cat([pos, torch.arange(r.pos0, T, device=dev)])
-                edits += [(stage, spans[k], fn) for stage, fn in r.edits]
-            if j == model.resid_fp32_from:
-                x = x.float()          # precision plan: as Model._forward does
-            P = int(pos0[run_of].max())                                          # shared prefix length
-            see_prefix = torch.arange(P, device=dev)[None, :] < pos0[run_of][:, None]            # (R, P)
-            see_packed = (run_of[None, :] == run_of[:, None]) & (pos[None, :] <= pos[:, None])   # (R, R)
-            mask = torch.cat([see_prefix, see_packed], 1)                                        # (R, P + R)
-            kv = _PrefixKV(base.keys[j][:, :P], base.values[j][:, :P])
-            probe = _edit_probe(j, edits)
-            with model.attached(probe, 0):
-                x = model._block(probe.layer(j), probe.layer_weights(j, model.weights.layers[j]), x, kv, j,
-                                 model.cos[pos], model.sin[pos], mask, eps)
+    for j in range(first, cfg.num_layers):
+        edits = []
+        for k, r in enumerate(runs):
+            if r.start != j:
+                continue
+            rows = r.entry if r.entry is not None else base.resid_pre[j][r.pos0:]
+            spans[k] = slice(x.shape[0], x.shape[0] + T - r.pos0)
+            x = torch.cat([x, rows.to(dev, x.dtype)])
+            run_of = torch.cat([run_of, torch.full((T - r.pos0,), k, device=dev)])
+            pos = torch.cat([pos, torch.arange(r.pos0, T, device=dev)])
+            edits += [(stage, spans[k], fn) for stage, fn in r.edits]
+        P = int(pos0[run_of].max())                                              # shared prefix length
+        see_prefix = torch.arange(P, device=dev)[None, :] < pos0[run_of][:, None]                # (R, P)
+        see_packed = (run_of[None, :] == run_of[:, None]) & (pos[None, :] <= pos[:, None])       # (R, R)
+        mask = torch.cat([see_prefix, see_packed], 1)                                            # (R, P + R)
+        kv = _PrefixKV(base.keys[j][:, :P], base.values[j][:, :P])
+        x = model.run_blocks(x, kv, j, j + 1, _edit_probe(j, edits), positions=pos, mask=mask)
     last = torch.tensor([s.stop - 1 for s in spans], device=dev)                # each run's position T-1
     return model.unembed(x[last])
 

@@ -233,16 +233,12 @@ class AttentionMap:
     positions: int
 
 
-class _Done(Exception):
-    """Raised inside the forward once the last chosen layer's pattern is in: nothing after it is needed."""
-
-
 def attention_maps(model, ids, layers: list[int], *, injections=(), norm_eps: float | None = None,
                    max_side: int = MAX_SIDE, on_progress=None) -> dict[int, AttentionMap]:
     """Head-averaged attention of each chosen layer over all positions of ids, pooled into at most max_side
     blocks a side. The run's faults (injections, norm_eps) are applied so the maps are the run's own. Forward
     calls of ATTENTION_CHUNK positions; each call materialises only the chosen layers' patterns and stops
-    after the last of them. on_progress(engine.generate.Progress) hears each block run finish, chunk by
+    after the last of them (stop_after). on_progress(engine.generate.Progress) hears each block run finish, chunk by
     chunk (engine.progress)."""
     ids = [int(i) for i in ids]
     T, layers = len(ids), sorted(set(layers))
@@ -263,19 +259,13 @@ def attention_maps(model, ids, layers: list[int], *, injections=(), norm_eps: fl
         by_key = torch.zeros(t, n, dtype=torch.float64).index_add_(1, cols[:S], m)       # (t, n)
         sums[ctx.layer].index_add_(0, cols[ctx.pos0:ctx.pos0 + t], by_key)
 
-    def done(x, ctx) -> None:
-        raise _Done
-
     for layer in layers:
         probe.replace(f"blocks.{layer}.attn.pattern", keep, layers=[layer])
-    probe.replace(f"blocks.{layers[-1]}.attn.z", done, layers=[layers[-1]])
     cache, tell = model.new_cache(T), LayerProgress(on_progress, T, layers[-1] + 1)
+    last = f"blocks.{layers[-1]}.attn.pattern"     # later chunks read only the cache rows of layers up to it
     for a in range(0, T, ATTENTION_CHUNK):
         chunk = torch.tensor(ids[a:a + ATTENTION_CHUNK], dtype=torch.long)
-        try:
-            model.forward(chunk, cache, tell.probe(probe, a, a + len(chunk)), last_only=True)
-        except _Done:
-            cache.advance(len(chunk))                        # the chosen layers' keys and values are written
+        model.forward(chunk, cache, tell.probe(probe, a, a + len(chunk)), stop_after=last)
         tell.chunk_done(a, a + len(chunk))
     rows = torch.bincount(cols, minlength=n).double()[:, None]
     starts = list(range(0, T, block))

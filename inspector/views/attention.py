@@ -24,31 +24,22 @@ MAX_CELLS = 256      # most cells a side a heatmap shows; longer sequences are w
 MAX_QUERIES = 256    # query rows the entropy overview evaluates per layer (all of them when fewer)
 
 
-class _StopForward(Exception):
-    """Raised from a hook once the forward has produced what was asked; later layers are not run."""
-
-
 def attention_pattern(model, ids: Sequence[int], layer: int, *, on_progress=None) -> torch.Tensor:
     """Layer `layer`'s attention pattern over all positions of ids: float32 CPU (heads, T, T), rows sum to 1.
 
     One forward with a fresh cache: only this layer materialises its pattern (the others keep the fused
-    kernel) and the forward stops right after it, so later layers and the lm_head cost nothing.
+    kernel) and the forward stops after it (stop_after: this block's attention half), so later layers, its
+    MLP and the lm_head cost nothing.
     on_progress(engine.generate.Progress) hears each of the layer + 1 blocks run finish (engine.progress)."""
     if not 0 <= layer < model.config.num_layers:
         raise ValueError(f"layer {layer} is outside 0..{model.config.num_layers - 1}")
     ids_t = torch.as_tensor([int(i) for i in ids], dtype=torch.long)
-
-    def stop(x, ctx):
-        raise _StopForward
-
-    probe = Probe().capture(f"blocks.{layer}.attn.pattern").replace(f"blocks.{layer}.attn.z", stop)
+    name = f"blocks.{layer}.attn.pattern"
+    probe = Probe().capture(name)
     T, tell = len(ids_t), LayerProgress(on_progress, len(ids_t), layer + 1)
-    try:
-        model.forward(ids_t, model.new_cache(T), tell.probe(probe, 0, T), last_only=True)
-    except _StopForward:
-        pass
+    model.forward(ids_t, model.new_cache(T), tell.probe(probe, 0, T), stop_after=name)
     tell.chunk_done(0, T)
-    (cap,) = probe.captured(f"blocks.{layer}.attn.pattern")
+    (cap,) = probe.captured(name)
     return cap.value.float()                                                  # (H, T, T)
 
 

@@ -92,3 +92,27 @@ def test_no_file_over_400_lines_and_no_function_over_80_outside_tests():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
                 assert n <= 80, f"{mod}.{node.name}: {n} lines"
+
+
+
+def _side_doors(mod: str, text: str) -> list[str]:
+    """Ways around the public forward in one module: a call of the model's private block (outside the model),
+    and a replace hook (a function taking x, ctx) that raises a _Stop... / _Done... exception to cut a forward
+    short."""
+    found = [f"{mod} calls the model's private block; use Model.run_blocks"] \
+        if mod != "engine.model" and "._block(" in text else []
+    for fn in ast.walk(ast.parse(text)):
+        params = [a.arg for a in fn.args.args] if isinstance(fn, ast.FunctionDef) else []
+        if ["x", "ctx"] not in (params[:2], params[1:3]):
+            continue
+        for r in ast.walk(fn):
+            exc = r.exc.func if isinstance(r, ast.Raise) and isinstance(r.exc, ast.Call) else getattr(r, "exc", None)
+            if isinstance(r, ast.Raise) and re.match(r"_(Stop|Done)", getattr(exc, "id", "")):
+                found.append(f"{mod}.{fn.name} raises {exc.id} to end a forward; use Model.forward(stop_after=...)")
+    return found
+
+
+def test_tools_run_the_model_through_its_public_forward():
+    """Spans of blocks go through Model.run_blocks, early stops through Model.forward's stop_after."""
+    found = [s for mod, path in _sources(*PACKAGES).items() for s in _side_doors(mod, path.read_text())]
+    assert not found, found
