@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import streamlit as st
 import torch
+from streamlit.runtime import Runtime
 from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
+from streamlit.runtime.scriptrunner_utils.exceptions import StopException
 
 from engine import EngineError, InputError, Model, RunSettings, SamplingParams, Trace
 from engine.generate import prompt_ids
 from inspector.session.admission import shared_admission
+from inspector.session.estimate import Estimate, prefill_left
 from inspector.session.limits import LimitError, Limits, check_int, env_name
 from inspector.session.live_run import Cancelled, LiveRun, StillFinishing, rates
 from inspector.session.models import model_choices
@@ -190,21 +193,15 @@ def _prompt_tokens(model: Model, settings: RunSettings, limits: Limits) -> int |
     return memo[key]
 
 
-def _estimate(model: Model, settings: RunSettings, limits: Limits) -> tuple[int, float, float] | None:
+def _estimate(model: Model, settings: RunSettings, limits: Limits) -> Estimate | None:
     n = _prompt_tokens(model, settings, limits)
-    est = None if n is None else rates(model).estimate(n, settings.max_new_tokens)
-    return None if est is None else (n, *est)
+    return None if n is None else rates(model).forecast(n, settings.max_new_tokens)
 
 
 def estimate_caption(model: Model, limits: Limits) -> None:
-    try:
-        est = _estimate(model, settings_from_sidebar(), limits)
-    except (TypeError, ValueError, InputError):
-        return
-    if est is not None:
-        n, pre, dec = est
-        st.caption(f"Estimate: ≈ {pre + dec:,.0f} s ({n:,} prompt tokens ≈ {pre:,.1f} s, then up to "
-                   f"{settings_from_sidebar().max_new_tokens:,} tokens ≈ {dec:,.1f} s; measured on this server)")
+    with suppress(TypeError, ValueError, InputError):       # a setting out of range: said above Run instead
+        if (est := _estimate(model, settings_from_sidebar(), limits)) is not None:
+            st.caption(est.caption())
 
 
 def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
@@ -221,7 +218,7 @@ def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
         return None
     est = _estimate(model, checked, limits)
     turn = page_turn()
-    live = LiveRun(settings, model.name, est[0] if est else 0, None if est is None else est[1] + est[2], demo=demo,
+    live = LiveRun(settings, model.name, est.n_prompt if est else 0, None if est is None else est.total, demo=demo,
                    client=client_key(), previous_click=turn.locked,
                    observer=room_live.publisher(settings.prompt, settings.max_new_tokens))   # a teacher's room
     st.session_state[LIVE] = live
@@ -229,20 +226,24 @@ def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
 
 
 def watch(live: LiveRun, limits: Limits) -> None:
-    """Show the run until it ends (Stop ends it early), then keep it and draw the app again: Run, the demos and
-    the page were drawn for a running run (Run greyed out when this script run found it going: after Stop,
-    after a page change), and nothing else would redraw them before the user changes something. What the end
-    said is kept for that next script run (NOTICES)."""
-    stop, note = st.empty(), st.empty()           # gone once the run has ended
-    stop.button("Stop", key="sb_stop", on_click=live.stop, use_container_width=True,
-                help="End the run after the current layer or token; what it made so far is kept")
-    if live.estimate_s is not None and live.estimate_s > LONG_S:
-        note.info(f"This run will take about {live.estimate_s:,.0f} s on this server (prompt of {live.n_prompt:,} "
-                  "tokens). Its progress shows below; Stop keeps what it has made so far.")
-    bar, box, text = st.progress(0.0, text="starting"), st.empty(), st.empty()
-    while not live.done:
-        _draw(live, bar, box, text)
-        live.wait(0.25)
+    """Show the run until it ends (Stop ends it early), then keep it and draw the app again: Run, the demos and the
+    page were drawn for a running run (Run greyed out when this script run found it going: after Stop, after a
+    page change), and nothing else would redraw them. What the end said is kept for that next run (NOTICES)."""
+    try:
+        stop, note = st.empty(), st.empty()           # gone once the run has ended
+        stop.button("Stop", key="sb_stop", on_click=live.stop, use_container_width=True,
+                    help="End the run after the current layer or token; what it made so far is kept")
+        if live.estimate_s is not None and live.estimate_s > LONG_S:
+            note.info(f"This run will take about {live.estimate_s:,.0f} s on this server (prompt of "
+                      f"{live.n_prompt:,} tokens). Its progress shows below; Stop keeps what it has made so far.")
+        bar, box, text = st.progress(0.0, text="starting"), st.empty(), st.empty()
+        while not live.done:
+            _draw(live, bar, box, text)
+            live.wait(0.25)
+    except StopException:
+        if stopped_for_good():   # nobody watches any more: the run ends at its next layer or token, its slot is
+            live.stop()          # free at once, and the next click keeps it (a rerun's new script run watches on)
+        raise
     for placeholder in (stop, note, bar, box, text):
         placeholder.empty()
     st.session_state.pop(LIVE, None)
@@ -251,6 +252,20 @@ def watch(live: LiveRun, limits: Limits) -> None:
     if kept is not None and live.demo:
         demos.after_run(live.demo)            # opens the demo's page: a new script run
     st.rerun()
+
+
+def stopped_for_good(settle_s: float = 0.2) -> bool:
+    """Whether this script run's StopException is the toolbar's Stop (or the session's end), not a rerun: with
+    fast reruns (Streamlit's default) a rerun or page change stops the script alike, but gives the session a new
+    ScriptRunner, set just after (hence the settle). Read from Streamlit's internals (pinned: requirements.txt)."""
+    ctx, end = get_script_run_ctx(suppress_warning=True), time.monotonic() + settle_s
+    try:
+        session = Runtime.instance()._session_mgr.get_session_info(ctx.session_id).session
+        while getattr(session._scriptrunner, "_requests", None) is ctx.script_requests and time.monotonic() < end:
+            time.sleep(0.02)
+        return getattr(session._scriptrunner, "_requests", None) is ctx.script_requests
+    except (AttributeError, RuntimeError):     # no server (AppTest) or another release: unknown, the run goes on
+        return False
 
 
 def _draw(live: LiveRun, bar, box, text) -> None:
@@ -268,8 +283,7 @@ def _draw(live: LiveRun, bar, box, text) -> None:
     max_new = live.settings.max_new_tokens
     if live.tokens == 0 and live.prefill is not None:
         p, (c, n) = live.prefill, live.prefill.chunks
-        spent = now - (live.admitted_at or now)
-        left = spent * (1 - p.fraction) / p.fraction if p.fraction > 0.02 else None
+        left = prefill_left(p, now - (live.admitted_at or now), live.shape)   # later chunks attend to more
         bar.progress(min(1.0, p.fraction), text=f"prefill {p.fraction:.0%}: positions {p.done:,}–{p.chunk_end:,} of "
                      f"{p.total:,} (chunk {c} of {n}), layer {min(p.layer + 1, p.layers)} of {p.layers}"
                      + ("" if left is None else f" · about {left:,.0f} s left"))

@@ -9,7 +9,8 @@ next layer or token (engine.generate.STOP) and ends the run, which is kept with 
 Navigating to another page while it runs is the same: the new script run finds the LiveRun and keeps
 watching. Nothing here draws: the worker thread never makes a Streamlit call.
 
-Also here: the measured speed of this server (per model), for an estimate before a long run starts.
+Also here: the measured speed of this server (per model), for an estimate before a long run starts and for
+weighing a running prefill's progress (inspector.session.estimate).
 """
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine import Model, RunSettings, Step, Trace
+from engine.config import ModelConfig
 from engine.generate import STOP, Progress
 from engine.heap import trim
 
 from .admission import ServerBusyError
+from .estimate import FULL_TERMS, Estimate, estimate, fit_prefill, flop_shape
 from .limits import Limits
 from .run import inspect_run
 
@@ -81,6 +84,8 @@ class LiveRun:
     model_name: str
     n_prompt: int                              # prompt tokens as the model sees them
     estimate_s: float | None = None            # the estimate shown before it started
+    shape: tuple[float, float] = (1.0, 0.0)    # (c1, c2): a prefill's work in its positions n, c1·n + c2·n²;
+                                               # set by start() (Rates.shape), weighs the prefill's progress
     stop_event: threading.Event = field(default_factory=threading.Event)
     pieces: list[str] = field(default_factory=list)
     tokens: int = 0
@@ -109,6 +114,7 @@ class LiveRun:
         script's run context, so that the admission queue knows which browser asks, pages.common.client_key);
         the thread never draws. The model reaches it through a closure, so this object never holds the model
         (the session's memory budget counts what session state holds)."""
+        self.shape = rates(model).shape(model.config)
         self.thread = threading.Thread(target=lambda: self._work(model, limits), daemon=True,
                                        name=f"llm-inspector-run-{id(self):x}")
         if prepare is not None:
@@ -180,8 +186,8 @@ class LiveRun:
 class Rates:
     """Prefill and decode times of the runs made here with one model: the estimate for the next run.
 
-    Prefill time grows faster than linearly with the prompt (attention), so it is fitted as a·n + b·n²
-    (a, b >= 0) once two prompt lengths were measured; decode as a mean time per token."""
+    Prefill time is fitted as fixed cost + linear + quadratic in the prompt length (inspector.session.estimate,
+    which also says how sure the estimate is); decode as the measured times per token."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -196,31 +202,31 @@ class Rates:
             if len(r.steps) > 1:
                 self.per_token = (self.per_token + [float(r.timings["per_token_decode"])])[-32:]
 
-    def estimate(self, n_prompt: int, max_new: int) -> tuple[float, float] | None:
-        """(prefill seconds, seconds for max_new tokens) or None before anything was measured."""
+    def forecast(self, n_prompt: int, max_new: int) -> Estimate | None:
+        """The estimate for a run (seconds, their range, why rough), or None before anything was measured."""
         with self._lock:
             pre, dec = list(self.prefills), list(self.per_token)
-        if not pre:
-            return None
-        return prefill_fit(pre, n_prompt), (sum(dec) / len(dec) if dec else 0.0) * max(0, max_new - 1)
+        return estimate(pre, dec, n_prompt, max_new)
+
+    def estimate(self, n_prompt: int, max_new: int) -> tuple[float, float] | None:
+        """(prefill seconds, seconds for max_new tokens) or None before anything was measured."""
+        est = self.forecast(n_prompt, max_new)
+        return None if est is None else (est.prefill, est.decode)
+
+    def shape(self, config: ModelConfig) -> tuple[float, float]:
+        """(c1, c2): how a prefill's work grows with its positions, for weighing its progress: measured here
+        once three prompt lengths were, else from the model's arithmetic."""
+        with self._lock:
+            fit = fit_prefill(list(self.prefills))
+        if fit is not None and fit.lengths >= FULL_TERMS and fit.c1 + fit.c2 > 0:
+            return fit.c1, fit.c2
+        return flop_shape(config)
 
 
 def prefill_fit(samples: list[tuple[int, float]], n: int) -> float:
-    """Seconds for an n-position prefill from measured (positions, seconds): least squares of a·n + b·n² with
-    a, b >= 0 (one length measured: proportional)."""
-    xs = [(float(m), m * float(m), t) for m, t in samples if m > 0]
-    if len({x for x, _, _ in xs}) < 2:
-        m, t = samples[-1]
-        return t * n / max(m, 1)
-    s11, s12, s22 = sum(a * a for a, _, _ in xs), sum(a * b for a, b, _ in xs), sum(b * b for _, b, _ in xs)
-    y1, y2 = sum(a * t for a, _, t in xs), sum(b * t for _, b, t in xs)
-    det = s11 * s22 - s12 * s12
-    a, b = ((s22 * y1 - s12 * y2) / det, (s11 * y2 - s12 * y1) / det) if det > 0 else (y1 / s11, 0.0)
-    if a < 0:                                              # the best fit with one term only
-        a, b = 0.0, y2 / s22
-    elif b < 0:
-        a, b = y1 / s11, 0.0
-    return a * n + b * n * n
+    """Seconds for an n-position prefill from measured (positions, seconds) (inspector.session.estimate)."""
+    fit = fit_prefill(samples)
+    return 0.0 if fit is None else fit.seconds(n)
 
 
 _rates: dict[tuple, Rates] = {}
