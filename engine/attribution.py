@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import InputError
-from .patching import Base, PackedRun, base_run, run_packed
+from .patching import Base, PackedRun, base_run, packs, run_packed
 from .probe import Probe
+from .progress import OnProgress, tell_units
 
 METHODS = ("occlusion", "grad_x_input")
 
@@ -47,12 +48,14 @@ def _removed_run(base: Base, embed_row: torch.Tensor, removed: list[int]) -> Pac
     return PackedRun(0, pos0, entry=entry)
 
 
-def occlusion(model, ids: list[int], target: int, neutral: int, base: Base | None = None) -> list[float]:
+def occlusion(model, ids: list[int], target: int, neutral: int, base: Base | None = None, *,
+              on_progress: OnProgress | None = None, part: tuple[int, int] | None = None) -> list[float]:
     """log p(target) with the prompt minus log p(target) with token t replaced by `neutral`, for every t
-    (positive: the token supports the target)."""
+    (positive: the token supports the target). on_progress and part as in engine.patching.run_packed."""
     base = base or base_run(model, ids)
     row = model.weights.embed[neutral]
-    logits = run_packed(model, base, [_removed_run(base, row, [t]) for t in range(len(ids))])
+    logits = run_packed(model, base, [_removed_run(base, row, [t]) for t in range(len(ids))],
+                        on_progress=on_progress, what="occlusion", part=part)
     return (float(_logp(base.logits, target)) - _logp(logits, target)).tolist()
 
 
@@ -71,12 +74,15 @@ def grad_x_input(model, ids: list[int], target: int) -> list[float]:
 
 
 def deletion_curves(model, ids: list[int], target: int, orders: list[list[int]], neutral: int,
-                    base: Base | None = None) -> list[list[float]]:
-    """For each order: log p(target) after removing its first k tokens, k = 0..T (all orders in one pack)."""
+                    base: Base | None = None, *, on_progress: OnProgress | None = None,
+                    done: int = 0) -> list[list[float]]:
+    """For each order: log p(target) after removing its first k tokens, k = 0..T (all orders in one pack).
+    on_progress hears each packed call, counted after `done` units of the job, and the job's end."""
     base = base or base_run(model, ids)
     row, T = model.weights.embed[neutral], len(ids)
     runs = [_removed_run(base, row, order[:k]) for order in orders for k in range(1, T + 1)]
-    lp = _logp(run_packed(model, base, runs), target).view(len(orders), T)      # (orders, T)
+    lp = _logp(run_packed(model, base, runs, on_progress=on_progress, what="deletion curves",
+                          part=(done, done + packs(runs, T))), target).view(len(orders), T)      # (orders, T)
     start = float(_logp(base.logits, target))
     return [[start] + r for r in lp.tolist()]
 
@@ -116,8 +122,11 @@ class InputAttribution:
 
 
 def attribute_inputs(model, ids: list[int], target: int, *, neutral: int | None = None, random_orders: int = 4,
-                     seed: int = 0) -> InputAttribution:
-    """Occlusion and gradient x input side by side, each with its deletion curve, and random orders' areas."""
+                     seed: int = 0, on_progress: OnProgress | None = None) -> InputAttribution:
+    """Occlusion and gradient x input side by side, each with its deletion curve, and random orders' areas.
+    on_progress (engine.progress) hears each unit (the base forward, each packed call, the gradient) before it
+    runs and the end; the total is an upper bound until the deletion curves' packs are known. A STOP answer
+    raises engine.progress.Stopped before the next unit (no result)."""
     if not ids:
         raise InputError("nothing to attribute: the prompt is empty")
     V = model.config.vocab_size
@@ -126,13 +135,18 @@ def attribute_inputs(model, ids: list[int], target: int, *, neutral: int | None 
         if not 0 <= int(tid) < V:
             raise InputError(f"{name} token id {tid} is outside the vocabulary [0, {V})")
     t0 = time.perf_counter()
+    T = len(ids)
+    n_occ = packs([PackedRun(0, t) for t in range(T)], T)
+    total = 2 + n_occ + packs([PackedRun(0, 0)] * ((len(METHODS) + random_orders) * T), T)    # at most
+    tell_units(on_progress, 0, total, "the prompt's forward")
     base = base_run(model, ids)
-    scores = {"occlusion": occlusion(model, ids, target, neutral, base),
-              "grad_x_input": grad_x_input(model, ids, target)}
+    occluded = occlusion(model, ids, target, neutral, base, on_progress=on_progress, part=(1, total))
+    tell_units(on_progress, 1 + n_occ, total, "gradient × input: one forward and one backward")
+    scores = {"occlusion": occluded, "grad_x_input": grad_x_input(model, ids, target)}
     rng = random.Random(seed)
     randoms = [rng.sample(range(len(ids)), len(ids)) for _ in range(random_orders)]
     orders = [sorted(range(len(ids)), key=lambda t, s=scores[m]: (-s[t], t)) for m in METHODS] + randoms
-    curves = deletion_curves(model, ids, target, orders, neutral, base)
+    curves = deletion_curves(model, ids, target, orders, neutral, base, on_progress=on_progress, done=2 + n_occ)
     deletion = dict(zip(METHODS, curves))
     random_areas = [area(c) for c in curves[len(METHODS):]]
     if randoms:     # the mean random curve, for the plot

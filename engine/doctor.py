@@ -25,6 +25,7 @@ from .errors import EngineError, InputError
 from .generate import GenerationResult, GenerationRun, nonfinite_stop
 from .model import Model
 from .probe import GLOBAL_WEIGHTS, HEADS_FIRST, WEIGHT_SLOTS, HookContext, Probe, split_name
+from .progress import OnProgress, tell_units
 from .stats import STAT_NAMES
 from .weights import LayerWeights, Weights
 
@@ -280,26 +281,31 @@ class PrecisionReport:
 
 
 def precision_compare(ref: Model, low: Model, ids, *, threshold: float | None = None,
-                      stages=DEFAULT_STAGES, on_progress=None) -> PrecisionReport:
+                      stages=DEFAULT_STAGES, on_progress: OnProgress | None = None) -> PrecisionReport:
     """Both models' forward over ids; per stage, ||low - ref|| / ||ref|| over all positions (Frobenius).
 
     Each model runs on its own activations, so the error shown is the accumulated one. Divergence begins
     at the first stage whose relative error exceeds `threshold` (default 8 × the low dtype's unit roundoff,
     i.e. about three bits lost beyond one rounding: 0.0039 for float16, 0.031 for bfloat16).
-    on_progress(done, total): after each layer of either forward (2 × num_layers in all)."""
+    on_progress (engine.progress): Progress.units(done, 2 × num_layers, what) just before each block of either
+    forward, then done == total; a STOP answer raises engine.progress.Stopped there (the forward's on_layer is
+    the one place inside it that hears the answer), and no report is made."""
     ids = [int(i) for i in ids]
     threshold = 8 * UNIT_ROUNDOFF.get(low.dtype, 2.0 ** -11) if threshold is None else threshold
     pats = [stages] if isinstance(stages, str) else list(stages)
     names = [n for n in ref.hook_names() if any(fnmatchcase(n, p) for p in pats)
              and not n.endswith(SKIP) and n not in ("tokenizer", "detokenizer") and not n.startswith("sampler.")]
     layers = ref.config.num_layers
-    done = [0]
 
-    def tick(x: torch.Tensor, ctx: HookContext) -> None:                 # reads, never replaces
-        done[0] += 1
-        if on_progress is not None:
-            on_progress(done[0], 2 * layers)
-    ref_logits = ref.logits(ids, cap := Probe().capture(names).replace("blocks.*.resid_post", tick))
+    def logits(model: Model, probe: Probe, k: int) -> torch.Tensor:                 # k: forwards before this one
+        name = str(model.dtype).removeprefix("torch.")
+
+        def on_layer(i: int) -> None:
+            tell_units(on_progress, k * layers + i, 2 * layers,
+                       f"{name} forward over {len(ids)} positions: layer {i + 1} of {layers}")
+        return model.forward(torch.as_tensor(ids, dtype=torch.long), model.new_cache(max(1, len(ids))), probe,
+                             on_layer=on_layer if on_progress is not None else None).float().cpu()
+    ref_logits = logits(ref, cap := Probe().capture(names), 0)
     want = {c.name: c.value for c in cap.captures}
     rows: list[dict] = []
 
@@ -309,7 +315,8 @@ def precision_compare(ref: Model, low: Model, ids, *, threshold: float | None = 
         rows.append({"stage": ctx.name, "layer": ctx.layer, "stage_in_layer": split_name(ctx.name)[1],
                      "rel_err": rel if math.isfinite(rel) else float("inf"),
                      "max_abs_err": float((a - b).abs().max()), "ref_absmax": float(b.abs().max())})
-    low_logits = low.logits(ids, Probe().replace(names, compare).replace("blocks.*.resid_post", tick))
+    low_logits = logits(low, Probe().replace(names, compare), 1)
+    tell_units(on_progress, 2 * layers, 2 * layers, "done")
     agree = float((low_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
     div = next((r for r in rows if not r["rel_err"] <= threshold), None)
     return PrecisionReport(str(low.dtype).removeprefix("torch."), threshold, rows, div, agree)

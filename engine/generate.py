@@ -46,15 +46,26 @@ class _Stopped(Exception):
 
 @dataclass(frozen=True)
 class Progress:
-    """Where a prefill stands, told to on_progress before each block of each chunk and once at its end."""
-    done: int            # prompt positions prefilled before this chunk
-    chunk_end: int       # this chunk covers positions [done, chunk_end)
-    total: int           # prompt positions
+    """Where a long computation stands: the one progress record of the engine (engine.progress). A prefill or a
+    one-off forward tells it before each block of each chunk and once at its end; a job of many units (reruns,
+    packed forwards: Progress.units) before each unit and once at its end (done == total). The callback may
+    answer STOP."""
+    done: int            # prompt positions prefilled before this chunk (a job: units finished)
+    chunk_end: int       # this chunk covers positions [done, chunk_end) (a job: == done)
+    total: int           # prompt positions (a job: units in all, an upper bound until the end)
     layer: int           # the block about to run; == layers once the chunk's forward is done
     layers: int
+    what: str = ""       # a job's unit under way, in words ("rerun 3: zero the top-1 copy head")
+
+    @classmethod
+    def units(cls, done: int, total: int, what: str) -> Progress:
+        """A job's record: `done` of `total` units finished, `what` the next (or the end)."""
+        return cls(done, done, total, 1, 1, what)
 
     @property
     def fraction(self) -> float:
+        if self.total <= 0:
+            return 1.0
         return (self.done + (self.chunk_end - self.done) * self.layer / self.layers) / self.total
 
     @property
@@ -333,25 +344,6 @@ def _drop_logits(probe: Probe, captures_before: int, stats_before: int) -> None:
             kept.append(StatsBlock(blk.step, blk.pos0, [blk.names[g] for g in rows], [blk.layers[g] for g in rows],
                                    blk.values[rows]))
     probe.stats[stats_before:] = kept
-
-
-class Reporting:
-    """A probe that reports each layer as the forward asks for its weights (just before the block runs); all
-    else is the probe's own (an empty one without a probe). Kept for engine.progress.LayerProgress.probe only:
-    a new caller passes Model.forward's on_layer instead (the prefill does)."""
-
-    def __init__(self, probe: Probe | None, report: Callable[[int], None]) -> None:
-        self._probe, self._report = (probe if probe is not None else Probe()), report
-
-    def __getattr__(self, name: str):
-        return getattr(self._probe, name)
-
-    def __call__(self, name: str, x):
-        return self._probe(name, x)
-
-    def layer_weights(self, i: int, lw):
-        self._report(i)
-        return self._probe.layer_weights(i, lw)
 
 
 def nonfinite_stop(result: GenerationResult) -> dict | None:

@@ -21,11 +21,11 @@ import torch
 
 from .errors import InputError
 from .probe import Probe, zero_heads
+from .progress import OnProgress, tell_units
 
 SITES = ("resid_post", "attn_out", "mlp_out")
 MAX_ROWS = 256          # rows per packed call: large enough for efficient GEMMs, small enough that the
                         # (rows x rows) attention of a packed call stays cheap next to the MLP
-Progress = Callable[[float, str], None]
 
 
 # ---- base runs and packed partial runs ------------------------------------------------------------------
@@ -132,16 +132,27 @@ def _run_pack(model, base: Base, runs: list[PackedRun]) -> torch.Tensor:
     return model.unembed(x[last])
 
 
+def packs(runs: list[PackedRun], T: int, max_rows: int = MAX_ROWS) -> int:
+    """How many packed calls run_packed makes for these runs (its progress counts them)."""
+    return len(_groups(runs, T, max_rows))
+
+
 def run_packed(model, base: Base, runs: list[PackedRun], *, max_rows: int = MAX_ROWS,
-               progress: Progress | None = None, what: str = "runs") -> torch.Tensor:
-    """Final-position logits (len(runs), V) fp32 CPU of partial runs from `base`, in the order given."""
+               on_progress: OnProgress | None = None, what: str = "runs",
+               part: tuple[int, int] | None = None) -> torch.Tensor:
+    """Final-position logits (len(runs), V) fp32 CPU of partial runs from `base`, in the order given.
+    on_progress (engine.progress) hears each packed call before it runs; part = (packs done before, packs in
+    the whole job) when these runs are one part of a larger job; the end (done == total) is told after the last
+    part. A STOP answer raises engine.progress.Stopped before the next pack."""
     T = len(base.ids)
     out = torch.empty(len(runs), model.config.vocab_size)
     groups = _groups(runs, T, max_rows)
+    before, total = part or (0, len(groups))
     for n, g in enumerate(groups):
+        tell_units(on_progress, before + n, total, f"{what}: pack {n + 1} of {len(groups)}")
         out[g] = _run_pack(model, base, [runs[k] for k in g])
-        if progress:
-            progress((n + 1) / len(groups), f"{what}: pack {n + 1} of {len(groups)}")
+    if before + len(groups) >= total:
+        tell_units(on_progress, total, total, f"{what}: done")
     return out
 
 
@@ -204,20 +215,21 @@ def _zero_head(h: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return fn
 
 
+def head_runs(model) -> list[PackedRun]:
+    """The head scan's partial runs: every (layer, head) zeroed at its attn.z, from that layer on."""
+    L, H = model.config.num_layers, model.config.num_heads
+    return [PackedRun(i, 0, edits=(("attn.z", _zero_head(h)),)) for i in range(L) for h in range(H)]
+
+
 def head_scan(model, ids: list[int], target: int, *, base: Base | None = None,
-              progress: Progress | None = None) -> list[list[float]]:
+              on_progress: OnProgress | None = None, part: tuple[int, int] | None = None) -> list[list[float]]:
     """[layer][head]: logit(target) at the last position with that head's output zeroed at every position,
-    minus the unablated logit. A head at layer i leaves layers below i untouched, so each run starts there."""
+    minus the unablated logit. A head at layer i leaves layers below i untouched, so each run starts there.
+    on_progress and part as in run_packed."""
     L, H = model.config.num_layers, model.config.num_heads
     base = base or base_run(model, ids)
-    runs = [PackedRun(i, 0, edits=(("attn.z", _zero_head(h)),)) for i in range(L) for h in range(H)]
-    logits = run_packed(model, base, runs, progress=progress, what="head scan")
+    logits = run_packed(model, base, head_runs(model), on_progress=on_progress, what="head scan", part=part)
     return (logits[:, target] - float(base.logits[target])).view(L, H).tolist()                # (L, H)
-
-
-def _part(progress: Progress | None, lo: float, hi: float) -> Progress | None:
-    """Progress of one part of the work, mapped onto [lo, hi] of the whole."""
-    return None if progress is None else (lambda f, msg: progress(lo + (hi - lo) * f, msg))
 
 
 def check_pair(model, clean_ids: list[int], corrupt_ids: list[int], target: int) -> None:
@@ -230,9 +242,11 @@ def check_pair(model, clean_ids: list[int], corrupt_ids: list[int], target: int)
 
 def patching_grid(model, clean_ids: list[int], corrupt_ids: list[int], target: int, *,
                   sites: tuple[str, ...] = SITES, heads: bool = True, skip_unchanged: bool = True,
-                  progress: Progress | None = None) -> PatchingResult:
+                  on_progress: OnProgress | None = None) -> PatchingResult:
     """Every layer x position x site restored from clean into the corrupted run (recovered p(target)), and
-    every head zeroed in the clean run (change in logit(target)).
+    every head zeroed in the clean run (change in logit(target)). on_progress (engine.progress) hears each
+    packed call of the grid and the scan before it runs, and the end; a STOP answer raises
+    engine.progress.Stopped before the next one (no result).
 
     skip_unchanged: positions before the first token that differs hold identical activations in both runs
     (causality), so their cells are p_corrupt without computing them."""
@@ -249,16 +263,16 @@ def patching_grid(model, clean_ids: list[int], corrupt_ids: list[int], target: i
     cells = [(s, i, t) for s in sites for i in range(L) for t in range(first, T)]
     runs = [PackedRun(i, t, edits=((s, _restore_first(clean.acts[f"blocks.{i}.{s}"][t])),)) for s, i, t in cells]
     t1 = time.perf_counter()
-    work = sum((L - r.start) * (T - r.pos0) for r in runs)                      # row-layers computed
-    head_work = H * T * L * (L + 1) // 2 if heads else 0
-    split = work / max(1, work + head_work)
-    probs = torch.softmax(run_packed(model, corrupt, runs, progress=_part(progress, 0, split),
-                                     what="patching grid"), -1)
+    n_grid, n_heads = packs(runs, T), packs(head_runs(model), T) if heads else 0
+    total = n_grid + n_heads
+    probs = torch.softmax(run_packed(model, corrupt, runs, on_progress=on_progress, what="patching grid",
+                                     part=(0, total)), -1)
     grid = {s: [[p_corrupt] * T for _ in range(L)] for s in sites}
     for (s, i, t), p in zip(cells, probs[:, target].tolist()):
         grid[s][i][t] = p
     t2 = time.perf_counter()
-    scan = head_scan(model, clean_ids, target, base=clean, progress=_part(progress, split, 1.0)) if heads else None
+    scan = head_scan(model, clean_ids, target, base=clean, on_progress=on_progress,
+                     part=(n_grid, total)) if heads else None
     t3 = time.perf_counter()
     return PatchingResult(list(clean_ids), list(corrupt_ids), int(target), model.tokenizer.decode([int(target)]),
                           p_clean, p_corrupt, float(clean.logits[target]), grid, scan,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ from .errors import InputError
 from .generate import GenerationRun
 from .model import Model
 from .probe import HookContext, Probe, split_name
+from .progress import OnProgress, tell_units
 from .settings import RunSettings
 from .weights import Weights
 
@@ -35,7 +35,6 @@ FORMATS = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
 THRESHOLD = 0.05
 SKIP = ("attn.scores", "attn.pattern")     # materialising them would change the reference's attention kernel
-Progress = Callable[[float, str], None]
 
 
 def _qtype(fmt: str):
@@ -149,14 +148,19 @@ def first_layer_over(rows: list[dict], threshold: float) -> int | None:
 
 
 def compare_formats(model: Model, ids: list[int], n_prompt: int, formats, *, threshold: float = THRESHOLD,
-                    embed: bool = False, text: str = "", on_progress: Progress | None = None) -> QuantReport:
+                    embed: bool = False, text: str = "", on_progress: OnProgress | None = None) -> QuantReport:
     """Each format's quantized copy against model over the same ids (built, compared and freed one at a
-    time). The generated steps are the logits rows n_prompt-1 .. len(ids)-2 (each chose the next token)."""
+    time). The generated steps are the logits rows n_prompt-1 .. len(ids)-2 (each chose the next token).
+    on_progress (engine.progress) hears the reference forward and each format's two units (quantizing, running)
+    before they start, and the end; a STOP answer raises engine.progress.Stopped before the next one (no report)."""
     if model.dtype != torch.float32:
         raise InputError(f"quantization is compared against float32 weights; this model is {model.dtype}")
     ids = [int(i) for i in ids]
     if not 0 < n_prompt < len(ids):
         raise InputError(f"need at least one generated token after {n_prompt} prompt tokens, got {len(ids)} ids")
+    fmts = check_formats(formats)
+    total = 1 + 2 * len(fmts)
+    tell_units(on_progress, 0, total, "the float32 reference forward")
     names = stage_names(model)
     cap = Probe().capture(names)
     ref_logits = model.logits(ids, cap)
@@ -166,13 +170,10 @@ def compare_formats(model: Model, ids: list[int], n_prompt: int, formats, *, thr
     ref_lp = torch.log_softmax(ref_logits[steps].double(), -1)                 # (steps, V)
     report = QuantReport(f"{model.name} ({str(model.dtype).removeprefix('torch.')})", len(ids),
                          len(ids) - n_prompt, threshold, embed, text)
-    fmts = check_formats(formats)
     for k, fmt in enumerate(fmts):
-        if on_progress:
-            on_progress(k / len(fmts), f"quantizing to {fmt}")
+        tell_units(on_progress, 1 + 2 * k, total, f"quantizing to {fmt}")
         quant = quantized_model(model, fmt, embed=embed)
-        if on_progress:
-            on_progress((k + 0.5) / len(fmts), f"running {fmt}")
+        tell_units(on_progress, 2 + 2 * k, total, f"running {fmt}")
         rows, logits = _compare(ref_stages, quant, ids)
         del quant                                             # one extra model at a time
         q_lp = torch.log_softmax(logits[steps].double(), -1)
@@ -181,13 +182,12 @@ def compare_formats(model: Model, ids: list[int], n_prompt: int, formats, *, thr
         report.formats.append(FormatResult(fmt, [float(x) for x in kld], [bool(x) for x in match],
                                            float(kld.mean()), float(match.double().mean()),
                                            first_layer_over(rows, threshold), rows))
-    if on_progress:
-        on_progress(1.0, "done")
+    tell_units(on_progress, total, total, "done")
     return report
 
 
 def quant_report(model: Model, settings: RunSettings, formats=("Q8_0", "Q4_0"), *, threshold: float = THRESHOLD,
-                 embed: bool = False, on_progress: Progress | None = None) -> QuantReport:
+                 embed: bool = False, on_progress: OnProgress | None = None) -> QuantReport:
     """The reference generates settings.max_new_tokens tokens (settings' prompt, sampler and seed; EOS does
     not end it, so every format reads the same number of steps); then compare_formats over those tokens."""
     run = GenerationRun(model, settings.prompt, params=settings.params, max_new_tokens=settings.max_new_tokens,

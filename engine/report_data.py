@@ -265,7 +265,7 @@ def attention_maps(model, ids, layers: list[int], *, injections=(), norm_eps: fl
     last = f"blocks.{layers[-1]}.attn.pattern"     # later chunks read only the cache rows of layers up to it
     for a in range(0, T, ATTENTION_CHUNK):
         chunk = torch.tensor(ids[a:a + ATTENTION_CHUNK], dtype=torch.long)
-        model.forward(chunk, cache, tell.probe(probe, a, a + len(chunk)), stop_after=last)
+        model.forward(chunk, cache, probe, stop_after=last, on_layer=tell.on_layer(a, a + len(chunk)))
         tell.chunk_done(a, a + len(chunk))
     rows = torch.bincount(cols, minlength=n).double()[:, None]
     starts = list(range(0, T, block))

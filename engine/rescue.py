@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -50,6 +49,7 @@ from .errors import InputError
 from .generate import NONFINITE, PREFILL_CHUNK, GenerationRun
 from .model import Model
 from .probe import HookContext, Probe
+from .progress import OnProgress, tell_units
 from .settings import RunSettings
 
 AGREEMENT = 0.99
@@ -60,7 +60,6 @@ MAX_NEW_TOKENS = 8            # float16 matmuls on a CPU are slow: each rerun ru
 # by at most 2.8 such spacings (0.044 logits) and a bfloat16 run by at most 3.4 (0.42).
 TIE_ULPS = 4
 UNWATCHED = ("attn.scores", "attn.pattern")   # -inf masks are not faults; hooking them forces slow attention
-Progress = Callable[[float, str], None]
 
 
 def precision_units(num_layers: int) -> list[str]:
@@ -276,15 +275,15 @@ class _Search:
     the most reruns the round under way can still take (set by the search as it goes), so the progress total
     (done + ahead) is an upper bound until another culprit starts a round, and equals the reruns at the end."""
 
-    def __init__(self, reference: Reference, ref: Model, low: Model, ahead: int, progress: Progress | None) -> None:
+    def __init__(self, reference: Reference, ref: Model, low: Model, ahead: int,
+                 on_progress: OnProgress | None) -> None:
         self.reference, self.ref, self.low = reference, ref, low
-        self.ahead, self.progress, self.trials = ahead, progress, []
+        self.ahead, self.on_progress, self.trials = ahead, on_progress, []
 
     def test(self, units: list[str], label: str) -> Trial:
         done = len(self.trials)
         total = done + max(self.ahead, 1)
-        if self.progress:
-            self.progress(done / total, f"rerun {done + 1} of {total}: {label}")
+        tell_units(self.on_progress, done, total, f"rerun {done + 1} of {total}: {label}")
         plan = self.low.with_fp32(units, source=self.ref) if units else self.low
         trial = judge(self.reference, plan, label)
         self.trials.append(trial)
@@ -336,14 +335,16 @@ def _minimal_set(search: _Search, units: list[str], agreement: float) -> tuple[l
 
 def find_rescue(ref: Model, low: Model, settings: RunSettings, *, injections=(), norm_eps: float | None = None,
                 max_new_tokens: int | None = None, agreement: float = AGREEMENT,
-                logit_threshold: float = LOGIT_THRESHOLD, on_progress: Progress | None = None) -> RescueReport:
+                logit_threshold: float = LOGIT_THRESHOLD, on_progress: OnProgress | None = None) -> RescueReport:
     """ref: the fp32 model; low: the same weights in float16 / bfloat16 (engine.doctor.cast_model). The run
-    is settings' prompt and sampling with min(settings.max_new_tokens, MAX_NEW_TOKENS) new tokens."""
+    is settings' prompt and sampling with min(settings.max_new_tokens, MAX_NEW_TOKENS) new tokens. on_progress
+    (engine.progress) hears each rerun before it runs and the end (done == total == reruns); a STOP answer
+    raises engine.progress.Stopped before the next rerun."""
     specs = [i if isinstance(i, str) else i.spec for i in injections]
     n_new = max_new_tokens or min(settings.max_new_tokens, MAX_NEW_TOKENS)
-    reference = fp32_reference(ref, low.dtype, settings, n_new, injections=specs, norm_eps=norm_eps)
     units = precision_units(low.config.num_layers)
     bound = _steps(len(units)) + 5
+    reference = fp32_reference(ref, low.dtype, settings, n_new, injections=specs, norm_eps=norm_eps)
     search = _Search(reference, ref, low, bound, on_progress)
     report = RescueReport(str(low.dtype).removeprefix("torch."), specs,
                           len(reference.prompt_ids) + len(reference.fed), len(reference.tokens), [], None, False,
@@ -376,6 +377,5 @@ def find_rescue(ref: Model, low: Model, settings: RunSettings, *, injections=(),
 
 def _finish(report: RescueReport, search: _Search, note: str = "") -> RescueReport:
     report.trials, report.reruns, report.note = list(search.trials), len(search.trials), note
-    if search.progress:
-        search.progress(1.0, f"done: {report.reruns} of {report.reruns} reruns")
+    tell_units(search.on_progress, report.reruns, report.reruns, f"done: {report.reruns} of {report.reruns} reruns")
     return report

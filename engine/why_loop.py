@@ -28,7 +28,7 @@ import heapq
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -37,6 +37,7 @@ from .generate import GenerationRun
 from .loops import Loop, find_loops, tail_loop
 from .model import Model
 from .probe import Probe, zero_heads
+from .progress import OnProgress, tell_units
 from .settings import RunSettings
 
 HORIZON = 64
@@ -53,8 +54,6 @@ SAMPLER_LADDERS: dict[str, tuple[float, ...]] = {
     "no_repeat_ngram": (8, 6, 4, 3),
     "temperature": (0.3, 0.7, 1.0),
 }
-Progress = Callable[[float, str], None]
-
 
 def repeated_ngram(tokens: Sequence[int], n: int = REPEAT_N, count: int = REPEAT_COUNT) -> tuple[int, ...] | None:
     """The first token n-gram (in order of appearance) that occurs `count` times or more; None if none."""
@@ -108,9 +107,10 @@ class _OutOfReruns(Exception):
 class _Reruns:
     """The budget: every generation goes through here, so the count in the report is the true one."""
 
-    def __init__(self, settings: RunSettings, horizon: int, limit: int, planned: int, progress: Progress | None):
+    def __init__(self, settings: RunSettings, horizon: int, limit: int, planned: int,
+                 on_progress: OnProgress | None):
         self.settings, self.horizon, self.limit = settings, horizon, limit
-        self.planned, self.progress, self.count = max(planned, 1), progress, 0
+        self.planned, self.on_progress, self.count = max(1, min(planned, limit)), on_progress, 0
         self.last_prompt_ids: list[int] = []
 
     def check(self, label: str) -> None:
@@ -123,9 +123,8 @@ class _Reruns:
         with early_stop it ends as soon as the loop test fires. Returns (token ids, text, why it stopped:
         "loop", "eos" or "max_new_tokens")."""
         self.check(label)
+        tell_units(self.on_progress, self.count, self.planned, f"rerun {self.count + 1}: {label}")
         self.count += 1
-        if self.progress:
-            self.progress(min(self.count / self.planned, 1.0), f"rerun {self.count}: {label}")
         s = self.settings
         run = GenerationRun(model, s.prompt if prompt is None else prompt, params=params or s.params,
                             max_new_tokens=self.horizon, seed=s.seed, chat=s.chat, system=s.system,
@@ -294,15 +293,16 @@ def _planned(prompt: str) -> int:
 
 
 def why_loop(model: Model, settings: RunSettings, *, horizon: int = HORIZON, max_reruns: int = MAX_RERUNS,
-             top_heads: int = max(HEAD_KS), on_progress: Progress | None = None) -> WhyLoopReport:
+             top_heads: int = max(HEAD_KS), on_progress: OnProgress | None = None) -> WhyLoopReport:
     """Rerun settings' prompt and seed for `horizon` tokens; on a loop, test the candidate causes (see the
-    module docstring), at most max_reruns generations in all. A loop-free baseline reports "no loop"."""
+    module docstring), at most max_reruns generations in all. A loop-free baseline reports "no loop".
+    on_progress (engine.progress) hears each rerun before it runs and the end (done == total == reruns); a
+    STOP answer raises engine.progress.Stopped before the next rerun."""
     reruns = _Reruns(settings, horizon, max_reruns, _planned(settings.prompt), on_progress)
     # The baseline runs to the horizon (no early stop): the copy heads are read from the loop's repeats.
     base_ids, base_text, _ = reruns.generate(model, "baseline", early_stop=False)
     if not loops_in(base_ids):
-        if on_progress:
-            on_progress(1.0, "no loop")
+        tell_units(on_progress, reruns.count, reruns.count, "no loop")
         return WhyLoopReport("no loop", None, horizon, base_text, [], [], reruns.count, max_reruns, [])
     base_loop = tail_loop(base_ids) or next(iter(find_loops(base_ids)), None)
     top = []
@@ -322,7 +322,6 @@ def why_loop(model: Model, settings: RunSettings, *, horizon: int = HORIZON, max
         except _OutOfReruns as e:
             skipped.append(f"{kind}: {e} and what follows it (the budget of {max_reruns} reruns is spent)")
     causes.sort(key=lambda c: (not c.loop_gone, KIND_ORDER.index(c.kind)))    # stable: weakest first kept
-    if on_progress:
-        on_progress(1.0, f"done: {reruns.count} reruns")
+    tell_units(on_progress, reruns.count, reruns.count, f"done: {reruns.count} reruns")
     return WhyLoopReport("loop", None if base_loop is None else base_loop.as_dict(), horizon, base_text,
                          causes, top, reruns.count, max_reruns, skipped)

@@ -163,16 +163,20 @@ def require_run_and_model(purpose: str = "inspect it"):
     return run, model
 
 
-def on_demand(store, k, what: str, compute, *, work: tuple | None = None, **bounds):
+def on_demand(store, k, what: str, compute, *, work: tuple | None = None, stop_on_error: bool = True, **bounds):
     """memo(store, k, ...): on a miss compute(on_progress) runs holding a device slot (queue shown), with a
-    progress bar by layer (on_progress takes engine.generate.Progress records), the time it should take when
-    work = (model, positions, layers) and this model's speed at this kind of computation was measured here
-    (inspector.session.on_demand), and a Stop button.
+    progress bar and a Stop button: the app's one way to show any long computation. on_progress takes the
+    engine's one progress record (engine.progress: a forward's layers, or a job's units with what it is doing);
+    the bar never moves back (a job's total is an upper bound until its end). work = (model, positions, layers)
+    adds the time it should take, when this model's speed at this kind of computation was measured here
+    (inspector.session.on_demand).
 
-    Stop: the click asks Streamlit for a rerun, which ends this script at its next st call (the next layer's
-    progress update), releasing the slot on the way out; the new run finds the computation marked in
-    STOPPED_KEY (the engine is answered STOP too, should the old run still be reporting) and shows "Stopped"
-    with a button to compute again. Nothing half-computed is memoised. Returns None while stopped."""
+    Stop: the click asks Streamlit for a rerun, which ends this script at its next st call (the next progress
+    update: the next layer, rerun or packed call), releasing the slot on the way out; the new run finds the
+    computation marked in STOPPED_KEY (the engine is answered STOP too, should the old run still be reporting,
+    and a job raises engine.progress.Stopped before its next unit) and shows "Stopped" with a button to compute
+    again. Nothing half-computed is memoised. Returns None while stopped, and after an engine error when
+    stop_on_error is False (the message is shown; otherwise the script stops there)."""
     tag = _tag(what, k)
     stopped = st.session_state.setdefault(STOPPED_KEY, {})        # tag -> "stopped" | "again"
     if k in store:
@@ -183,12 +187,14 @@ def on_demand(store, k, what: str, compute, *, work: tuple | None = None, **boun
     model = work[0] if work else None
     est = about(estimate(model, what, *work[1:])) if work else ""
     last: list[Progress] = []
+    shown = [0.0]
 
     def tell(p: Progress):
         if stopped.get(tag) == "stopped":
             return STOP
         last[:] = [p]
-        bar.progress(min(max(p.fraction, 0.0), 1.0), text=f"Computing {what}: {progress_text(p)}"
+        shown[0] = max(shown[0], min(max(p.fraction, 0.0), 1.0))
+        bar.progress(shown[0], text=f"Computing {what}: {p.what or progress_text(p)}"
                      + (f" ({est} in all)" if est else ""))
         return None
     try:
@@ -207,10 +213,13 @@ def on_demand(store, k, what: str, compute, *, work: tuple | None = None, **boun
                 record_rate(model, what, time.perf_counter() - t0, last[0] if last else None)
             return value
     except Stopped:
+        stopped[tag] = "stopped"
         return _show_stopped(what, tag, stopped)
     except EngineError as e:
         st.error(str(e))
-        st.stop()
+        if stop_on_error:
+            st.stop()
+        return None
 
 
 def was_stopped(what: str, k) -> bool:

@@ -16,7 +16,7 @@ from engine.patching import patching_grid, replace_span
 from inspector.session.memo import memo, run_key
 from inspector.views import explain as xv
 from inspector.views.tokens import token_labels
-from pages.common import device_slot, plain, require_run_and_model
+from pages.common import device_slot, on_demand, plain, require_run_and_model, was_stopped
 from pages.widgets import chart, checked, checked_text, columns
 
 MAX_PATCH_TOKENS = 128       # the grid's cost grows with positions² x layers; beyond this it takes minutes
@@ -26,29 +26,30 @@ MAX_REPLACEMENT_CHARS = 2_000   # tokenized on every rerun; the span it must mat
 STORE = "explain_memo"
 
 
-def cached(k, what: str, compute, progress: bool = False):
-    """The memoised result for k, computing it (in a device slot, with a spinner or a progress bar) on a miss."""
+def cached(k, what: str, compute):
+    """The memoised result for k, computing it (in a device slot, with a spinner) on a miss: the one-forward
+    attribution. The long jobs (patching, input attribution) go through long_job."""
     store = st.session_state.setdefault(STORE, OrderedDict())
     if k in store:
         return memo(store, k, compute)
     try:
         with device_slot(what):
-            if not progress:
-                with st.spinner(f"Computing {what}…"):
-                    return memo(store, k, compute, max_entries=12)
-            bar = st.progress(0.0, text=f"Computing {what}…")
-            try:
-                return memo(store, k, lambda: compute(lambda f, msg: bar.progress(min(1.0, f), text=msg)),
-                            max_entries=12)
-            finally:
-                bar.empty()
+            with st.spinner(f"Computing {what}…"):
+                return memo(store, k, compute, max_entries=12)
     except EngineError as e:
         st.error(str(e))
         st.stop()
 
 
-def has(k) -> bool:
-    return k in st.session_state.get(STORE, {})
+def long_job(k, what: str, compute):
+    """compute(on_progress) memoised for k, with a progress bar and Stop (pages.common.on_demand); None while
+    stopped (the page then shows "Stopped" and a button to compute again)."""
+    return on_demand(st.session_state.setdefault(STORE, OrderedDict()), k, what, compute, max_entries=12)
+
+
+def has(k, what: str) -> bool:
+    """Computed for k, or stopped (on_demand then shows "Stopped" and a button to compute again)."""
+    return k in st.session_state.get(STORE, {}) or was_stopped(what, k)
 
 
 def show_attribution(e) -> None:
@@ -178,10 +179,11 @@ with tab_patch:
                        f"{len(ids)}.")
         elif corrupt == ids:
             st.info("The corrupted prompt is the same as the clean one; choose other tokens or another replacement.")
-        elif has(pk) or st.button("Run patching", key="ex_patch_run", type="primary"):
-            r = cached(pk, "activation patching", lambda p: patching_grid(model, ids, corrupt, a, progress=p),
-                       progress=True)
-            show_patching(r, labels)
+        elif has(pk, "activation patching") or st.button("Run patching", key="ex_patch_run", type="primary"):
+            r = long_job(pk, "activation patching",
+                         lambda tell: patching_grid(model, ids, corrupt, a, on_progress=tell))
+            if r is not None:
+                show_patching(r, labels)
 
 with tab_inputs:
     st.caption(f"How much log p({plain(repr(tok.decode([a])))}) at step {step} rests on each of the {len(ids)} "
@@ -194,6 +196,8 @@ with tab_inputs:
     if len(ids) > MAX_ATTRIBUTION_TOKENS:
         st.warning(f"Input attribution is offered for contexts of up to {MAX_ATTRIBUTION_TOKENS} tokens; this one "
                    f"has {len(ids)}.")
-    elif has(ak) or st.button("Attribute", key="ex_attr_run", type="primary"):
-        attr = cached(ak, "input attribution", lambda: attribute_inputs(model, ids, a, random_orders=orders))
-        show_inputs(attr, labels)
+    elif has(ak, "input attribution") or st.button("Attribute", key="ex_attr_run", type="primary"):
+        attr = long_job(ak, "input attribution",
+                        lambda tell: attribute_inputs(model, ids, a, random_orders=orders, on_progress=tell))
+        if attr is not None:
+            show_inputs(attr, labels)

@@ -10,7 +10,8 @@ from inspector.session.memo import run_key
 from inspector.session.models import shared_copy
 from inspector.session.run import check_settings
 from inspector.views import doctor as dv
-from pages.common import device_slot, get_model, plain, require_run, server_limits
+from pages.common import device_slot, get_model, on_demand, plain, require_run, server_limits, was_stopped
+from pages.demos import lesson
 from pages.prescriptions import rescue_section
 from pages.widgets import chart, checked, checked_float
 
@@ -58,6 +59,7 @@ def show_stop(result) -> None:
 
 st.header("NaN / Inf doctor")
 run = require_run()
+lesson("nan_doctor")          # after a demo that opens this page: its lesson on the first screen
 res = run.result
 
 st.subheader("This run")
@@ -151,20 +153,16 @@ low_dtype = c1.selectbox("Compare with", ["float16", "bfloat16"], key="nd_prec_d
 thr = checked_float(c2.number_input("Divergence threshold (relative error; 0 = 8 × unit roundoff)", 0.0, 10.0, 0.0,
                                     format="%.4f", key="nd_prec_thr"), 0.0, 10.0, "Divergence threshold")
 precs = st.session_state.setdefault("nd_precs", {})            # run_key -> the last comparison
-if st.button("Compare precisions", key="nd_prec_run"):
+prec_key, prec_what = (run_key(run), low_dtype, thr), "the precision comparison"
+if st.button("Compare precisions", key="nd_prec_run") or was_stopped(prec_what, prec_key):
     ids = run.ids[:MAX_PRECISION_POSITIONS]
-    bar = st.progress(0.0, text=f"a {low_dtype} copy of the weights (once per server)")
-    try:
-        with device_slot("the precision comparison"):
-            low = low_precision_copy(model, mkey, low_dtype)
-            precs[run_key(run)] = precision_compare(
-                model, low, ids, threshold=thr or None,
-                on_progress=lambda done, total: bar.progress(done / total, text=(
-                    f"{'fp32' if done <= total // 2 else low_dtype} forward over {len(ids)} positions: layer "
-                    f"{(done - 1) % (total // 2) + 1} of {total // 2}")))
-    except EngineError as e:
-        st.error(str(e))
-    bar.empty()
+
+    def compare(tell):      # the low copy first (once per server), then both forwards layer by layer
+        return precision_compare(model, low_precision_copy(model, mkey, low_dtype), ids, threshold=thr or None,
+                                 on_progress=tell)
+    # a fresh store: the button always recomputes; the page keeps the run's last comparison in precs
+    if (computed := on_demand({}, prec_key, prec_what, compare, stop_on_error=False)) is not None:
+        precs[run_key(run)] = computed
 prec = precs.get(run_key(run))
 if prec is not None:
     df = dv.precision_frame(prec)

@@ -2,35 +2,31 @@
 fp32 rescue set (NaN doctor page) and quantization damage per stage (the Quantization page).
 
 Each takes the current run (engine.Trace) and the model it was made with. Model work happens only on a
-button press, inside a device slot with a progress bar, and is kept in this session keyed by the run and
-the choices that change the result; display-only controls never re-run the model.
+button press, inside a device slot with a progress bar and a Stop button (pages.common.on_demand: a stopped
+search shows "Stopped" and keeps nothing), and is kept in this session keyed by the run and the choices that
+change the result; display-only controls never re-run the model.
 """
 from __future__ import annotations
 
 import streamlit as st
 import torch
 
-from engine import EngineError, InputError
+from engine import InputError
 from engine.cli.prescribe import check_command
 from engine.doctor import PRESETS, cast_model
 from engine.quant import FORMATS, THRESHOLD, compare_formats
 from engine.rescue import MAX_NEW_TOKENS, find_rescue
 from engine.why_loop import HORIZON, MAX_RERUNS, why_loop
-from inspector.session.memo import memo, run_key
+from inspector.session.memo import run_key
 from inspector.session.run import check_settings
 from inspector.views import prescribe as pv
-from pages.common import device_slot, plain, server_limits
+from pages.common import on_demand, plain, server_limits, was_stopped
 from pages.widgets import chart, checked, checked_text
 
 MAX_QUANT_POSITIONS = 256
 MAX_RESCUE_TOKENS = 16
 MAX_INJECT_CHARS = 1_000      # a few KIND@STAGE[:N] specs; parsed (and matched against every stage) per rerun
 QUANT_CHOICES = (*FORMATS, "F16", "BF16", "F32")
-
-
-def _progress_bar(start: str):
-    bar = st.progress(0.0, text=start)
-    return bar, lambda f, msg: bar.progress(min(max(float(f), 0.0), 1.0), text=msg)
 
 
 def _reference_note(model) -> None:
@@ -51,15 +47,9 @@ def _checked_settings(run, model):
 
 
 def _compute(store: dict, key, what: str, compute) -> None:
-    """Run compute in a device slot with a progress bar (compute(on_progress)); keep it in store."""
-    bar, on_progress = _progress_bar(f"{what}…")
-    try:
-        with device_slot(what):
-            memo(store, key, lambda: compute(on_progress), max_entries=4)
-    except EngineError as e:
-        st.error(str(e))
-    finally:
-        bar.empty()
+    """compute(on_progress) in a device slot with a progress bar and Stop (pages.common.on_demand), kept in
+    store; an engine error is shown and the rest of the page still drawn."""
+    on_demand(store, key, what, compute, stop_on_error=False, max_entries=4)
 
 
 # ---- Repetition page ------------------------------------------------------------------------------
@@ -74,9 +64,10 @@ def why_loop_section(run, model) -> None:
                      "Most reruns")
     store = st.session_state.setdefault("wl_reports", {})
     key = (*run_key(run), budget)
-    if st.button("Find the cause", key="wl_run", type="primary") and (settings := _checked_settings(run, model)):
-        _compute(store, key, "the loop diagnosis",
-                 lambda progress: why_loop(model, settings, max_reruns=budget, on_progress=progress))
+    what = "the loop diagnosis"
+    if (st.button("Find the cause", key="wl_run", type="primary") or was_stopped(what, key)) \
+            and (settings := _checked_settings(run, model)):
+        _compute(store, key, what, lambda tell: why_loop(model, settings, max_reruns=budget, on_progress=tell))
     report = store.get(key)
     if report is not None:
         show_why_loop(report)
@@ -142,8 +133,10 @@ def rescue_section(run, model) -> None:
         low = cast_model(ref, dtype)             # dropped with this call: one extra model at a time
         return find_rescue(ref, low, settings, injections=specs, norm_eps=norm_eps, max_new_tokens=tokens,
                            on_progress=progress)
-    if st.button("Find the rescue set", key="rs_run", type="primary") and (settings := _checked_settings(run, model)):
-        _compute(store, key, "the fp32 rescue search", compute)
+    what = "the fp32 rescue search"
+    if (st.button("Find the rescue set", key="rs_run", type="primary") or was_stopped(what, key)) \
+            and (settings := _checked_settings(run, model)):
+        _compute(store, key, what, compute)
     report = store.get(key)
     if report is not None:
         show_rescue(report, run, model.config.num_layers, device=model.device.type)
@@ -209,8 +202,10 @@ def quantization_section(run, model) -> None:
         ref = model if model.dtype == torch.float32 else cast_model(model, "float32")
         return compare_formats(ref, ids, run.n_prompt, formats, embed=embed, text=run.result.text,
                                on_progress=progress)
-    if st.button("Quantize and compare", key="qz_run", type="primary", disabled=not formats):
-        _compute(store, key, "the quantization comparison", compute)
+    what = "the quantization comparison"
+    if st.button("Quantize and compare", key="qz_run", type="primary", disabled=not formats) \
+            or (formats and was_stopped(what, key)):
+        _compute(store, key, what, compute)
     report = store.get(key)
     if report is not None:
         show_quant(report.with_threshold(float(threshold)))

@@ -14,6 +14,7 @@ from engine.errors import InputError
 from engine.explain import Explanation, explain_step, single_token
 from engine.generate import GenerationRun, prompt_ids
 from engine.patching import SITES, PatchingResult, patching_grid
+from engine.progress import Progress
 
 
 def add_commands(sub, common) -> None:
@@ -46,8 +47,10 @@ def add_commands(sub, common) -> None:
     p.set_defaults(fn=lambda a: cmd_patch(a, common))
 
 
-def _progress(f: float, msg: str) -> None:
-    print(f"\r[{f * 100:5.1f}%] {msg[:70]:70s}", end="" if f < 1 else "\n", file=sys.stderr, flush=True)
+def _progress(p: Progress) -> None:
+    """on_progress (engine.progress) printing one line that updates in place; never answers STOP (Ctrl-C)."""
+    f = p.fraction
+    print(f"\r[{f * 100:5.1f}%] {p.what[:70]:70s}", end="" if f < 1 else "\n", file=sys.stderr, flush=True)
 
 
 # ---- explain -------------------------------------------------------------------------------------------
@@ -111,7 +114,7 @@ def cmd_patch(a: argparse.Namespace, common) -> int:
     else:
         target = single_token(model, a.target, "target")
     r = patching_grid(model, clean, corrupt, target, sites=sites, heads=not a.no_heads,
-                      progress=None if a.json else _progress)
+                      on_progress=None if a.json else _progress)
     if a.json:
         print(json.dumps(r.as_dict()))
     else:

@@ -31,6 +31,7 @@ import torch
 from ..errors import InputError
 from ..loader import load_model
 from ..model import Model
+from ..progress import Progress
 from ..quant import FORMATS, THRESHOLD, check_formats, quant_report
 from ..rescue import MAX_NEW_TOKENS, TIE_ULPS, RescueReport, check_plan, find_rescue
 from ..sampling import SamplingParams
@@ -105,8 +106,11 @@ def settings_of(a: argparse.Namespace, **changes) -> RunSettings:
 
 
 def _progress(what: str):
-    def show(f: float, msg: str) -> None:
-        print(f"\r[{what} {f * 100:5.1f}%] {msg[:60]:60s}", end="" if f < 1 else "\n", file=sys.stderr, flush=True)
+    """on_progress (engine.progress) printing one line that updates in place; never answers STOP (Ctrl-C)."""
+    def show(p: Progress) -> None:
+        f = p.fraction
+        print(f"\r[{what} {f * 100:5.1f}%] {p.what[:60]:60s}", end="" if f < 1 else "\n", file=sys.stderr,
+              flush=True)
     return show
 
 

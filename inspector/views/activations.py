@@ -194,7 +194,7 @@ def logit_lens(model, ids: Sequence[int], pos: int, k: int = 10, *, on_progress=
     probe = Probe().capture("blocks.*.resid_post", positions=[pos])
     ids_t = torch.as_tensor([int(i) for i in ids[:pos + 1]], dtype=torch.long)
     T, tell = len(ids_t), LayerProgress(on_progress, len(ids_t), model.config.num_layers)
-    model.forward(ids_t, model.new_cache(T), tell.probe(probe, 0, T), last_only=True)
+    model.forward(ids_t, model.new_cache(T), probe, last_only=True, on_layer=tell.on_layer(0, T))
     tell.chunk_done(0, T)
     caps = sorted((c for c in probe.captures if c.name.endswith(".resid_post")), key=lambda c: c.layer)
     resid = torch.cat([c.value for c in caps])                                 # (L, d)

@@ -37,7 +37,7 @@ def attention_pattern(model, ids: Sequence[int], layer: int, *, on_progress=None
     name = f"blocks.{layer}.attn.pattern"
     probe = Probe().capture(name)
     T, tell = len(ids_t), LayerProgress(on_progress, len(ids_t), layer + 1)
-    model.forward(ids_t, model.new_cache(T), tell.probe(probe, 0, T), stop_after=name)
+    model.forward(ids_t, model.new_cache(T), probe, stop_after=name, on_layer=tell.on_layer(0, T))
     tell.chunk_done(0, T)
     (cap,) = probe.captured(name)
     return cap.value.float()                                                  # (H, T, T)
@@ -89,7 +89,7 @@ def entropy_overview(model, ids: Sequence[int], max_queries: int = MAX_QUERIES, 
     probe = Probe().replace("blocks.*.attn.q_rot", keep_q).replace("blocks.*.attn.k_rot", on_k)
     ids_t = torch.as_tensor([int(i) for i in ids], dtype=torch.long)
     tell = LayerProgress(on_progress, T, cfg.num_layers)
-    model.forward(ids_t, model.new_cache(T), tell.probe(probe, 0, T), last_only=True)
+    model.forward(ids_t, model.new_cache(T), probe, last_only=True, on_layer=tell.on_layer(0, T))
     tell.chunk_done(0, T)
     return out.numpy()
 

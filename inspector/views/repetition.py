@@ -112,7 +112,7 @@ def copy_attention(model, ids: Sequence[int], n_prompt: int, loop: Loop, *, on_p
     if queries:
         probe = Probe().replace("blocks.*.attn.pattern", grab)
         T, tell = len(ids), LayerProgress(on_progress, len(ids), L)
-        model.forward(torch.tensor(ids), model.new_cache(T), tell.probe(probe, 0, T), last_only=True)
+        model.forward(torch.tensor(ids), model.new_cache(T), probe, last_only=True, on_layer=tell.on_layer(0, T))
         tell.chunk_done(0, T)
     return CopyAttention(queries, copies, to_copy, to_next)
 

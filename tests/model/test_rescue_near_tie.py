@@ -32,7 +32,7 @@ def fp16(bundled_model):
 def searched(bundled_model, fp16):
     seen = []
     report = find_rescue(bundled_model, fp16, SETTINGS, injections=FAULT,
-                         on_progress=lambda f, m: seen.append((f, m)))
+                         on_progress=lambda p: seen.append((p.fraction, p.what)))
     print(f"\nrescue: {report.reruns} reruns -> {report.fp32}; near ties {report.near_ties}; ties {report.ties}")
     return report, seen
 

@@ -227,6 +227,6 @@ def test_cli_nan_logits_stop_reason_in_doctor_json_and_trace_file(tiny_model_dir
 def test_precision_compare_reports_progress_per_layer(tiny_model):
     heard = []
     precision_compare(tiny_model, cast_model(tiny_model, "bfloat16"), IDS,
-                      on_progress=lambda done, total: heard.append((done, total)))
+                      on_progress=lambda p: heard.append((p.done, p.total)))
     L = tiny_model.config.num_layers
-    assert heard == [(k, 2 * L) for k in range(1, 2 * L + 1)]           # each layer of both forwards, in order
+    assert heard == [(k, 2 * L) for k in range(2 * L + 1)]      # before each layer of both forwards, then the end

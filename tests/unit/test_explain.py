@@ -157,7 +157,7 @@ def test_patching_refuses_prompts_of_different_lengths_and_bad_spans(tiny_model,
 
 def test_progress_reaches_one(tiny_model, pair):
     seen = []
-    patching_grid(tiny_model, *pair, progress=lambda f, msg: seen.append(f))
+    patching_grid(tiny_model, *pair, on_progress=lambda p: seen.append(p.fraction))
     assert seen and seen[-1] == pytest.approx(1.0) and seen == sorted(seen)
 
 

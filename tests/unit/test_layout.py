@@ -1,5 +1,6 @@
 """The layout promises of README 'Layout': a stage's hook name is written where the stage is computed, the
-engine imports nothing from the app, no import circles, pure views stay pure, files and functions stay small."""
+engine imports nothing from the app, no import circles, pure views stay pure, files and functions stay small,
+tools run the model through its public forward, and every long job reports through one progress protocol."""
 from __future__ import annotations
 
 import ast
@@ -115,4 +116,49 @@ def _side_doors(mod: str, text: str) -> list[str]:
 def test_tools_run_the_model_through_its_public_forward():
     """Spans of blocks go through Model.run_blocks, early stops through Model.forward's stop_after."""
     found = [s for mod, path in _sources(*PACKAGES).items() for s in _side_doors(mod, path.read_text())]
+    assert not found, found
+
+
+# The one progress record and what tells it (engine.progress); everything else reports through them.
+PROGRESS_CLASSES = {("engine.generate", "Progress"), ("engine.progress", "LayerProgress")}
+# A model load's (fraction, message) callback is no job one viewer stops: one load serves every session waiting.
+LOAD_PATH = {"engine.gguf_import", "engine.loader", "engine.sources", "inspector.session.models"}
+
+
+def _named(node: ast.AST) -> str:
+    return getattr(node, "id", None) or getattr(node, "attr", None) or ""
+
+
+def _progress_protocols(mod: str, text: str) -> list[str]:
+    """Progress reported other than by the one protocol: another class named *Progress*, a weight lookup used as a
+    progress tick (a class other than engine.probe's Probe with layer_weights), a (fraction, message)-style alias
+    `...Progress = Callable[...]`, a callback named *progress* called with two arguments or a two-argument lambda
+    handed in as one."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ClassDef):
+            methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+            if "progress" in node.name.lower() and (mod, node.name) not in PROGRESS_CLASSES:
+                found.append(f"{mod}.{node.name}: a second progress type; use engine.progress")
+            if "layer_weights" in methods and mod not in ("engine.probe", "engine.probe_views"):
+                found.append(f"{mod}.{node.name} wraps the probe's weight lookup; use Model.forward(on_layer=...)")
+        if mod in LOAD_PATH:
+            continue
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript) \
+                and _named(node.value.value) == "Callable" \
+                and any("progress" in _named(t).lower() and _named(t) != "OnProgress" for t in node.targets):
+            found.append(f"{mod}: {_named(node.targets[0])} is a progress callback of its own; use OnProgress")
+        if isinstance(node, ast.Call) and "progress" in _named(node.func).lower() and len(node.args) == 2 \
+                and _named(node.func) != "tell_units":
+            found.append(f"{mod}:{node.lineno} calls {_named(node.func)}(a, b): a (fraction, message) callback")
+        if isinstance(node, ast.keyword) and node.arg in ("progress", "on_progress") \
+                and isinstance(node.value, ast.Lambda) and len(node.value.args.args) == 2:
+            found.append(f"{mod}:{node.value.lineno} hands a two-argument lambda in as {node.arg}")
+    return found
+
+
+def test_one_progress_protocol_for_every_long_job():
+    """engine.progress: every long computation tells engine.generate.Progress records to one callback that may
+    answer STOP (tests/unit/test_progress_stop.py checks each job stops there)."""
+    found = [s for mod, path in _sources(*PACKAGES).items() for s in _progress_protocols(mod, path.read_text())]
     assert not found, found

@@ -115,7 +115,7 @@ def test_progress_counts_every_rerun_and_ends_at_its_total(tiny_model):
     seen = []
     report = find_rescue(tiny_model, cast_model(tiny_model, "float16"), RunSettings(prompt=PROMPT, chat=False),
                          injections=["scale=1e6@blocks.0.mlp.up", "scale=1e6@blocks.1.mlp.up"],
-                         on_progress=lambda f, msg: seen.append((f, msg)))
+                         on_progress=lambda p: seen.append((p.fraction, p.what)))
     assert report.fp32 == ["blocks.0.mlp", "blocks.0.resid", "blocks.1.mlp"] and report.reruns > report.bound
     reruns = [(f, *map(int, re.match(r"rerun (\d+) of (\d+): ", msg).groups())) for f, msg in seen[:-1]]
     assert [k for _, k, _ in reruns] == list(range(1, report.reruns + 1))
