@@ -12,11 +12,13 @@ from inspector.session.run import check_settings
 from inspector.views import repetition as rv
 from inspector.views.tokens import token_labels
 from pages.common import device_slot, get_model, on_demand, plain, require_run, server_limits
+from pages.demos import lesson
 from pages.prescriptions import why_loop_section
 from pages.widgets import chart
 
 st.header("Repetition")
 run = require_run()
+lesson("repetition")          # after a demo that opens this page: its lesson on the first screen
 res, key = run.result, run_key(run)
 
 c1, c2 = st.columns(2)

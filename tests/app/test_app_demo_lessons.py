@@ -1,0 +1,26 @@
+"""AppTest: a demo's page says the demo's lesson at its top (pages.demos.lesson) on the Repetition and NaN
+doctor pages too, while the session's run is the demo's run, and says nothing for any other run."""
+from __future__ import annotations
+
+import pytest
+
+from engine import RunSettings
+from inspector.session.run import inspect_run
+from pages.demos import DEMOS, LESSON
+
+pytestmark = pytest.mark.app
+
+
+@pytest.mark.parametrize("demo", ["loop", "nan"])
+def test_the_demos_page_says_its_lesson_for_the_demos_run_only(page, tiny_model, tiny_model_dir, demo):
+    d = DEMOS[demo]
+    run = inspect_run(tiny_model, RunSettings(prompt=d.prompt, chat=False, max_new_tokens=2))
+    at = page(d.page, run, tiny_model, str(tiny_model_dir))
+    at.session_state[LESSON] = (demo, run.created)
+    at.run()
+    assert not at.exception, at.exception
+    said = [i.value for i in at.info if i.value.startswith(f"**Demo: {d.label}.**")]
+    assert said == [f"**Demo: {d.label}.** " + (d.lesson or d.blurb)]
+    at.session_state[LESSON] = (demo, "another run")
+    at.run()
+    assert not [i for i in at.info if i.value.startswith("**Demo:")]
