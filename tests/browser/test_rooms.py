@@ -146,6 +146,7 @@ def run_prompt(page, prompt: str) -> str:
     box.press("Control+Enter")
     idle(page)
     page.get_by_role("button", name="Run", exact=True).click()
+    wait_text(page, prompt)          # this run's Overview (the previous run's also says "Generated text")
     page.get_by_text("Generated text", exact=True).wait_for(timeout=TIMEOUT_S * 1000)
     idle(page)
     return generated_text(page)
@@ -290,6 +291,10 @@ def lesson(browser, teacher_url: str, student_url: str, tokenizer, screenshots: 
     act, prompt = runs[1]
     out["delays"]["run 2"] = follow_delays(teacher, students, act, [prompt, "Generated text"], from_end=True)
     out["texts"] = texts
+    for _, page in students:         # the run reaches them live first (pages.room_live), then whole
+        end = time.monotonic() + TIMEOUT_S
+        while generated_text(page) != texts[-1] and time.monotonic() < end:
+            page.wait_for_timeout(200)
     out["student_texts"] = [generated_text(page) for _, page in students]
     out["teacher_generations"] = generations(teacher)
     out["student_generations"] = generations(students[0][1])
