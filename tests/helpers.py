@@ -147,3 +147,10 @@ def forge(monkeypatch, key: str, value) -> None:
             return value if k.get("key") == key else out
         monkeypatch.setattr(DeltaGenerator, name, fake)
         monkeypatch.setattr(st, name, lambda *a, _fake=fake, **k: _fake(st._main, *a, **k))
+
+
+# A Streamlit page whose script is running: the app root's script state (what the frontend itself records), or
+# the toolbar's "Running..." widget. The widget alone is not enough: with client.toolbarMode "minimal" or
+# "viewer" (.streamlit/config.toml, scripts/serve.sh) Streamlit does not draw it.
+RUNNING = ('[data-testid="stApp"][data-test-script-state="running"], '
+           '[data-testid="stApp"][data-test-script-state="rerunRequested"], [data-testid="stStatusWidget"]')

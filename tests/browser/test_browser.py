@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import streamlit_server
+from tests.helpers import RUNNING, streamlit_server
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
@@ -40,7 +40,7 @@ def wait_idle(page, timeout_s: float = 240) -> None:
     deadline = time.time() + timeout_s
     quiet = 0
     while time.time() < deadline:
-        running = page.locator('[data-testid="stStatusWidget"]').count() > 0
+        running = page.locator(RUNNING).count() > 0
         quiet = 0 if running else quiet + 1
         if quiet >= 3:
             return

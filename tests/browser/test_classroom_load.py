@@ -15,7 +15,7 @@ import pytest
 from engine import RunSettings
 from inspector.session.run import inspect_run
 from tests.browser.test_load_server import TIMEOUT_S, _open, _ready, _set_max_new
-from tests.helpers import streamlit_server, tiny_config, write_model_dir
+from tests.helpers import RUNNING, streamlit_server, tiny_config, write_model_dir
 
 pytestmark = pytest.mark.browser
 SESSIONS = int(os.environ.get("LLM_INSPECTOR_ROOM_SESSIONS", "30"))
@@ -51,7 +51,7 @@ def idle(page) -> None:
     """Wait until the app has processed what this tab sent (Streamlit's running indicator is gone)."""
     page.wait_for_timeout(300)
     end = time.monotonic() + TIMEOUT_S
-    while page.locator('[data-testid="stStatusWidget"]').count() and time.monotonic() < end:
+    while page.locator(RUNNING).count() and time.monotonic() < end:
         page.wait_for_timeout(200)
 
 

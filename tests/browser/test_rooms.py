@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from inspector.session.rooms_poll import answer_token
-from tests.helpers import streamlit_server
+from tests.helpers import RUNNING, streamlit_server
 from tests.redis_server import redis_server
 
 pytestmark = pytest.mark.browser
@@ -107,7 +107,7 @@ def idle(page, timeout_s: float = TIMEOUT_S) -> None:
     """Until the app has processed what this tab sent (Streamlit's running indicator gone for a moment)."""
     end, quiet = time.monotonic() + timeout_s, 0
     while time.monotonic() < end:
-        quiet = 0 if page.locator('[data-testid="stStatusWidget"]').count() else quiet + 1
+        quiet = 0 if page.locator(RUNNING).count() else quiet + 1
         if quiet >= 3:
             return
         page.wait_for_timeout(150)
