@@ -108,8 +108,8 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
     else:
         if "sb_prompt" not in state and isinstance(state.get(OWN_PROMPT), str):
             state["sb_prompt"] = state[OWN_PROMPT]
-        st.text_area("Prompt", key="sb_prompt", height=100, max_chars=limits.max_prompt_chars,
-                     **({} if "sb_prompt" in state else {"value": "What is the capital of France?"}),
+        st.text_area("Prompt", "What is the capital of France?", key="sb_prompt", height=100,  # same id each run
+                     max_chars=limits.max_prompt_chars,
                      help=f"Up to {limits.max_prompt_chars:,} characters and {limits.max_prompt_tokens:,} tokens. "
                           "Tab, newline and carriage return are the only control characters accepted.")
     typed = st.session_state.get("sb_prompt")
