@@ -68,17 +68,18 @@ def write_model_dir(path: Path, tokenizer_files: Path, cfg: dict | None = None,
     return path
 
 
-@contextmanager
-def streamlit_server(env: dict, log: Path, *args: str):
-    """`streamlit run app.py` on a free 127.0.0.1 port; yields (url, process) once healthy; always stopped."""
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port",
-           str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false", *args]
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def server_process(cmd: list[str], cwd: Path, env: dict, log: Path, port: int):
+    """A server process (its output in `log`) on 127.0.0.1:port; yields (url, process) once Streamlit's health
+    check answers; always stopped."""
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         end = time.monotonic() + 120
@@ -99,6 +100,16 @@ def streamlit_server(env: dict, log: Path, *args: str):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+@contextmanager
+def streamlit_server(env: dict, log: Path, *args: str):
+    """`streamlit run app.py` on a free 127.0.0.1 port; yields (url, process) once healthy; always stopped."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port",
+           str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false", *args]
+    with server_process(cmd, ROOT, env, log, port) as (url, proc):
+        yield url, proc
 
 
 def reference_stats(x: torch.Tensor, masked: bool = False) -> torch.Tensor:

@@ -9,17 +9,14 @@ checked: `streamlit run app.py` in the repository (.streamlit/config.toml) and s
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.browser.test_browser import ARGS, CHROMIUM, wait_idle
 from tests.browser.test_forged_prompt import ForgedSession
-from tests.helpers import streamlit_server
+from tests.helpers import free_port, server_process, streamlit_server
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.browser
@@ -62,33 +59,11 @@ def test_a_fresh_servers_first_run_lists_no_file_and_offers_no_deploy(tmp_path, 
 
 
 def test_serve_sh_from_another_folder_lists_no_file_and_offers_no_deploy(tmp_path, tiny_model_dir):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = dict(tiny_env(tiny_model_dir), LLM_INSPECTOR_PORT=str(port), PYTHON=os.environ.get("PYTHON", "python3"))
-    with open(tmp_path / "serve.log", "w") as log:
-        proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "serve.sh"), "--server.fileWatcherType", "none"],
-                                cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        end = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                if urllib.request.urlopen(url + "/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < end, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(0.5)
+    cmd = ["bash", str(ROOT / "scripts" / "serve.sh"), "--server.fileWatcherType", "none"]
+    with server_process(cmd, tmp_path, env, tmp_path / "serve.log", port) as (url, _):
         assert_no_file_list_and_no_deploy(first_run_messages(url))
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 CUT = """() => Array.from(document.querySelectorAll('[data-testid="stMain"] [data-testid="stMetric"] *'))
