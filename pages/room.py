@@ -121,8 +121,12 @@ def before_page(page: str) -> None:
                 watcher.watch(_session_id(), "follow", r["code"], None)
             return
         if state.run_id and state.run_id != r.get("run_id"):
-            r["run_id"] = state.run_id           # tried once per run id: a bad run is not fetched again
-            _load_run(r["code"], state.run_id)
+            try:
+                _load_run(r["code"], state.run_id)
+            except Exception:
+                r["run_id"] = state.run_id       # tried once per run id: a bad run is not fetched again
+                raise
+            r["run_id"] = state.run_id           # (a script run stopped mid-load by a newer rerun tries again)
         r["error"] = None
     except ROOM_ERRORS as e:   # the store does not answer: the watcher reruns this screen when it does
         if state is None:
