@@ -1,7 +1,8 @@
 """LLM Inspector: the frame. The sidebar (prompt, Run, the pages, model, settings), then the page.
 
 Projector mode (the sidebar's toggle, or ?projector=1 in the URL) makes the type bigger here and every chart
-bigger and higher-contrast (pages.widgets.chart). Rooms (pages.room): a teacher's screen, followed by students'."""
+bigger and higher-contrast (inspector.ui.widgets.chart). Rooms (inspector.ui.room): a teacher's screen, followed
+by students'."""
 import os
 
 # OpenMP threads that wait sleep instead of spinning (read once, when torch loads libgomp, so before the engine
@@ -15,11 +16,11 @@ import streamlit as st  # noqa: E402
 from streamlit.runtime.scriptrunner_utils.exceptions import StopException
 
 from inspector.session.clients import SessionToken, sessions
-from pages import room
-from pages.common import browser_key, keep_within_budget, server_limits
-from pages.frame import frame
-from pages.sidebar import own_turn, sidebar
-from pages.widgets import PROJECTOR, projector
+from inspector.ui import room
+from inspector.ui.common import browser_key, keep_within_budget, server_limits
+from inspector.ui.frame import frame
+from inspector.ui.sidebar import own_turn, sidebar
+from inspector.ui.widgets import PROJECTOR, projector
 
 # Emoji page icons, never Material Symbols ones: Streamlit makes a page's icon the browser's favicon, and a
 # material one is fetched from a public font server by every student's browser (missing without internet).
@@ -42,7 +43,7 @@ PAGES = [
     st.Page("pages/trace_files.py", title="Trace files", icon="💾"),
 ]
 
-# Type for a room: the page's text, metrics and captions larger (charts are restyled by pages.widgets.chart).
+# Type for a room: the page's text, metrics and captions larger (charts are restyled by inspector.ui.widgets.chart).
 PROJECTOR_CSS = """<style>
 [data-testid="stMain"] [data-testid="stMarkdownContainer"] p,
 [data-testid="stMain"] [data-testid="stMarkdownContainer"] li { font-size: 1.3rem; line-height: 1.5; }
@@ -59,7 +60,7 @@ if PROJECTOR not in st.session_state:          # a shared link decides the first
     st.session_state[PROJECTOR] = st.session_state.get(
         KEPT, st.query_params.get("projector", "") in ("1", "true", "on", "yes"))
 st.session_state[KEPT] = bool(st.session_state[PROJECTOR])
-nav = st.navigation(PAGES, position="hidden")     # the sidebar lists the pages (pages.widgets)
+nav = st.navigation(PAGES, position="hidden")     # the sidebar lists the pages (inspector.ui.widgets)
 if "_session_token" not in st.session_state:     # counts this session for its browser while the session lives
     st.session_state["_session_token"] = SessionToken()
 too_many = sessions.admit(browser_key(), st.session_state["_session_token"],
@@ -67,7 +68,7 @@ too_many = sessions.admit(browser_key(), st.session_state["_session_token"],
 if too_many:                                      # before any run, room or model is touched: it holds nothing
     st.error(too_many)
     st.stop()
-page = nav.url_path or "overview"                 # the page's file name: what a room shows (pages.room)
+page = nav.url_path or "overview"                 # the page's file name: what a room shows (inspector.ui.room)
 room.before_page(page)       # a student following a room takes the teacher's run, values and page
 sidebar(PAGES)
 room.sidebar_panel()
@@ -81,7 +82,7 @@ def after_page() -> None:
 
 
 try:
-    with own_turn(), frame():   # this session's previous click finishes its page first (pages.sidebar.own_turn)
+    with own_turn(), frame():   # this session's previous click finishes its page first (inspector.ui.sidebar.own_turn)
         room.bar()
         nav.run()
 except StopException:        # a page that stopped early (st.stop) still shows what it shows to the room

@@ -1,14 +1,20 @@
-"""LLM Inspector's inference engine: a hand-written Llama-family forward with named hooks on every stage."""
-from .errors import EngineError, InputError, ModelLoadError, UnsupportedModelError
-from .generate import Candidate, GenerationResult, GenerationRun, Step, generate
-from .kv_cache import KVCache
-from .loader import load_model
-from .model import Model
-from .probe import Capture, HookContext, Probe, inspection_probe, plant, scale, zero_heads
-from .sampling import SamplingParams
-from .settings import RunSettings
-from .stats import STAT_NAMES, StatRecord, StatsBlock
-from .trace import Trace, load_trace, make_trace, save_trace
+"""LLM Inspector's inference engine: a hand-written Llama-family forward with named hooks on every stage.
+
+The core is this folder's modules: config, errors, loader (with sources, weights, gguf_import,
+gguf_tokenizer), model, kv_cache, rope, tokenizer, sampling, settings, generate, progress, heap, and the
+native accelerator (engine.native). The core imports engine.inspection (the probe its hooks offer stages to,
+the run record) and nothing else of the engine: no tool (engine.tools), no report (engine.report), no bench
+(engine.bench), no CLI (engine.cli). Tools build on the core's public API only."""
+from engine.errors import EngineError, InputError, ModelLoadError, UnsupportedModelError
+from engine.generate import Candidate, GenerationResult, GenerationRun, Step, generate
+from engine.inspection.probe import Capture, HookContext, Probe, inspection_probe, plant, scale, zero_heads
+from engine.inspection.stats import STAT_NAMES, StatRecord, StatsBlock
+from engine.inspection.trace import Trace, load_trace, make_trace, save_trace
+from engine.kv_cache import KVCache
+from engine.loader import load_model
+from engine.model import Model
+from engine.sampling import SamplingParams
+from engine.settings import RunSettings
 
 __all__ = [
     "EngineError", "InputError", "ModelLoadError", "UnsupportedModelError", "Candidate", "GenerationResult",

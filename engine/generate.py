@@ -20,11 +20,11 @@ from typing import Callable
 
 import torch
 
-from .errors import InputError
-from .probe import Probe
-from .sampling import SamplingParams, draw, entropy, sampler_chain
-from .settings import check_stop
-from .stats import StatsBlock
+from engine.errors import InputError
+from engine.inspection.probe import Probe
+from engine.inspection.stats import StatsBlock
+from engine.sampling import SamplingParams, draw, entropy, sampler_chain
+from engine.settings import check_stop
 
 TOP_CANDIDATES = 10
 PREFILL_CHUNK = 512          # prompts longer than this are prefilled this many positions at a time

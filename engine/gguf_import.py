@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from .errors import ModelLoadError, UnsupportedModelError
+from engine.errors import ModelLoadError, UnsupportedModelError
 
 IMPORT_VERSION = 1
 Progress = Callable[[float, str], None]
@@ -136,7 +136,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress |
     """Write an HF-layout directory for gguf_path at out_dir (atomically). Returns out_dir."""
     import gguf
 
-    from .gguf_tokenizer import tokenizer_files_from_gguf
+    from engine.gguf_tokenizer import tokenizer_files_from_gguf
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():

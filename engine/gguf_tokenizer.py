@@ -20,7 +20,7 @@ from typing import Any
 import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from .errors import UnsupportedModelError
+from engine.errors import UnsupportedModelError
 
 
 class UnsupportedTokenizerError(UnsupportedModelError, ValueError):

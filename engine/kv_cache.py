@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
-from .errors import InputError
+from engine.config import ModelConfig
+from engine.errors import InputError
 
 
 class KVCache:

@@ -5,12 +5,12 @@ import os
 
 import torch
 
-from .config import ModelConfig
-from .errors import EngineError, ModelLoadError
-from .gguf_import import Progress
-from .model import Model
-from .sources import resolve
-from .weights import load_weights
+from engine.config import ModelConfig
+from engine.errors import EngineError, ModelLoadError
+from engine.gguf_import import Progress
+from engine.model import Model
+from engine.sources import resolve
+from engine.weights import load_weights
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -46,7 +46,7 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
 def load_model(source: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
                dtype: str | torch.dtype | None = None, progress: Progress | None = None) -> Model:
     """Load the bundled default (source=None), an HF directory, a .gguf file or an org/name from the hub cache."""
-    from .tokenizer import Tokenizer
+    from engine.tokenizer import Tokenizer
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)

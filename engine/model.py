@@ -4,7 +4,7 @@ The model holds weights only and is shared by every session and thread; a run br
 Probe. Every stage is offered to the probe by name. Over several query positions the output of attention
 comes from torch's fused scaled_dot_product_attention; scores and pattern are materialised (H, T, S) only
 when a hook needs them whole (a replace hook, a full capture). Statistics of them, or some of their rows,
-are computed in query blocks beside the fused kernel (engine.attention_stats). One decode row computes
+are computed in query blocks beside the fused kernel (engine.inspection.attention_stats). One decode row computes
 scores and pattern anyway (two small grouped matmuls) and offers them as they are.
 """
 from __future__ import annotations
@@ -19,19 +19,19 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 
-from .attention_stats import inspect_attention
-from .config import ModelConfig
-from .errors import InputError
-from .kv_cache import KVCache
-from .native.step import NativeDecoder
-from .probe import Probe, StopPoint, stop_point
-from .probe_views import FULL, NO_PROBE, NoProbe
-from .rope import apply_rope, rope_tables
-from .stages import hook_names
-from .weights import LayerWeights, Weights
+from engine.config import ModelConfig
+from engine.errors import InputError
+from engine.inspection.attention_stats import inspect_attention
+from engine.inspection.probe import Probe, StopPoint, stop_point
+from engine.inspection.probe_views import FULL, NO_PROBE, NoProbe
+from engine.inspection.stages import hook_names
+from engine.kv_cache import KVCache
+from engine.native.step import NativeDecoder
+from engine.rope import apply_rope, rope_tables
+from engine.weights import LayerWeights, Weights
 
 if TYPE_CHECKING:
-    from .tokenizer import Tokenizer
+    from engine.tokenizer import Tokenizer
 
 
 ATTN_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo")
@@ -158,7 +158,7 @@ class Model:
         """ids (T,) at the cache's position -> logits (T, V), or (1, V) with last_only. Advances the cache. grad=True
         runs outside inference mode so a replace hook may hand in a tensor that requires grad (gradient x input
         attribution); the weights never do. stop_after: a forward stage ("blocks.5.attn.pattern") or block index;
-        every stage up to it is offered, the forward ends with its half-block (engine.probe.stop_point), returns the
+        every stage up to it is offered, the forward ends with its half-block (probe.stop_point), returns the
         residual stream there (T, d) and leaves later layers' cache rows unwritten. on_layer(i): just before block i."""
         if ids.dim() != 1 or ids.numel() == 0:
             raise InputError(f"forward needs a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
@@ -396,5 +396,5 @@ class Model:
 
     def generate(self, prompt_or_ids, **kwargs):
         """See engine.generate.generate."""
-        from .generate import generate
+        from engine.generate import generate
         return generate(self, prompt_or_ids, **kwargs)

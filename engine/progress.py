@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .generate import STOP, Progress
+from engine.generate import STOP, Progress
 
 __all__ = ["STOP", "LayerProgress", "OnProgress", "Progress", "Stopped", "tell_units"]
 

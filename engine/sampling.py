@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .errors import InputError
+from engine.errors import InputError
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .errors import InputError
-from .sampling import SamplingParams
+from engine.errors import InputError
+from engine.sampling import SamplingParams
 
 # Stop strings are scanned against the text after every decoded token: a bound on them bounds that work.
 MAX_STOP_STRINGS = 16

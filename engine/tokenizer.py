@@ -25,8 +25,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 from tokenizers.decoders import DecodeStream
 
-from .errors import InputError
-from .gguf_tokenizer import CHAR_TO_BYTE, tokenizer_files_from_gguf
+from engine.errors import InputError
+from engine.gguf_tokenizer import CHAR_TO_BYTE, tokenizer_files_from_gguf
 
 # Turn-ending tokens a chat model stops on besides `eos_token` (an abridged form of llama.cpp's end-of-generation
 # list). Each counts only if the vocabulary has it as a special token.

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfig
-from .errors import ModelLoadError
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Buffers some older checkpoints carry that are recomputed here, never weights.

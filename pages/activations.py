@@ -5,6 +5,8 @@ from collections import OrderedDict
 import streamlit as st
 
 from inspector.session.memo import memo, run_key
+from inspector.ui.common import get_model, on_demand, plain, require_run, was_stopped
+from inspector.ui.widgets import chart, checked
 from inspector.views.activations import (
     MAX_POSITIONS,
     STATS,
@@ -20,8 +22,6 @@ from inspector.views.activations import (
     stage_table,
 )
 from inspector.views.tokens import token_labels
-from pages.common import get_model, on_demand, plain, require_run, was_stopped
-from pages.widgets import chart, checked
 
 LENS_K = 10
 LENS_AUTO = 512      # positions from here on compute the lens only when asked (a forward over them all)

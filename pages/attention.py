@@ -7,6 +7,8 @@ from collections import OrderedDict
 import streamlit as st
 
 from inspector.session.memo import content_key, memo, view_store
+from inspector.ui.common import on_demand, plain, require_run_and_model, was_stopped
+from inspector.ui.widgets import chart, checked, shared
 from inspector.views.attention import (
     MAX_CELLS,
     attention_pattern,
@@ -23,8 +25,6 @@ from inspector.views.attention import (
     zmax_without_sink,
 )
 from inspector.views.tokens import token_labels
-from pages.common import on_demand, plain, require_run_and_model, was_stopped
-from pages.widgets import chart, checked, shared
 
 OVERVIEW_AUTO = 512   # longer runs compute the layers × heads overview only when asked
 

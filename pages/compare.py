@@ -9,11 +9,11 @@ from engine.generate import prompt_ids
 from inspector.session.limits import LimitError
 from inspector.session.models import model_choices, shared_model
 from inspector.session.run import check_settings
+from inspector.ui.common import current_run, device_slot, get_model, plain, server_limits
+from inspector.ui.frame import ensure_frame
+from inspector.ui.widgets import chart, checked, checked_float, checked_text, sampling_form
 from inspector.views import compare as cmp
 from inspector.views.tokens import visible
-from pages.common import current_run, device_slot, get_model, plain, server_limits
-from pages.frame import ensure_frame
-from pages.widgets import chart, checked, checked_float, checked_text, sampling_form
 
 RESULT = "cmp_result"
 MAX_RECOMPUTED_POSITIONS = 16_384     # KV cache off: positions computed over all steps, per configuration

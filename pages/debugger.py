@@ -9,14 +9,11 @@ from fnmatch import fnmatchcase
 import streamlit as st
 
 from engine import EngineError, InputError, RunSettings, SamplingParams
-from engine.breakpoints import AbsAbove, EntropyBelow, NonFinite, RepeatedNgram, TokenIs
+from engine.tools.breakpoints import AbsAbove, EntropyBelow, NonFinite, RepeatedNgram, TokenIs
 from inspector.session.stepper import Debugger
-from inspector.views.debugger import candidates_table, describe_step, params_table, token_ids_for
-from inspector.views.sampling import describe as describe_params
-from inspector.views.tokens import steps_table
-from pages.common import RUN_KEY, current_run, device_slot, get_model, plain, server_limits
-from pages.sidebar import settings_from_sidebar
-from pages.widgets import (
+from inspector.ui.common import RUN_KEY, current_run, device_slot, get_model, plain, server_limits
+from inspector.ui.sidebar import settings_from_sidebar
+from inspector.ui.widgets import (
     FILTERS,
     PENALTIES,
     SAMPLER_WIDGETS,
@@ -28,6 +25,9 @@ from pages.widgets import (
     set_sampling_widgets,
     widget_key,
 )
+from inspector.views.debugger import candidates_table, describe_step, params_table, token_ids_for
+from inspector.views.sampling import describe as describe_params
+from inspector.views.tokens import steps_table
 
 DBG, BPS, SELECTED = "dbg", "dbg_bps", "selected_step"
 KINDS = ["NaN / Inf", "|value| above", "Entropy below", "Repeated n-gram", "Token"]

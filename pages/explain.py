@@ -10,14 +10,14 @@ import pandas as pd
 import streamlit as st
 
 from engine import EngineError
-from engine.attribution import attribute_inputs, neutral_token
-from engine.explain import explain_step
-from engine.patching import patching_grid, replace_span
+from engine.tools.attribution import attribute_inputs, neutral_token
+from engine.tools.explain import explain_step
+from engine.tools.patching import patching_grid, replace_span
 from inspector.session.memo import memo, run_key
+from inspector.ui.common import device_slot, on_demand, plain, require_run_and_model, was_stopped
+from inspector.ui.widgets import chart, checked, checked_text, columns
 from inspector.views import explain as xv
 from inspector.views.tokens import token_labels
-from pages.common import device_slot, on_demand, plain, require_run_and_model, was_stopped
-from pages.widgets import chart, checked, checked_text, columns
 
 MAX_PATCH_TOKENS = 128       # the grid's cost grows with positions² x layers; beyond this it takes minutes
 MAX_ATTRIBUTION_TOKENS = 128
@@ -42,7 +42,7 @@ def cached(k, what: str, compute):
 
 
 def long_job(k, what: str, compute):
-    """compute(on_progress) memoised for k, with a progress bar and Stop (pages.common.on_demand); None while
+    """compute(on_progress) memoised for k, with a progress bar and Stop (inspector.ui.common.on_demand); None while
     stopped (the page then shows "Stopped" and a button to compute again)."""
     return on_demand(st.session_state.setdefault(STORE, OrderedDict()), k, what, compute, max_entries=12)
 

@@ -1,9 +1,9 @@
 """KV cache: what the run's cache costs, how it grew, what GQA saves, and projections for other models."""
 import streamlit as st
 
+from inspector.ui.common import require_run_and_model
+from inspector.ui.widgets import chart, checked, metric_columns
 from inspector.views import kv_cache as kv
-from pages.common import require_run_and_model
-from pages.widgets import chart, checked, metric_columns
 
 st.header("KV cache")
 run, model = require_run_and_model()

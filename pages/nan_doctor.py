@@ -4,16 +4,17 @@ bfloat16 relative error per stage. Model work happens only on a button press and
 import streamlit as st
 
 from engine import EngineError
-from engine.doctor import PRESETS, locate_nonfinite, precision_compare, run_doctor
 from engine.generate import nonfinite_stop
+from engine.inspection.nonfinite import locate_nonfinite
+from engine.tools.doctor import PRESETS, precision_compare, run_doctor
 from inspector.session.memo import run_key
 from inspector.session.models import shared_copy
 from inspector.session.run import check_settings
+from inspector.ui.common import device_slot, get_model, on_demand, plain, require_run, server_limits, was_stopped
+from inspector.ui.demos import lesson
+from inspector.ui.prescriptions import rescue_section
+from inspector.ui.widgets import chart, checked, checked_float
 from inspector.views import doctor as dv
-from pages.common import device_slot, get_model, on_demand, plain, require_run, server_limits, was_stopped
-from pages.demos import lesson
-from pages.prescriptions import rescue_section
-from pages.widgets import chart, checked, checked_float
 
 MAX_PRECISION_POSITIONS = 256
 MAX_POSITION = 10**9          # a weight's element index can be large; an activation's position is checked by run_doctor

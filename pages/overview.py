@@ -7,15 +7,15 @@ import streamlit as st
 
 from engine.cli.report import reproduce_command
 from engine.generate import nonfinite_stop
-from engine.report import build_html
-from engine.report_data import attention_maps, default_layers
+from engine.report.data import attention_maps, default_layers
+from engine.report.html import build_html
 from engine.sources import BUNDLED_NAME
 from inspector.session.limits import LimitError, check_run_positions, cut_text
 from inspector.session.memo import run_key
+from inspector.ui.common import current_run, get_model, on_demand, plain, require_run, server_limits, was_stopped
+from inspector.ui.demos import demo_buttons
+from inspector.ui.widgets import metric_columns, page_link
 from inspector.views.tokens import seen_prompt_text, steps_table, token_counts
-from pages.common import current_run, get_model, on_demand, plain, require_run, server_limits, was_stopped
-from pages.demos import demo_buttons
-from pages.widgets import metric_columns, page_link
 
 STOP_HELP = {"eos": "The model chose its end-of-text token.", "stop_string": "The text reached a stop string.",
              "max_new_tokens": "The run generated the number of new tokens asked for.",
@@ -26,7 +26,7 @@ STOP_HELP = {"eos": "The model chose its end-of-text token.", "stop_string": "Th
 
 def make_report(run, model, on_progress=None) -> str:
     """The run's report; with the model it was made with, also token texts and attention maps (first, middle
-    and last layer), computed here under this server's limits (on_progress: engine.report_data.attention_maps')."""
+    and last layer), computed here under this server's limits (on_progress: engine.report.data.attention_maps')."""
     if model is None or model.name != run.model_name:
         return build_html(run, command=reproduce_command(run, out="report.html"),
                           notes=["The model this run was made with is not loaded: no attention maps."])

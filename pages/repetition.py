@@ -4,17 +4,17 @@ its earlier copy, and the same prompt and seed under repetition penalties side b
 import streamlit as st
 
 from engine import EngineError
-from engine.loops import MIN_TOKENS, find_loops
+from engine.inspection.loops import MIN_TOKENS, find_loops
 from inspector.session.limits import LimitError, check_int
 from inspector.session.live_run import rates
 from inspector.session.memo import run_key
 from inspector.session.run import check_settings
+from inspector.ui.common import device_slot, get_model, on_demand, plain, require_run, server_limits
+from inspector.ui.demos import lesson
+from inspector.ui.prescriptions import why_loop_section
+from inspector.ui.widgets import chart
 from inspector.views import repetition as rv
 from inspector.views.tokens import token_labels
-from pages.common import device_slot, get_model, on_demand, plain, require_run, server_limits
-from pages.demos import lesson
-from pages.prescriptions import why_loop_section
-from pages.widgets import chart
 
 st.header("Repetition")
 run = require_run()

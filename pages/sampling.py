@@ -13,10 +13,10 @@ from engine import SamplingParams
 from engine.sampling import sampler_chain
 from inspector.session.limits import LimitError, check_int
 from inspector.session.memo import content_key, memo, view_store
+from inspector.ui.common import plain, require_run_and_model
+from inspector.ui.demos import lesson
+from inspector.ui.widgets import chart, columns, metric_columns, projector, sampling_form, shared, table
 from inspector.views import sampling as smp
-from pages.common import plain, require_run_and_model
-from pages.demos import lesson
-from pages.widgets import chart, columns, metric_columns, projector, sampling_form, shared, table
 
 DEFAULTS = [None, *smp.PRESETS]           # A: the run's own settings
 LABELS = "ABCDE"

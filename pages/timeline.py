@@ -1,9 +1,9 @@
 """Timeline: where the run's time went, by phase and step, and per layer when timing marks were recorded."""
 import streamlit as st
 
+from inspector.ui.common import get_model, require_run
+from inspector.ui.widgets import chart, columns, metric_columns
 from inspector.views import timeline as tl
-from pages.common import get_model, require_run
-from pages.widgets import chart, columns, metric_columns
 
 st.header("Timeline")
 run = require_run()

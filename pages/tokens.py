@@ -4,8 +4,8 @@ import streamlit as st
 
 from engine import InputError
 from inspector.session.limits import LimitError, check_text, cut_text
+from inspector.ui.common import get_model, plain, require_run, server_limits
 from inspector.views.tokens import chat_messages, run_token_table, spans_html, stream_table, token_counts
-from pages.common import get_model, plain, require_run, server_limits
 
 MAX_SAMPLE_CHARS = 2_000      # "Try any text": one row per token in the table below
 

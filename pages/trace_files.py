@@ -11,13 +11,13 @@ import streamlit as st
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from engine import EngineError
-from engine.trace import from_bytes, summary, to_bytes
+from engine.inspection.trace import from_bytes, summary, to_bytes
 from inspector.session.budget import trace_file_limit
 from inspector.session.limits import trace_bounds
 from inspector.session.memo import run_key
 from inspector.session.run import track
-from pages.common import current_run, get_model, plain, server_limits
-from pages.sidebar import keep_run
+from inspector.ui.common import current_run, get_model, plain, server_limits
+from inspector.ui.sidebar import keep_run
 
 OPENED = "tf_opened"       # (file name, sha256, the parsed trace or the error): what this session keeps of an upload
 UPLOADS = "tf_uploads"     # uploads taken so far: the uploader's key, so a taken file leaves the widget

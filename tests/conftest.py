@@ -73,7 +73,7 @@ def app_file(tmp_path_factory) -> Path:
 
     A folder named `pages/` beside the main script puts Streamlit in its v1 multipage mode, and AppTest
     re-decides that at every run (PagesManager.uses_pages_directory), so a run after switch_page would
-    execute the page file alone, without app.py's sidebar. The copied pages still import pages.common from
+    execute the page file alone, without app.py's sidebar. The copied pages still import inspector.ui.common from
     the repository (its root is on sys.path). The real layout is covered by tests/test_browser.py."""
     root = Path(__file__).resolve().parents[1]
     app = root / "app.py"

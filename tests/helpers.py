@@ -130,7 +130,7 @@ def reference_stats(x: torch.Tensor, masked: bool = False) -> torch.Tensor:
 
 def open_generation_settings(page) -> None:
     """Open the sidebar's "Generation settings" and wait until its sliders are drawn. (Typing at once used to
-    send every slider's minimum to the server — pages.widgets.sampling_widgets now always gives a slider its
+    send every slider's minimum to the server — inspector.ui.widgets.sampling_widgets now always gives a slider its
     value; this test helper still waits, as a person would, before typing.)"""
     page.get_by_text("Generation settings").click()
     page.locator('[data-testid="stSidebar"] [data-testid="stSliderThumbValue"]').first.wait_for(state="visible")
@@ -140,7 +140,7 @@ _ESCAPED = re.compile(r"\\([!-/:-@\[-`{-~])")        # CommonMark's backslash es
 
 
 def as_shown(markdown_source: str) -> str:
-    """What a Markdown element's source shows as text once its escapes are resolved (pages.common.plain escapes
+    """What a Markdown element's source shows as text once its escapes are resolved (inspector.ui.common.plain escapes
     every punctuation character and puts a zero-width space into bare links)."""
     return _ESCAPED.sub(r"\1", markdown_source).replace("\u200b", "")
 

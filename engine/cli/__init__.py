@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import EngineError
-from . import args, bench, debug, explain, prescribe, report, run, show
+from engine.cli import args, bench, debug, explain, prescribe, report, run, show
+from engine.errors import EngineError
 
 
 def build_parser() -> argparse.ArgumentParser:

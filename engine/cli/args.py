@@ -6,9 +6,9 @@ import argparse
 import sys
 from dataclasses import fields
 
-from ..loader import load_model
-from ..sampling import SamplingParams
-from ..settings import RunSettings
+from engine.loader import load_model
+from engine.sampling import SamplingParams
+from engine.settings import RunSettings
 
 # flag -> (SamplingParams field, type, default, help); the one list the CLI builds sampler settings from
 SAMPLER_FLAGS = {

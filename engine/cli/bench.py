@@ -1,14 +1,14 @@
 """python -m engine bench: speed of this engine against transformers and the memory-bandwidth floor (see
-engine.bench)."""
+engine.bench.speed)."""
 from __future__ import annotations
 
 import argparse
 
 import torch
 
-from ..bench import run_bench
-from ..errors import InputError
-from .args import load, model_args
+from engine.bench.speed import run_bench
+from engine.cli.args import load, model_args
+from engine.errors import InputError
 
 
 def cmd_bench(a: argparse.Namespace) -> int:

@@ -21,12 +21,12 @@ import json
 import math
 import time
 
-from ..doctor import PRESETS, cast_model, fault_probe, precision_compare, run_doctor
-from ..errors import InputError
-from ..stats import STAT_NAMES
-from ..trace import make_trace, save_trace, summary
-from .args import load, model_args, prompt_args, run_settings, sampling_args
-from .prescribe import add_doctor_flags, doctor_model, extend_doctor, human_lines
+from engine.cli.args import load, model_args, prompt_args, run_settings, sampling_args
+from engine.cli.prescribe import add_doctor_flags, doctor_model, extend_doctor, human_lines
+from engine.errors import InputError
+from engine.inspection.stats import STAT_NAMES
+from engine.inspection.trace import make_trace, save_trace, summary
+from engine.tools.doctor import PRESETS, cast_model, fault_probe, precision_compare, run_doctor
 
 
 def debug_args(p: argparse.ArgumentParser) -> None:

@@ -11,10 +11,10 @@ import json
 import sys
 
 from engine.errors import InputError
-from engine.explain import Explanation, explain_step, single_token
 from engine.generate import GenerationRun, prompt_ids
-from engine.patching import SITES, PatchingResult, patching_grid
 from engine.progress import Progress
+from engine.tools.explain import Explanation, explain_step, single_token
+from engine.tools.patching import SITES, PatchingResult, patching_grid
 
 
 def add_commands(sub, common) -> None:

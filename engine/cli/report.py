@@ -1,4 +1,4 @@
-"""python -m engine report: one run as a self-contained HTML report (engine.report), made from the same flags as
+"""python -m engine report: one run as a self-contained HTML report (engine.report.html), made from the same flags as
 `python -m engine trace` (or from a saved trace), with the command that reproduces it inside.
 
     python -m engine report "PROMPT" [generation flags] [--inject KIND@STAGE[:N]]... [--layers 0,15,-1]
@@ -17,16 +17,16 @@ import sys
 import time
 from pathlib import Path
 
-from ..doctor import fault_probe, run_doctor
-from ..errors import InputError
-from ..report import build_html
-from ..report_data import attention_maps, default_layers, parse_indices, resolve_indices
-from ..sampling import SamplingParams
-from ..sources import BUNDLED_NAME
-from ..trace import Trace, load_trace, make_trace, save_trace
-from ..trace_check import TraceBounds
-from .args import SAMPLER_FLAGS, load, model_args, prompt_args, run_settings, sampling_args
-from .debug import debug_args, faults_of, generation_kwargs
+from engine.cli.args import SAMPLER_FLAGS, load, model_args, prompt_args, run_settings, sampling_args
+from engine.cli.debug import debug_args, faults_of, generation_kwargs
+from engine.errors import InputError
+from engine.inspection.trace import Trace, load_trace, make_trace, save_trace
+from engine.inspection.trace_check import TraceBounds
+from engine.report.data import attention_maps, default_layers, parse_indices, resolve_indices
+from engine.report.html import build_html
+from engine.sampling import SamplingParams
+from engine.sources import BUNDLED_NAME
+from engine.tools.doctor import fault_probe, run_doctor
 
 REPORT_ONLY = ("out", "layers", "steps", "from_trace", "trace", "model", "device", "dtype", "prompt", "fn")
 

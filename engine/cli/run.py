@@ -6,11 +6,11 @@ import csv
 import sys
 import time
 
-from ..generate import prompt_ids
-from ..probe import Probe
-from ..stages import hook_names
-from ..stats import STAT_NAMES
-from .args import load, model_args, prompt_args, run_settings, sampling_args
+from engine.cli.args import load, model_args, prompt_args, run_settings, sampling_args
+from engine.generate import prompt_ids
+from engine.inspection.probe import Probe
+from engine.inspection.stages import hook_names
+from engine.inspection.stats import STAT_NAMES
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

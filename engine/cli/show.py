@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..trace import load_trace, summary
-from ..trace_check import TraceBounds
-from .debug import strict_json
+from engine.cli.debug import strict_json
+from engine.inspection.trace import load_trace, summary
+from engine.inspection.trace_check import TraceBounds
 
 
 def cmd_show(a: argparse.Namespace) -> int:

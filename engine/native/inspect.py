@@ -1,11 +1,11 @@
-"""Statistics of a multi-token forward in one pass each (inspect.c), for engine.stats and
-engine.attention_stats; None wherever the library or the tensor's layout cannot take it (the PyTorch code
+"""Statistics of a multi-token forward in one pass each (inspect.c), for engine.inspection.stats and
+engine.inspection.attention_stats; None wherever the library or the tensor's layout cannot take it (the PyTorch code
 then runs, and stays the reference)."""
 from __future__ import annotations
 
 import torch
 
-from . import build
+from engine.native import build
 
 
 def _lib():
@@ -31,10 +31,10 @@ def _empty(rows: int) -> torch.Tensor:
 
 def row_stats(xs: list[torch.Tensor], alloc=_empty, lays: list[tuple] | None = None
               ) -> list[torch.Tensor | None] | None:
-    """Tensors (T, n) or (T, G, n) -> for each, its (T, 7) statistics per row (engine.stats.STAT_NAMES), or None
+    """Tensors (T, n) or (T, G, n) -> for each, its (T, 7) statistics per row (inspection.stats.STAT_NAMES), or None
     for one holding a NaN or Inf (the PyTorch path counts those); None for all when the library is missing.
     Every tensor must have layout() (float32 on the CPU, last dim contiguous). alloc(rows) gives the (rows, 7)
-    float32 tensor the results are written to (engine.stats.StatsBatcher.rows_out: one arena, see there);
+    float32 tensor the results are written to (engine.inspection.stats.StatsBatcher.rows_out: one arena, see there);
     lays: the tensors' layout() when the caller has them."""
     lib = _lib()
     if lib is None:
@@ -76,7 +76,7 @@ def attention_stats(qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 def offer_attention_stats(p, qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None, off: int | None,
                           want) -> bool:
-    """attention_stats of a causal layer (off: engine.attention_stats.causal_offset, None for another mask)
+    """attention_stats of a causal layer (off: engine.inspection.attention_stats.causal_offset, None for another mask)
     offered to the probe view p as the stages' statistics (want: an AttentionView). True: done, and q, keys
     and values proved finite; False: not done here."""
     if off is None or values is None:

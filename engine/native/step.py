@@ -19,8 +19,8 @@ import ctypes
 
 import torch
 
-from ..stages import LAYER_STAGES, hook_names
-from . import build
+from engine.inspection.stages import LAYER_STAGES, hook_names
+from engine.native import build
 
 _P = ctypes.c_void_p
 _FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_len", "pos", "nth")] + [

@@ -5,7 +5,7 @@ so when the session is dropped (closed and expired) the token is garbage and the
 
     seat = sessions.admit(client, state_token, limit)   # None: admitted; else the message to show
 
-Nothing here knows Streamlit; the app passes the client key (pages.common.client_key) and a token object it keeps
+Nothing here knows Streamlit; the app passes the client key (inspector.ui.common.client_key) and a token object it keeps
 in st.session_state.
 """
 from __future__ import annotations

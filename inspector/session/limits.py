@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 from typing import Mapping
 
 from engine import InputError
-from engine.trace_check import TraceBounds
+from engine.inspection.trace_check import TraceBounds
 
 ENV_PREFIX = "LLM_INSPECTOR_"
 ALLOWED_CONTROLS = "\t\n\r"

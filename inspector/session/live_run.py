@@ -92,7 +92,7 @@ class LiveRun:
     prefill: Progress | None = None
     queue_position: int | None = None
     first_position: int | None = None          # the place it was first told
-    demo: str | None = None                    # the demo (pages.demos) this run is for
+    demo: str | None = None                    # the demo (inspector.ui.demos) this run is for
     client: str | None = None                  # who asks, for the queue's per-browser turns: resolved by the app
                                                # in the script thread (a worker thread may not see the cookie)
     previous_click: Callable[[], bool] | None = None   # whether this session's previous click still computes
@@ -111,7 +111,7 @@ class LiveRun:
     def start(self, model: Model, limits: Limits,
               prepare: Callable[[threading.Thread], None] | None = None) -> "LiveRun":
         """Generate in a new thread; `prepare` sees the thread before it starts (the app gives it the starting
-        script's run context, so that the admission queue knows which browser asks, pages.common.client_key);
+        script's run context, so that the admission queue knows which browser asks, inspector.ui.common.client_key);
         the thread never draws. The model reaches it through a closure, so this object never holds the model
         (the session's memory budget counts what session state holds)."""
         self.shape = rates(model).shape(model.config)

@@ -3,7 +3,7 @@
 A teacher (a session that entered $LLM_INSPECTOR_TEACHER_KEY) creates a room: a short code and a publish
 token. Only the token opens publishing; it is random (secrets.token_urlsafe), held in the teacher's server-side
 session, and the store keeps only its SHA-256. Students follow by reading the room's state, a small JSON
-document with a version number, and load the run (trace bytes, engine.trace's format) only when its id changes.
+document with a version number, and load the run (trace bytes, inspection.trace's format) only when its id changes.
 
 All the rules live in `RoomStore`, once; where the state is kept is a `Backend` of a handful of key-value
 operations (get, set, delete, incr, hsetnx, hgetall, hlen): `MemoryBackend` here (one process, the default)
@@ -291,7 +291,7 @@ class RoomStore:
 
 # ---- the process's store ----------------------------------------------------------------------------
 def voter_of(code: str, client: str) -> str:
-    """The name a poll's answer is kept under: one per browser (pages.common.client_key) and room, never the
+    """The name a poll's answer is kept under: one per browser (inspector.ui.common.client_key) and room, never the
     browser's own token."""
     return hashlib.sha256(f"llmi-voter:{check_code(code)}:{client}".encode("utf-8", "surrogatepass")).hexdigest()[:32]
 

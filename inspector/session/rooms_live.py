@@ -6,7 +6,7 @@ The room's state document says that a run is live (`RoomState.live`, the run's n
 screens rerun once when it starts and once when the full run replaces it). What changes with every token is
 one small document of its own (`Live`, at most MAX_LIVE_BYTES as JSON, its text cut to the last
 MAX_TEXT_CHARS characters, five candidates of at most MAX_TOKEN_CHARS each) under a counter the room's watcher
-reads (pages.room_push): a student's screen redraws only its live panel when it moves.
+reads (inspector.ui.room_push): a student's screen redraws only its live panel when it moves.
 
 `LivePublisher` is what the teacher's LiveRun calls from its generating thread, for every progress record and
 token: it publishes at most every `every_s` seconds (and always at a change of phase and at the end), and a

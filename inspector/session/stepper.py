@@ -22,7 +22,7 @@ from engine import (
     inspection_probe,
     make_trace,
 )
-from engine.breakpoints import Breakpoint, run_until
+from engine.tools.breakpoints import Breakpoint, run_until
 
 from .limits import Limits
 from .run import check_settings, track

@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 import torch
 
 from engine import STAT_NAMES, Probe
-from engine.probe import split_name
+from engine.inspection.probe import split_name
 from engine.progress import LayerProgress
 
 from .theme import colorscale, robust_range

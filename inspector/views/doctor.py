@@ -1,7 +1,7 @@
 """Tables and figures for the NaN/Inf doctor page.
 
 Everything here reads what the engine recorded (probe statistics, a DoctorReport, a PrecisionReport); the
-model is only run by the engine functions the page calls (engine.doctor.run_doctor, precision_compare).
+model is only run by the engine functions the page calls (engine.tools.doctor.run_doctor, precision_compare).
 """
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from engine import STAT_NAMES, InputError
-from engine.doctor import FP16_MAX, PRESETS, Injection, NonFinite, is_weight, stage_profile
-from engine.stages import LAYER_STAGES
+from engine.inspection.nonfinite import NonFinite, stage_profile
+from engine.inspection.stages import LAYER_STAGES
+from engine.tools.doctor import FP16_MAX, PRESETS, Injection, is_weight
 
 from .theme import colorscale
 

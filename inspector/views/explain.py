@@ -1,5 +1,6 @@
-"""Explain a token: tables and figures for logit attribution (engine.explain), activation patching
-(engine.patching) and input attribution (engine.attribution). Pure: results in, DataFrames and Figures out."""
+"""Explain a token: tables and figures for logit attribution (engine.tools.explain), activation patching
+(engine.tools.patching) and input attribution (engine.tools.attribution).
+Pure: results in, DataFrames and Figures out."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -8,9 +9,9 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from engine.attribution import METHODS, InputAttribution
-from engine.explain import Explanation
-from engine.patching import PatchingResult
+from engine.tools.attribution import METHODS, InputAttribution
+from engine.tools.explain import Explanation
+from engine.tools.patching import PatchingResult
 
 DIVERGING = "RdBu"      # blue = positive (favours A / the head helps), red = negative; zmid 0
 ATTN, MLP, EMBED = "#3b6fb6", "#e4572e", "#7a7a7a"

@@ -1,5 +1,5 @@
-"""Tables and figures for the prescribing doctors: why a generation loops (engine.why_loop), the fp32
-rescue set (engine.rescue) and quantization damage per stage (engine.quant).
+"""Tables and figures for the prescribing doctors: why a generation loops (engine.tools.why_loop), the fp32
+rescue set (engine.tools.rescue) and quantization damage per stage (engine.tools.quant).
 
 Pure: reports in, DataFrames and plotly Figures out. Every heatmap names its colorscale and its axes.
 """
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from engine.quant import QuantReport
-from engine.rescue import RescueReport
-from engine.stages import LAYER_STAGES
-from engine.why_loop import WhyLoopReport
+from engine.inspection.stages import LAYER_STAGES
+from engine.tools.quant import QuantReport
+from engine.tools.rescue import RescueReport
+from engine.tools.why_loop import WhyLoopReport
 
 from .tokens import visible
 

@@ -1,4 +1,4 @@
-"""The repetition doctor's tables and figures: loops in the generated tokens (engine.loops), the text with
+"""The repetition doctor's tables and figures: loops in the generated tokens (engine.inspection.loops), the text with
 each repeat highlighted, probability and entropy per step, attention from looping tokens to their earlier
 copy, and the same prompt and seed under repetition penalties side by side.
 
@@ -17,7 +17,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from engine import Probe
-from engine.loops import Loop, find_loops, repeats, tail_loop
+from engine.inspection.loops import Loop, find_loops, repeats, tail_loop
 from engine.progress import LayerProgress
 
 from .theme import colorscale
@@ -152,7 +152,7 @@ def compare_penalties(model, settings, variants: dict[str, dict] | None = None, 
     """The run's prompt, seed and sampling settings with each penalty setting alone (others neutral).
 
     settings: an engine.RunSettings; baseline: the run's own (token_ids, text), shown first as
-    "as run". A setting breaks the loop when its generation has no loop at all (engine.loops.find_loops).
+    "as run". A setting breaks the loop when its generation has no loop at all (engine.inspection.loops.find_loops).
     on_variant(label) before each generation, on_token(step) after each of its tokens (live progress)."""
     rows = [] if baseline is None else [variant_row("as run", *baseline)]
     for label, overrides in (PENALTY_VARIANTS if variants is None else variants).items():

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from engine import RunSettings, make_trace
-from engine.doctor import fault_probe
-from engine.trace import to_bytes
+from engine.inspection.trace import to_bytes
+from engine.tools.doctor import fault_probe
 from inspector.session.run import inspect_run
 from tests.helpers import as_shown
 
@@ -105,7 +105,7 @@ def test_trace_page_saves_and_opens_a_run(page, tiny_model, tiny_model_dir, tiny
 def test_other_pages_read_a_reopened_trace(page, tiny_model, tiny_model_dir, tiny_run):
     """Every existing page works from a trace as from a fresh run (attention and the logit lens re-run the
     model, which is loaded)."""
-    from engine.trace import from_bytes
+    from engine.inspection.trace import from_bytes
     opened = from_bytes(to_bytes(tiny_run))
     for name in OTHER_PAGES:
         if not (ROOT / "pages" / f"{name}.py").is_file():

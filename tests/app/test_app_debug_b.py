@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Tell me about caches."
 MAX_NEW = 8
 FRAME = '''import streamlit as st
-from pages.sidebar import sidebar
+from inspector.ui.sidebar import sidebar
 nav = st.navigation([st.Page("views/overview.py", title="Overview", default=True),
                      st.Page("views/debugger.py", title="Debugger"), st.Page("views/compare.py", title="Compare")])
 sidebar()

@@ -1,4 +1,4 @@
-"""AppTest: a demo's page says the demo's lesson at its top (pages.demos.lesson) on the Repetition and NaN
+"""AppTest: a demo's page says the demo's lesson at its top (inspector.ui.demos.lesson) on the Repetition and NaN
 doctor pages too, while the session's run is the demo's run, and says nothing for any other run."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from engine import RunSettings
 from inspector.session.run import inspect_run
-from pages.demos import DEMOS, LESSON
+from inspector.ui.demos import DEMOS, LESSON
 
 pytestmark = pytest.mark.app
 

@@ -9,8 +9,8 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from engine import RunSettings
-from engine.explain import explain_step
 from engine.model import Model
+from engine.tools.explain import explain_step
 from inspector.session.run import inspect_run
 from inspector.views.tokens import token_labels
 

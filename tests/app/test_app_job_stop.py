@@ -1,5 +1,5 @@
 """AppTest: the long jobs (the why-loop, activation patching, input attribution, the precision comparison) show
-a progress bar and a Stop button while they run (pages.common.on_demand); a Stop, clicked while one runs, ends
+a progress bar and a Stop button while they run (inspector.ui.common.on_demand); a Stop, clicked while one runs, ends
 it before its next unit of work, the page says "Stopped" and keeps nothing, and "Compute again" runs it whole.
 
 A click cannot land mid-run in AppTest, so the unit of work is wrapped: the wrapper notes the Stop buttons on
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-import engine.patching as patching
-import engine.why_loop as why_loop_mod
+import engine.tools.patching as patching
+import engine.tools.why_loop as why_loop_mod
 from engine import RunSettings
 from inspector.session.run import inspect_run
-from pages.common import STOPPED_KEY
+from inspector.ui.common import STOPPED_KEY
 from tests.app.test_app_explain import page as explain_page  # noqa: F401  (a fixture)
 from tests.app.test_app_explain import run  # noqa: F401  (a fixture)
 from tests.app.test_app_prescribe import LOOP_PROMPT, looper, section  # noqa: F401  (looper: a fixture)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine import RunSettings
-from engine.doctor import FP16_MAX, PRESETS, fault_probe
+from engine.tools.doctor import FP16_MAX, PRESETS, fault_probe
 from inspector.session.run import inspect_run
 from inspector.views.doctor import WINDOW
 

@@ -1,11 +1,11 @@
-"""AppTest of pages.common.on_demand: a page computing a map shows the map with no progress bar or Stop
+"""AppTest of inspector.ui.common.on_demand: a page computing a map shows the map with no progress bar or Stop
 button left behind; a stop leaves "Stopped" with a button to compute again and nothing memoised."""
 from __future__ import annotations
 
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from pages.common import STOPPED_KEY
+from inspector.ui.common import STOPPED_KEY
 from tests.app.test_app_pages_a import chart, page, start
 
 pytestmark = pytest.mark.app
@@ -19,7 +19,7 @@ def stopping_page():
 
     from engine.generate import STOP, Progress
     from engine.progress import Stopped
-    from pages.common import STOPPED_KEY, _tag, on_demand, was_stopped
+    from inspector.ui.common import STOPPED_KEY, _tag, on_demand, was_stopped
 
     store = st.session_state.setdefault("store", {})
     tries = st.session_state.setdefault("tries", [])

@@ -29,7 +29,7 @@ def pages(app_file) -> dict[str, str]:
 def fresh_app(app_file: Path, source: str | None) -> AppTest:
     """An AppTest whose model is already in the shared cache.
 
-    Workaround for pages/common.py: shared_model() is st.cache_resource'd and draws its progress bar on
+    Workaround for inspector/ui/common.py: shared_model() is st.cache_resource'd and draws its progress bar on
     a block made outside it, so a later session's cache hit replays those calls and fails
     (CacheReplayClosureError). Loading outside any script run records no such calls."""
 

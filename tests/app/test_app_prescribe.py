@@ -1,5 +1,5 @@
 """AppTest of the prescribing doctors: the Quantization page (run as its own script with a run in
-st.session_state["run"]), and the why-loop and rescue sections (pages.prescriptions) through a small script
+st.session_state["run"]), and the why-loop and rescue sections (inspector.ui.prescriptions) through a small script
 that calls them with a run and a model put in st.session_state, as the Repetition and NaN doctor pages will."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ LOOP_PROMPT = "I like apples. I like apples. I like"
 OVERFLOW = "scale=1e6@blocks.1.mlp_out"
 SECTION = """
 import streamlit as st
-from pages.prescriptions import {name}
+from inspector.ui.prescriptions import {name}
 {name}(st.session_state["pr_run"], st.session_state["pr_model"])
 """
 

@@ -7,7 +7,7 @@ import pytest
 
 from engine import RunSettings
 from engine.generate import prompt_ids
-from engine.trace import from_bytes, to_bytes
+from engine.inspection.trace import from_bytes, to_bytes
 from inspector.session.run import inspect_run
 from tests.app.test_app_pages_a import page as page_path
 from tests.app.test_run_traps import fresh_app

@@ -162,7 +162,7 @@ def test_cli_main_reports_errors_with_exit_2(tmp_path, tiny_model_dir, capsys, a
 # ---- a broken hub cache, through a page's sidebar -------------------------------------------------------------
 
 def _sidebar_script():
-    from pages.sidebar import sidebar
+    from inspector.ui.sidebar import sidebar
     sidebar()
 
 

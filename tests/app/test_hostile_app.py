@@ -8,7 +8,7 @@ import time
 import pytest
 
 from engine import RunSettings
-from engine.trace import to_bytes
+from engine.inspection.trace import to_bytes
 from inspector.session.run import inspect_run
 from tests.helpers import as_shown, forge
 from tests.unit.test_hostile_traces import CASES, setitem, with_meta
@@ -47,11 +47,10 @@ def test_strings_from_a_file_are_text_never_markdown(page, tiny_model, tiny_mode
 
 
 def test_a_reupload_is_parsed_once(page, tiny_model, tiny_model_dir, run, monkeypatch):
-    import engine.trace
-    import pages  # noqa: F401
+    import engine.inspection.trace
     calls = []
-    real = engine.trace.from_bytes
-    monkeypatch.setattr(engine.trace, "from_bytes", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = engine.inspection.trace.from_bytes
+    monkeypatch.setattr(engine.inspection.trace, "from_bytes", lambda *a, **k: calls.append(1) or real(*a, **k))
     at = page("trace_files", run, tiny_model, str(tiny_model_dir)).run()
     at.file_uploader[0].set_value(("ok.trace", to_bytes(run), "application/octet-stream")).run()
     at.run()

@@ -14,7 +14,7 @@ from markdown_it import MarkdownIt
 
 from engine import RunSettings
 from engine.model import Model
-from engine.why_loop import MAX_RERUNS
+from engine.tools.why_loop import MAX_RERUNS
 from inspector.session.run import inspect_run
 from tests.helpers import as_shown, forge
 
@@ -51,7 +51,7 @@ def links_in(body: str) -> list[str]:
 
 def test_links_in_is_a_real_check():
     """The reference finds what the pages must not send (and nothing in escaped text)."""
-    from pages.common import plain as md
+    from inspector.ui.common import plain as md
     assert links_in(f"Model **{EVIL}**") == ['<img src="http://evil.example/img.png" alt="x" />',
                                             '<a href="http://evil.example">']
     assert links_in("see www.evil.example or a@evil.example") == ["www.evil.example", "a@evil.example"]
@@ -137,7 +137,7 @@ def count_model_work(monkeypatch) -> list[str]:
                                                    ("nan_doctor", "rs_run", "find_rescue")])
 def test_a_reruns_settings_are_checked_against_the_servers_limits(page, tiny_model, tiny_model_dir, long_run,
                                                                   monkeypatch, name, button, section):
-    import pages.prescriptions as presc
+    import inspector.ui.prescriptions as presc
     monkeypatch.setenv("LLM_INSPECTOR_MAX_PROMPT_TOKENS", "64")
     started = []
     monkeypatch.setattr(presc, section, lambda *a, **k: started.append(a))
@@ -166,30 +166,31 @@ def spy(monkeypatch, target: str) -> list:
 T = 7            # the run's positions: 4 prompt tokens and 3 generated
 FORGED = [       # page, state set first, widget key, forged value, the message, the work it must not reach
     ("nan_doctor", {}, "nd_max_new", 10**6, "Max new tokens must be between 1 and 1,024, got 1,000,000",
-     "engine.doctor.run_doctor"),
+     "engine.tools.doctor.run_doctor"),
     ("nan_doctor", {"nd_preset": "custom"}, "nd_layer", 99, "Layer must be between 0 and 1, got 99",
-     "engine.doctor.run_doctor"),
+     "engine.tools.doctor.run_doctor"),
     ("nan_doctor", {"nd_preset": "custom"}, "nd_pos", -7, "Position must be between -1 and 1,000,000,000, got -7",
-     "engine.doctor.run_doctor"),
+     "engine.tools.doctor.run_doctor"),
     ("nan_doctor", {"nd_preset": "custom"}, "nd_factor", float("nan"), "Scale factor must be a number, got NaN",
-     "engine.doctor.run_doctor"),
+     "engine.tools.doctor.run_doctor"),
     ("nan_doctor", {}, "rs_tokens", 10**6, "Generated tokens compared must be between 1 and 16, got 1,000,000",
-     "pages.prescriptions.find_rescue"),
+     "inspector.ui.prescriptions.find_rescue"),
     ("nan_doctor", {"rs_preset": "custom"}, "rs_inject", "x" * 1_001,
-     "Injections is 1,001 characters long; this field takes at most 1,000", "pages.prescriptions.find_rescue"),
+     "Injections is 1,001 characters long; this field takes at most 1,000", "inspector.ui.prescriptions.find_rescue"),
     ("repetition", {}, "wl_budget", 10**6, f"Most reruns must be between 5 and {MAX_RERUNS}, got 1,000,000",
-     "pages.prescriptions.why_loop"),
-    ("repetition", {}, "wl_budget", 2.5, "Most reruns must be a whole number, got 2.5", "pages.prescriptions.why_loop"),
+     "inspector.ui.prescriptions.why_loop"),
+    ("repetition", {}, "wl_budget", 2.5, "Most reruns must be a whole number, got 2.5",
+     "inspector.ui.prescriptions.why_loop"),
     ("explain", {}, "ex_random_orders", 10**6, "Random orders for the baseline must be between 1 and 8, got 1,000,000",
-     "engine.attribution.attribute_inputs"),
+     "engine.tools.attribution.attribute_inputs"),
     ("explain", {}, "ex_span", (0, 10**6), "Tokens to corrupt (last) must be between 0 and 3, got 1,000,000",
-     "engine.patching.replace_span"),
+     "engine.tools.patching.replace_span"),
     ("explain", {}, "ex_span", (-3, 1), "Tokens to corrupt (first) must be between 0 and 3, got -3",
-     "engine.patching.replace_span"),
+     "engine.tools.patching.replace_span"),
     ("explain", {}, "ex_replacement", "x" * 2_001,
-     "The replacement is 2,001 characters long; this field takes at most 2,000", "engine.patching.replace_span"),
+     "The replacement is 2,001 characters long; this field takes at most 2,000", "engine.tools.patching.replace_span"),
     ("debugger", {"dbg_bp_kind": "Repeated n-gram"}, "dbg_bp_n", 10**6, "n must be between 1 and 20, got 1,000,000",
-     "engine.breakpoints.RepeatedNgram"),
+     "engine.tools.breakpoints.RepeatedNgram"),
     ("debugger", {"dbg_bp_kind": "Token"}, "dbg_bp_token", " Paris" * 1_000,
      "Token text is 6,000 characters long; this field takes at most 200", "inspector.views.debugger.token_ids_for"),
     ("attention", {}, "att_query", 10**6, f"Query position must be between 0 and {T - 1}, got 1,000,000",

@@ -8,7 +8,7 @@ import pytest
 from streamlit.runtime.scriptrunner_utils.exceptions import StopException
 
 from engine import RunSettings
-from engine.trace import to_bytes
+from engine.inspection.trace import to_bytes
 from inspector.session.rooms import shared_store
 from inspector.session.rooms_state import View
 from inspector.session.run import inspect_run
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.app
 
 
 def test_a_load_stopped_by_a_newer_rerun_is_tried_again(monkeypatch, tiny_model, tiny_model_dir, app_file):
-    import pages.room as room
+    import inspector.ui.room as room
     monkeypatch.setenv("LLM_INSPECTOR_MODEL", str(tiny_model_dir))
     monkeypatch.delenv("LLM_INSPECTOR_ROOMS", raising=False)
     store = shared_store()

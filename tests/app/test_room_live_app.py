@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import RunSettings, SamplingParams
-from engine.trace import to_bytes
+from engine.inspection.trace import to_bytes
 from inspector.session.memo import run_key
 from inspector.session.rooms import shared_store
 from inspector.session.rooms_live import Live, LiveToken

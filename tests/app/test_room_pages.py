@@ -31,19 +31,19 @@ def unsafe(bodies: list[str]) -> list[str]:
 def poll_script():
     import streamlit as st
 
-    from pages.room_poll import poll_box
+    from inspector.ui.room_poll import poll_box
     poll_box(st.session_state["_test_r"], st.session_state["_test_state"], 3)
 
 
 def teacher_panel_script():
-    from pages import room
+    from inspector.ui import room
     room.sidebar_panel()
 
 
 def voter_script():
     import streamlit as st
 
-    from pages.room_sync import voter_id
+    from inspector.ui.room_sync import voter_id
     st.session_state["_test_voter"] = voter_id("ABCDEF")
 
 
@@ -66,7 +66,7 @@ def evil_run(tiny_model, monkeypatch, tiny_model_dir):
 
 
 def test_the_check_finds_what_it_looks_for():
-    from pages.common import plain
+    from inspector.ui.common import plain
     assert unsafe([EVIL, IMG, LINK, TAG, repr(EVIL)]) == [EVIL, IMG, LINK, TAG, repr(EVIL)]
     assert unsafe([plain(EVIL), plain(repr(EVIL)), "plain words"]) == []
 
@@ -120,11 +120,11 @@ def test_an_answer_and_the_reveal_show_a_runs_strings_as_plain_text(evil_run):
 
 def test_tabs_of_one_browser_are_one_voter(monkeypatch):
     """Two sessions (two tabs) whose requests carry one browser's cookie answer under one name."""
-    import pages.common
-    monkeypatch.setattr(pages.common, "client_key", lambda: "browser:0123456789abcdef")
+    import inspector.ui.common
+    monkeypatch.setattr(inspector.ui.common, "client_key", lambda: "browser:0123456789abcdef")
     voters = [AppTest.from_function(voter_script).run().session_state["_test_voter"] for _ in range(2)]
     assert voters[0] == voters[1]
-    monkeypatch.setattr(pages.common, "client_key", lambda: "browser:fedcba9876543210")
+    monkeypatch.setattr(inspector.ui.common, "client_key", lambda: "browser:fedcba9876543210")
     assert AppTest.from_function(voter_script).run().session_state["_test_voter"] != voters[0]
 
 

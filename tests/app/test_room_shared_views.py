@@ -10,7 +10,7 @@ import json
 import pytest
 
 from engine import RunSettings
-from engine.trace import to_bytes
+from engine.inspection.trace import to_bytes
 from inspector.session.memo import SHARED
 from inspector.session.rooms import shared_store
 from inspector.session.rooms_state import View

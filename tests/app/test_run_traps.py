@@ -15,7 +15,7 @@ import pytest
 from streamlit.runtime.pages_manager import PagesManager
 from streamlit.testing.v1 import AppTest
 
-import pages.sidebar as sidebar
+import inspector.ui.sidebar as sidebar
 from engine import RunSettings
 from inspector.session.admission import ServerBusyError, shared_admission
 from inspector.session.limits import Limits

@@ -8,7 +8,7 @@ import pytest
 from streamlit.runtime.memory_uploaded_file_manager import MemoryUploadedFileManager
 
 from engine import RunSettings
-from engine.trace import to_bytes
+from engine.inspection.trace import to_bytes
 from inspector.session.budget import trace_file_limit
 from inspector.session.clients import ClientSessions, SessionToken
 from inspector.session.limits import Limits
@@ -41,13 +41,13 @@ def test_an_opened_upload_gives_its_bytes_back_and_is_kept_once(page, tiny_model
 
 def test_a_trace_over_half_the_sessions_allowance_is_refused_before_parsing(page, tiny_model, tiny_model_dir, run,
                                                                              monkeypatch):
-    import engine.trace
+    import engine.inspection.trace
     monkeypatch.setenv("LLM_INSPECTOR_MAX_SESSION_MB", "1")
     data = to_bytes(run)
     most = trace_file_limit(Limits(max_session_mb=1))
     assert len(data) > most                                       # 3 steps of logits: ~0.6 MB against 0.4
     parsed = []
-    monkeypatch.setattr(engine.trace, "from_bytes", lambda *a, **k: parsed.append(1))
+    monkeypatch.setattr(engine.inspection.trace, "from_bytes", lambda *a, **k: parsed.append(1))
     at = page("trace_files", run, tiny_model, str(tiny_model_dir)).run()
     at.file_uploader[0].set_value(("big.trace", data, "application/octet-stream")).run()
     assert not at.exception, at.exception
@@ -77,12 +77,12 @@ def test_the_app_stops_a_session_past_the_cap_before_anything_else(monkeypatch, 
     from streamlit.testing.v1 import AppTest
 
     import inspector.session.clients as clients
-    import pages.common
+    import inspector.ui.common
     monkeypatch.setenv("LLM_INSPECTOR_MODEL", str(tiny_model_dir))
     monkeypatch.setenv("LLM_INSPECTOR_MAX_SESSIONS_PER_CLIENT", "2")
     monkeypatch.setattr(PagesManager, "uses_pages_directory", None)
     monkeypatch.setattr(clients, "sessions", ClientSessions())
-    monkeypatch.setattr(pages.common, "browser_key", lambda: "browser:one")
+    monkeypatch.setattr(inspector.ui.common, "browser_key", lambda: "browser:one")
     tabs = [AppTest.from_file(str(app_file), default_timeout=120).run() for _ in range(3)]
     assert [bool(t.error) for t in tabs] == [False, False, True]
     assert as_shown(tabs[2].error[0].value).startswith("This browser already has 2 sessions open on this server")

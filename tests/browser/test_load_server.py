@@ -45,8 +45,8 @@ def test_config_serves_localhost_with_xsrf_on():
 def test_nothing_in_the_app_unpickles():
     pattern = re.compile(r"\bimport (c?pickle|dill|joblib|shelve|marshal)\b|\bfrom (c?pickle|dill|joblib|shelve)\b"
                          r"|torch\.load\(|pickle\.loads?\(|allow_pickle\s*=\s*True|weights_only\s*=\s*False")
-    files = [ROOT / "app.py", *sorted((ROOT / "engine").glob("*.py")), *sorted((ROOT / "inspector").glob("*.py")),
-             *sorted((ROOT / "pages").glob("*.py"))]
+    files = [ROOT / "app.py", *sorted((ROOT / "engine").rglob("*.py")), *sorted((ROOT / "inspector").rglob("*.py")),
+             *sorted((ROOT / "pages").rglob("*.py"))]
     hits = [f"{f.relative_to(ROOT)}:{n}" for f in files for n, line in enumerate(f.read_text().splitlines(), 1)
             if pattern.search(line)]
     assert hits == []
@@ -56,7 +56,7 @@ def _choose_and_load(injected: str):
     """An app page that puts a browser-chosen value into the model selectbox's state and loads the model."""
     import streamlit as st  # AppTest.from_function runs this body alone
 
-    from pages.common import get_model
+    from inspector.ui.common import get_model
     st.session_state["sb_model"] = injected
     model = get_model()
     st.write(f"loaded: {model.path}")

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from engine import RunSettings
-from engine.trace import to_bytes
+from engine.inspection.trace import to_bytes
 from inspector.session.rooms import RoomStore
 from inspector.session.rooms_redis import RedisBackend
 from inspector.session.rooms_state import View
@@ -40,7 +40,7 @@ CHANGES = [View("attention"), View("attention", layer=1), View("attention", laye
 
 
 def line(view: View) -> str:
-    """The room's line on a following student's screen (pages.room.describe)."""
+    """The room's line on a following student's screen (inspector.ui.room.describe)."""
     head = "average of heads" if view.head is None else f"head {view.head}"
     return f"following the teacher: {TITLES[view.page]} · layer {view.layer} · {head} · step {view.step}"
 

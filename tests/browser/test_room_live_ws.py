@@ -15,7 +15,7 @@ import time
 import pytest
 
 from engine import RunSettings
-from engine.trace import to_bytes
+from engine.inspection.trace import to_bytes
 from inspector.session.limits import Limits
 from inspector.session.live_run import LiveRun
 from inspector.session.rooms import RoomStore

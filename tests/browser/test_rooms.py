@@ -291,7 +291,7 @@ def lesson(browser, teacher_url: str, student_url: str, tokenizer, screenshots: 
     act, prompt = runs[1]
     out["delays"]["run 2"] = follow_delays(teacher, students, act, [prompt, "Generated text"], from_end=True)
     out["texts"] = texts
-    for _, page in students:         # the run reaches them live first (pages.room_live), then whole
+    for _, page in students:         # the run reaches them live first (inspector.ui.room_live), then whole
         end = time.monotonic() + TIMEOUT_S
         while generated_text(page) != texts[-1] and time.monotonic() < end:
             page.wait_for_timeout(200)

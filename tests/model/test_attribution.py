@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine.attribution import METHODS, attribute_inputs, neutral_token, occlusion
-from engine.patching import base_run
+from engine.tools.attribution import METHODS, attribute_inputs, neutral_token, occlusion
+from engine.tools.patching import base_run
 
 pytestmark = pytest.mark.model
 N_PROMPTS = 30

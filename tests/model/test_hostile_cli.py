@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine import RunSettings
-from engine.trace import to_bytes
+from engine.inspection.trace import to_bytes
 from inspector.session.run import inspect_run
 from tests.unit.test_hostile_traces import CASES
 

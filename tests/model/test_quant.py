@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import RunSettings
-from engine.quant import MATRICES, compare_formats, quant_report, requantize
+from engine.tools.quant import MATRICES, compare_formats, quant_report, requantize
 
 pytestmark = pytest.mark.model
 TEXT = ("The printing press was invented in the fifteenth century. It changed how books were made, how ideas "

@@ -10,8 +10,8 @@ import pytest
 
 from engine import RunSettings
 from engine.cli.prescribe import add_doctor_flags, doctor_model
-from engine.doctor import PRESETS, cast_model, run_doctor
-from engine.rescue import complement, find_rescue, precision_units, unit_layer
+from engine.tools.doctor import PRESETS, cast_model, run_doctor
+from engine.tools.rescue import complement, find_rescue, precision_units, unit_layer
 
 pytestmark = pytest.mark.model
 PROMPT = "The capital of France is"

@@ -12,9 +12,9 @@ import torch
 
 from engine import RunSettings
 from engine.cli.prescribe import check_command
-from engine.doctor import PRESETS, cast_model
 from engine.generate import GenerationRun
-from engine.rescue import fault_only_probe, find_rescue, fp32_reference, judge
+from engine.tools.doctor import PRESETS, cast_model
+from engine.tools.rescue import fault_only_probe, find_rescue, fp32_reference, judge
 from tests.unit.test_rescue_ties import run_as_printed
 
 pytestmark = pytest.mark.model

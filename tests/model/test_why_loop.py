@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from engine import RunSettings
-from engine.why_loop import HORIZON, MAX_RERUNS, why_loop
+from engine.tools.why_loop import HORIZON, MAX_RERUNS, why_loop
 
 pytestmark = pytest.mark.model
 LOOPING = RunSettings(prompt="I like apples. I like apples. I like", chat=False)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import GenerationRun
-from engine.explain import explain_step
-from engine.patching import ablated_logit, head_scan
+from engine.tools.explain import explain_step
+from engine.tools.patching import ablated_logit, head_scan
 
 pytestmark = pytest.mark.reference
 PROMPTS = [("The capital of France is", False), ("def fibonacci(n):", False),

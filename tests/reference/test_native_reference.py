@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.inspection.probe import Probe
 from engine.native.step import NativeDecoder
-from engine.probe import Probe
 from tests.reference.test_fidelity import LONG_TEXT, hf_logits, rel_err
 
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -1,4 +1,4 @@
-"""Conditional breakpoints on a live GenerationRun (engine/breakpoints.py) and the debugger's run
+"""Conditional breakpoints on a live GenerationRun (engine/tools/breakpoints.py) and the debugger's run
 (inspector/stepper.py): each condition pauses at the exact step, and new sampler settings after a break
 govern the tokens that follow."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import EngineError, GenerationRun, InputError, RunSettings, SamplingParams, inspection_probe, plant
-from engine.breakpoints import AbsAbove, EntropyBelow, NonFinite, RepeatedNgram, TokenIs, run_until
 from engine.generate import prompt_ids
+from engine.tools.breakpoints import AbsAbove, EntropyBelow, NonFinite, RepeatedNgram, TokenIs, run_until
 from inspector.session.stepper import Debugger
 from inspector.views.debugger import candidates_table, token_ids_for
 

@@ -42,7 +42,7 @@ def test_runs_are_released_when_their_holders_go(tiny_model):
 
 def _sidebar_app():
     """The app's frame without the pages: the sidebar, its Run button, the session's runs."""
-    from pages.sidebar import sidebar
+    from inspector.ui.sidebar import sidebar
     sidebar()
 
 

@@ -11,18 +11,17 @@ import pytest
 import torch
 
 from engine import InputError, SamplingParams
-from engine.doctor import (
+from engine.generate import nonfinite_stop
+from engine.inspection.nonfinite import lead_up, locate_nonfinite
+from engine.tools.doctor import (
     FP16_MAX,
     PRESETS,
     Injection,
     cast_model,
     fault_probe,
-    lead_up,
-    locate_nonfinite,
     precision_compare,
     run_doctor,
 )
-from engine.generate import nonfinite_stop
 
 ROOT = Path(__file__).resolve().parents[2]
 IDS = [504, 3575, 282, 4649, 314, 7042, 30, 2683]

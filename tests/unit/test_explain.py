@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from engine import GenerationRun, InputError, Probe, SamplingParams
-from engine.attribution import attribute_inputs, deletion_curves, grad_x_input, neutral_token, occlusion
-from engine.explain import explain_logits, explain_step, runner_up, sampler_effects
-from engine.patching import SITES, ablated_logit, head_scan, patching_grid, replace_span, restored_prob
+from engine.tools.attribution import attribute_inputs, deletion_curves, grad_x_input, neutral_token, occlusion
+from engine.tools.explain import explain_logits, explain_step, runner_up, sampler_effects
+from engine.tools.patching import SITES, ablated_logit, head_scan, patching_grid, replace_span, restored_prob
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]

@@ -118,7 +118,7 @@ def test_limits_include_the_per_client_and_session_budget_variables():
 def test_two_tabs_of_one_browser_are_one_client():
     """Streamlit's XSRF cookie as two tabs of one Chromium got it (Tornado masks the token afresh on every page
     load): one token, so one client; another browser's cookie is another client."""
-    from pages.common import xsrf_token
+    from inspector.ui.common import xsrf_token
     tab1 = "2|9906c7de|da55137ea6fb815edd687a4aa6f23960|1796079712"
     tab2 = "2|7429c16c|377a15cc4bd487ec30477cf84bdd3fd2|1796079712"
     assert tab1 != tab2 and xsrf_token(tab1) == xsrf_token(tab2) == "4353d4a03ffd4680446ebd943ff4febe"

@@ -12,7 +12,7 @@ import pytest
 import engine.cli.report as report_cli
 from engine import InputError, RunSettings, SamplingParams, make_trace
 from engine.cli import main
-from engine.trace import to_bytes
+from engine.inspection.trace import to_bytes
 from inspector.session.run import inspect_run
 from tests.unit.test_hostile_traces import CASES, setitem, with_meta
 

@@ -13,8 +13,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from engine import EngineError, RunSettings, SamplingParams
-from engine.trace import META_KEY, from_bytes, to_bytes
-from engine.trace_check import TraceBounds
+from engine.inspection.trace import META_KEY, from_bytes, to_bytes
+from engine.inspection.trace_check import TraceBounds
 from inspector.session.run import inspect_run
 
 pytestmark = pytest.mark.unit

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import STAT_NAMES, Probe, StatsBlock
-from engine.probe import plant
+from engine.inspection.probe import plant
 from inspector.views.activations import (
     layer_stages,
     layer_summary,

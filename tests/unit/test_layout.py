@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.stages import hook_names
+from engine.inspection.stages import hook_names
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,7 +131,7 @@ def _named(node: ast.AST) -> str:
 
 def _progress_protocols(mod: str, text: str) -> list[str]:
     """Progress reported other than by the one protocol: another class named *Progress*, a weight lookup used as a
-    progress tick (a class other than engine.probe's Probe with layer_weights), a (fraction, message)-style alias
+    progress tick (a class other than inspection.probe's Probe with layer_weights), a (fraction, message)-style alias
     `...Progress = Callable[...]`, a callback named *progress* called with two arguments or a two-argument lambda
     handed in as one."""
     found = []
@@ -140,7 +140,7 @@ def _progress_protocols(mod: str, text: str) -> list[str]:
             methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
             if "progress" in node.name.lower() and (mod, node.name) not in PROGRESS_CLASSES:
                 found.append(f"{mod}.{node.name}: a second progress type; use engine.progress")
-            if "layer_weights" in methods and mod not in ("engine.probe", "engine.probe_views"):
+            if "layer_weights" in methods and mod not in ("engine.inspection.probe", "engine.inspection.probe_views"):
                 found.append(f"{mod}.{node.name} wraps the probe's weight lookup; use Model.forward(on_layer=...)")
         if mod in LOAD_PATH:
             continue
@@ -162,3 +162,32 @@ def test_one_progress_protocol_for_every_long_job():
     answer STOP (tests/unit/test_progress_stop.py checks each job stops there)."""
     found = [s for mod, path in _sources(*PACKAGES).items() for s in _progress_protocols(mod, path.read_text())]
     assert not found, found
+
+
+# The engine's packages and what each may import of the engine (engine/__init__.py states the core's boundary).
+HIGHER = ("engine.tools", "engine.report", "engine.bench", "engine.cli")
+
+
+def _layer(mod: str) -> str:
+    return next((p for p in HIGHER if mod == p or mod.startswith(p + ".")), "core")
+
+
+def test_the_core_and_inspection_import_no_tool_report_bench_or_cli():
+    mods = _sources("engine")
+    found = [(m, d) for m, p in mods.items() if _layer(m) == "core" and m not in ("engine", "engine.__main__")
+             for d in _imports(m, p, set(mods)) if _layer(d) != "core"]
+    assert not found, found
+    flat = sorted(m for m in mods if m.count(".") == 1 and mods[m].name != "__init__.py")
+    tools = {"doctor", "why_loop", "rescue", "explain", "patching", "attribution", "breakpoints", "quant", "report",
+             "bench", "probe", "stats", "trace"}
+    assert not [m for m in flat if m.split(".")[1] in tools], flat     # they live in their packages
+
+
+def test_pages_holds_exactly_the_pages_and_only_the_app_layers_use_streamlit():
+    """pages/ holds the files app.py navigates to (st.Page) and nothing else; the Streamlit glue they share is
+    inspector.ui; the engine, inspector.views and inspector.session never import Streamlit."""
+    navigated = set(re.findall(r'st\.Page\("pages/([^"]+)"', (ROOT / "app.py").read_text()))
+    assert navigated and {p.name for p in (ROOT / "pages").iterdir() if p.suffix == ".py"} == navigated
+    assert not [p for p in (ROOT / "pages").iterdir() if p.is_dir() and p.name != "__pycache__"]
+    for mod, path in _sources("engine", "inspector/views", "inspector/session").items():
+        assert not re.search(r"^\s*(import|from) streamlit\b", path.read_text(), re.M), f"{mod} uses Streamlit"

@@ -1,4 +1,4 @@
-"""Loop detection (engine.loops) against a brute-force reading of its definition, on a real greedy loop of
+"""Loop detection (engine.inspection.loops) against a brute-force reading of its definition, on a real greedy loop of
 the bundled model, the settings that break it, and attention from looping tokens to their earlier copy."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import RunSettings
-from engine.loops import Loop, find_loops, periodic_runs, repeats, tail_loop
+from engine.inspection.loops import Loop, find_loops, periodic_runs, repeats, tail_loop
 from inspector.views import repetition as rv
 
 LOOP_PROMPT = "I like apples. I like apples. I like"     # raw prompt: greedy SmolLM2 loops on ". I'm a big apple"

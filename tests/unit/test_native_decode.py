@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from engine import load_model
+from engine.inspection.probe import Probe
+from engine.inspection.stats import dense_stats
 from engine.native import build
 from engine.native.step import NativeDecoder, panels, stage_names
-from engine.probe import Probe
-from engine.stats import dense_stats
 
 pytestmark = pytest.mark.unit
 

@@ -1,17 +1,17 @@
 """The native statistics of a multi-token forward (engine/native/inspect.c) against statistics of the
-materialised tensors (engine.stats.dense_stats, itself checked by hand in test_stats): stage rows in any
+materialised tensors (engine.inspection.stats.dense_stats, itself checked by hand in test_stats): stage rows in any
 layout the forward offers, and attention scores / pattern under a causal mask with an offset."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-import engine.attention_stats
-import engine.stats
+import engine.inspection.attention_stats
+import engine.inspection.stats
+from engine.inspection.probe import Probe
+from engine.inspection.stats import dense_stats
 from engine.native import build
 from engine.native.inspect import attention_stats, layout, row_stats
-from engine.probe import Probe
-from engine.stats import dense_stats
 
 pytestmark = pytest.mark.unit
 
@@ -95,8 +95,8 @@ def test_a_forward_s_statistics_equal_the_pytorch_path(tiny_model, monkeypatch):
     ids = list(range(300, 390))
     native = Probe().record_stats("*")
     tiny_model.logits(ids, native)
-    monkeypatch.setattr(engine.stats, "layout", lambda x: None)
-    monkeypatch.setattr(engine.attention_stats, "offer_native_attention", lambda *a: False)
+    monkeypatch.setattr(engine.inspection.stats, "layout", lambda x: None)
+    monkeypatch.setattr(engine.inspection.attention_stats, "offer_native_attention", lambda *a: False)
     plain = Probe().record_stats("*")
     tiny_model.logits(ids, plain)
     a = {(r.pos0, r.name): r.values for r in native.stat_records()}

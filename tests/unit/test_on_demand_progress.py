@@ -9,7 +9,7 @@ import torch
 
 from engine import load_model
 from engine.generate import STOP, Progress
-from engine.loops import Loop
+from engine.inspection.loops import Loop
 from engine.progress import Stopped
 from inspector.session.memo import memo
 from inspector.session.on_demand import about, estimate, progress_text, record_rate
@@ -80,7 +80,7 @@ def test_copy_attention_reports_every_layer_and_equals_the_plain_result(model4):
 
 
 def test_report_maps_report_each_chunk_and_layer_and_equal_the_plain_maps(model4, monkeypatch):
-    import engine.report_data as rd
+    import engine.report.data as rd
     monkeypatch.setattr(rd, "ATTENTION_CHUNK", 16)                        # 40 positions: chunks of 16, 16, 8
     plain = rd.attention_maps(model4, IDS, [0, 2])
     told, seen = records(lambda tell: rd.attention_maps(model4, IDS, [0, 2], on_progress=tell))
@@ -92,7 +92,7 @@ def test_report_maps_report_each_chunk_and_layer_and_equal_the_plain_maps(model4
 
 @pytest.mark.parametrize("compute", ["pattern", "overview", "lens", "copy", "report"])
 def test_a_stop_ends_the_computation_at_that_layer_and_nothing_is_memoised(model4, compute):
-    import engine.report_data as rd
+    import engine.report.data as rd
     fns = {"pattern": lambda tell: attention_pattern(model4, IDS, LAYERS - 1, on_progress=tell),
            "overview": lambda tell: entropy_overview(model4, IDS, on_progress=tell),
            "lens": lambda tell: logit_lens(model4, IDS, 30, on_progress=tell),

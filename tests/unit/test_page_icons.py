@@ -10,7 +10,7 @@ import unicodedata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py"))]
+SOURCES = [ROOT / "app.py", *sorted((ROOT / "pages").glob("*.py")), *sorted((ROOT / "inspector" / "ui").glob("*.py"))]
 
 
 def _icon_arguments(path: Path) -> list[tuple[int, str]]:

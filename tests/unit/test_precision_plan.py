@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine import InputError, SamplingParams
-from engine.doctor import cast_model
-from engine.probe import Probe, scale
+from engine.inspection.probe import Probe, scale
+from engine.tools.doctor import cast_model
 
 pytestmark = pytest.mark.unit
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"

@@ -1,5 +1,5 @@
-"""The prescribing doctors on the tiny model: why a generation loops (engine.why_loop), the fp32 rescue set
-(engine.rescue), quantization damage (engine.quant), their CLI (engine.cli.prescribe) and views."""
+"""The prescribing doctors on the tiny model: why a generation loops (engine.tools.why_loop), the fp32 rescue set
+(engine.tools.rescue), quantization damage (engine.tools.quant), their CLI (engine.cli.prescribe) and views."""
 from __future__ import annotations
 
 import argparse
@@ -15,11 +15,11 @@ import torch.nn.functional as F
 
 from engine import InputError, Model, RunSettings, SamplingParams
 from engine.cli.prescribe import add_commands, add_doctor_flags, doctor_model, extend_doctor
-from engine.doctor import cast_model, run_doctor
-from engine.quant import compare_formats, requantize
-from engine.rescue import complement, find_rescue, forward_order, precision_units
+from engine.tools.doctor import cast_model, run_doctor
+from engine.tools.quant import compare_formats, requantize
+from engine.tools.rescue import complement, find_rescue, forward_order, precision_units
+from engine.tools.why_loop import loops_in, prompt_spans, repeated_ngram, why_loop
 from engine.weights import Weights
-from engine.why_loop import loops_in, prompt_spans, repeated_ngram, why_loop
 from inspector.views import prescribe as pv
 
 pytestmark = pytest.mark.unit

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-import engine.attribution as attribution
-import engine.patching as patching
-import engine.quant as quant
-import engine.rescue as rescue
-import engine.why_loop as why_loop_mod
+import engine.tools.attribution as attribution
+import engine.tools.patching as patching
+import engine.tools.quant as quant
+import engine.tools.rescue as rescue
+import engine.tools.why_loop as why_loop_mod
 from engine import RunSettings
-from engine.doctor import cast_model, precision_compare
 from engine.model import Model
 from engine.progress import STOP, LayerProgress, Progress, Stopped
+from engine.tools.doctor import cast_model, precision_compare
 from tests.unit.test_prescribe import OVERFLOW, PROMPT, looper  # noqa: F401  (looper: a fixture)
 
 pytestmark = pytest.mark.unit

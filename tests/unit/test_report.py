@@ -1,4 +1,4 @@
-"""The take-home report (python -m engine report, engine.report): one self-contained HTML file whose numbers
+"""The take-home report (python -m engine report, engine.report.html): one self-contained HTML file whose numbers
 are the trace's own, whose command line reproduces the run, and where text from the run stays text."""
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from engine import RunSettings, inspection_probe, load_trace, make_trace
 from engine.cli import build_parser, main
 from engine.cli.args import run_settings
 from engine.cli.report import reproduce_command
-from engine.loops import Loop
-from engine.report import build_html, plotly_js
-from engine.report_data import attention_maps
+from engine.inspection.loops import Loop
+from engine.report.data import attention_maps
+from engine.report.html import build_html, plotly_js
 from inspector.views.activations import layer_summary
 from inspector.views.attention import attention_pattern
 

@@ -1,4 +1,4 @@
-"""The fp32 rescue's ties, progress and printed check on tiny models (engine.rescue, engine.cli.prescribe):
+"""The fp32 rescue's ties, progress and printed check on tiny models (engine.tools.rescue, engine.cli.prescribe):
 a different top-1 within the tie margin is a tie and never buys a unit; progress counts every rerun and ends
 at its total; the printed check command, run as printed, gives the search's verdict."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from engine import RunSettings, SamplingParams, load_model
 from engine.cli import main as cli_main
 from engine.cli.prescribe import check_command
-from engine.doctor import cast_model
-from engine.rescue import Reference, RescueReport, find_rescue, judge, replay, tie_margin
+from engine.tools.doctor import cast_model
+from engine.tools.rescue import Reference, RescueReport, find_rescue, judge, replay, tie_margin
 from tests.helpers import tiny_config, tiny_tensors, write_model_dir
 
 pytestmark = pytest.mark.unit

@@ -90,7 +90,7 @@ def test_one_answer_per_browser_however_many_tabs():
     store = RoomStore(MemoryBackend(), ttl_s=600)
     code, token = store.create()
     poll = store.ask(code, token, step=0, choices=[5, 6])
-    browser = "browser:0123456789abcdef"                     # pages.common.client_key: every tab the same
+    browser = "browser:0123456789abcdef"                     # inspector.ui.common.client_key: every tab the same
     tabs = [voter_of(code, browser) for _ in range(20)]
     assert [store.answer(code, poll.id, v, 5 + k % 2) for k, v in enumerate(tabs)] == [True] + [False] * 19
     assert store.tally(code, poll.id) == {5: 1}

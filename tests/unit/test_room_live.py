@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import RunSettings
-from engine.trace import to_bytes
+from engine.inspection.trace import to_bytes
 from inspector.session.limits import Limits
 from inspector.session.live_run import LiveRun
 from inspector.session.rooms import RoomStore
@@ -15,7 +15,7 @@ from inspector.session.rooms_memory import MemoryBackend
 from inspector.session.rooms_redis import RedisError
 from inspector.session.rooms_state import Forbidden, NoRoom, RoomError, View
 from inspector.session.run import inspect_run
-from pages.room_push import OFFLINE, Watcher
+from inspector.ui.room_push import OFFLINE, Watcher
 
 
 class FakeStep:
@@ -120,7 +120,7 @@ class FlakyStore:
 
 
 def test_the_watcher_reruns_screens_when_the_store_stops_and_starts_answering(monkeypatch):
-    import pages.room_push as push
+    import inspector.ui.room_push as push
     store = RoomStore(MemoryBackend())
     flaky = FlakyStore(store)
     monkeypatch.setattr(push, "shared_store", lambda: flaky)
@@ -140,7 +140,7 @@ def test_the_watcher_reruns_screens_when_the_store_stops_and_starts_answering(mo
 
 
 def test_the_watcher_reruns_only_the_live_panel_when_the_live_run_moves(monkeypatch):
-    import pages.room_push as push
+    import inspector.ui.room_push as push
     store = RoomStore(MemoryBackend())
     monkeypatch.setattr(push, "shared_store", lambda: store)
     code, token = store.create()

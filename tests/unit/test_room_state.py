@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from engine import RunSettings, SamplingParams
-from engine.trace import from_bytes, to_bytes
+from engine.inspection.trace import from_bytes, to_bytes
 from inspector.session.rooms import RoomStore, shared_store
 from inspector.session.rooms_keys import RateLimiter, teacher_key_ok, teacher_key_state
 from inspector.session.rooms_memory import MemoryBackend

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import InputError, RunSettings, SamplingParams
-from engine.doctor import cast_model
+from engine.tools.doctor import cast_model
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,7 @@ import torch
 
 import inspector.session.memo as memo_module
 from engine import RunSettings
-from engine.trace import from_bytes, to_bytes
+from engine.inspection.trace import from_bytes, to_bytes
 from inspector.session.memo import SHARED, SharedMemo, content_key, memo, run_key, styled_once, view_store
 from inspector.session.run import inspect_run
 from inspector.views.theme import styled

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine import Probe
-from engine.stats import StatsBatcher, dense_stats
+from engine.inspection.stats import StatsBatcher, dense_stats
 from tests.helpers import reference_stats
 
 INF, NAN = float("inf"), float("nan")

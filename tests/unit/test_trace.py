@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import save as st_save
 
 from engine import EngineError, RunSettings, SamplingParams, Trace, make_trace
-from engine.doctor import cast_model, fault_probe
-from engine.loops import Loop
-from engine.trace import from_bytes, load_trace, save_trace, to_bytes
+from engine.inspection.loops import Loop
+from engine.inspection.trace import from_bytes, load_trace, save_trace, to_bytes
+from engine.tools.doctor import cast_model, fault_probe
 from inspector.session.run import inspect_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,7 +130,7 @@ def test_file_is_safetensors_with_json_metadata(tiny_model, tmp_path):
     assert {k for k in header if k != "__metadata__"} == {
         *(f"stats.{i}.{x}" for i in range(len(run.probe.stats)) for x in ("values", "names", "layers")),
         *(f"capture.{i}" for i in range(len(run.probe.captures)))}
-    src = (ROOT / "engine" / "trace.py").read_text()
+    src = (ROOT / "engine" / "inspection" / "trace.py").read_text()
     assert "pickle" not in src.replace("unpickl", "") and "torch.load" not in src
 
 

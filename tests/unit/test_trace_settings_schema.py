@@ -1,4 +1,4 @@
-"""A trace's run settings get the server's schema (engine.trace_check.check_settings_schema): every genuine
+"""A trace's run settings get the server's schema (engine.inspection.trace_check.check_settings_schema): every genuine
 shape still opens, right up to each bound, and the sampler ranges are exactly SamplingParams' own (the crafted
 files it refuses are in tests/unit/test_hostile_traces.py)."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import math
 import pytest
 
 from engine import EngineError, InputError, RunSettings, SamplingParams
-from engine.trace import META_KEY, from_bytes, to_bytes
-from engine.trace_check import MAX_STOP_CHARS, MAX_STOP_STRINGS, TraceBounds, check_settings_schema
+from engine.inspection.trace import META_KEY, from_bytes, to_bytes
+from engine.inspection.trace_check import MAX_STOP_CHARS, MAX_STOP_STRINGS, TraceBounds, check_settings_schema
 from inspector.session.limits import Limits
 from inspector.session.run import inspect_run
 from tests.unit.test_hostile_traces import split, with_meta

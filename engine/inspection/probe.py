@@ -1,0 +1,373 @@
+"""Probe: the per-run set of hooks. Capture tensors, record statistics, or replace a stage's tensor.
+
+A probe is created for one run and passed to each forward call; nothing is ever attached to the shared
+model. Stages are chosen by exact name or glob pattern ("blocks.*.attn.pattern"). Every stage tensor has
+its positions first ([T, ...]) except attn.scores / attn.pattern ([heads, T, S]); sampler stages are
+[vocab] for the one position being sampled.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, NamedTuple
+
+import torch
+
+from engine.errors import EngineError, InputError
+from engine.inspection.plans import HEADS_FIRST, Plan, plan_stage, split_name
+from engine.inspection.probe_views import NONE, LayerProbe
+from engine.inspection.stages import LAYER_STAGES
+from engine.inspection.stats import StatRecord, StatsBatcher, StatsBlock
+
+WEIGHT_SLOTS = {"attn_norm.weight": "attn_norm", "attn.wqkv": "wqkv", "attn.wo": "wo",
+                "mlp_norm.weight": "mlp_norm", "mlp.w_gate_up": "w_gate_up", "mlp.w_down": "w_down"}
+GLOBAL_WEIGHTS = ("embed.weight", "final_norm.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True)
+class HookContext:
+    """What a replace function is told about the tensor it receives."""
+    name: str
+    layer: int | None
+    step: int
+    pos0: int          # absolute position of the first row (dim 0, or dim 1 for scores/pattern)
+
+
+HookFn = Callable[[torch.Tensor, HookContext], "torch.Tensor | None"]
+
+
+@dataclass
+class Capture:
+    step: int
+    name: str
+    layer: int | None
+    positions: list[int]     # absolute positions of the rows kept
+    value: Any               # tensor on the CPU (or a str / int for tokenizer and detokenizer stages)
+
+
+def _as_set(xs: Iterable[int] | None) -> frozenset | None:
+    return None if xs is None else frozenset(int(x) for x in xs)
+
+
+class Probe:
+    def __init__(self, *, timing: bool = False) -> None:
+        self._capture_specs: list[tuple[list[str], frozenset | None, frozenset | None]] = []
+        self._stats_specs: list[str] = []
+        self._replace_specs: list[tuple[list[str], HookFn, frozenset | None]] = []
+        self._plans: dict[str, Plan] = {}
+        self._block_rows: dict[int, tuple] = {}
+        self._batcher = StatsBatcher()
+        self._layer_views: dict[int, LayerProbe] = {}
+        self._active = False
+        self.timing = timing
+        self.step = 0
+        self.pos0 = 0
+        self.captures: list[Capture] = []
+        self.stats: list[StatsBlock] = []
+        self.marks: list[tuple[int, str, float]] = []   # (step, label, seconds since call start)
+        self._cuda_marks: list[tuple[int, str, Any]] = []
+        self._t0: Any = None
+        self._weight_overrides: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self._weight_cache: dict[str, torch.Tensor] = {}
+        self.norm_eps: float | None = None   # run-only RMSNorm epsilon (fault injection: eps 0 on a zero input)
+
+    # ---- configuration (before the run) -------------------------------------------------------
+    def capture(self, patterns: str | list[str], *, layers: Iterable[int] | None = None,
+                positions: Iterable[int] | None = None) -> "Probe":
+        """Keep full tensors of matching stages (optionally only some layers / absolute positions)."""
+        self._capture_specs.append((_patterns(patterns), _as_set(layers), _as_set(positions)))
+        self._plans.clear()
+        self._block_rows.clear()
+        self._layer_views.clear()
+        return self
+
+    def record_stats(self, patterns: str | list[str] = "*") -> "Probe":
+        """Per-position min/max/mean/std/absmax/NaN/Inf of matching stages at every step."""
+        self._stats_specs.extend(_patterns(patterns))
+        self._plans.clear()
+        self._block_rows.clear()
+        self._layer_views.clear()
+        return self
+
+    def override_weight(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Probe":
+        """For this run only, use fn(copy of weight) instead of a weight (fault injection, ablation).
+
+        Names (matrices are stored (in, out)): embed.weight, final_norm.weight, lm_head.weight,
+        blocks.{i}.attn_norm.weight, blocks.{i}.attn.wqkv, blocks.{i}.attn.wo, blocks.{i}.mlp_norm.weight,
+        blocks.{i}.mlp.w_gate_up, blocks.{i}.mlp.w_down. The shared model's weights are never touched."""
+        if split_name(name)[1] not in WEIGHT_SLOTS and name not in GLOBAL_WEIGHTS:
+            raise EngineError(f"unknown weight {name!r}; weights are {', '.join(GLOBAL_WEIGHTS)} and "
+                              f"blocks.{{i}}.{{{', '.join(WEIGHT_SLOTS)}}}")
+        self._weight_overrides[name] = fn
+        self._weight_cache.clear()
+        return self
+
+    def weight(self, name: str, original: torch.Tensor) -> torch.Tensor:
+        """The weight this run uses: the original, or its override (computed once per run)."""
+        fn = self._weight_overrides.get(name)
+        if fn is None:
+            return original
+        if name not in self._weight_cache:
+            w = fn(original.clone())
+            if not isinstance(w, torch.Tensor) or w.shape != original.shape:
+                raise EngineError(f"weight override {name!r} must return a tensor of shape {tuple(original.shape)}")
+            self._weight_cache[name] = w.to(original.dtype)
+        return self._weight_cache[name]
+
+    def layer_weights(self, i: int, lw):
+        """A block's weights with this run's overrides applied (the same object when there are none)."""
+        if not self._weight_overrides:
+            return lw
+        changes = {slot_field: self.weight(f"blocks.{i}.{slot}", getattr(lw, slot_field))
+                   for slot, slot_field in WEIGHT_SLOTS.items() if f"blocks.{i}.{slot}" in self._weight_overrides}
+        return dataclasses.replace(lw, **changes) if changes else lw
+
+    def replace(self, patterns: str | list[str], fn: HookFn, *, layers: Iterable[int] | None = None) -> "Probe":
+        """fn(tensor, HookContext) returns the tensor the forward continues with (or None: unchanged)."""
+        self._replace_specs.append((_patterns(patterns), fn, _as_set(layers)))
+        self._plans.clear()
+        self._block_rows.clear()
+        self._layer_views.clear()
+        return self
+
+    @property
+    def active(self) -> bool:
+        """Inside a forward call (hooks are call-scoped)."""
+        return self._active
+
+    @property
+    def stats_batcher(self) -> StatsBatcher:
+        return self._batcher
+
+    @property
+    def hook_count(self) -> int:
+        return (len(self._capture_specs) + len(self._stats_specs) + len(self._replace_specs)
+                + len(self._weight_overrides))
+
+    # ---- called by the engine ------------------------------------------------------------------
+    def plan(self, name: str) -> Plan:
+        p = self._plans.get(name)
+        if p is None:
+            p = self._plans[name] = plan_stage(name, self._stats_specs, self._capture_specs, self._replace_specs)
+        return p
+
+    def wants(self, name: str) -> bool:
+        return bool(self.plan(name))
+
+    def need(self, name: str) -> int:
+        """NONE, STATS, ROWS or FULL: the least of its tensor a stage must produce for this probe."""
+        return self.plan(name).need
+
+    def wants_stats(self, name: str) -> bool:
+        return self.plan(name).stats
+
+    def capture_positions(self, name: str) -> list[int] | None:
+        """The absolute positions some capture of this stage keeps (None: no capture)."""
+        caps = self.plan(name).capture
+        if not caps:
+            return None
+        return sorted(set().union(*(positions or () for _, positions in caps)))
+
+    def offer_stats(self, name: str, values: torch.Tensor) -> None:
+        """Statistics (T, 7) of a stage computed without materialising it (attention scores / pattern, in
+        blocks); they take the stage's place in forward order, as if its tensor had been offered."""
+        p = self.plan(name)
+        if p.stats:
+            self._batcher.add_values(name, p.layer, values)
+
+    @property
+    def stats_only(self) -> bool:
+        """Asks for statistics and nothing else that touches a forward (no captures, replacements, weight
+        overrides, timing or run-only epsilon): a decode step may then run natively (engine/native)."""
+        return (type(self) is Probe and bool(self._stats_specs) and not self._capture_specs
+                and not self._replace_specs and not self._weight_overrides and self.norm_eps is None
+                and not self.timing)
+
+    def offer_block(self, names: list[str], layers: list, values: torch.Tensor) -> None:
+        """Statistics (G, T, 7) of whole stages (the native decode step) in forward order; keeps those asked for."""
+        sel = self._block_rows.get(id(names))
+        if sel is None or sel[0] is not names:
+            keep = [g for g, n in enumerate(names) if self.plan(n).stats]
+            index = None if len(keep) == len(names) else torch.tensor(keep, dtype=torch.long)
+            sel = self._block_rows[id(names)] = (names, [names[g] for g in keep], [layers[g] for g in keep], index)
+        _, kept, kept_layers, index = sel
+        if kept:
+            self._batcher.add_block(kept, kept_layers, values if index is None else values[index])
+
+    def offer_pending(self, names: tuple[str, ...], pending) -> None:
+        """Statistics of several stages still to be combined (engine.inspection.attention_stats.PendingAttention), in
+        the stages' place in forward order; resolved at the batcher's flush."""
+        self._batcher.add_pending(names, self.plan(names[0]).layer, pending)
+
+    def offer_rows(self, name: str, x: torch.Tensor, positions: list[int]) -> None:
+        """Rows of a heads-first stage at the given absolute positions, (heads, len(positions), S), for
+        captures limited to positions (each keeps the positions it asked for)."""
+        p = self.plan(name)
+        for _, wanted in p.capture:
+            keep = [i for i, pos in enumerate(positions) if pos in wanted]
+            value = x.index_select(1, torch.tensor(keep, dtype=torch.long, device=x.device))
+            self.captures.append(Capture(self.step, name, p.layer, [positions[i] for i in keep],
+                                         value.detach().to("cpu", copy=True)))
+
+    def layer(self, i: int) -> "LayerProbe":
+        """The view block i offers its stages through: "attn.q" arrives here as "blocks.{i}.attn.q"."""
+        view = self._layer_views.get(i)
+        if view is None:
+            view = self._layer_views[i] = LayerProbe(self, i)
+        return view
+
+    def __call__(self, name: str, x: Any) -> Any:
+        if not self._active:
+            raise EngineError(f"probe offered stage {name!r} outside a forward call (hooks are call-scoped)")
+        p = self._plans.get(name)
+        if p is None:
+            p = self.plan(name)
+        if p.need == NONE:
+            return x
+        layer, heads_first = p.layer, p.heads_first
+        if p.replace:
+            self._batcher.forget_moments()
+        for fn in p.replace:
+            y = fn(x, HookContext(name, layer, self.step, self.pos0))
+            if y is not None:
+                if isinstance(x, torch.Tensor) and (not isinstance(y, torch.Tensor) or y.shape != x.shape):
+                    raise EngineError(f"replace hook on {name!r} returned shape "
+                                      f"{getattr(y, 'shape', type(y).__name__)}, expected {tuple(x.shape)}")
+                x = y
+        if p.stats and isinstance(x, torch.Tensor) and x.is_floating_point():
+            t = x.transpose(0, 1) if heads_first else x
+            self._batcher.add(name, layer, t, p.masked)
+        for _, positions in p.capture:
+            self.captures.append(self._capture(name, layer, x, positions, heads_first))
+        return x
+
+    def _capture(self, name, layer, x, positions, heads_first) -> Capture:
+        if not isinstance(x, torch.Tensor):
+            return Capture(self.step, name, layer, [self.pos0], x)
+        if x.dim() == 0 or name.startswith("sampler."):
+            return Capture(self.step, name, layer, [self.pos0], x.detach().to("cpu", copy=True))
+        dim = 1 if heads_first else 0
+        rows = list(range(self.pos0, self.pos0 + x.shape[dim]))
+        if positions is not None:
+            keep = [i for i, p in enumerate(rows) if p in positions]
+            x = x.index_select(dim, torch.tensor(keep, device=x.device, dtype=torch.long))
+            rows = [rows[i] for i in keep]
+        return Capture(self.step, name, layer, rows, x.detach().to("cpu", copy=True))
+
+    def mark(self, label: str) -> None:
+        """Timing mark (per layer when timing is on): CUDA events on a GPU, a clock on the CPU."""
+        if self._t0 == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._cuda_marks.append((self.step, label, ev))
+        else:
+            self.marks.append((self.step, label, time.perf_counter() - self._t0))
+
+    def begin_call(self, pos0: int, device: torch.device) -> None:
+        self._active = True
+        self.pos0 = pos0
+        if self.timing:
+            self._t0 = "cuda" if device.type == "cuda" else time.perf_counter()
+
+    def move_to(self, pos0: int) -> None:
+        """Later stages of this call start at absolute position pos0 (statistics so far keep theirs)."""
+        if pos0 != self.pos0:
+            self.stats.extend(self._batcher.take(self.step, self.pos0))
+            self.pos0 = pos0
+
+    def end_call(self) -> None:
+        self._active = False
+        self.stats.extend(self._batcher.take(self.step, self.pos0))
+        if self._cuda_marks:
+            torch.cuda.synchronize()
+            first = self._cuda_marks[0][2]
+            self.marks.extend((s, lbl, first.elapsed_time(ev) / 1e3) for s, lbl, ev in self._cuda_marks)
+            self._cuda_marks = []
+
+    # ---- results -------------------------------------------------------------------------------
+    def captured(self, name: str, step: int | None = None) -> list[Capture]:
+        return [c for c in self.captures if c.name == name and (step is None or c.step == step)]
+
+    def stat_records(self, name: str | None = None) -> list[StatRecord]:
+        """Statistics as one record per (call, stage), in forward order; optionally of one stage only."""
+        return [StatRecord(b.step, n, layer, b.pos0, b.values[g]) for b in self.stats
+                for g, (n, layer) in enumerate(zip(b.names, b.layers)) if name is None or n == name]
+
+    def first_nonfinite(self) -> tuple[StatRecord, int] | None:
+        """The first stage (in forward order) holding a NaN or Inf, and the absolute position where it is."""
+        for b in self.stats:
+            bad = (b.values[:, :, 5] + b.values[:, :, 6]) > 0                  # (G, T)
+            if bool(bad.any()):
+                g, t = (int(v) for v in bad.nonzero()[0])
+                return StatRecord(b.step, b.names[g], b.layers[g], b.pos0, b.values[g]), b.pos0 + t
+        return None
+
+
+def inspection_probe(*, timing: bool = True) -> Probe:
+    """What the app records for every run: statistics of every stage at every step, and each step's logits
+    (for the sampling views)."""
+    return Probe(timing=timing).record_stats("*").capture("logits")
+
+
+# ---- where a forward stops (Model.forward's stop_after) -----------------------------------------------
+ATTN_HALF = frozenset(LAYER_STAGES[:LAYER_STAGES.index("resid_mid") + 1])   # a block's stages up to resid_mid
+
+
+class StopPoint(NamedTuple):
+    """A forward that ends early runs `blocks` whole blocks, then the attention half of the next (attn_half)
+    or the final norm (final_norm, after every block)."""
+    blocks: int
+    attn_half: bool = False
+    final_norm: bool = False
+
+
+def stop_point(stop_after: str | int, num_layers: int) -> StopPoint | None:
+    """Where a forward given stop_after (a stage of the forward, or a block index: after its resid_post) ends;
+    None for "logits" (it does not). A stage ends its half-block. InputError for anything else."""
+    layer, stage = split_name(stop_after) if isinstance(stop_after, str) else (None, None)
+    if type(stop_after) is int and 0 <= stop_after < num_layers:
+        return StopPoint(stop_after + 1)
+    if stop_after in ("embed", "final_norm", "logits"):
+        return {"embed": StopPoint(0), "final_norm": StopPoint(num_layers, final_norm=True)}.get(stop_after)
+    if layer is not None and layer < num_layers and stage in LAYER_STAGES:
+        return StopPoint(layer, attn_half=True) if stage in ATTN_HALF else StopPoint(layer + 1)
+    raise InputError(f"stop_after {stop_after!r} is neither a stage of the forward (embed, blocks.{{i}}.<stage>, "
+                     f"final_norm, logits) nor a block index i, with i in [0, {num_layers})")
+
+
+def _patterns(p: str | list[str]) -> list[str]:
+    pats = [p] if isinstance(p, str) else list(p)
+    if not pats or not all(isinstance(x, str) and x for x in pats):
+        raise EngineError(f"hook pattern must be a non-empty string or list of strings, got {p!r}")
+    return pats
+
+
+# ---- ready-made replace functions (interventions) ------------------------------------------------
+def scale(factor: float) -> HookFn:
+    return lambda x, ctx: x * factor
+
+
+def zero_heads(*heads: int) -> HookFn:
+    """Zero some heads of a [T, heads, hd] stage (q/k/v/z) or of a [heads, T, S] pattern."""
+    def fn(x: torch.Tensor, ctx: HookContext) -> torch.Tensor:
+        y = x.clone()
+        if ctx.name.endswith(HEADS_FIRST):
+            y[list(heads)] = 0
+        else:
+            y[:, list(heads)] = 0
+        return y
+    return fn
+
+
+def plant(value: float, *, position: int | None = None, index: int = 0) -> HookFn:
+    """Set one element (flat feature index) to value: at an absolute position, or at every position."""
+    def fn(x: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
+        rows = x.reshape(x.shape[0], -1)
+        if position is not None and not (ctx.pos0 <= position < ctx.pos0 + rows.shape[0]):
+            return None
+        y = rows.clone()
+        r = slice(None) if position is None else position - ctx.pos0
+        y[r, index] = value
+        return y.reshape(x.shape)
+    return fn

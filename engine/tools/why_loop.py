@@ -1,0 +1,327 @@
+"""Why does this generation loop? Candidate causes, each tested by rerunning the same prompt and seed.
+
+A cause is only listed with the rerun that tests it: the change, the rerun's text, and whether the loop is
+gone. Four kinds of change are tried, within one budget of reruns (MAX_RERUNS generations):
+
+    heads     the copy heads: the (layer, head) pairs whose attention from the looping positions puts the
+              most mass on the earlier copy (the token one period back); the top k (HEAD_KS) are zeroed
+              at their attention output (blocks.{i}.attn.z), every other weight untouched
+    sampler   one setting at a time (SAMPLER_LADDERS), weakest first; the first rung that breaks the loop
+              is reported, so "repetition_penalty 1.0 -> 1.1" means 1.05 did not break it
+    numerics  the same run in another dtype (bfloat16 for a float32 model, float32 otherwise)
+    prompt    each span of the prompt (a sentence or clause) left out in turn: which one seeded the loop
+
+"The loop is gone" means: over HORIZON generated tokens there is no loop (engine.inspection.loops.find_loops) and no
+token n-gram (n = REPEAT_N) occurs REPEAT_COUNT times or more. A rerun stops as soon as either shows up
+(both can only grow as tokens are added), so a rerun that keeps the loop costs a dozen or so tokens, not
+HORIZON; its text_after is the text up to that point. Stop strings are off for reruns, and faults injected
+by the NaN doctor are not applied.
+
+Causes are ranked: those whose rerun broke the loop first, then by kind (heads, sampler, numerics, prompt),
+then in the order tried (the weakest change first). The kinds are tried in that order too, so when the
+budget runs out it is the prompt spans that go untried (listed in `skipped`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from engine.generate import GenerationRun
+from engine.inspection.loops import Loop, find_loops, tail_loop
+from engine.inspection.probe import Probe, zero_heads
+from engine.model import Model
+from engine.progress import OnProgress, tell_units
+from engine.settings import RunSettings
+from engine.tools.doctor import cast_model
+
+HORIZON = 64
+MAX_RERUNS = 40
+HEAD_KS = (1, 2, 4, 8)
+REPEAT_N, REPEAT_COUNT = 3, 3
+MAX_SPANS = 6
+KIND_ORDER = ("heads", "sampler", "numerics", "prompt")
+# Weakest first. no_repeat_ngram is weaker the longer the banned n-gram; temperature > 0 samples with the seed.
+SAMPLER_LADDERS: dict[str, tuple[float, ...]] = {
+    "repetition_penalty": (1.05, 1.1, 1.2, 1.3, 1.5),
+    "frequency_penalty": (0.1, 0.25, 0.5, 1.0),
+    "presence_penalty": (0.1, 0.25, 0.5, 1.0),
+    "no_repeat_ngram": (8, 6, 4, 3),
+    "temperature": (0.3, 0.7, 1.0),
+}
+
+def repeated_ngram(tokens: Sequence[int], n: int = REPEAT_N, count: int = REPEAT_COUNT) -> tuple[int, ...] | None:
+    """The first token n-gram (in order of appearance) that occurs `count` times or more; None if none."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    seen = Counter(grams)
+    return next((g for g in grams if seen[g] >= count), None)
+
+
+def loops_in(tokens: Sequence[int]) -> bool:
+    """The loop test every rerun is judged by (see the module docstring)."""
+    return bool(find_loops(tokens)) or repeated_ngram(tokens) is not None
+
+
+@dataclass
+class Cause:
+    kind: str            # heads | sampler | numerics | prompt
+    change: str          # what the rerun changed, e.g. "zero the top-2 copy heads: L8h1, L12h8"
+    loop_gone: bool
+    text_after: str      # the rerun's text (up to where its loop showed, when it kept one)
+    tokens: int          # tokens the rerun generated
+    stopped: str         # loop (the loop test fired) | eos (the model ended the text) | max_new_tokens
+    detail: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class WhyLoopReport:
+    status: str                      # "loop" | "no loop"
+    loop: dict | None                # the baseline's tail loop (or first loop): start, period, count, end
+    horizon: int
+    baseline_text: str
+    causes: list[Cause]              # loop-breaking causes first, then by kind (KIND_ORDER), weakest first
+    copy_heads: list[dict]           # layer, head, mass (mean attention to the earlier copy), best first
+    reruns: int                      # generations run, the baseline included
+    max_reruns: int
+    skipped: list[str]               # changes not tried because the budget ran out
+
+    def as_dict(self) -> dict:
+        return {"status": self.status, "loop": self.loop, "horizon": self.horizon,
+                "baseline_text": self.baseline_text, "causes": [c.as_dict() for c in self.causes],
+                "copy_heads": self.copy_heads, "reruns": self.reruns, "max_reruns": self.max_reruns,
+                "skipped": self.skipped}
+
+
+class _OutOfReruns(Exception):
+    pass
+
+
+class _Reruns:
+    """The budget: every generation goes through here, so the count in the report is the true one."""
+
+    def __init__(self, settings: RunSettings, horizon: int, limit: int, planned: int,
+                 on_progress: OnProgress | None):
+        self.settings, self.horizon, self.limit = settings, horizon, limit
+        self.planned, self.on_progress, self.count = max(1, min(planned, limit)), on_progress, 0
+        self.last_prompt_ids: list[int] = []
+
+    def check(self, label: str) -> None:
+        if self.count >= self.limit:
+            raise _OutOfReruns(label)
+
+    def generate(self, model: Model, label: str, *, prompt: str | None = None, params=None,
+                 probe: Probe | None = None, early_stop: bool = True) -> tuple[list[int], str, str]:
+        """One rerun: the run's settings (or the given prompt / params), `horizon` tokens, stop strings off;
+        with early_stop it ends as soon as the loop test fires. Returns (token ids, text, why it stopped:
+        "loop", "eos" or "max_new_tokens")."""
+        self.check(label)
+        tell_units(self.on_progress, self.count, self.planned, f"rerun {self.count + 1}: {label}")
+        self.count += 1
+        s = self.settings
+        run = GenerationRun(model, s.prompt if prompt is None else prompt, params=params or s.params,
+                            max_new_tokens=self.horizon, seed=s.seed, chat=s.chat, system=s.system,
+                            allow_special=s.allow_special, ignore_eos=s.ignore_eos, probe=probe)
+        while run.step() is not None:
+            if early_stop and len(run.token_ids) >= 2 * REPEAT_N and loops_in(run.token_ids):
+                break
+        self.last_prompt_ids = run.prompt_ids
+        if run.done:
+            return list(run.token_ids), run.text, run.stop_reason
+        return list(run.token_ids), run.text + run.detok.flush(), "loop"
+
+
+def copy_head_scores(model: Model, ids: Sequence[int], n_prompt: int, loop: Loop) -> torch.Tensor:
+    """(layers, heads): mean attention weight from each looping token (from the loop's second repeat on)
+    to its earlier copy, one period back. One forward; each layer's pattern is read and dropped."""
+    ids = [int(i) for i in ids]
+    queries = [n_prompt + i for i in range(loop.start + loop.period, loop.end) if n_prompt + i < len(ids)]
+    scores = torch.zeros(model.config.num_layers, model.config.num_heads)
+    if not queries:
+        return scores
+    qi = torch.tensor(queries, dtype=torch.long)
+
+    def grab(x: torch.Tensor, ctx) -> None:                     # x (H, T, S); reads, never replaces
+        scores[ctx.layer] = x[:, qi, qi - loop.period].float().mean(-1).cpu()
+    probe = Probe().replace("blocks.*.attn.pattern", grab)
+    model.forward(torch.tensor(ids), model.new_cache(len(ids)), probe, last_only=True)
+    return scores
+
+
+def _head_probe(heads: Sequence[tuple[int, int]]) -> Probe:
+    probe, by_layer = Probe(), {}
+    for layer, head in heads:
+        by_layer.setdefault(layer, []).append(head)
+    for layer, hs in sorted(by_layer.items()):
+        probe.replace(f"blocks.{layer}.attn.z", zero_heads(*hs))
+    return probe
+
+
+def _cause(kind: str, change: str, rerun: tuple[list[int], str, str], **detail) -> Cause:
+    tokens, text, stopped = rerun
+    return Cause(kind, change, not loops_in(tokens), text, len(tokens), stopped, detail)
+
+
+# Each _try_* appends to `causes` as its reruns finish, so what ran before the budget ended is still listed.
+def _try_heads(model, reruns: _Reruns, top: list[dict], causes: list[Cause]) -> None:
+    for k in HEAD_KS:
+        if k > len(top):
+            break
+        heads = [(h["layer"], h["head"]) for h in top[:k]]
+        names = ", ".join(f"L{layer}h{head}" for layer, head in heads)
+        rerun = reruns.generate(model, f"zero {names}", probe=_head_probe(heads))
+        causes.append(_cause("heads", f"zero the top-{k} copy head{'s' if k > 1 else ''}: {names}", rerun,
+                             k=k, heads=[list(h) for h in heads]))
+
+
+def _rungs(name: str, now: float) -> list[float]:
+    """The ladder's rungs stronger than the run's own value (a smaller n-gram bans more)."""
+    ladder = SAMPLER_LADDERS[name]
+    if name == "no_repeat_ngram":
+        return [v for v in ladder if now == 0 or v < now]
+    return [v for v in ladder if v > now]
+
+
+def _try_sampler(model, reruns: _Reruns, params, causes: list[Cause]) -> None:
+    """Per setting, the rungs weakest first until one breaks the loop; one cause per setting (the breaking
+    rung, or the strongest one tried when none did)."""
+    for name in SAMPLER_LADDERS:
+        now, last = getattr(params, name), None
+        try:
+            for n, v in enumerate(_rungs(name, now)):
+                new = dataclasses.replace(params, **{name: int(v) if name == "no_repeat_ngram" else v})
+                rerun = reruns.generate(model, f"{name} {v:g}", params=new)
+                last = _cause("sampler", f"{name} {now:g} -> {v:g}", rerun, setting=name, value=v,
+                              tried=list(_rungs(name, now)[:n + 1]))
+                if last.loop_gone:
+                    break
+        finally:
+            if last is not None:
+                causes.append(last)
+
+
+def _try_numerics(model, reruns: _Reruns, causes: list[Cause]) -> None:
+    now = str(model.dtype).removeprefix("torch.")
+    other = "bfloat16" if model.dtype == torch.float32 else "float32"
+    reruns.check(f"dtype {other}")                 # before the copy is made
+    copy = cast_model(model, other)
+    try:
+        rerun = reruns.generate(copy, f"dtype {other}")
+    finally:
+        del copy                                   # one extra model at a time
+    causes.append(_cause("numerics", f"dtype {now} -> {other}", rerun, dtype=other))
+
+
+_PUNCT_RUN = re.compile(r"[.!?;:,\n]+")
+
+
+def _clause_cuts(prompt: str) -> list[int]:
+    """The ends of `[.!?;:,\n]+(?=\\s|$)` matches, without the regex's backtracking (quadratic on a long run
+    of punctuation not followed by a space). Within one maximal run of those characters a match ends at the
+    last place followed by whitespace or the end: the run's end if that holds there, else its last newline
+    past the run's first character (a newline is whitespace too). Each run gives at most one cut."""
+    cuts, n = [], len(prompt)
+    for m in _PUNCT_RUN.finditer(prompt):
+        a, b = m.span()
+        end = b if b == n or prompt[b].isspace() else prompt.rfind("\n", a + 1, b)
+        if end > a and end < n:
+            cuts.append(end)
+    return cuts
+
+
+def _word_cuts(prompt: str, most: int) -> list[int]:
+    r"""The first `most` starts of `\s+\S` matches: whitespace runs with something after them (the regex
+    itself backtracks quadratically over trailing whitespace)."""
+    if most <= 0:
+        return []
+    n = len(prompt)
+    return [c for c in (m.start() for m in re.finditer(r"\s+", prompt) if m.end() < n)][:most]
+
+
+def prompt_spans(prompt: str, max_spans: int = MAX_SPANS) -> list[tuple[int, int]]:
+    """(start, end) character spans covering the prompt: sentences or clauses (split after . ! ? ; : , and
+    newlines), or words when there is only one; neighbours merged (shortest pair first, the earlier pair on a
+    tie) down to max_spans. O(n log n) in the prompt's length: a heap of neighbouring pairs, a pair made
+    stale by a merge skipped when it comes up."""
+    cuts = _clause_cuts(prompt) or _word_cuts(prompt, max_spans - 1)
+    bounds = [0, *cuts, len(prompt)]
+    spans = [(a, b) for a, b in zip(bounds, bounds[1:]) if prompt[a:b].strip()]
+    if len(spans) <= max_spans:
+        return spans
+    start, end = [a for a, _ in spans], [b for _, b in spans]
+    nxt, prev = list(range(1, len(spans))) + [-1], list(range(-1, len(spans) - 1))
+    alive, count = [True] * len(spans), len(spans)
+    heap = [(end[i + 1] - start[i], start[i], i) for i in range(len(spans) - 1)]
+    heapq.heapify(heap)
+    while count > max_spans:
+        width, _, i = heapq.heappop(heap)
+        j = nxt[i] if alive[i] else -1
+        if j < 0 or end[j] - start[i] != width:        # a pair one of whose spans has grown since
+            continue
+        end[i], alive[j], count = end[j], False, count - 1       # span i takes in span j
+        nxt[i] = nxt[j]
+        if nxt[i] >= 0:
+            prev[nxt[i]] = i
+            heapq.heappush(heap, (end[nxt[i]] - start[i], start[i], i))
+        if prev[i] >= 0:
+            heapq.heappush(heap, (end[i] - start[prev[i]], start[prev[i]], prev[i]))
+    return [(start[i], end[i]) for i in range(len(spans)) if alive[i]]
+
+
+def _try_prompt(model, reruns: _Reruns, prompt: str, causes: list[Cause]) -> None:
+    spans = prompt_spans(prompt)
+    for n, (a, b) in enumerate(spans if len(spans) > 1 else []):   # leaving out the whole prompt tests nothing
+        rest = (prompt[:a] + prompt[b:]).strip()
+        if not rest:
+            continue
+        label = f"prompt without span {n + 1}/{len(spans)} {prompt[a:b].strip()!r}"
+        rerun = reruns.generate(model, label, prompt=rest)
+        causes.append(_cause("prompt", label, rerun, span=[a, b], prompt_after=rest))
+
+
+def _planned(prompt: str) -> int:
+    """Reruns at most (for the progress bar): baseline, heads, every sampler rung, dtype, prompt spans."""
+    sampler = sum(len(v) for v in SAMPLER_LADDERS.values())
+    return 1 + len(HEAD_KS) + sampler + 1 + len(prompt_spans(prompt))
+
+
+def why_loop(model: Model, settings: RunSettings, *, horizon: int = HORIZON, max_reruns: int = MAX_RERUNS,
+             top_heads: int = max(HEAD_KS), on_progress: OnProgress | None = None) -> WhyLoopReport:
+    """Rerun settings' prompt and seed for `horizon` tokens; on a loop, test the candidate causes (see the
+    module docstring), at most max_reruns generations in all. A loop-free baseline reports "no loop".
+    on_progress (engine.progress) hears each rerun before it runs and the end (done == total == reruns); a
+    STOP answer raises engine.progress.Stopped before the next rerun."""
+    reruns = _Reruns(settings, horizon, max_reruns, _planned(settings.prompt), on_progress)
+    # The baseline runs to the horizon (no early stop): the copy heads are read from the loop's repeats.
+    base_ids, base_text, _ = reruns.generate(model, "baseline", early_stop=False)
+    if not loops_in(base_ids):
+        tell_units(on_progress, reruns.count, reruns.count, "no loop")
+        return WhyLoopReport("no loop", None, horizon, base_text, [], [], reruns.count, max_reruns, [])
+    base_loop = tail_loop(base_ids) or next(iter(find_loops(base_ids)), None)
+    top = []
+    if base_loop is not None:
+        n_prompt = len(reruns.last_prompt_ids)
+        scores = copy_head_scores(model, reruns.last_prompt_ids + base_ids, n_prompt, base_loop)
+        H = scores.shape[1]
+        order = scores.flatten().argsort(descending=True, stable=True)[:top_heads].tolist()
+        top = [{"layer": i // H, "head": i % H, "mass": round(float(scores.flatten()[i]), 6)} for i in order]
+    causes, skipped = [], []
+    for kind, attempt in (("heads", lambda: _try_heads(model, reruns, top, causes)),
+                          ("sampler", lambda: _try_sampler(model, reruns, settings.params, causes)),
+                          ("numerics", lambda: _try_numerics(model, reruns, causes)),
+                          ("prompt", lambda: _try_prompt(model, reruns, settings.prompt, causes))):
+        try:
+            attempt()
+        except _OutOfReruns as e:
+            skipped.append(f"{kind}: {e} and what follows it (the budget of {max_reruns} reruns is spent)")
+    causes.sort(key=lambda c: (not c.loop_gone, KIND_ORDER.index(c.kind)))    # stable: weakest first kept
+    tell_units(on_progress, reruns.count, reruns.count, f"done: {reruns.count} reruns")
+    return WhyLoopReport("loop", None if base_loop is None else base_loop.as_dict(), horizon, base_text,
+                         causes, top, reruns.count, max_reruns, skipped)

@@ -1,0 +1,254 @@
+"""What the pages share: the loaded model of the sidebar's choice, the current run, a device slot for
+on-demand model work, and the per-session memo around it. Widgets only; the model registry, limits and
+queue live in inspector.session."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import time
+from contextlib import contextmanager
+
+import streamlit as st
+import torch
+from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+from engine import EngineError, Model, Trace
+from engine.generate import STOP, Progress
+from engine.heap import trim
+from engine.progress import Stopped
+from inspector.session.admission import set_client_resolver, slot
+from inspector.session.budget import data_allowance, enforce
+from inspector.session.limits import LimitError, Limits, LimitsConfigError, check_run_positions
+from inspector.session.memo import memo
+from inspector.session.models import model_choices, shared_model
+from inspector.session.on_demand import about, estimate, progress_text, record_rate
+from inspector.ui.frame import ensure_frame
+
+RUN_KEY = "run"            # the run the pages show
+CLIENT_COOKIE = "_streamlit_xsrf"    # set once per browser by Streamlit (XSRF protection): shared by its tabs
+RUNS_KEY = "runs"          # the runs this session keeps, oldest first (at most max_runs_kept)
+STOPPED_KEY = "_od_stopped"  # on-demand computations a Stop ended (their tags), until "Compute again"
+log = logging.getLogger("llm_inspector")
+
+
+def browser_key() -> str | None:
+    """The browser asking (all its tabs share Streamlit's XSRF cookie), as a hash; None without the cookie or
+    outside a script run."""
+    try:
+        cookie = st.context.cookies.get(CLIENT_COOKIE)
+    except Exception:          # no script run context (a worker thread, a test calling functions directly)
+        cookie = None
+    if isinstance(cookie, str) and cookie:
+        return "browser:" + hashlib.sha256(xsrf_token(cookie).encode()).hexdigest()[:16]
+    return None
+
+
+def client_key() -> str | None:
+    """Who is asking, for fair admission: the browser, else this session. None outside a script run."""
+    browser = browser_key()
+    if browser is not None:
+        return browser
+    ctx = get_script_run_ctx()
+    return None if ctx is None else "session:" + ctx.session_id
+
+
+set_client_resolver(client_key)
+
+
+def xsrf_token(cookie: str) -> str:
+    """The browser's token inside Streamlit's XSRF cookie. Tornado writes it masked ("2|mask|masked|time", a new
+    random mask each time a page loads), so two tabs of one browser carry different cookie strings around the
+    same token: unmask it (token = masked XOR mask). Any other form is taken as it is."""
+    parts = cookie.split("|")
+    if len(parts) == 4 and parts[0] == "2":
+        try:
+            mask, masked = bytes.fromhex(parts[1]), bytes.fromhex(parts[2])
+        except ValueError:
+            return cookie
+        if mask:
+            return bytes(b ^ mask[i % len(mask)] for i, b in enumerate(masked)).hex()
+    return cookie
+
+
+def server_limits(show_error: bool = True) -> Limits:
+    """This server's limits ($LLM_INSPECTOR_MAX_*); the defaults if one is malformed (said in the sidebar)."""
+    try:
+        return Limits.from_env()
+    except LimitsConfigError as e:
+        if show_error:
+            st.sidebar.error(f"Server configuration: {e}. Using the default limits.")
+        return Limits()
+
+
+def get_model() -> Model | None:
+    """The model chosen in the sidebar, loading it (with a progress bar) the first time in this process."""
+    label = st.session_state.get("sb_model")
+    choices = model_choices()
+    source = choices.get(label, next(iter(choices.values())))     # never anything outside the list
+    device = st.session_state.get("sb_device", "auto")
+    device = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    dtype = st.session_state.get("sb_dtype", "auto")
+    bar = []                  # made at the first progress record: a loaded model costs no element per call
+
+    def progress(f: float, msg: str) -> None:
+        if not bar:
+            bar.append(st.sidebar.empty())
+        bar[0].progress(min(max(f, 0.0), 1.0), text=msg)
+    try:
+        model = shared_model(source, device, dtype, _progress=progress)
+    except EngineError as e:
+        st.sidebar.error(f"Could not load the model: {e}")
+        return None
+    finally:
+        if bar:
+            bar[0].empty()
+    return model
+
+
+@contextmanager
+def device_slot(what: str = "this computation"):
+    """Wait for a device slot (showing the place in the queue) around on-demand model work on a page."""
+    box = st.empty()
+    try:
+        with slot(on_wait=lambda n: box.info(f"The server is busy: you are number {n} in the queue for {what}."),
+                  limits=server_limits(show_error=False)):
+            box.empty()
+            yield
+    finally:
+        box.empty()
+
+
+def current_run() -> Trace | None:
+    ensure_frame()
+    return st.session_state.get(RUN_KEY)
+
+
+def keep_within_budget() -> None:
+    """Hold this session to its memory budget; say what was dropped to make room. app.py calls it once, when
+    the page has run, so what the script just kept (a run, a map) counts at once; a walk over a session's
+    data costs ~16 ms with a 1,000-position run of a 30-layer model, so it is not repeated per current_run."""
+    limits = server_limits(show_error=False)
+    dropped = enforce(st.session_state, data_allowance(limits.max_session_mb))
+    if dropped:
+        trim()
+        st.toast(f"This session reached its memory budget ({limits.max_session_mb} MiB) and dropped: "
+                 + "; ".join(dropped[:4]) + ("; …" if len(dropped) > 4 else "") + ". Recomputed when needed.")
+
+
+def require_run() -> Trace:
+    """The session's current run, or a hint to press Run (and the page stops there)."""
+    run = current_run()
+    if run is None:
+        st.info("Enter a prompt in the sidebar and press **Run** to inspect a generation.")
+        st.stop()
+    return run
+
+
+def require_run_and_model(purpose: str = "inspect it"):
+    """The current run and the loaded model it was made with; otherwise a message and the page stops."""
+    run = require_run()
+    model = get_model()
+    if model is None:
+        st.stop()
+    if model.name != run.model_name:
+        st.warning(f"This run was made with **{plain(run.model_name)}**; the sidebar now shows "
+                   f"**{plain(model.name)}**. Choose that model in the sidebar (or press Run again) to {purpose}.")
+        st.stop()
+    try:      # a run from a trace file: the model work pages do on it stays within this server's limits
+        check_run_positions(run.ids, model, server_limits(show_error=False))
+    except LimitError as e:
+        st.error(plain(e))
+        st.stop()
+    return run, model
+
+
+def on_demand(store, k, what: str, compute, *, work: tuple | None = None, stop_on_error: bool = True, **bounds):
+    """memo(store, k, ...): on a miss compute(on_progress) runs holding a device slot (queue shown), with a
+    progress bar and a Stop button: the app's one way to show any long computation. on_progress takes the
+    engine's one progress record (engine.progress: a forward's layers, or a job's units with what it is doing);
+    the bar never moves back (a job's total is an upper bound until its end). work = (model, positions, layers)
+    adds the time it should take, when this model's speed at this kind of computation was measured here
+    (inspector.session.on_demand).
+
+    Stop: the click asks Streamlit for a rerun, which ends this script at its next st call (the next progress
+    update: the next layer, rerun or packed call), releasing the slot on the way out; the new run finds the
+    computation marked in STOPPED_KEY (the engine is answered STOP too, should the old run still be reporting,
+    and a job raises engine.progress.Stopped before its next unit) and shows "Stopped" with a button to compute
+    again. Nothing half-computed is memoised. Returns None while stopped, and after an engine error when
+    stop_on_error is False (the message is shown; otherwise the script stops there)."""
+    tag = _tag(what, k)
+    stopped = st.session_state.setdefault(STOPPED_KEY, {})        # tag -> "stopped" | "again"
+    if k in store:
+        stopped.pop(tag, None)
+        return memo(store, k, compute, **bounds)
+    if stopped.get(tag) == "stopped":
+        return _show_stopped(what, tag, stopped)
+    model = work[0] if work else None
+    est = about(estimate(model, what, *work[1:])) if work else ""
+    last: list[Progress] = []
+    shown = [0.0]
+
+    def tell(p: Progress):
+        if stopped.get(tag) == "stopped":
+            return STOP
+        last[:] = [p]
+        shown[0] = max(shown[0], min(max(p.fraction, 0.0), 1.0))
+        bar.progress(shown[0], text=f"Computing {what}: {p.what or progress_text(p)}"
+                     + (f" ({est} in all)" if est else ""))
+        return None
+    try:
+        with device_slot(what):
+            bar = st.progress(0.0, text=f"Computing {what}" + (f" ({est})" if est else "") + "…")
+            button = st.empty()
+            button.button("Stop", key=f"od_stop_{tag}", on_click=stopped.__setitem__, args=(tag, "stopped"))
+            t0 = time.perf_counter()
+            try:
+                value = memo(store, k, lambda: compute(tell), **bounds)
+            finally:
+                bar.empty()
+                button.empty()
+            stopped.pop(tag, None)
+            if model is not None:
+                record_rate(model, what, time.perf_counter() - t0, last[0] if last else None)
+            return value
+    except Stopped:
+        stopped[tag] = "stopped"
+        return _show_stopped(what, tag, stopped)
+    except EngineError as e:
+        st.error(str(e))
+        if stop_on_error:
+            st.stop()
+        return None
+
+
+def was_stopped(what: str, k) -> bool:
+    """Whether a Stop ended on_demand(..., k, what, ...) and it was not computed since: a page that computes
+    only on its own button calls on_demand then anyway (it shows "Stopped", or computes after "Compute again")."""
+    return _tag(what, k) in st.session_state.get(STOPPED_KEY, {})
+
+
+def _tag(what: str, k) -> str:
+    return hashlib.sha256(repr((what, k)).encode()).hexdigest()[:12]
+
+
+def _show_stopped(what: str, tag: str, stopped: dict) -> None:
+    st.warning(f"Stopped: {what} was not computed.")
+    st.button("Compute again", key=f"od_again_{tag}", on_click=stopped.__setitem__, args=(tag, "again"))
+
+
+_PUNCTUATION = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+# Streamlit's renderer (remark-gfm) finds bare links in the text *after* escapes are resolved, with
+# /(https?:\/\/|www(?=\.))/ and /[-.\w+]+@[-\w]+(\.[-\w]+)+/: a zero-width space breaks each pattern
+_AUTOLINK = re.compile(r"(?<=:)(?=//)|(?<=www)(?=\.)|(?=@)", re.IGNORECASE)
+_ZWSP = "\u200b"
+
+
+def plain(text: object) -> str:
+    """Text from a file, a store or a browser (a run's model name and notes, a prompt, a token, a typed
+    stage) made safe inside Markdown (st.markdown, st.caption, st.warning, ...) so that it shows as the
+    characters it is: every ASCII punctuation character is backslash-escaped (CommonMark allows it for each;
+    no link, image, tag, emphasis or Streamlit :directive[...] can form), and a zero-width space goes into
+    each http://, www. and name@host, which GitHub-flavoured Markdown would otherwise turn into a link."""
+    text = _AUTOLINK.sub(_ZWSP, str(text))
+    return "".join("\\" + c if c in _PUNCTUATION else c for c in text)

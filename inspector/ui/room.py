@@ -1,0 +1,388 @@
+"""Rooms in the app: a teacher starts one (after entering $LLM_INSPECTOR_TEACHER_KEY once per session) and gets
+a code and a link; students who open `/?room=CODE` follow the teacher's run, page, step, layer, head and
+sampling settings, read-only, until they choose to explore on their own (their own copy of the run), and
+can follow again. Polls: inspector.ui.room_poll.
+
+app.py calls, in order: `before_page(page)` (a student follows: loads a new run, takes the room's values,
+switches to the teacher's page; a teacher publishes the page at once), `sidebar_panel()` (start, join, leave,
+end), `bar()` inside the frame (the room's line above the page, the watcher, the poll), and
+`after_page(page)` (a teacher publishes the run and the view the page ended with).
+
+A student's screen learns of a change without polling in the browser: one watcher thread per process reads
+each followed room's state document (a version number) and reruns the sessions that are behind
+(inspector.ui.room_push); only a new run id fetches the run's trace bytes. Students never call the model to follow.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from urllib.parse import urlsplit
+
+import streamlit as st
+from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+from engine.inspection.trace import from_bytes, to_bytes
+from inspector.session.limits import trace_bounds
+from inspector.session.memo import run_key
+from inspector.session.rooms import shared_store
+from inspector.session.rooms_keys import failed_joins, teacher_key_state, teacher_login, warn_short_key
+from inspector.session.rooms_state import ROOM_ERRORS, RoomError, View, check_code
+from inspector.session.run import track
+from inspector.ui.common import RUN_KEY, client_key, get_model, plain, server_limits
+from inspector.ui.room_live import panel as live_panel
+from inspector.ui.room_outage import LOST, offline, restore, teacher_offline
+from inspector.ui.room_poll import poll_box
+from inspector.ui.room_push import OFFLINE, signature, watcher
+from inspector.ui.room_push import available as push_available
+from inspector.ui.room_sync import ROOM, ROOM_WIDGETS, following, publish_view, room, voter_id, widget_values
+from inspector.ui.sidebar import keep_run
+from inspector.ui.widgets import page_path, pages
+
+FALLBACK_EVERY_S = 1.0           # how often a screen polls the room where the watcher cannot push
+TEACHER = "_room_teacher_ok"     # this session entered the teacher key
+TRIED = "_room_link_tried"       # the ?room= code this session already tried (a bad link is tried once)
+NOTICE = "_room_notice"          # said once in the Classroom section at the next run (how the room was left)
+
+
+def _store():
+    return shared_store()
+
+
+def page_titles() -> dict[str, str]:
+    return {p["script_path"].rsplit("/", 1)[-1].removesuffix(".py"): p.get("page_name", "")
+            for p in pages() if p.get("script_path")}
+
+
+# ---- joining ---------------------------------------------------------------------------------------------
+def join(code: str) -> str | None:
+    """Follow room `code`; the error to show, or None. Unknown codes count against this browser's tries."""
+    who = client_key() or "anonymous"
+    try:
+        code = check_code(code)
+        state = _store().state(code)
+    except ROOM_ERRORS as e:
+        return str(e)
+    if state is None:
+        if not failed_joins.allow(who):
+            return "Too many unknown room codes tried from this browser: wait a minute and try again."
+        return f"There is no room {code} (ended, expired, or mistyped)."
+    st.session_state[ROOM] = {"role": "student", "code": code, "following": True, "version": None, "run_id": None,
+                              "voter": voter_id(code), "error": None, "answered": {}}
+    return None
+
+
+def _join_from_link() -> None:
+    code = st.query_params.get("room")
+    if not code or st.session_state.get(TRIED) == code:
+        return
+    st.session_state[TRIED] = code
+    err = join(code)
+    if err:
+        st.session_state["_room_join_error"] = err
+
+
+def _load_run(code: str, run_id: str):
+    """The room's run from its trace bytes, validated against this server's limits and model; None (and
+    the reason kept for the bar) when it cannot be used."""
+    data = _store().run_bytes(code, run_id)
+    if data is None:
+        raise RoomError("the teacher's run is no longer in the room")
+    limits, model = server_limits(show_error=False), get_model()
+    trace = track(from_bytes(data, trace_bounds(limits, model)))
+    trace.extra["room_run_id"] = run_id          # which of this session's runs is the room's (polls)
+    keep_run(trace, limits.max_runs_kept)
+    return trace
+
+
+# ---- every script run --------------------------------------------------------------------------------------
+def before_page(page: str) -> None:
+    """Before the sidebar and the page: a following student takes the room's run and values (and page); a
+    teacher publishes the page just opened."""
+    if room() is None:
+        _join_from_link()
+    r = room()
+    if r is None or r["role"] == "teacher":
+        st.session_state.pop(ROOM_WIDGETS, None)
+        if r is not None:
+            publish_view(page)
+        return
+    if not r["following"]:
+        st.session_state.pop(ROOM_WIDGETS, None)
+        return
+    state = None
+    try:
+        state = _store().state(r["code"])
+        if state is None and _store().was_ended(r["code"]):
+            r.update(following=False, ended=True)
+            st.session_state.pop(ROOM_WIDGETS, None)
+            return
+        if state is None:      # the store restarted without it: the teacher's screen re-opens it (bar)
+            r["error"], r["seen"] = LOST, None
+            if push_available():
+                watcher.watch(_session_id(), "follow", r["code"], None)
+            return
+        if state.run_id and state.run_id != r.get("run_id"):
+            try:
+                _load_run(r["code"], state.run_id)
+            except Exception:
+                r["run_id"] = state.run_id       # tried once per run id: a bad run is not fetched again
+                raise
+            r["run_id"] = state.run_id           # (a script run stopped mid-load by a newer rerun tries again)
+        r["error"] = None
+    except ROOM_ERRORS as e:   # the store does not answer: the watcher reruns this screen when it does
+        if state is None:
+            r["error"], r["seen"] = offline(e), OFFLINE
+            return
+        r["error"] = f"Could not follow the room: {e}"
+    except Exception as e:     # a run that fails validation: one message, the app goes on
+        r["error"] = f"Could not follow the room: {e}"
+        if state is None:
+            return
+    run = st.session_state.get(RUN_KEY)
+    st.session_state[ROOM_WIDGETS] = widget_values(state.view, len(run.result.steps) if run is not None else None)
+    r["version"], r["state"], r["seen"] = state.version, state, state.version
+    if push_available():
+        watcher.watch(_session_id(), "follow", r["code"], state.version)
+    if state.view.page != page and (path := page_path(state.view.page)) is not None:
+        st.switch_page(path, query_params={**st.query_params.to_dict(), "room": r["code"]})
+
+
+def after_page(page: str) -> None:
+    """After the page: a teacher's new current run is published (its trace bytes), then the view."""
+    r = room()
+    if r is None or r["role"] != "teacher":
+        return
+    run = st.session_state.get(RUN_KEY)
+    if run is not None and run_key(run) != r.get("run_key"):
+        try:
+            state = _store().publish(r["code"], r["token"], run=to_bytes(run))
+            view = r.get("view") or View()
+            n = len(run.result.steps)
+            r.update(run_key=run_key(run), run_id=state.run_id, published=False, error=None,
+                     view=replace(view, params=run.result.params, step=min(view.step, max(0, n - 1))))
+        except ROOM_ERRORS as e:
+            r["error"] = str(e)
+    publish_view(page)
+
+
+# ---- the sidebar: start, join, leave, end -------------------------------------------------------------------
+def sidebar_panel() -> None:
+    r = room()
+    with st.sidebar.expander("Classroom: rooms and polls", expanded=r is not None):
+        notice = st.session_state.pop(NOTICE, None)
+        if notice:
+            st.warning(plain(notice))
+        if r is not None and r["role"] == "teacher":
+            st.markdown(f"You are teaching room **{plain(r['code'])}**.")
+            if st.button("End the room", key="room_end", help="Students stop following; its polls are deleted"):
+                _end(r)
+            return
+        if r is not None:
+            st.markdown(f"You are in room **{plain(r['code'])}**.")
+            if st.button("Leave the room", key="room_leave"):
+                watcher.drop(_session_id())
+                st.session_state.pop(ROOM, None)
+                st.session_state.pop(ROOM_WIDGETS, None)
+                st.rerun()
+            return
+        _join_form()
+        _teacher_form()
+
+
+def _join_form() -> None:
+    err = st.session_state.pop("_room_join_error", None)
+    if err:
+        st.error(plain(err))
+    code = st.text_input("Room code", key="room_code", max_chars=12, placeholder="e.g. K7QM2X")
+    if st.button("Join", key="room_join", disabled=not code):
+        err = join(code)
+        if err:
+            st.error(plain(err))
+        else:
+            st.rerun()
+
+
+def _teacher_form() -> None:
+    off = teacher_key_state()
+    if off:
+        warn_short_key()                    # the suggested key goes to the server's console, never to a browser
+        st.caption(plain(off + " Students can still join a room another server of this app started."))
+        return
+    if not st.session_state.get(TEACHER):
+        key = st.text_input("Teacher key", type="password", key="room_key", max_chars=1024,
+                            help="Asked once per browser session; only teachers have it")
+        if st.button("I am the teacher", key="room_key_btn", disabled=not key):
+            refused = teacher_login(key, client_key() or "anonymous")
+            if refused is None:
+                st.session_state[TEACHER] = True
+                st.session_state.pop("room_key", None)
+                st.rerun()
+            else:
+                st.error(refused)
+        return
+    if st.button("Start a room", key="room_start", type="primary"):
+        try:
+            code, token = _store().create()
+        except ROOM_ERRORS as e:
+            st.error(plain(e))
+            return
+        _become_teacher(code, token)
+    again = st.text_input("Or take over a room you started (its code)", key="room_takeover_code", max_chars=12)
+    if st.button("Take over", key="room_takeover", disabled=not again):
+        try:
+            code = check_code(again)
+            token = _store().take_over(code)
+        except ROOM_ERRORS as e:
+            st.error(plain(e))
+            return
+        _become_teacher(code, token)
+
+
+def _become_teacher(code: str, token: str) -> None:
+    """This session teaches room `code` (its publish token stays on the server), from the next script run."""
+    st.session_state[ROOM] = {"role": "teacher", "code": code, "token": token, "view": None, "run_key": None,
+                              "run_id": None, "published": False, "error": None, "page": None}
+    st.rerun()
+
+
+def _end(r: dict) -> None:
+    """End the room; the teacher's screen leaves it whatever the store says (gone after a Redis restart, taken
+    over, unreachable), so no session stays stuck teaching a room that cannot end."""
+    try:
+        note = _store().end_or_leave(r["code"], r["token"])
+    except ROOM_ERRORS as e:          # the store could not even be chosen (a malformed setting)
+        note = f"The room could not be ended in the store ({e}); you have left it here."
+    watcher.drop(_session_id())
+    st.session_state.pop(ROOM, None)
+    if note:
+        st.session_state[NOTICE] = note
+    st.rerun()
+
+
+# ---- above the page: the room's line, the watcher, the poll ----------------------------------------------
+def room_link(code: str) -> str:
+    try:
+        u = urlsplit(st.context.url or "")
+        base = f"{u.scheme}://{u.netloc}" if u.scheme and u.netloc else ""
+    except Exception:          # no request context (tests calling functions directly)
+        base = ""
+    return f"{base}/?room={code}"
+
+
+def describe(view: View) -> str:
+    title = page_titles().get(view.page, view.page)
+    head = "average of heads" if view.head is None else f"head {view.head}"
+    return f"{title} · layer {view.layer} · {head} · step {view.step}"
+
+
+def bar() -> None:
+    r = room()
+    if r is None:
+        return
+    if r.get("error"):
+        st.warning(plain(r["error"]))
+    if r["role"] == "teacher":
+        st.info(f"**Room {plain(r['code'])}** · students open {plain(room_link(r['code']))} (or join with the code "
+                "in the sidebar's Classroom section) and follow what this screen shows.")
+        state, failed = _state_or_error(r["code"])
+        if failed:
+            teacher_offline(r)
+            _notify("teacher", r["code"], signature("teacher", False))
+        elif state is None:
+            state = restore(r)       # the store restarted empty: same code, this screen's run and view
+        if state is not None:
+            answers = _answers(r["code"], state)
+            _notify("teacher", r["code"], signature("teacher", state, answers))
+            poll_box(r, state, answers)
+        return
+    if r.get("ended"):
+        watcher.drop(_session_id())
+        st.info(f"Room {plain(r['code'])} has ended. This run stays yours to explore.")
+        return
+    _student_line(r)
+    state = r.get("state") if following() else _safe_state(r["code"])
+    if not following():
+        _notify("detached", r["code"], signature("detached", state))
+    elif not push_available():
+        _poll_fallback()
+    if following() and state is not None and state.live is not None and not r.get("error"):
+        live_panel(r["code"], state.live)      # the teacher's run as it generates
+    if state is not None:
+        poll_box(r, state)
+
+
+def _session_id() -> str:
+    ctx = get_script_run_ctx()
+    return ctx.session_id if ctx is not None else "no-session"
+
+
+def _notify(kind: str, code: str, seen) -> None:
+    """Have this screen rerun when the room no longer matches `seen` (inspector.ui.room_push; polling without it)."""
+    if push_available():
+        watcher.watch(_session_id(), kind, code, seen)
+    else:
+        _poll_fallback()
+
+
+def _answers(code: str, state) -> int | None:
+    try:
+        return None if state.poll is None else _store().answer_count(code, state.poll.id)
+    except ROOM_ERRORS:
+        return None
+
+
+def _safe_state(code: str):
+    return _state_or_error(code)[0]
+
+
+def _state_or_error(code: str) -> tuple:
+    """(the room's state or None, whether the store failed)."""
+    try:
+        return _store().state(code), False
+    except ROOM_ERRORS:
+        return None, True
+
+
+def _student_line(r: dict) -> None:
+    left, right = st.columns([5, 2], vertical_alignment="center")
+    state = r.get("state")
+    if following():
+        left.markdown(f"**Room {plain(r['code'])}** · following the teacher"
+                      + (f": {plain(describe(state.view))}" if state is not None else ""))
+        right.button("Explore on my own", key="room_detach", on_click=_detach, use_container_width=True,
+                     help="Your own copy of the teacher's run: change anything, press Run; the teacher's "
+                          "screen is not affected")
+    else:
+        left.markdown(f"**Room {plain(r['code'])}** · exploring on your own")
+        right.button("Follow the teacher", key="room_follow", on_click=_follow, type="primary",
+                     use_container_width=True)
+
+
+def _detach() -> None:
+    r = room()
+    if r is not None:
+        r["following"] = False
+        st.session_state.pop(ROOM_WIDGETS, None)
+
+
+def _follow() -> None:
+    r = room()
+    if r is not None:
+        r.update(following=True, version=None, run_id=None)
+
+
+@st.fragment(run_every=FALLBACK_EVERY_S)
+def _poll_fallback() -> None:
+    """Only where the watcher cannot rerun a session (inspector.ui.room_push.available): every FALLBACK_EVERY_S, one
+    read of the room's state; the whole app reruns when it changed."""
+    r = room()
+    if r is None:
+        return
+    state, failed = _state_or_error(r["code"])
+    if r["role"] == "student" and following():     # what the last full run drew (before_page): no rerun loop
+        changed = signature("follow", False if failed else state) != r.get("seen")     # while the store is down
+    else:
+        seen = r.get("fallback_seen")
+        r["fallback_seen"] = (None if state is None else (state.poll, _answers(r["code"], state)))
+        changed = seen is not None and seen != r["fallback_seen"]
+    if changed:
+        st.rerun(scope="app")

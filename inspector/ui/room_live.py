@@ -1,0 +1,111 @@
+"""The teacher's run while it generates, in a room (inspector.session.rooms_live): the teacher's side starts
+publishing when Run is pressed (`publisher`), and a following student's screen shows a live panel above the
+page: the prompt, the prefill's progress, the text as it grows, the newest token with its probability and the
+model's top candidates. The panel is a fragment that the room's watcher reruns alone when the live run moves
+(inspector.ui.room_push.watch_live), or that polls every FALLBACK_S where the watcher cannot rerun a session. When the
+run ends, the teacher's screen publishes it whole and every student's screen loads it as any room run.
+
+Token texts and the prompt come from the store: they reach the screen as plain text only (st.text, st.code,
+Markdown-escaped), never as Markdown or HTML."""
+from __future__ import annotations
+
+import streamlit as st
+from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+from inspector.session.rooms import shared_store
+from inspector.session.rooms_live import Live, LivePublisher
+from inspector.session.rooms_state import ROOM_ERRORS
+from inspector.ui.common import current_run, plain
+from inspector.ui.room_push import available as push_available
+from inspector.ui.room_push import fragment_id, watcher
+from inspector.ui.room_sync import room
+from inspector.views.sampling import describe
+
+FALLBACK_S = 1.0
+TEACHER_PROMPT = "sb_room_prompt"     # the sidebar's box showing the teacher's prompt to a following student
+
+
+def publisher(prompt: str, max_new: int) -> LivePublisher | None:
+    """For a teacher's session in a room: the room now shows this run live; the LivePublisher its LiveRun
+    tells as it generates. None outside a room, or when the store fails (said on the teacher's screen)."""
+    r = room()
+    if r is None or r.get("role") != "teacher":
+        return None
+    code, token = r["code"], r["token"]
+    try:
+        store = shared_store()
+        live = store.start_live(code, token, prompt, max_new)
+    except ROOM_ERRORS as e:
+        r["error"] = f"The room could not show this run live: {e}"
+        return None
+    return LivePublisher(live.seq, prompt, max_new, publish=lambda doc: store.publish_live(code, token, doc),
+                         end=lambda seq: store.end_live(code, token, seq))
+
+
+def panel(code: str, seq: int) -> None:
+    """The live panel of a following student's screen (the room's state says run `seq` is live)."""
+    if push_available():
+        _pushed(code, seq)
+    else:
+        _polled(code, seq)
+
+
+@st.fragment
+def _pushed(code: str, seq: int) -> None:
+    n = draw(code, seq)
+    ctx, fid = get_script_run_ctx(), fragment_id()
+    if ctx is not None:
+        watcher.watch_live(ctx.session_id, code, n, fid)
+
+
+@st.fragment(run_every=FALLBACK_S)
+def _polled(code: str, seq: int) -> None:
+    draw(code, seq)
+
+
+def draw(code: str, seq: int) -> int:
+    """Draw the live run; returns the live counter it drew (0 when the store failed)."""
+    try:
+        n, live = shared_store().live(code)
+    except ROOM_ERRORS as e:
+        st.warning(f"The teacher's run is generating, but the room's store does not answer: {plain(e)}")
+        return 0
+    with st.container(border=True):
+        if live is None or live.seq != seq:
+            st.markdown("**The teacher's run** is starting…")
+            return n
+        st.markdown("**The teacher's run**, live · " + plain(_phase(live)))
+        st.text(f"Prompt: {live.prompt}")
+        if live.phase == "prefill":
+            st.progress(live.prefill, text=f"reading the prompt: {live.prefill:.0%}")
+        elif live.tokens:
+            st.progress(min(1.0, live.tokens / max(1, live.max_new)),
+                        text=f"token {live.tokens} of at most {live.max_new}")
+            st.code(live.text, language=None, wrap_lines=True)
+        if live.last is not None:
+            top = ", ".join(f"{t!r} {p:.2f}" for t, p in live.last.top)
+            st.text(f"Newest token {live.last.text!r}, chosen with probability {live.last.prob:.2f}; "
+                    f"the model's top candidates: {top}")
+    return n
+
+
+def _phase(live: Live) -> str:
+    return {"queued": "waiting for a slot on the server", "prefill": "reading the prompt",
+            "decode": "generating", "done": f"finished after {live.tokens} tokens: the whole run follows",
+            "stopped": f"stopped after {live.tokens} tokens: the run follows as it was",
+            "failed": "it ended without a token"}[live.phase]
+
+
+def teacher_prompt(height: int) -> None:
+    """In a following student's sidebar, in place of their own prompt box: the prompt and settings of the
+    teacher's run on screen (read-only; the student's own prompt comes back when they explore on their own)."""
+    run = current_run()
+    st.session_state[TEACHER_PROMPT] = run.settings.prompt if run is not None else ""
+    st.text_area("Prompt (the teacher's run)", key=TEACHER_PROMPT, height=height, disabled=True)
+    if run is None:
+        st.caption("The teacher has not run anything in this room yet.")
+        return
+    s = run.settings
+    st.caption(f"The teacher's settings: chat format {'on' if s.chat else 'off'} · up to {s.max_new_tokens:,} new "
+               f"tokens · {plain(describe(s.params))} · seed {s.seed}"
+               + (f" · stop strings {plain(', '.join(map(repr, s.stop)))}" if s.stop else ""))

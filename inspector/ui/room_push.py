@@ -1,0 +1,194 @@
+"""How a student's screen learns that the teacher changed something: one watcher thread per app process reads
+each followed room's small state document every POLL_S (one read per room, however many students follow it)
+and asks Streamlit to rerun exactly the sessions whose screen is behind. Nothing polls in the browsers.
+
+Each session says what its screen shows when it draws it (`watch(kind, code, seen)`):
+  "follow"   the room's version it applied (a following student);
+  "detached" the poll it showed (a student exploring on their own still sees a poll open or its answers);
+  "teacher"  the poll and its number of answers (the teacher's count goes up as answers arrive).
+When the store says otherwise, the watcher requests a rerun of that session with its last client state, as
+if its browser had asked (the page, query and widget values stay). At most one rerun per session per
+MIN_GAP_S for answer counts; a version change reruns at once. A store that stops answering is a state of its
+own (OFFLINE): each screen reruns once to say that the room is reconnecting, and once more when it answers.
+
+While the teacher's run generates (inspector.session.rooms_live), a following screen's live panel is a
+fragment that says its id (`watch_live`): when the room's live counter moves, the watcher reruns that
+fragment alone, not the whole app.
+
+Streamlit has no public API for a server-side rerun: `_rerun` reaches the session through the runtime's
+session manager (private names, checked at start). Where they are missing, `available()` is False and the
+room falls back to a polling fragment in the page (inspector.ui.room).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from streamlit.runtime import Runtime
+from streamlit.runtime.app_session import AppSession
+
+from inspector.session.rooms import shared_store
+from inspector.session.rooms_state import ROOM_ERRORS, RoomState
+
+POLL_S = 0.1          # how often the watcher reads each followed room
+MIN_GAP_S = 0.5       # answer counts rerun a teacher's screen at most this often
+OFFLINE = "offline"   # the signature of a room whose store does not answer
+log = logging.getLogger("llm_inspector")
+
+
+@dataclass
+class _Sub:
+    kind: str
+    code: str
+    seen: object
+    asked_at: float = 0.0
+    fragment: str | None = None       # the live panel's fragment id, while the teacher's run generates
+    live_seen: int = 0
+
+
+def signature(kind: str, state: RoomState | None | bool, answers: int | None = None) -> object:
+    """What a screen of this kind must show of the room's state (None: the room is gone; False: the store
+    does not answer)."""
+    if state is False:
+        return OFFLINE
+    if state is None:
+        return None
+    if kind == "follow":
+        return state.version
+    poll = state.poll
+    poll_sig = None if poll is None else (poll.id, poll.revealed)
+    return (poll_sig, answers) if kind == "teacher" else poll_sig
+
+
+def _session(session_id: str):
+    if not Runtime.exists():                      # the runtime exists only inside a running server
+        return None
+    info = Runtime.instance()._session_mgr.get_active_session_info(session_id)
+    return None if info is None else info.session
+
+
+def fragment_id() -> str | None:
+    """The id of the fragment this code runs in (Streamlit keeps it in private thread state; None where it
+    does not, or outside a fragment)."""
+    try:
+        from streamlit.runtime.scriptrunner_utils.script_run_context import ThreadState
+        fid = ThreadState.get().fragment_id
+    except (ImportError, AttributeError):
+        return None
+    return fid if isinstance(fid, str) and fid else None
+
+
+def available() -> bool:
+    """Whether this Streamlit lets the watcher rerun a session (else the page polls)."""
+    try:
+        from streamlit.runtime.scriptrunner_utils.script_run_context import ThreadState
+        fragments = hasattr(ThreadState, "get")
+    except ImportError:
+        fragments = False
+    return fragments and Runtime.exists() and hasattr(Runtime.instance(), "_session_mgr") and all(
+        hasattr(AppSession, n) for n in ("request_rerun", "_call_soon_on_event_loop", "has_fragment"))
+
+
+def _rerun(session_id: str, fragment: str | None = None) -> bool:
+    """Ask Streamlit to rerun a session as its browser last left it (the whole app, or one fragment of it);
+    False when the session is gone."""
+    session = _session(session_id)
+    if session is None:
+        return False
+    last = getattr(session, "_client_state", None)
+    state = None
+    if last is not None:
+        state = type(last)()
+        state.CopyFrom(last)
+        state.fragment_id = fragment or ""
+    elif fragment:                   # a fragment rerun needs the client's state: the whole app then
+        fragment = None
+    if fragment and not session.has_fragment(fragment):
+        state.fragment_id = ""
+    session._call_soon_on_event_loop(lambda: session.request_rerun(state))
+    return True
+
+
+class Watcher:
+    def __init__(self, poll_s: float = POLL_S, rerun=_rerun) -> None:
+        self._subs: dict[str, _Sub] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.poll_s, self.rerun = poll_s, rerun
+
+    def watch(self, session_id: str, kind: str, code: str, seen) -> None:
+        """A full script run of this session drew `seen` (a live panel, if any, says so after: watch_live)."""
+        with self._lock:
+            sub = self._subs.get(session_id)
+            if sub is None or (sub.kind, sub.code) != (kind, code):
+                self._subs[session_id] = _Sub(kind, code, seen)
+            else:
+                sub.seen, sub.fragment = seen, None
+            self._start()
+
+    def watch_live(self, session_id: str, code: str, seen: int, fragment: str | None) -> None:
+        """This session's live panel (fragment id) drew the room's live counter `seen`."""
+        with self._lock:
+            sub = self._subs.get(session_id)
+            if sub is None or sub.code != code:
+                return
+            sub.fragment, sub.live_seen = fragment, seen
+            self._start()
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, daemon=True, name="llm-inspector-rooms")
+                self._thread.start()
+
+    def drop(self, session_id: str) -> None:
+        with self._lock:
+            self._subs.pop(session_id, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.poll_s)
+            try:
+                self.tick()
+            except Exception:            # a store that fails now may answer at the next tick
+                log.debug("room watcher tick failed", exc_info=True)
+
+    def tick(self) -> None:
+        with self._lock:
+            subs = dict(self._subs)
+        states: dict[str, tuple] = {}
+        now = time.monotonic()
+        for sid, sub in subs.items():
+            if sub.code not in states:
+                states[sub.code] = self._read(sub.code, any(s.fragment and s.code == sub.code for s in subs.values()))
+            state, answers, live = states[sub.code]
+            sig = signature(sub.kind, state, answers)
+            if sig == sub.seen:
+                if sub.fragment and live is not None and live != sub.live_seen:
+                    sub.live_seen = live
+                    if not self.rerun(sid, sub.fragment):
+                        self.drop(sid)
+                continue
+            if sub.kind == "teacher" and now - sub.asked_at < MIN_GAP_S:
+                continue
+            sub.seen, sub.asked_at = sig, now
+            if not self.rerun(sid):
+                self.drop(sid)
+
+    @staticmethod
+    def _read(code: str, live: bool) -> tuple:
+        """(state, or None when gone, or False when the store fails; the open poll's answers; the live counter
+        when a live panel watches)."""
+        try:
+            store = shared_store()
+            state = store.state(code)
+            answers = None
+            if state is not None and state.poll is not None:
+                answers = store.answer_count(code, state.poll.id)
+            return state, answers, store.live_version(code) if live and state is not None else None
+        except ROOM_ERRORS:
+            return False, None, None
+
+
+watcher = Watcher()

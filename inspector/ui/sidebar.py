@@ -1,0 +1,400 @@
+"""The sidebar every page shares: the prompt and Run first (inside a 1280×720 screen), a live view of the run
+(prefill by chunk and layer, tokens as they come, an estimate from this server's measured speed, Stop), then
+the model, device, dtype, generation settings, demos and the runs kept.
+
+A run is checked against the server's limits and waits for a device slot; a waiting user sees their place
+in the queue. It generates in a thread of its own (inspector.session.live_run) so that Stop and page changes work
+while it runs. The run (engine.Trace) lives in this session's st.session_state only. When the run ends, the
+app is drawn again (Run and the demos enabled). A number outside its range is named above Run, and Run starts
+nothing until it is corrected. One click at a time per session draws its page (own_turn, used by app.py).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager, suppress
+
+import streamlit as st
+import torch
+from streamlit.runtime import Runtime
+from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
+from streamlit.runtime.scriptrunner_utils.exceptions import StopException
+
+from engine import EngineError, InputError, Model, RunSettings, SamplingParams, Trace
+from engine.generate import prompt_ids
+from inspector.session.admission import shared_admission
+from inspector.session.estimate import Estimate, prefill_left
+from inspector.session.limits import LimitError, Limits, check_int, env_name
+from inspector.session.live_run import Cancelled, LiveRun, StillFinishing, rates
+from inspector.session.models import model_choices
+from inspector.session.run import check_settings, generations, live_runs
+from inspector.ui import demos, room_live
+from inspector.ui.common import RUN_KEY, RUNS_KEY, client_key, current_run, get_model, log, plain, server_limits
+from inspector.ui.room_sync import following
+from inspector.ui.widgets import PROJECTOR, navigation_links, sampler_problems, sampling_params_from, sampling_widgets
+
+LIVE = "_live_run"           # the LiveRun of this session while it generates
+NOTICES = "_sb_notices"      # what the end of a run said, shown once by the next script run (watch)
+OWN_PROMPT = "_sb_prompt_own"   # this student's own prompt while the sidebar shows the teacher's
+TURN = "_page_turn"          # held by the script run that draws the page (page_turn)
+LONG_S = 20.0                # runs estimated longer than this say so before they start
+SEED_MAX = 2**31 - 1
+PREVIOUS_WAIT_S = 30.0       # how long a click waits for this session's previous one to finish its page
+STILL_FINISHING = StillFinishing.message
+
+
+def sidebar(app_pages: list | None = None) -> Model | None:
+    """The sidebar; app_pages: app.py's st.Page objects, linked at its top (inspector.ui.widgets.navigation_links)."""
+    sb = st.sidebar
+    limits = server_limits()
+    top = sb.container()                          # drawn first on screen, filled once the model is known
+    with sb.container():
+        navigation_links(app_pages)
+    sb.toggle("Chat format", value=True, key="sb_chat")
+    sb.toggle("Projector mode", key=PROJECTOR, on_change=_projector_url,
+              help="Big type, thick lines, high contrast, one chart per row (also: add ?projector=1 to the URL)")
+    live: LiveRun | None = st.session_state.get(LIVE)
+    if not following():      # a student following a room runs nothing: fewer widgets to redraw on each change
+        settings_widgets(limits, live)
+    model = get_model()
+    with top:
+        prompt_and_run(model, limits, live)
+    history(limits)
+    run = current_run()
+    for note in (run.notes if run is not None else []):
+        sb.warning(plain(note))       # a run's notes may come from a file: shown as the characters they are
+    a = shared_admission(limits).state()
+    sb.caption(f"Server: {a.running} of {a.max_concurrent} run slots busy · {a.waiting} waiting · "
+               f"{live_runs()} runs in memory · model generations: {generations()}")
+    return model
+
+
+def settings_widgets(limits: Limits, live: LiveRun | None) -> None:
+    """The model, device, dtype and generation settings, and the demos."""
+    with st.sidebar.expander("Model and device"):
+        st.selectbox("Model", list(model_choices()), key="sb_model")
+        c1, c2 = st.columns(2)
+        c1.selectbox("Device", ["auto", "cpu"] + (["cuda"] if torch.cuda.is_available() else []), key="sb_device")
+        c2.selectbox("Dtype", ["auto", "float32", "bfloat16", "float16"], key="sb_dtype")
+    with st.sidebar.expander("Generation settings"):
+        # no bounds in the browser (it would keep an out-of-range value to itself): generation_problems says
+        st.number_input("Max new tokens", value=min(32, limits.max_new_tokens), step=1, key="sb_max_new",
+                        help=f"At least 1, at most {limits.max_new_tokens:,} on this server.")
+        sampling_widgets("sb", SamplingParams())
+        st.number_input("Seed", value=0, step=1, key="sb_seed", help=f"A whole number from 0 to {SEED_MAX:,}.")
+        st.toggle("Special-token text in the prompt acts as control tokens", value=False, key="sb_allow_special")
+    with st.sidebar.expander("Demos: one click, one lesson"):
+        demos.demo_buttons("sb_demo", columns=False, disabled=live is not None)
+
+
+def _projector_url() -> None:
+    if st.session_state.get(PROJECTOR):
+        st.query_params["projector"] = "1"
+    else:
+        st.query_params.pop("projector", None)
+
+
+def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) -> None:
+    """Title, model, prompt, Run (or Stop while a run generates), the estimate, and the live run itself."""
+    st.markdown("**LLM Inspector** · see inside a language model")
+    if model is not None:
+        st.caption(f"Model: **{plain(model.name)}** · {model.config.num_layers} layers · {model.device.type} · "
+                   f"{str(model.dtype).removeprefix('torch.')}")
+    follows = following()        # a student following a room's teacher never starts a generation
+    state = st.session_state
+    if follows:                  # the teacher's prompt and settings; the student's own prompt is kept for later
+        state[OWN_PROMPT] = state.get("sb_prompt", state.get(OWN_PROMPT))
+        room_live.teacher_prompt(height=100)
+    else:
+        if "sb_prompt" not in state and isinstance(state.get(OWN_PROMPT), str):
+            state["sb_prompt"] = state[OWN_PROMPT]
+        st.text_area("Prompt", "What is the capital of France?", key="sb_prompt", height=100,  # same id each run
+                     max_chars=limits.max_prompt_chars,
+                     help=f"Up to {limits.max_prompt_chars:,} characters and {limits.max_prompt_tokens:,} tokens. "
+                          "Tab, newline and carriage return are the only control characters accepted.")
+    typed = st.session_state.get("sb_prompt")
+    if isinstance(typed, str) and len(typed) > limits.max_prompt_chars:   # a forged browser ignores max_chars
+        st.warning(f"The prompt is {len(typed):,} characters long; this server accepts at most "
+                   f"{limits.max_prompt_chars:,} ({env_name('max_prompt_chars')}).")
+    asked = st.session_state.get("sb_max_new")
+    if isinstance(asked, (int, float)) and asked > limits.max_new_tokens:
+        st.warning(f"Max new tokens: {asked:,} is more than this server generates per run "
+                   f"({limits.max_new_tokens:,}, {env_name('max_new_tokens')}); Run generates at most "
+                   f"{limits.max_new_tokens:,}.")
+    problems = [] if follows else generation_problems()
+    for problem in problems:     # the box may sit in a collapsed expander: said here, above Run
+        st.error(f"{problem}. Run starts nothing until it is corrected (Generation settings).")
+    clicked = st.button("Run", type="primary", key="sb_run", disabled=model is None or live is not None or follows,
+                        use_container_width=True) and not follows
+    demo = st.session_state.pop(demos.PENDING, None) if not follows else None
+    if follows:
+        st.caption("Following the teacher's room: press **Explore on my own** above the page to run your own.")
+        if live is None:
+            return
+    for kind, text in st.session_state.pop(NOTICES, []):   # the end of the run a previous script run watched
+        getattr(st, kind)(text)
+    if live is None and model is not None and (clicked or demo) and not problems:
+        live = start_run(model, limits, demo)
+    elif live is None and model is not None:
+        estimate_caption(model, limits)
+    if live is not None:
+        watch(live, limits)
+
+
+def generation_problems() -> list[str]:
+    """The sidebar's generation numbers outside their ranges, in the order of their boxes, each named with its
+    range: values that would otherwise be replaced without a word (Streamlit keeps a bounded widget's old
+    value) or refused by the engine. Max new tokens above the server's limit is not one: that is said above
+    Run, and the run generates at the limit."""
+    limit = server_limits(show_error=False).max_new_tokens
+    asked = st.session_state.get("sb_max_new")
+    if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked > limit and float(asked).is_integer():
+        asked = limit
+    return (_whole_number(asked, "sb_max_new", "Max new tokens", 1, limit) + sampler_problems("sb")
+            + _whole_number(st.session_state.get("sb_seed"), "sb_seed", "Seed", 0, SEED_MAX))
+
+
+def _whole_number(value, key: str, what: str, lo: int, hi: int) -> list[str]:
+    if key not in st.session_state:
+        return []
+    try:
+        check_int(value, lo, hi, what)
+    except LimitError as e:
+        return [str(e)]
+    return []
+
+
+def settings_from_sidebar() -> RunSettings:
+    """The sidebar's prompt and settings; InputError names the first setting outside its range."""
+    problems = generation_problems()
+    if problems:
+        raise InputError(problems[0])
+    s = st.session_state
+    limit = server_limits(show_error=False).max_new_tokens
+    return RunSettings(prompt=s["sb_prompt"], chat=s["sb_chat"], max_new_tokens=min(int(s["sb_max_new"]), limit),
+                       params=sampling_params_from("sb"), seed=int(s["sb_seed"]),
+                       allow_special=bool(s["sb_allow_special"]))
+
+
+def _prompt_tokens(model: Model, settings: RunSettings, limits: Limits) -> int | None:
+    """Prompt tokens as the model will see them (memoised per prompt text and format); None if invalid. A prompt
+    over the server's length limit is never tokenized (a browser can send megabytes whatever max_chars says)."""
+    if not isinstance(settings.prompt, str) or len(settings.prompt) > limits.max_prompt_chars:
+        return None
+    memo = st.session_state.setdefault("_sb_ntok", {})
+    key = (model.name, settings.prompt, settings.chat, settings.allow_special)
+    if key not in memo:
+        memo.clear()
+        try:
+            memo[key] = len(prompt_ids(model, settings.prompt, chat=settings.chat,
+                                       allow_special=settings.allow_special))
+        except EngineError:
+            memo[key] = None
+    return memo[key]
+
+
+def _estimate(model: Model, settings: RunSettings, limits: Limits) -> Estimate | None:
+    n = _prompt_tokens(model, settings, limits)
+    return None if n is None else rates(model).forecast(n, settings.max_new_tokens)
+
+
+def estimate_caption(model: Model, limits: Limits) -> None:
+    with suppress(TypeError, ValueError, InputError):       # a setting out of range: said above Run instead
+        if (est := _estimate(model, settings_from_sidebar(), limits)) is not None:
+            st.caption(est.caption())
+
+
+def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
+    """Check the settings here (a bad prompt is a message at once), then generate in the background."""
+    try:
+        settings = settings_from_sidebar()
+    except (TypeError, ValueError, InputError) as e:
+        st.error(f"Invalid generation setting: {e}")
+        return None
+    try:
+        checked, _ = check_settings(model, settings, limits)
+    except EngineError as e:
+        st.error(str(e))
+        return None
+    est = _estimate(model, checked, limits)
+    turn = page_turn()
+    live = LiveRun(settings, model.name, est.n_prompt if est else 0, None if est is None else est.total, demo=demo,
+                   client=client_key(), previous_click=turn.locked,
+                   observer=room_live.publisher(settings.prompt, settings.max_new_tokens))   # a teacher's room
+    st.session_state[LIVE] = live
+    return live.start(model, limits, prepare=_with_script_context)
+
+
+def watch(live: LiveRun, limits: Limits) -> None:
+    """Show the run until it ends (Stop ends it early), then keep it and draw the app again: Run, the demos and the
+    page were drawn for a running run (Run greyed out when this script run found it going: after Stop, after a
+    page change), and nothing else would redraw them. What the end said is kept for that next run (NOTICES)."""
+    try:
+        stop, note = st.empty(), st.empty()           # gone once the run has ended
+        stop.button("Stop", key="sb_stop", on_click=live.stop, use_container_width=True,
+                    help="End the run after the current layer or token; what it made so far is kept")
+        if live.estimate_s is not None and live.estimate_s > LONG_S:
+            note.info(f"This run will take about {live.estimate_s:,.0f} s on this server (prompt of "
+                      f"{live.n_prompt:,} tokens). Its progress shows below; Stop keeps what it has made so far.")
+        bar, box, text = st.progress(0.0, text="starting"), st.empty(), st.empty()
+        while not live.done:
+            _draw(live, bar, box, text)
+            live.wait(0.25)
+    except StopException:
+        if stopped_for_good():   # nobody watches any more: the run ends at its next layer or token, its slot is
+            live.stop()          # free at once, and the next click keeps it (a rerun's new script run watches on)
+        raise
+    for placeholder in (stop, note, bar, box, text):
+        placeholder.empty()
+    st.session_state.pop(LIVE, None)
+    notices, kept = finish(live, limits)
+    st.session_state[NOTICES] = notices
+    if kept is not None and live.demo:
+        demos.after_run(live.demo)            # opens the demo's page: a new script run
+    st.rerun()
+
+
+def stopped_for_good(settle_s: float = 0.2) -> bool:
+    """Whether this script run's StopException is the toolbar's Stop (or the session's end), not a rerun: with
+    fast reruns (Streamlit's default) a rerun or page change stops the script alike, but gives the session a new
+    ScriptRunner, set just after (hence the settle). Read from Streamlit's internals (pinned: requirements.txt)."""
+    ctx, end = get_script_run_ctx(suppress_warning=True), time.monotonic() + settle_s
+    try:
+        session = Runtime.instance()._session_mgr.get_session_info(ctx.session_id).session
+        while getattr(session._scriptrunner, "_requests", None) is ctx.script_requests and time.monotonic() < end:
+            time.sleep(0.02)
+        return getattr(session._scriptrunner, "_requests", None) is ctx.script_requests
+    except (AttributeError, RuntimeError):     # no server (AppTest) or another release: unknown, the run goes on
+        return False
+
+
+def _draw(live: LiveRun, bar, box, text) -> None:
+    now = time.monotonic()
+    if live.admitted_at is None and live.queue_position is not None and live.previous_click and live.previous_click():
+        bar.progress(0.0, text="waiting for your previous click")
+        box.info("Your previous click is still finishing; this run starts as soon as it has.")
+        return
+    if live.admitted_at is None and live.queue_position is not None:
+        bar.progress(0.0, text=f"waiting: number {live.queue_position} in the queue")
+        box.info(f"The server is busy. You are number {live.queue_position} in the queue; your run starts as "
+                 "soon as a slot is free.")
+        return
+    box.empty()
+    max_new = live.settings.max_new_tokens
+    if live.tokens == 0 and live.prefill is not None:
+        p, (c, n) = live.prefill, live.prefill.chunks
+        left = prefill_left(p, now - (live.admitted_at or now), live.shape)   # later chunks attend to more
+        bar.progress(min(1.0, p.fraction), text=f"prefill {p.fraction:.0%}: positions {p.done:,}–{p.chunk_end:,} of "
+                     f"{p.total:,} (chunk {c} of {n}), layer {min(p.layer + 1, p.layers)} of {p.layers}"
+                     + ("" if left is None else f" · about {left:,.0f} s left"))
+    elif live.tokens:
+        rate = (live.tokens - 1) / max(1e-9, (live.last_token_at or now) - (live.decode_from or now))
+        bar.progress(min(1.0, live.tokens / max_new), text=f"token {live.tokens} of at most {max_new}"
+                     + (f" · {rate:.1f} tokens/s" if live.tokens > 2 else ""))
+        text.code(live.text, language=None, wrap_lines=True)
+
+
+def finish(live: LiveRun, limits: Limits) -> tuple[list[tuple[str, str]], Trace | None]:
+    """Keep the finished run; what to say about its end, as (st function, text) pairs, and the run kept."""
+    e, record = live.error, live.record
+    live.record = live.error = None           # a stale Stop callback keeps the LiveRun, never the run
+    if isinstance(e, Cancelled):
+        return [("info", "Stopped while waiting in the queue: nothing was run.")], None
+    if isinstance(e, StillFinishing):
+        return [("warning", str(e))], None
+    if isinstance(e, EngineError):
+        return [("error", str(e))], None
+    if e is not None:         # an engine bug: say so, keep the server and the model going
+        log.error("run failed", exc_info=e)
+        return [("error", f"The run failed unexpectedly ({type(e).__name__}: {e}). The model is still loaded; "
+                          "please report this with the prompt and settings.")], None
+    if record is None:        # another script run of this session, watching the same run, has kept it
+        return [], None
+    if not record.result.steps and record.result.stop_reason == "stopped":
+        return [("info", "Stopped during the prefill, before the first token: nothing to keep.")], None
+    keep_run(record, limits.max_runs_kept)
+    said = []
+    if live.waited_s is not None:
+        said.append(("caption", f"This run waited {live.waited_s:.1f} s in the queue (it arrived as number "
+                                f"{live.first_position}), then generated for {record.seconds:.1f} s."))
+    if record.result.stop_reason == "stopped":
+        said.append(("info", f"Stopped after {len(record.result.token_ids)} tokens; the run is kept as it was."))
+    return said, record
+
+
+def keep_run(record: Trace, max_runs: int) -> None:
+    """Make record the current run; drop runs beyond max_runs, and what pages memoised for them."""
+    runs: list[Trace] = [r for r in st.session_state.get(RUNS_KEY, []) if r is not record] + [record]
+    dropped, runs = runs[:-max_runs], runs[-max_runs:]
+    for key in (RUNS_KEY, RUN_KEY):     # deleted first: Streamlit also keeps the previous script run's values
+        if key in st.session_state:
+            del st.session_state[key]
+    st.session_state[RUNS_KEY] = runs
+    st.session_state[RUN_KEY] = record
+    st.session_state.pop("selected_step", None)   # the debugger's step belongs to the debugger's run
+    gone = {(id(r), r.created) for r in dropped}
+    for key in list(st.session_state.keys()) if gone else []:
+        store = st.session_state[key]
+        if isinstance(store, dict):   # page memos keyed by session.memo.run_key(run) or (run_key, ...)
+            for k in [k for k in store if k in gone or (isinstance(k, tuple) and k and k[0] in gone)]:
+                del store[k]
+
+
+def history(limits: Limits) -> None:
+    """With more than one kept run, a selectbox to show an earlier one."""
+    runs: list[Trace] = st.session_state.get(RUNS_KEY, [])
+    if len(runs) < 2:
+        return
+    by_time = {r.created: r for r in runs}
+    if st.session_state.get("_history_newest") != runs[-1].created or st.session_state.get("sb_history") not in by_time:
+        st.session_state["_history_newest"] = st.session_state["sb_history"] = runs[-1].created   # a new run shows
+    labels = {r.created: f"{time.strftime('%H:%M:%S', time.localtime(r.created))} · {str(r.settings.prompt)[:30]!r} · "
+                         f"{len(r.result.token_ids)} tokens" for r in runs}
+
+    def show() -> None:    # only when the user picks: a run another page published stays current otherwise
+        st.session_state[RUN_KEY] = by_time[st.session_state["sb_history"]]
+        st.session_state.pop("selected_step", None)
+
+    st.sidebar.selectbox(f"Run shown (this session keeps {limits.max_runs_kept})", list(reversed(by_time)),
+                         format_func=labels.get, key="sb_history", on_change=show, disabled=following())
+
+
+def _with_script_context(thread) -> None:
+    """The run's thread carries this script run's context (the queue's per-browser turns read it)."""
+    ctx = get_script_run_ctx(suppress_warning=True)
+    if ctx is not None:
+        add_script_run_ctx(thread, ctx)
+
+
+# ---- one click at a time per session ----------------------------------------------------------------------
+def page_turn() -> threading.Lock:
+    """This session's turn to draw a page (and do its model work)."""
+    return st.session_state.setdefault(TURN, threading.Lock())
+
+
+@contextmanager
+def own_turn(wait_s: float | None = None):
+    """Hold this session's turn while the page runs (app.py). A click while the page still computes starts a
+    new script run at once (Streamlit's fast reruns), and the previous one ends only at its next Streamlit call
+    (the next token or layer), holding its device slot until then. Without a turn, a quick Continue, Run to
+    end, Step gave three script runs of one tab in the queue, and the third was refused as if another tab held
+    the first two. So a new click waits here for the previous one, saying so; after wait_s (PREVIOUS_WAIT_S)
+    it says to try again and stops. A still newer click ends the waiting one at its next note."""
+    turn, wait_s = page_turn(), PREVIOUS_WAIT_S if wait_s is None else wait_s
+    held = turn.acquire(blocking=False)
+    try:
+        if not held:
+            note, end = st.empty(), time.monotonic() + wait_s
+            while not held:
+                left = end - time.monotonic()
+                if left <= 0:
+                    note.warning(STILL_FINISHING)
+                    st.stop()
+                note.info(f"Your previous click is still finishing; this one follows as soon as it has "
+                          f"(waiting at most {left:,.0f} s more).")
+                held = turn.acquire(timeout=min(0.25, left))
+            note.empty()
+        yield
+    finally:
+        if held:
+            turn.release()
