@@ -8,7 +8,8 @@ the run record) and nothing else of the engine: no tool (engine.tools), no repor
 from engine.errors import EngineError, InputError, ModelLoadError, UnsupportedModelError
 from engine.generate import Candidate, GenerationResult, GenerationRun, Step, generate
 from engine.inspection.probe import Capture, HookContext, Probe, inspection_probe, plant, scale, zero_heads
-from engine.inspection.stats import STAT_NAMES, StatRecord, StatsBlock
+from engine.inspection.stat_columns import STAT_NAMES
+from engine.inspection.stats import StatRecord, StatsBlock
 from engine.inspection.trace import Trace, load_trace, make_trace, save_trace
 from engine.kv_cache import KVCache
 from engine.loader import load_model

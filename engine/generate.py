@@ -22,6 +22,7 @@ import torch
 
 from engine.errors import InputError
 from engine.inspection.probe import Probe
+from engine.inspection.stat_columns import Col
 from engine.inspection.stats import StatsBlock
 from engine.sampling import SamplingParams, draw, entropy, sampler_chain
 from engine.settings import check_stop
@@ -359,7 +360,7 @@ def nonfinite_stop(result: GenerationResult) -> dict | None:
     for rec in (result.probe.stat_records("logits") if result.probe is not None else []):
         if rec.step == step and rec.pos0 <= position < rec.pos0 + rec.values.shape[0]:
             row = rec.values[position - rec.pos0]
-            nan, inf = int(row[5]), int(row[6])
+            nan, inf = int(row[Col.NAN]), int(row[Col.INF])
     return {"step": step, "position": position, "nan": nan, "inf": inf}
 
 

@@ -24,7 +24,7 @@ import time
 from engine.cli.args import load, model_args, prompt_args, run_settings, sampling_args
 from engine.cli.prescribe import add_doctor_flags, doctor_model, extend_doctor, human_lines
 from engine.errors import InputError
-from engine.inspection.stats import STAT_NAMES
+from engine.inspection.stat_columns import STAT_NAMES
 from engine.inspection.trace import make_trace, save_trace, summary
 from engine.tools.doctor import PRESETS, cast_model, fault_probe, precision_compare, run_doctor
 

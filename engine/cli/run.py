@@ -10,7 +10,7 @@ from engine.cli.args import load, model_args, prompt_args, run_settings, samplin
 from engine.generate import prompt_ids
 from engine.inspection.probe import Probe
 from engine.inspection.stages import hook_names
-from engine.inspection.stats import STAT_NAMES
+from engine.inspection.stat_columns import STAT_NAMES, pool
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -38,12 +38,10 @@ def cmd_hooks(a: argparse.Namespace) -> int:
 
 
 def aggregate(values) -> list[float]:
-    """(T, 7) per-position stats -> one row over all positions (pooled mean and std)."""
-    v = values.double()
-    mean = v[:, 2].mean()
-    std = (v[:, 3] ** 2 + (v[:, 2] - mean) ** 2).mean().sqrt()  # pooled over equally sized rows
-    return [float(v[:, 0].min()), float(v[:, 1].max()), float(mean), float(std), float(v[:, 4].max()),
-            int(v[:, 5].sum()), int(v[:, 6].sum())]
+    """(T, 7) per-position stats -> one row over all positions (engine.inspection.stat_columns.pool)."""
+    p = pool([(["x"], values[None])])
+    return [float(p.cols[k][0]) for k in ("min", "max", "mean", "std", "absmax")] + \
+        [int(p.cols[k][0]) for k in ("nan", "inf")]
 
 
 def cmd_stats(a: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.inspection.probe import Probe, split_name
-from engine.inspection.stats import STAT_NAMES
+from engine.inspection.stat_columns import STAT_NAMES
 
 
 @dataclass

@@ -18,6 +18,7 @@ from engine.errors import EngineError, InputError
 from engine.inspection.plans import HEADS_FIRST, Plan, plan_stage, split_name
 from engine.inspection.probe_views import NONE, LayerProbe
 from engine.inspection.stages import LAYER_STAGES
+from engine.inspection.stat_columns import nonfinite
 from engine.inspection.stats import StatRecord, StatsBatcher, StatsBlock
 
 WEIGHT_SLOTS = {"attn_norm.weight": "attn_norm", "attn.wqkv": "wqkv", "attn.wo": "wo",
@@ -297,7 +298,7 @@ class Probe:
     def first_nonfinite(self) -> tuple[StatRecord, int] | None:
         """The first stage (in forward order) holding a NaN or Inf, and the absolute position where it is."""
         for b in self.stats:
-            bad = (b.values[:, :, 5] + b.values[:, :, 6]) > 0                  # (G, T)
+            bad = nonfinite(b.values)                                             # (G, T)
             if bool(bad.any()):
                 g, t = (int(v) for v in bad.nonzero()[0])
                 return StatRecord(b.step, b.names[g], b.layers[g], b.pos0, b.values[g]), b.pos0 + t

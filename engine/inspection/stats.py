@@ -29,7 +29,6 @@ import torch
 
 from engine.native.inspect import layout, row_stats
 
-STAT_NAMES = ("min", "max", "mean", "std", "absmax", "nan", "inf")
 FLUSH_ELEMENTS = 1 << 23  # flush the queue past this many queued elements, bounding the memory it holds
 FLUSH_ELEMENTS_DEVICE = 1 << 25   # on an accelerator: a flush waits for the device, so fewer of them
 IMMEDIATE_ELEMENTS = 1 << 15   # a tensor this large is reduced to its moments when offered

@@ -31,7 +31,7 @@ def _empty(rows: int) -> torch.Tensor:
 
 def row_stats(xs: list[torch.Tensor], alloc=_empty, lays: list[tuple] | None = None
               ) -> list[torch.Tensor | None] | None:
-    """Tensors (T, n) or (T, G, n) -> for each, its (T, 7) statistics per row (inspection.stats.STAT_NAMES), or None
+    """Tensors (T, n) or (T, G, n) -> for each, its (T, 7) statistics per row (inspection.stat_columns.Col), or None
     for one holding a NaN or Inf (the PyTorch path counts those); None for all when the library is missing.
     Every tensor must have layout() (float32 on the CPU, last dim contiguous). alloc(rows) gives the (rows, 7)
     float32 tensor the results are written to (engine.inspection.stats.StatsBatcher.rows_out: one arena, see there);

@@ -17,7 +17,7 @@ import torch
 from engine.errors import InputError
 from engine.generate import nonfinite_stop
 from engine.inspection.probe import Probe, split_name
-from engine.inspection.stats import STAT_NAMES
+from engine.inspection.stat_columns import Col, nonfinite, pool
 from engine.inspection.trace import Trace
 from engine.progress import LayerProgress
 from engine.sampling import sampler_chain
@@ -27,7 +27,6 @@ MAX_SIDE = 256            # attention maps: most cells a side; longer runs are p
 ATTENTION_CHUNK = 512     # positions per forward call when computing attention maps (bounds the pattern's memory)
 MAX_CELLS_LISTED = 50     # non-finite (step, position, stage) cells listed by name
 VISIBLE = {" ": "·", "\n": "⏎", "\t": "→", "\r": "␍"}
-COL = {n: i for i, n in enumerate(STAT_NAMES)}
 
 
 def visible(text: str) -> str:
@@ -124,12 +123,12 @@ def findings(trace: Trace) -> dict:
     (step, position, stage) cells (the first MAX_CELLS_LISTED, and how many in all), and the loops."""
     cells, total = [], 0
     for b in (trace.probe.stats if trace.probe is not None else []):
-        bad = (b.values[..., COL["nan"]] + b.values[..., COL["inf"]]) > 0          # (G, T)
+        bad = nonfinite(b.values)                                                   # (G, T)
         hits = bad.nonzero().tolist()
         total += len(hits)
         for g, t in hits[:max(0, MAX_CELLS_LISTED - len(cells))]:
             cells.append({"step": b.step, "position": b.pos0 + t, "stage": b.names[g],
-                          "nan": int(b.values[g, t, COL["nan"]]), "inf": int(b.values[g, t, COL["inf"]])})
+                          "nan": int(b.values[g, t, Col.NAN]), "inf": int(b.values[g, t, Col.INF])})
     nf = trace.first_nonfinite
     if nf is not None:
         nf = {**nf, "stats": {k: finite_or_none(v) for k, v in nf["stats"].items()}}
@@ -141,47 +140,16 @@ def findings(trace: Trace) -> dict:
 # ---- activation statistics ------------------------------------------------------------------------
 def layer_stats(trace: Trace) -> list[dict]:
     """One row per stage (per layer, and embed / final_norm / logits / sampler.*), its statistics pooled over
-    every position of every step: positions, mean, std, rms, absmax, min, max, nan, inf (as the Activations
-    page's table). Statistics of masked stages leave the masked entries out, per position. min / max / absmax
-    skip a block whose rows held only NaN; None where nothing finite is left."""
-    blocks = trace.probe.stats if trace.probe is not None else []
-    index: dict[str, int] = {}
-    for b in blocks:
-        for name in b.names:
-            index.setdefault(name, len(index))
-    G, f64 = len(index), torch.float64
-    acc = {k: torch.zeros(G, dtype=f64) for k in ("n", "s_mean", "s_sq", "nan", "inf", "positions")}
-    ext = {"min": torch.full((G,), math.inf, dtype=f64), "max": torch.full((G,), -math.inf, dtype=f64),
-           "absmax": torch.full((G,), -math.inf, dtype=f64)}
-    seen = {k: torch.zeros(G, dtype=f64) for k in ext}
-    for b in blocks:
-        idx = torch.tensor([index[n] for n in b.names], dtype=torch.long)
-        v = b.values.double()                                                  # (g, T, 7)
-        mean, std = v[..., COL["mean"]], v[..., COL["std"]]
-        ok = torch.isfinite(mean) & torch.isfinite(std)
-        for k, x in (("n", ok.sum(1).double()), ("s_mean", torch.where(ok, mean, 0.0).sum(1)),
-                     ("s_sq", torch.where(ok, mean ** 2 + std ** 2, 0.0).sum(1)),
-                     ("nan", v[..., COL["nan"]].sum(1)), ("inf", v[..., COL["inf"]].sum(1)),
-                     ("positions", torch.full((len(idx),), float(v.shape[1]), dtype=f64))):
-            acc[k].index_add_(0, idx, x)
-        for k, x in (("min", v[..., COL["min"]].amin(1)), ("max", v[..., COL["max"]].amax(1)),
-                     ("absmax", v[..., COL["absmax"]].amax(1))):
-            known = ~torch.isnan(x)
-            seen[k].index_add_(0, idx, known.double())
-            ext[k].scatter_reduce_(0, idx, torch.where(known, x, ext[k][idx]), "amin" if k == "min" else "amax")
-    n = acc["n"]
-    mean = torch.where(n > 0, acc["s_mean"] / n, math.nan)
-    sq = torch.where(n > 0, acc["s_sq"] / n, math.nan)
-    cols = {"mean": mean, "std": (sq - mean ** 2).clamp(min=0).sqrt(), "rms": sq.sqrt(),
-            **{k: torch.where(seen[k] > 0, x, math.nan) for k, x in ext.items()}}
-    cols = {k: x.tolist() for k, x in cols.items()}
-    counts = {k: acc[k].long().tolist() for k in ("nan", "inf", "positions")}
+    every position of every step (engine.inspection.stat_columns.pool): positions, mean, std, rms, absmax, min,
+    max, nan, inf (as the Activations page's table); None where nothing finite is left."""
+    p = pool((b.names, b.values) for b in (trace.probe.stats if trace.probe is not None else []))
+    cols = {k: x.tolist() for k, x in p.cols.items()}
     rows = []
-    for name, g in index.items():
+    for g, name in enumerate(p.names):
         layer, stage = split_name(name)
-        rows.append({"name": name, "stage": stage, "layer": layer, "positions": counts["positions"][g],
+        rows.append({"name": name, "stage": stage, "layer": layer, "positions": int(p.positions[g]),
                      **{k: finite_or_none(cols[k][g]) for k in ("mean", "std", "rms", "absmax", "min", "max")},
-                     "nan": counts["nan"][g], "inf": counts["inf"][g]})
+                     "nan": cols["nan"][g], "inf": cols["inf"][g]})
     return rows
 
 

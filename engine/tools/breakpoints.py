@@ -6,7 +6,7 @@ probe's statistics of that step's forward) and returns a message when it fires.
     run.params = SamplingParams(temperature=0.7)    # change the sampler, then continue
     steps, fired = run_until(run, bps)
 
-Stage conditions read StatsBlock rows (engine.inspection.stats.STAT_NAMES: absmax column 4, nan 5, inf 6) of the blocks
+Stage conditions read StatsBlock rows (engine.inspection.stat_columns.Col) of the blocks
 whose `step` is the step's index, so the run's probe must record statistics of those stages
 (engine.inspection.probe.inspection_probe does, for every stage).
 """
@@ -19,8 +19,9 @@ from typing import Iterator, Protocol, Sequence
 
 from engine.errors import EngineError, InputError
 from engine.inspection.probe import Probe
+from engine.inspection.stat_columns import Col
 
-ABSMAX, NAN, INF = 4, 5, 6
+ABSMAX, NAN, INF = Col.ABSMAX, Col.NAN, Col.INF
 
 
 class Breakpoint(Protocol):

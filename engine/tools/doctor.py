@@ -25,6 +25,7 @@ from engine.errors import EngineError, InputError
 from engine.generate import GenerationResult, GenerationRun, nonfinite_stop
 from engine.inspection.nonfinite import NonFinite, lead_up, locate_nonfinite
 from engine.inspection.probe import GLOBAL_WEIGHTS, HEADS_FIRST, WEIGHT_SLOTS, HookContext, Probe, split_name
+from engine.inspection.stat_columns import nonfinite
 from engine.model import Model
 from engine.progress import OnProgress, tell_units
 from engine.weights import LayerWeights, Weights
@@ -193,7 +194,7 @@ def run_doctor(model: Model, prompt, *, injections=(), norm_eps: float | None = 
             error, stop = f"{type(e).__name__}: {e}", "error"
             break
         new, seen = probe.stats[seen:], len(probe.stats)
-        if stop_at_nonfinite and not run.done and any(float(b.values[:, :, 5:7].sum()) > 0 for b in new):
+        if stop_at_nonfinite and not run.done and any(bool(nonfinite(b.values).any()) for b in new):
             stop = "nonfinite"
             break
     result = run.result()

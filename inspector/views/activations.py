@@ -16,14 +16,14 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from engine import STAT_NAMES, Probe
+from engine import Probe
 from engine.inspection.probe import split_name
+from engine.inspection.stat_columns import Col, nonfinite, pool
 from engine.progress import LayerProgress
 
 from .theme import colorscale, robust_range
 
 STATS = ("mean", "std", "absmax", "rms", "min", "max", "nan", "inf")
-COL = {n: i for i, n in enumerate(STAT_NAMES)}
 
 
 def rms(mean, std):
@@ -34,7 +34,7 @@ def rms(mean, std):
 def _stat(values: torch.Tensor, stat: str) -> np.ndarray:
     """values (..., 7) -> (...) one statistic (rms derived from mean and std)."""
     v = values.double().numpy()
-    return rms(v[..., COL["mean"]], v[..., COL["std"]]) if stat == "rms" else v[..., COL[stat]]
+    return rms(v[..., Col.MEAN], v[..., Col.STD]) if stat == "rms" else v[..., Col[stat.upper()]]
 
 
 def layer_stages(blocks) -> list[str]:
@@ -49,33 +49,14 @@ def layer_stages(blocks) -> list[str]:
 
 def layer_summary(blocks) -> pd.DataFrame:
     """One row per stage name (per layer and the layer-less ones: embed, final_norm, logits, sampler.*),
-    its statistics pooled over every position of every step. Columns: stage, layer, name, positions,
-    mean, std, rms, absmax, min, max, nan, inf."""
-    parts = []
-    for b in blocks:
-        v = b.values.double()                                                   # (G, T, 7)
-        mean, std = v[..., COL["mean"]], v[..., COL["std"]]
-        finite = torch.isfinite(mean) & torch.isfinite(std)
-        parts.append(pd.DataFrame({
-            "name": b.names, "n": finite.sum(1).numpy(),
-            "s_mean": torch.where(finite, mean, 0.0).sum(1).numpy(),
-            "s_sq": torch.where(finite, mean ** 2 + std ** 2, 0.0).sum(1).numpy(),
-            "min": v[..., COL["min"]].amin(1).numpy(), "max": v[..., COL["max"]].amax(1).numpy(),
-            "absmax": v[..., COL["absmax"]].amax(1).numpy(),
-            "nan": v[..., COL["nan"]].sum(1).numpy(), "inf": v[..., COL["inf"]].sum(1).numpy(),
-            "positions": np.full(len(b.names), v.shape[1])}))
-    if not parts:
+    its statistics pooled over every position of every step (engine.inspection.stat_columns.pool). Columns:
+    stage, layer, name, positions, mean, std, rms, absmax, min, max, nan, inf."""
+    p = pool((b.names, b.values) for b in blocks)
+    if not p.names:
         return pd.DataFrame(columns=["stage", "layer", "name", "positions", *STATS])
-    g = pd.concat(parts).groupby("name", sort=False).agg(
-        n=("n", "sum"), s_mean=("s_mean", "sum"), s_sq=("s_sq", "sum"), min=("min", "min"), max=("max", "max"),
-        absmax=("absmax", "max"), nan=("nan", "sum"), inf=("inf", "sum"), positions=("positions", "sum"))
-    n = g["n"].where(g["n"] > 0)
-    mean, sq = g["s_mean"] / n, g["s_sq"] / n
-    out = pd.DataFrame({"name": g.index, "positions": g["positions"].astype(int).values,
-                        "mean": mean.values, "std": np.sqrt(np.clip(sq - mean ** 2, 0, None)).values,
-                        "rms": np.sqrt(sq).values, "absmax": g["absmax"].values, "min": g["min"].values,
-                        "max": g["max"].values, "nan": g["nan"].astype(int).values,
-                        "inf": g["inf"].astype(int).values})
+    out = pd.DataFrame({"name": p.names, "positions": p.positions.numpy(),
+                        **{k: p.cols[k].numpy() for k in ("mean", "std", "rms", "absmax", "min", "max", "nan",
+                                                           "inf")}})
     split = [split_name(x) for x in out["name"]]
     out.insert(0, "layer", pd.array([lay for lay, _ in split], dtype="Int64"))
     out.insert(0, "stage", [s for _, s in split])
@@ -119,12 +100,12 @@ def nonfinite_cells(blocks) -> pd.DataFrame:
     """Every (step, position, stage) holding NaN or Inf, in forward order, with the counts."""
     rows = []
     for b in blocks:
-        bad = (b.values[..., COL["nan"]] + b.values[..., COL["inf"]]) > 0          # (G, T)
+        bad = nonfinite(b.values)                                                   # (G, T)
         for g, t in bad.nonzero().tolist():
             n = b.names[g]
             rows.append({"step": b.step, "position": b.pos0 + t, "name": n, "stage": split_name(n)[1],
-                         "layer": b.layers[g], "nan": int(b.values[g, t, COL["nan"]]),
-                         "inf": int(b.values[g, t, COL["inf"]])})
+                         "layer": b.layers[g], "nan": int(b.values[g, t, Col.NAN]),
+                         "inf": int(b.values[g, t, Col.INF])})
     return pd.DataFrame(rows, columns=["step", "position", "name", "stage", "layer", "nan", "inf"])
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from engine import EngineError, Probe, SamplingParams, plant, scale, zero_heads
 from engine.inspection.stages import LAYER_STAGES
-from engine.inspection.stats import STAT_NAMES
+from engine.inspection.stat_columns import STAT_NAMES
 from tests.helpers import reference_stats
 
 IDS = [504, 3575, 282, 4649, 314, 7042, 30, 2683, 359, 253]
