@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from engine.bench.app_run import app_run_ratio
 from engine.generate import GenerationRun
 from engine.heap import trim
 from engine.inspection.attention_stats import release_workspace, workspace_elements
@@ -161,8 +162,10 @@ def app_decode(model: Model, say, prompt_tokens: int = 128, new_tokens: int = 32
             "app_decode_ratio": best["plain"] / best["inspected"]}
 
 
-def run_inspection_bench(model: Model, lengths: tuple[int, ...] = (512, 2048, 8000), quiet: bool = False) -> dict:
+def run_inspection_bench(model: Model, lengths: tuple[int, ...] = (512, 2048, 8000), quiet: bool = False, *,
+                         app_run_tokens: int = 2048, rounds: int = 3) -> dict:
     say = (lambda *x, **k: None) if quiet else print
     out = inspection_rows(model, lengths, say)
     out.update(app_decode(model, say))
+    out.update(app_run_ratio(model, app_run_tokens, rounds=rounds, say=say))
     return out

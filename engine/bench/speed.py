@@ -9,6 +9,11 @@ steps, its read time the best of its reads; each ratio (a/floor, b/a) is taken w
 rounds is reported. The speeds printed are the best round's. transformers (c) runs its own generate in
 rounds between ours (best of its rounds).
 
+Plain prefill against transformers at 512 and 2,048 tokens (a_over_c_prefill_512, a_over_c_prefill_2048;
+engine.bench.prefill): interleaved, the median of the rounds' own ratios (at most 3 rounds), in the same run.
+--app adds the app's full inspection (engine.bench.inspection) and the app's whole run of a 2,048-token prompt
+against engine generate (app_run_ratio_2048; engine.bench.app_run).
+
 The floor: decoding one token at batch 1 must read every weight matrix once (plus the KV cache so far), so
 no implementation can decode faster than read bandwidth / bytes per token. The bandwidth is measured here,
 in the same run, as the best of several reads (a sum) of a buffer far larger than the caches.
@@ -23,6 +28,7 @@ import time
 import torch
 
 from engine.bench.inspection import run_inspection_bench
+from engine.bench.prefill import LENGTHS, prefill_vs_transformers
 from engine.generate import GenerationRun
 from engine.inspection.probe import Probe
 from engine.native import build
@@ -59,14 +65,17 @@ def _round(model, ids: list[int], new_tokens: int, read: "ReadBandwidth", mats: 
             "read": min(reads), "mats": min(mat_reads)}
 
 
-def _hf_load(model):
+def hf_load(model):
+    """transformers' model of the same weights (SDPA attention, same dtype and device), or None where it cannot
+    load one (not installed, another architecture)."""
     try:
         import transformers
     except ImportError:
         return None
     if model.config.model_type not in ("llama", "mistral", "qwen2"):
         return None
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model.path), dtype=model.dtype)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model.path), dtype=model.dtype,
+                                                           attn_implementation="sdpa")
     return hf.to(model.device).eval()
 
 
@@ -153,7 +162,7 @@ def measure(model, a: argparse.Namespace) -> dict:
     """The rounds (see the module docstring): per-round figures, the best of each, and c's best."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, model.config.vocab_size - 100, (a.prompt_tokens,), generator=g).tolist()
-    hf = _hf_load(model)
+    hf = hf_load(model)
     read, mats = ReadBandwidth(model.device), MatrixReads(model)
     _round(model, ids, 4, read, mats)                 # warm-up: first touches of weights and kernels
     if hf is not None:
@@ -172,7 +181,9 @@ def measure(model, a: argparse.Namespace) -> dict:
     if hf is not None:
         best["c: transformers generate"] = c
     median = statistics.median
-    return {"best": best, "read_gb_s": read.bytes_per_second / 1e9, "bytes_per_token": nbytes,
+    prefills = {} if hf is None else prefill_vs_transformers(
+        model, hf, tuple(getattr(a, "prefill_lengths", LENGTHS)), rounds=min(a.repeats, 3))
+    return {"best": best, "prefills": prefills, "read_gb_s": read.bytes_per_second / 1e9, "bytes_per_token": nbytes,
             "floor_tok_s": read.bytes_per_second / nbytes, "matrix_reads_tok_s": 1 / mats.best,
             "rounds": len(rounds),
             "floor_ratio": median(r["read"] * nbytes / buf / r["decode_a"] for r in rounds),
@@ -188,7 +199,7 @@ def report(model, a: argparse.Namespace, m: dict) -> dict:
     say(f"model {model.name}; device {model.device.type}; dtype {str(model.dtype).removeprefix('torch.')}; "
         f"threads {torch.get_num_threads()}; prompt {a.prompt_tokens} tokens; decode {a.new_tokens} tokens; "
         f"{a.repeats} rounds (a and b step by step, a large read after each pair)")
-    nat = model.native()
+    nat = model.accelerator.decode
     why = "" if nat is not None else (build.load()[1] or "this model or device cannot take it")
     say("decode steps: " + ("native (engine/native: one C call a token, weights read as panels)" if nat is not None
                             else f"PyTorch forward ({why})"))
@@ -216,6 +227,12 @@ def report(model, a: argparse.Namespace, m: dict) -> dict:
                    c_decode_tok_s=C[1])
         say(f"ratio a/c (engine vs transformers) prefill {A[0] / C[0]:.2f}  decode {A[1] / C[1]:.2f}   "
             "(target decode >= 2.0)")
+        at = {k: v for k, v in m["prefills"].items() if k.startswith("a_over_c_prefill_")}
+        out.update(at)
+        say("ratio a/c plain prefill (engine generate's prefill vs transformers SDPA, interleaved, median of "
+            f"{len(next(iter(m['prefills']['prefill_rounds'].values()), []))} rounds) " +
+            "  ".join(f"{k.removeprefix('a_over_c_prefill_')} tokens {v:.2f}" for k, v in at.items()) +
+            "   (target >= 1.0)")
     else:
         out["a_over_c_decode"] = None
         say("ratio a/c: transformers is not installed; no reference measured")
@@ -226,7 +243,10 @@ def run_bench(model, a: argparse.Namespace) -> int:
     a.json = getattr(a, "json", False)
     out = report(model, a, measure(model, a))
     if getattr(a, "app", False):
-        out.update(run_inspection_bench(model, tuple(getattr(a, "app_lengths", (512, 2048, 8000))), quiet=a.json))
+        out.update(run_inspection_bench(model, tuple(getattr(a, "app_lengths", (512, 2048, 8000))), quiet=a.json,
+                                        app_run_tokens=getattr(a, "app_run_tokens", 2048),
+                                        rounds=min(a.repeats, 3)))
     if a.json:
-        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}))
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()
+                          if not k.endswith("_rounds")}))
     return 0
