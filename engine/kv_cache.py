@@ -19,6 +19,15 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self._pos = 0
+        self._scratch: dict[str, tuple] = {}
+
+    def scratch(self, key: str, floats: int) -> torch.Tensor:
+        """A float32 work buffer of at least `floats` elements that lives as long as this cache (one run's decode
+        steps reuse it; engine.native's step sizes it by the cache's length)."""
+        got = self._scratch.get(key)
+        if got is None or got[0].numel() < floats:
+            got = self._scratch[key] = (torch.empty(floats),)
+        return got[0]
 
     def get_pos(self) -> int:
         return self._pos

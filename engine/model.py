@@ -9,7 +9,7 @@ scores and pattern anyway (two small grouped matmuls) and offers them as they ar
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 import functools
 import threading
 from contextlib import contextmanager
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 
+from engine.accelerator import Accelerator, choose
 from engine.config import ModelConfig
 from engine.errors import InputError
 from engine.inspection.attention_stats import inspect_attention
@@ -26,7 +27,6 @@ from engine.inspection.probe import Probe, StopPoint, stop_point
 from engine.inspection.probe_views import FULL, NO_PROBE, NoProbe
 from engine.inspection.stages import hook_names
 from engine.kv_cache import KVCache
-from engine.native.step import NativeDecoder
 from engine.rope import apply_rope, rope_tables
 from engine.weights import LayerWeights, Weights
 
@@ -34,9 +34,6 @@ if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
 
 
-ATTN_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo")
-MLP_WEIGHTS = ("mlp_norm", "w_gate_up", "w_down")
-PRECISION_UNITS = ("embed", "blocks.{i}.attn", "blocks.{i}.mlp", "blocks.{i}.resid", "final_norm", "logits")
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,33 +76,23 @@ def _parts(rows: int, threads: int) -> int:
     return next(p for p in range(min(threads, 8), 0, -1) if rows % p == 0)
 
 
-def _split_unit(unit: str, num_layers: int) -> tuple[int | None, str]:
-    """'blocks.3.mlp' -> (3, 'mlp'); 'final_norm' -> (None, 'final_norm'); anything else is an InputError."""
-    if unit in ("embed", "final_norm", "logits"):
-        return None, unit
-    parts = unit.split(".")
-    if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] in ("attn", "mlp", "resid") \
-            and int(parts[1]) < num_layers:
-        return int(parts[1]), parts[2]
-    raise InputError(f"unknown precision unit {unit!r}; units are {', '.join(PRECISION_UNITS)} "
-                     f"with i in [0, {num_layers})")
-
-
 class Model:
     def __init__(self, cfg: ModelConfig, weights: Weights, tokenizer: "Tokenizer", *, device: torch.device,
-                 dtype: torch.dtype, name: str = "model", path: Path | None = None) -> None:
+                 dtype: torch.dtype, name: str = "model", path: Path | None = None, native_decode: bool = False
+                 ) -> None:
+        """native_decode: this model may get its own native decode step (engine.loader's models; a model made from
+        another, such as a precision plan or a quantised copy, does not). The accelerator (decode step and
+        statistics backend) is chosen here, once (engine.accelerator.choose)."""
         self.config, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.device, self.dtype, self.name, self.path = device, dtype, name, path
         self.cos, self.sin = rope_tables(cfg, cfg.max_position_embeddings, device, dtype)
-        self.resid_fp32_from: int | None = None    # precision plan (see with_fp32)
+        self.resid_fp32_from: int | None = None    # precision plan (see engine.variants.precision_plan)
         self.fp32_units: list[str] = []
         self.cache_dtype = dtype                   # float32 in a plan with an fp32 attention unit
         self.base_name = name                      # the model a plan was made from
         self._live_hooks = 0
         self._lock = threading.Lock()
-        self._native: NativeDecoder | None | bool = False     # False: not looked at yet (see native())
-        self.native_allowed = False     # set by load_model: a model made from another (quantised copies, precision
-        self._native_lock = threading.Lock()   # plans) does not get its own 545 MB copy of the weights
+        self.accelerator: Accelerator = choose(self, native_decode)
 
     # ---- introspection --------------------------------------------------------------------------
     @property
@@ -133,7 +120,7 @@ class Model:
         with self._lock:
             self._live_hooks += n
         try:
-            probe.begin_call(pos0, self.device)
+            probe.begin_call(pos0, self.device, self.accelerator.stats)
             try:
                 yield
             finally:
@@ -142,14 +129,12 @@ class Model:
             with self._lock:
                 self._live_hooks -= n
 
-    def native(self) -> NativeDecoder | None:
-        """The native decode step for this model (engine/native), or None where it cannot run (then every step
-        runs the PyTorch forward). Looked at on first use: a precision plan is set up after __init__."""
-        if self._native is False:
-            with self._native_lock:           # one copy of the weights, however many runs start at once
-                if self._native is False:
-                    self._native = NativeDecoder.for_model(self) if self.native_allowed else None
-        return self._native
+    def with_accelerator(self, accelerator: Accelerator) -> "Model":
+        """This model (the same weights, tokenizer and tables) with another accelerator, e.g.
+        engine.accelerator.PLAIN: the public switch that holds the native path to the PyTorch forward."""
+        twin = copy.copy(self)
+        twin._lock, twin._live_hooks, twin.accelerator = threading.Lock(), 0, accelerator
+        return twin
 
     # ---- forward --------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, cache: KVCache, probe: Probe | None = None, *, last_only: bool = False,
@@ -184,15 +169,16 @@ class Model:
         eps = cfg.rms_norm_eps if probe.norm_eps is None else probe.norm_eps
         embed, norm = probe.weight("embed.weight", w.embed), probe.weight("final_norm.weight", w.norm)
         lm_head = probe.weight("lm_head.weight", w.lm_head)
-        if T == 1 and (probe is NO_PROBE or probe.stats_only) and not torch.is_grad_enabled() \
-                and cache.k.dtype == torch.float32 and stop is on_layer is None and self.native() is not None:
-            # one decode token through engine/native; status: a watching probe's step met a NaN or Inf (the
+        step = self.accelerator.decode
+        if step is not None and T == 1 and (probe is NO_PROBE or probe.stats_only) and not torch.is_grad_enabled() \
+                and stop is on_layer is None:
+            # one decode token in one native call; status: a watching probe's step met a NaN or Inf (the
             # PyTorch forward then redoes it: its accounting of non-finite values is the reference)
             stats = probe is not NO_PROBE
-            logits, values, status = self._native(int(ids[0]), cache, pos, eps, stats)
+            logits, values, status = step(int(ids[0]), cache, pos, eps, stats)
             if not status:
                 if stats:
-                    probe.offer_block(self._native.names, self._native.layers, values)
+                    probe.offer_block(step.names, step.layers, values)
                 return logits
         cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]                 # (T, 1, hd)
         mask = None
@@ -274,10 +260,9 @@ class Model:
         if T == 1 or need == FULL:    # one query row: scores and pattern are small; or a hook needs them whole
             z = self._explicit_attention(qh, keys, values, p, mask)
         else:
-            # statistics / some rows only: computed beside the fused kernel (in query blocks, or natively,
-            # which also proves q, k and v finite: the kernel's guard is then not needed), never whole
-            proved = bool(need) and bool(inspect_attention(p, qh, keys, mask, values))
-            z = self._fused_attention(qh, keys, values, mask, p.guards_nan and not proved)
+            if need:      # statistics / some rows only: beside the fused kernel (query blocks or native), never whole
+                inspect_attention(p, qh, keys, mask, values)
+            z = self._fused_attention(qh, keys, values, mask, p.guards_nan)     # what statistics found steers nothing
         z = p("attn.z", z.transpose(0, 1))                                      # (T, H, hd)
         attn_out = p("attn_out", _mm(z.reshape(T, H * hd), lw.wo).to(x.dtype))  # (T, d)
         x = p("resid_mid", x + attn_out)
@@ -360,39 +345,6 @@ class Model:
         stream = torch.float32 if self.resid_fp32_from is not None or "embed" in self.fp32_units else self.dtype
         x = _norm(resid.to(self.device, stream), self.weights.norm, self.config.rms_norm_eps)
         return (x.to(self.weights.lm_head.dtype) @ self.weights.lm_head).float().cpu()
-
-    def with_fp32(self, units: list[str] | tuple[str, ...], source: "Model | None" = None) -> "Model":
-        """A precision plan: this (lower-precision) model with the named units computed in fp32. Units: embed (the
-        embedding table in fp32, so the stream it starts is fp32), blocks.{i}.attn (its weights, RoPE and its KV cache
-        in fp32: a plan with one keeps the whole cache in fp32, which holds the other layers' keys and values
-        exactly), blocks.{i}.mlp, blocks.{i}.resid (the residual stream in fp32 from layer i on), final_norm, logits.
-        Only those units' weights are copied to fp32 (from source when given, e.g. the fp32 model, else upcast from
-        this one); every other weight is shared with this model. A plan of a plan holds both plans' units."""
-        units = list(dict.fromkeys([*self.fp32_units, *units]))
-        src = source or self
-        layers, resid_from = list(self.weights.layers), self.resid_fp32_from
-        ends = {"embed": "embed", "final_norm": "norm", "logits": "lm_head"}    # unit -> Weights field
-        whole = {f: getattr(self.weights, f) for f in ends.values()}
-        for unit in units:
-            layer, part = _split_unit(unit, self.config.num_layers)
-            if part == "resid":
-                resid_from = layer if resid_from is None else min(resid_from, layer)
-            elif part in ("attn", "mlp"):
-                fields = ATTN_WEIGHTS if part == "attn" else MLP_WEIGHTS
-                lw = src.weights.layers[layer]
-                layers[layer] = dataclasses.replace(layers[layer], **{
-                    f: None if getattr(lw, f) is None else getattr(lw, f).to(torch.float32, copy=True)
-                    for f in fields})
-            else:
-                whole[ends[part]] = getattr(src.weights, ends[part]).to(torch.float32, copy=True)
-        weights = Weights(layers=layers, **whole)
-        plan = Model(self.config, weights, self.tokenizer, device=self.device, dtype=self.dtype,
-                     name=f"{self.base_name} [fp32: {', '.join(units) or 'none'}]", path=self.path)
-        plan.base_name, plan.resid_fp32_from, plan.fp32_units = self.base_name, resid_from, units
-        if any(u.endswith(".attn") for u in units):
-            plan.cos, plan.sin = rope_tables(self.config, self.context_length, self.device, torch.float32)
-            plan.cache_dtype = torch.float32
-        return plan
 
     def generate(self, prompt_or_ids, **kwargs):
         """See engine.generate.generate."""

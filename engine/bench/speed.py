@@ -31,7 +31,6 @@ from engine.bench.inspection import run_inspection_bench
 from engine.bench.prefill import LENGTHS, prefill_vs_transformers
 from engine.generate import GenerationRun
 from engine.inspection.probe import Probe
-from engine.native import build
 
 READ_BUFFER_BYTES = 512 * 2 ** 20        # far larger than any last-level cache
 PREFILLS = 3     # prefills of each configuration a round
@@ -200,7 +199,7 @@ def report(model, a: argparse.Namespace, m: dict) -> dict:
         f"threads {torch.get_num_threads()}; prompt {a.prompt_tokens} tokens; decode {a.new_tokens} tokens; "
         f"{a.repeats} rounds (a and b step by step, a large read after each pair)")
     nat = model.accelerator.decode
-    why = "" if nat is not None else (build.load()[1] or "this model or device cannot take it")
+    why = model.accelerator.why_not
     say("decode steps: " + ("native (engine/native: one C call a token, weights read as panels)" if nat is not None
                             else f"PyTorch forward ({why})"))
     out["native_decode"] = nat is not None

@@ -26,7 +26,8 @@ from engine.cli.prescribe import add_doctor_flags, doctor_model, extend_doctor, 
 from engine.errors import InputError
 from engine.inspection.stat_columns import STAT_NAMES
 from engine.inspection.trace import make_trace, save_trace, summary
-from engine.tools.doctor import PRESETS, cast_model, fault_probe, precision_compare, run_doctor
+from engine.tools.doctor import PRESETS, fault_probe, precision_compare, run_doctor
+from engine.variants import cast_model
 
 
 def debug_args(p: argparse.ArgumentParser) -> None:

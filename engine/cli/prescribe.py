@@ -8,7 +8,7 @@
         -> adds rescue: {fp32: [units], reruns, finite, top1_agreement, near_ties, ties, complement, trials,
            check (the command that checks the set), ...}
     python -m engine doctor "PROMPT" --dtype float16 [--preset P | --inject ...] --fp32 UNIT[,UNIT...]
-        -> the doctor runs with those units in fp32 (engine.model.Model.with_fp32); adds fp32: [units]
+        -> the doctor runs with those units in fp32 (engine.variants.precision_plan); adds fp32: [units]
     ... --fp32 UNIT[,UNIT...] --verify   (or --verify alone: the float16 / bfloat16 run as it is)
         -> adds fp32_check: the plan judged against the fp32 run as the rescue search judges each rerun
            (engine.tools.rescue.check_plan): {passes, finite, top1_agreement, ties, disagreements, near_ties, ...}
@@ -38,6 +38,7 @@ from engine.settings import RunSettings
 from engine.tools.quant import FORMATS, THRESHOLD, check_formats, quant_report
 from engine.tools.rescue import MAX_NEW_TOKENS, TIE_ULPS, RescueReport, check_plan, find_rescue
 from engine.tools.why_loop import HORIZON, MAX_RERUNS, why_loop
+from engine.variants import precision_plan
 
 
 def add_commands(sub, common) -> None:
@@ -86,14 +87,14 @@ def fp32_source(model: Model, a: argparse.Namespace) -> Model:
 
 
 def doctor_model(model: Model, a: argparse.Namespace) -> Model:
-    """The model the doctor should run: with --fp32, model.with_fp32(units) (fp32 copies from the float32
+    """The model the doctor should run: with --fp32, precision_plan(model, units) (fp32 copies from the float32
     weights, not upcast from the low-precision ones); else model itself."""
     if not getattr(a, "fp32", None):
         return model
     units = parse_units(a.fp32)
     if model.dtype == torch.float32:
         raise InputError("--fp32 keeps units of a float16 / bfloat16 run in fp32; add --dtype float16 or bfloat16")
-    return model.with_fp32(units, source=fp32_source(model, a))
+    return precision_plan(model, units, source=fp32_source(model, a))
 
 
 def settings_of(a: argparse.Namespace, **changes) -> RunSettings:

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.inspection.stats import CANCELLATION, dense_stats
-from engine.native.inspect import offer_attention_stats as offer_native_attention
 
 BLOCK_ELEMENTS = 1 << 19      # score elements per query block (2 MiB fp32): the working set is two of these
 MIN_ROWS = 16                 # ... but at least this many query rows (long contexts: fewer, larger ops)
@@ -79,10 +78,10 @@ def _workspace(n: int, m: int, device, dtype) -> tuple[torch.Tensor, torch.Tenso
     return ws
 
 
-def inspect_attention(p, qh: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, values=None) -> bool | None:
+def inspect_attention(p, qh: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, values=None) -> None:
     """Offer a layer's attention scores and pattern to its probe view p as statistics and/or captured rows,
     as far as p needs them short of the whole tensors (engine.inspection.probe_views: STATS or ROWS). Statistics alone
-    under the causal mask: one native pass (True: it also proved q, keys and values finite), else a
+    under the causal mask: one native pass, else a
     PendingAttention the batcher combines for all layers at its flush (no host round trip per layer)."""
     want = AttentionView(p.wants_stats("attn.scores"), p.wants_stats("attn.pattern"),
                          p.capture_positions("attn.scores"), p.capture_positions("attn.pattern"))
@@ -90,8 +89,8 @@ def inspect_attention(p, qh: torch.Tensor, keys: torch.Tensor, mask: torch.Tenso
         return None
     T = qh.shape[1]
     if want.scores_rows is None and want.pattern_rows is None:
-        if offer_native_attention(p, qh, keys, values, causal_offset(mask, T, keys.shape[1]), want):
-            return True
+        if p.probe.stats_backend.attention(p, qh, keys, values, causal_offset(mask, T, keys.shape[1]), want):
+            return
         with torch.no_grad():
             pending = _pending(qh.detach(), keys.detach(), mask, want)
         if pending is not None:

@@ -17,6 +17,7 @@ import torch
 from engine.errors import EngineError, InputError
 from engine.inspection.plans import HEADS_FIRST, Plan, plan_stage, split_name
 from engine.inspection.probe_views import NONE, LayerProbe
+from engine.inspection.row_stats import PYTORCH, StatsBackend
 from engine.inspection.stages import LAYER_STAGES
 from engine.inspection.stat_columns import nonfinite
 from engine.inspection.stats import StatRecord, StatsBatcher, StatsBlock
@@ -59,6 +60,7 @@ class Probe:
         self._plans: dict[str, Plan] = {}
         self._block_rows: dict[int, tuple] = {}
         self._batcher = StatsBatcher()
+        self.stats_backend = PYTORCH           # the model's, from begin_call
         self._layer_views: dict[int, LayerProbe] = {}
         self._active = False
         self.timing = timing
@@ -181,7 +183,7 @@ class Probe:
     def stats_only(self) -> bool:
         """Asks for statistics and nothing else that touches a forward (no captures, replacements, weight
         overrides, timing or run-only epsilon): a decode step may then run natively (engine/native)."""
-        return (type(self) is Probe and bool(self._stats_specs) and not self._capture_specs
+        return (bool(self._stats_specs) and not self._capture_specs
                 and not self._replace_specs and not self._weight_overrides and self.norm_eps is None
                 and not self.timing)
 
@@ -265,9 +267,12 @@ class Probe:
         else:
             self.marks.append((self.step, label, time.perf_counter() - self._t0))
 
-    def begin_call(self, pos0: int, device: torch.device) -> None:
+    def begin_call(self, pos0: int, device: torch.device, stats: StatsBackend = PYTORCH) -> None:
+        """A forward call starts at absolute position pos0; stats: the model's statistics backend
+        (engine.accelerator, chosen when the model was built)."""
         self._active = True
         self.pos0 = pos0
+        self.stats_backend = self._batcher.backend = stats
         if self.timing:
             self._t0 = "cuda" if device.type == "cuda" else time.perf_counter()
 

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.native.inspect import layout, row_stats
+from engine.inspection.row_stats import PYTORCH, StatsBackend
 
 FLUSH_ELEMENTS = 1 << 23  # flush the queue past this many queued elements, bounding the memory it holds
 FLUSH_ELEMENTS_DEVICE = 1 << 25   # on an accelerator: a flush waits for the device, so fewer of them
 IMMEDIATE_ELEMENTS = 1 << 15   # a tensor this large is reduced to its moments when offered
-NATIVE_BYTES = 8 << 20         # on the CPU in fp32 (unmasked), any tensor is queued, until the storage the queue
+BACKEND_BYTES = 8 << 20         # on the CPU in fp32 (unmasked), any tensor is queued, until the storage the queue
                                # keeps alive reaches this, for one native call (engine/native/inspect.c) giving
                                # their statistics; a larger one goes at once
 CANCELLATION = 1e-2       # var < this * mean²: the moments lost too many digits; take the two-pass path
@@ -61,7 +61,8 @@ class StatRecord:
 class StatsBatcher:
     """Stage tensors offered in forward order -> StatsBlocks, one per flush (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: StatsBackend = PYTORCH) -> None:
+        self.backend = backend               # set per forward call by the model (engine.accelerator)
         self._names: list[str] = []          # every entry since the last flush, in the order offered
         self._layers: list[int | None] = []
         self._small: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}  # (shape, dtype, masked) -> entries, xs
@@ -73,8 +74,8 @@ class StatsBatcher:
         self._last: tuple | None = None       # (x, masked, moments) of the last tensor reduced when offered
         self._order: tuple = ([], None, None)     # a flush's row order, its device and its index tensor
         self._pending: list[tuple[list[str], list, torch.Tensor]] = []
-        self._native: list[tuple] = []          # (entry, x, layout) waiting for _run_native
-        self._native_bytes = 0
+        self._fast: list[tuple] = []          # (entry, x, layout) waiting for _run_backend
+        self._fast_bytes = 0
         self._arena: torch.Tensor | None = None   # (rows, 7) results of native passes (see rows_out)
         self._arena_used = 0
 
@@ -94,13 +95,13 @@ class StatsBatcher:
         self._names.append(name)
         self._layers.append(layer)
         x2 = x if len(shape) > 1 else x.reshape(1, -1)
-        lay = None if masked else layout(x2)
+        lay = None if masked else self.backend.layout(x2)
         if lay is not None:                         # native statistics (engine/native/inspect.c)
             self._last = None
-            self._native.append((entry, x2, lay))   # for one pass with the next few (see _run_native)
-            self._native_bytes += 8 * n             # what the queue keeps alive: a view's base (q of qkv, gate
-            if self._native_bytes >= NATIVE_BYTES:  # of gate_up) is about twice the view
-                self._run_native()
+            self._fast.append((entry, x2, lay))   # for one pass with the next few (see _run_backend)
+            self._fast_bytes += 8 * n             # what the queue keeps alive: a view's base (q of qkv, gate
+            if self._fast_bytes >= BACKEND_BYTES:  # of gate_up) is about twice the view
+                self._run_backend()
             return
         if n < IMMEDIATE_ELEMENTS:
             key = (shape, x.dtype, masked)
@@ -132,8 +133,8 @@ class StatsBatcher:
         """A replace hook is about to run: a tensor may change in place, so no moments taken earlier are reused
         and the tensors queued for the native pass are reduced now, as they were offered."""
         self._last = None
-        if self._native:
-            self._run_native()
+        if self._fast:
+            self._run_backend()
 
     def add_values(self, name: str, layer: int | None, values: torch.Tensor) -> None:
         """Queue statistics already computed, (T, 7) (a stage reduced without being materialised); they keep
@@ -178,12 +179,12 @@ class StatsBatcher:
         self._arena_used = used + rows
         return a[used:used + rows]
 
-    def _run_native(self) -> None:
+    def _run_backend(self) -> None:
         """Final statistics of the large tensors queued since the last call, in one native call (a layer's
         stages are still in the last-level cache); a tensor holding a NaN or Inf, or every tensor when the
         library is missing, takes the moments path instead."""
-        queue, self._native, self._native_bytes = self._native, [], 0
-        values = row_stats([q[1] for q in queue], self.rows_out, [q[2] for q in queue])
+        queue, self._fast, self._fast_bytes = self._fast, [], 0
+        values = self.backend.rows([q[1] for q in queue], self.rows_out, [q[2] for q in queue])
         for i, (entry, x, _) in enumerate(queue):
             v = None if values is None else values[i]
             if v is not None:
@@ -192,8 +193,8 @@ class StatsBatcher:
                 self._reduced.append((entry, x, False, moments(x, False, tuple(range(1, x.dim())))))
 
     def flush(self) -> None:
-        if self._native:
-            self._run_native()
+        if self._fast:
+            self._run_backend()
         if not self._names:
             return
         names, layers, reduced, small, final = self._names, self._layers, self._reduced, self._small, self._final

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.inspection.row_stats import StatsBackend
 from engine.native import build
 
 
@@ -91,3 +92,6 @@ def offer_attention_stats(p, qh: torch.Tensor, keys: torch.Tensor, values: torch
     if got[1] is not None:
         p.offer_stats("attn.pattern", got[1])
     return True
+
+
+NATIVE = StatsBackend("native", layout=layout, rows=row_stats, attention=offer_attention_stats)

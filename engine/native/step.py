@@ -16,6 +16,7 @@ whose accounting of non-finite values is the reference.
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import torch
 
@@ -55,8 +56,16 @@ class NativeDecoder:
     """Built once per model (None from `for_model` when the model cannot take it)."""
 
     def __init__(self, model, lib: ctypes.CDLL) -> None:
-        cfg, w = model.config, model.weights
         self.lib, self.model = lib, model
+        self.names = stage_names(model.config.num_layers)
+        self.layers = [None] + [i for i in range(model.config.num_layers) for _ in LAYER_STAGES] + [None, None]
+        self._packed = False
+        self._pack_lock = threading.Lock()    # one copy of the weights, however many runs start at once
+
+    def _pack(self) -> None:
+        """The panel copy of the weight matrices, made at the first decode step (not at load: a model that never
+        decodes natively never pays for it)."""
+        cfg, w = self.model.config, self.model.weights
         self._keep = []      # ctypes arrays the Step points into
         mats = [getattr(lw, f) for lw in w.layers for f in MATRICES] + [w.lm_head]
         self.panels = torch.empty(sum(m.numel() for m in mats))
@@ -74,8 +83,7 @@ class NativeDecoder:
         self.layer_ptrs = {f: ptrs([getattr(lw, f) for lw in w.layers]) for f in ("attn_norm", "mlp_norm")}
         for j, f in enumerate(MATRICES):
             self.layer_ptrs[f] = ptrs(views[j:-1:len(MATRICES)])
-        self.names = stage_names(cfg.num_layers)
-        self.layers = [None] + [i for i in range(cfg.num_layers) for _ in LAYER_STAGES] + [None, None]
+        self._packed = True
 
     @classmethod
     def for_model(cls, model) -> "NativeDecoder | None":
@@ -91,17 +99,18 @@ class NativeDecoder:
         return None if lib is None else cls(model, lib)
 
     def _work(self, cache, nth: int) -> torch.Tensor:
-        work = getattr(cache, "native_work", None)
-        if work is None or work[1] != nth:
-            c = self.model.config
-            n = self.lib.llmi_work_floats(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                                          c.intermediate_size, c.vocab_size, cache.max_len, nth)
-            work = cache.native_work = (torch.empty(n), nth)
-        return work[0]
+        c = self.model.config
+        return cache.scratch("native_decode", self.lib.llmi_work_floats(
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size, cache.max_len,
+            nth))
 
     def __call__(self, token: int, cache, pos: int, eps: float, stats: bool) -> tuple[torch.Tensor, torch.Tensor | None,
                                                                                      int]:
         """One token at pos -> (logits (1, V), statistics (G, 1, 7) or None, status: 0, or 1 = a NaN/Inf met)."""
+        if not self._packed:
+            with self._pack_lock:
+                if not self._packed:
+                    self._pack()
         m, c = self.model, self.model.config
         w = m.weights
         x = w.embed[token]

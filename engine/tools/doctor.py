@@ -28,7 +28,6 @@ from engine.inspection.probe import GLOBAL_WEIGHTS, HEADS_FIRST, WEIGHT_SLOTS, H
 from engine.inspection.stat_columns import nonfinite
 from engine.model import Model
 from engine.progress import OnProgress, tell_units
-from engine.weights import LayerWeights, Weights
 
 KINDS = ("nan", "inf", "zero", "scale")
 FP16_MAX = 65504.0
@@ -206,20 +205,6 @@ def run_doctor(model: Model, prompt, *, injections=(), norm_eps: float | None = 
 
 
 # ---- precision comparison -----------------------------------------------------------------------
-def cast_model(model: Model, dtype: str | torch.dtype) -> Model:
-    """A new Model with the weights converted to dtype (copies; the given model is never changed)."""
-    from engine.loader import pick_dtype
-    dt = pick_dtype(dtype, model.device)
-    w = model.weights
-
-    def cv(t):
-        return None if t is None else t.to(dt, copy=True)
-    layers = [LayerWeights(**{f.name: cv(getattr(lw, f.name)) for f in dataclasses.fields(lw)}) for lw in w.layers]
-    weights = Weights(cv(w.embed), layers, cv(w.norm), cv(w.lm_head))
-    return Model(model.config, weights, model.tokenizer, device=model.device, dtype=dt,
-                 name=f"{model.name} [{str(dt).removeprefix('torch.')}]", path=model.path)
-
-
 UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}
 DEFAULT_STAGES = ("embed", "blocks.*", "final_norm", "logits")
 SKIP = ("attn.scores", "attn.pattern")     # materialising them would change the reference's attention kernel

@@ -16,7 +16,7 @@ the plan's token within TIE_ULPS spacings of the low dtype (at the size of fp32'
 best. Below that margin rounding alone can swap the two, so a tie is reported (`ties`, and every step where
 fp32's top two are that close: `near_ties`) and never counts against a plan: no unit joins the set for it.
 
-Units (engine.model.Model.with_fp32): blocks.{i}.attn, blocks.{i}.mlp, blocks.{i}.resid (the residual
+Units (engine.variants.precision_plan): blocks.{i}.attn, blocks.{i}.mlp, blocks.{i}.resid (the residual
 stream in fp32 from layer i on), final_norm, logits. Search, assuming more fp32 never hurts:
 
 1. the plan with no unit (the trigger: non-finite, top-1 disagreement, or logits' relative error above
@@ -51,6 +51,7 @@ from engine.model import Model
 from engine.progress import OnProgress, tell_units
 from engine.settings import RunSettings
 from engine.tools.doctor import Injection
+from engine.variants import precision_plan
 
 AGREEMENT = 0.99
 LOGIT_THRESHOLD = 0.05        # ||low - fp32|| / ||fp32|| of the logits over the run's steps
@@ -284,7 +285,7 @@ class _Search:
         done = len(self.trials)
         total = done + max(self.ahead, 1)
         tell_units(self.on_progress, done, total, f"rerun {done + 1} of {total}: {label}")
-        plan = self.low.with_fp32(units, source=self.ref) if units else self.low
+        plan = precision_plan(self.low, units, source=self.ref) if units else self.low
         trial = judge(self.reference, plan, label)
         self.trials.append(trial)
         self.ahead = max(self.ahead - 1, 0)
@@ -336,7 +337,7 @@ def _minimal_set(search: _Search, units: list[str], agreement: float) -> tuple[l
 def find_rescue(ref: Model, low: Model, settings: RunSettings, *, injections=(), norm_eps: float | None = None,
                 max_new_tokens: int | None = None, agreement: float = AGREEMENT,
                 logit_threshold: float = LOGIT_THRESHOLD, on_progress: OnProgress | None = None) -> RescueReport:
-    """ref: the fp32 model; low: the same weights in float16 / bfloat16 (engine.tools.doctor.cast_model). The run
+    """ref: the fp32 model; low: the same weights in float16 / bfloat16 (engine.variants.cast_model). The run
     is settings' prompt and sampling with min(settings.max_new_tokens, MAX_NEW_TOKENS) new tokens. on_progress
     (engine.progress) hears each rerun before it runs and the end (done == total == reruns); a STOP answer
     raises engine.progress.Stopped before the next rerun."""

@@ -38,7 +38,7 @@ from engine.inspection.probe import Probe, zero_heads
 from engine.model import Model
 from engine.progress import OnProgress, tell_units
 from engine.settings import RunSettings
-from engine.tools.doctor import cast_model
+from engine.variants import cast_model
 
 HORIZON = 64
 MAX_RERUNS = 40

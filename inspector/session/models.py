@@ -18,7 +18,7 @@ from engine import EngineError, Model, ModelLoadError, load_model
 from engine.loader import pick_device, pick_dtype
 from engine.sources import cache_dir as engine_cache_dir
 from engine.sources import find_in_hub_cache, hub_cache_dirs
-from engine.tools.doctor import cast_model
+from engine.variants import cast_model
 
 from .admission import Admission, ServerBusyError
 from .limits import Limits, LimitsConfigError, env_name

@@ -13,10 +13,11 @@ import torch
 
 from engine import InputError
 from engine.cli.prescribe import check_command
-from engine.tools.doctor import PRESETS, cast_model
+from engine.tools.doctor import PRESETS
 from engine.tools.quant import FORMATS, THRESHOLD, compare_formats
 from engine.tools.rescue import MAX_NEW_TOKENS, find_rescue
 from engine.tools.why_loop import HORIZON, MAX_RERUNS, why_loop
+from engine.variants import cast_model
 from inspector.session.memo import run_key
 from inspector.session.run import check_settings
 from inspector.ui.common import on_demand, plain, server_limits, was_stopped

@@ -10,8 +10,9 @@ import pytest
 
 from engine import RunSettings
 from engine.cli.prescribe import add_doctor_flags, doctor_model
-from engine.tools.doctor import PRESETS, cast_model, run_doctor
+from engine.tools.doctor import PRESETS, run_doctor
 from engine.tools.rescue import complement, find_rescue, precision_units, unit_layer
+from engine.variants import cast_model
 
 pytestmark = pytest.mark.model
 PROMPT = "The capital of France is"

@@ -13,8 +13,9 @@ import torch
 from engine import RunSettings
 from engine.cli.prescribe import check_command
 from engine.generate import GenerationRun
-from engine.tools.doctor import PRESETS, cast_model
+from engine.tools.doctor import PRESETS
 from engine.tools.rescue import fault_only_probe, find_rescue, fp32_reference, judge
+from engine.variants import cast_model, precision_plan
 from tests.unit.test_rescue_ties import run_as_printed
 
 pytestmark = pytest.mark.model
@@ -43,7 +44,7 @@ def test_the_set_is_the_two_units_the_overflow_needs_and_either_alone_is_not_fin
     assert report.trigger[0] == "nonfinite" and report.top1_agreement == 1.0
     reference = fp32_reference(bundled_model, torch.float16, SETTINGS, 8, injections=FAULT)
     for unit in report.fp32:
-        alone = judge(reference, fp16.with_fp32([u for u in report.fp32 if u != unit], source=bundled_model))
+        alone = judge(reference, precision_plan(fp16, [u for u in report.fp32 if u != unit], source=bundled_model))
         assert not alone.finite and alone.first_nonfinite == "blocks.11.mlp_out"
 
 

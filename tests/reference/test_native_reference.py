@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.accelerator import PLAIN
 from engine.inspection.probe import Probe
 from engine.native.step import NativeDecoder
 from tests.reference.test_fidelity import LONG_TEXT, hf_logits, rel_err
@@ -19,7 +20,7 @@ def _counting(monkeypatch) -> list:
 
 
 def test_decoded_logits_equal_transformers(bundled_model, hf_reference, monkeypatch):
-    if bundled_model.native() is None:
+    if bundled_model.accelerator.decode is None:
         pytest.skip("no native decode step here (no C compiler)")
     ids = bundled_model.tokenizer.encode(LONG_TEXT * 3)[:96]
     calls = _counting(monkeypatch)
@@ -34,19 +35,15 @@ def test_decoded_logits_equal_transformers(bundled_model, hf_reference, monkeypa
 
 
 def test_statistics_at_300_positions_equal_the_pytorch_forward(bundled_model):
-    if bundled_model.native() is None:
+    if bundled_model.accelerator.decode is None:
         pytest.skip("no native decode step here (no C compiler)")
     ids = bundled_model.tokenizer.encode(LONG_TEXT * 6)[:300]
     out = []
-    for native in (True, False):
-        saved, bundled_model._native = bundled_model._native, (bundled_model._native if native else None)
-        try:
-            probe, cache = Probe().record_stats("*"), bundled_model.new_cache(305)
-            bundled_model.forward(torch.tensor(ids), cache, last_only=True)
-            for t in (5, 900, 33):
-                bundled_model.forward(torch.tensor([t]), cache, probe)
-        finally:
-            bundled_model._native = saved
+    for model in (bundled_model, bundled_model.with_accelerator(PLAIN)):     # native, then the public switch off
+        probe, cache = Probe().record_stats("*"), model.new_cache(305)
+        model.forward(torch.tensor(ids), cache, last_only=True)
+        for t in (5, 900, 33):
+            model.forward(torch.tensor([t]), cache, probe)
         out.append({(b.pos0, n): b.values[g] for b in probe.stats for g, n in enumerate(b.names)})
     a, b = out
     assert a.keys() == b.keys() and len(a) == 3 * (1 + 17 * 30 + 2)

@@ -36,9 +36,9 @@ def test_openmp_threads_sleep_in_the_test_process(request):
 def test_twenty_sessions_again_and_again_never_stall(tiny_model_dir, native):
     with native_forced(native):
         model = load_model(tiny_model_dir, device="cpu", dtype="float32")
-        if native and model.native() is None:
+        if native and model.accelerator.decode is None:
             pytest.skip(f"native path unavailable here: {build.load()[1]}")
-        assert (model.native() is not None) == native
+        assert (model.accelerator.decode is not None) == native
         share = 0.5 if native else 0.0
         calm = twenty_sessions(model, plain_share=share, label="calm round")
         with competing_process(seconds=120 * ROUNDS):

@@ -13,15 +13,8 @@ import torch
 from engine import InputError, SamplingParams
 from engine.generate import nonfinite_stop
 from engine.inspection.nonfinite import lead_up, locate_nonfinite
-from engine.tools.doctor import (
-    FP16_MAX,
-    PRESETS,
-    Injection,
-    cast_model,
-    fault_probe,
-    precision_compare,
-    run_doctor,
-)
+from engine.tools.doctor import FP16_MAX, PRESETS, Injection, fault_probe, precision_compare, run_doctor
+from engine.variants import cast_model
 
 ROOT = Path(__file__).resolve().parents[2]
 IDS = [504, 3575, 282, 4649, 314, 7042, 30, 2683]

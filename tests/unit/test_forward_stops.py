@@ -10,6 +10,7 @@ from engine import load_model
 from engine.errors import InputError
 from engine.inspection.probe import Probe
 from engine.model import Model
+from engine.variants import precision_plan
 from tests.helpers import tiny_config, write_model_dir
 
 pytestmark = pytest.mark.unit
@@ -162,7 +163,7 @@ def test_a_patching_pack_starting_past_a_plans_fp32_layer_keeps_the_fp32_stream(
     block 0 on, a pack that starts at block 1 computes on the fp32 stream, as the full forward does (it was
     rounded to float16), and ends at the full forward's logits."""
     from engine.tools.patching import PackedRun, base_run, run_packed
-    plan = load_model(tiny_model_dir, device="cpu", dtype="float16").with_fp32(["blocks.0.resid"])
+    plan = precision_plan(load_model(tiny_model_dir, device="cpu", dtype="float16"), ["blocks.0.resid"])
     ids = [int(i) for i in IDS]
     seen = []
 

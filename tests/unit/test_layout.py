@@ -191,3 +191,15 @@ def test_pages_holds_exactly_the_pages_and_only_the_app_layers_use_streamlit():
     assert not [p for p in (ROOT / "pages").iterdir() if p.is_dir() and p.name != "__pycache__"]
     for mod, path in _sources("engine", "inspector/views", "inspector/session").items():
         assert not re.search(r"^\s*(import|from) streamlit\b", path.read_text(), re.M), f"{mod} uses Streamlit"
+
+
+def test_the_native_accelerator_is_chosen_in_one_place():
+    """engine.accelerator chooses the native decode step and statistics backend when a model is built; nothing
+    else in the product imports engine.native, and only the model calls the decode step it was given."""
+    mods = _sources(*PACKAGES)
+    importers = sorted(m for m, p in mods.items() if not m.startswith("engine.native")
+                       and any(d.startswith("engine.native") for d in _imports(m, p, set(mods))))
+    assert importers == ["engine.accelerator"], importers
+    callers = sorted(m for m, p in mods.items() if re.search(r"accelerator\.decode\(|\._native\b|native_allowed",
+                                                             p.read_text()))
+    assert callers == [], callers

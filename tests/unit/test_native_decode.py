@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from engine import load_model
+from engine.accelerator import PLAIN
 from engine.inspection.probe import Probe
 from engine.inspection.stats import dense_stats
 from engine.native import build
 from engine.native.step import NativeDecoder, panels, stage_names
+from engine.variants import precision_plan
 
 pytestmark = pytest.mark.unit
 
@@ -20,22 +22,19 @@ STEPS = [5, 4000, 321, 48000, 17, 9]
 
 
 def _native_or_skip(model) -> NativeDecoder:
-    nat = model.native()
+    nat = model.accelerator.decode
     if nat is None:
         pytest.skip(f"native decode step unavailable here: {build.load()[1]}")
     return nat
 
 
 def _run(model, probe=None, native=True, cache_len=32):
-    """Prompt (PyTorch prefill) then STEPS one token each -> logits (steps, V), the cache."""
-    saved = model._native
-    model._native = saved if native else None
-    try:
-        cache = model.new_cache(cache_len)
-        out = [model.forward(torch.tensor(PROMPT), cache, probe, last_only=True)]
-        out += [model.forward(torch.tensor([t]), cache, probe) for t in STEPS]
-    finally:
-        model._native = saved
+    """Prompt (PyTorch prefill) then STEPS one token each -> logits (steps, V), the cache. native=False: the same
+    model through the public switch (Model.with_accelerator(PLAIN))."""
+    model = model if native else model.with_accelerator(PLAIN)
+    cache = model.new_cache(cache_len)
+    out = [model.forward(torch.tensor(PROMPT), cache, probe, last_only=True)]
+    out += [model.forward(torch.tensor([t]), cache, probe) for t in STEPS]
     return torch.cat(out), cache
 
 
@@ -61,7 +60,7 @@ def test_logits_and_cache_equal_the_pytorch_forward(tiny_model):
         NativeDecoder.__call__ = real
     b, cb = _run(tiny_model, native=False)
     assert calls == list(range(len(PROMPT), len(PROMPT) + len(STEPS)))   # every decode step, none of the prefill
-    assert nat is tiny_model.native()
+    assert nat is tiny_model.accelerator.decode
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ca.k, cb.k, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ca.v, cb.v, rtol=1e-5, atol=1e-6)
@@ -192,7 +191,7 @@ def test_no_native_step_without_a_library(tiny_model_dir, monkeypatch):
     from engine.native import step
     monkeypatch.setattr(step.build, "load", lambda: (None, "no compiler"))
     model = load_model(tiny_model_dir, device="cpu", dtype="float32")
-    assert model.native() is None
+    assert model.accelerator.decode is None
     a, _ = _run(model)
     assert torch.isfinite(a).all() and a.shape == (1 + len(STEPS), model.config.vocab_size)
 
@@ -213,10 +212,10 @@ def test_only_loaded_models_get_the_native_copy(tiny_model):
     than make its own copy of the weights."""
     from engine.model import Model
     _native_or_skip(tiny_model)
-    assert tiny_model.with_fp32(["blocks.0.mlp"]).native() is None
+    assert precision_plan(tiny_model, ["blocks.0.mlp"]).accelerator.decode is None
     copy = Model(tiny_model.config, tiny_model.weights, tiny_model.tokenizer, device=tiny_model.device,
                  dtype=tiny_model.dtype)
-    assert copy.native() is None
+    assert copy.accelerator.decode is None
     a, _ = _run(copy)
     b, _ = _run(tiny_model, native=False)
     assert torch.equal(a, b)            # the same PyTorch forward, bit for bit

@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.inspection.attention_stats
-import engine.inspection.stats
+from engine.accelerator import PLAIN
 from engine.inspection.probe import Probe
 from engine.inspection.stats import dense_stats
 from engine.native import build
-from engine.native.inspect import attention_stats, layout, row_stats
+from engine.native.inspect import NATIVE, attention_stats, layout, row_stats
 
 pytestmark = pytest.mark.unit
 
@@ -95,10 +94,9 @@ def test_a_forward_s_statistics_equal_the_pytorch_path(tiny_model, monkeypatch):
     ids = list(range(300, 390))
     native = Probe().record_stats("*")
     tiny_model.logits(ids, native)
-    monkeypatch.setattr(engine.inspection.stats, "layout", lambda x: None)
-    monkeypatch.setattr(engine.inspection.attention_stats, "offer_native_attention", lambda *a: False)
+    assert tiny_model.accelerator.stats is NATIVE or build.load()[0] is None
     plain = Probe().record_stats("*")
-    tiny_model.logits(ids, plain)
+    tiny_model.with_accelerator(PLAIN).logits(ids, plain)          # the public switch: the PyTorch paths
     a = {(r.pos0, r.name): r.values for r in native.stat_records()}
     b = {(r.pos0, r.name): r.values for r in plain.stat_records()}
     assert a.keys() == b.keys() and len(a) == 2 + 17 * tiny_model.config.num_layers + 1

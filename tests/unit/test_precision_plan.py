@@ -1,4 +1,4 @@
-"""Precision plans (engine.model.Model.with_fp32): a low-precision model with chosen units computed in fp32.
+"""Precision plans (engine.variants.precision_plan): a low-precision model with chosen units computed in fp32.
 Checked against the fp32 model itself: a plan with every unit in fp32 is the fp32 model (RoPE tables, KV cache
 and embedding included), an fp32 attention unit keeps keys that overflow float16, the logit lens works on a
 plan, and a plan of a plan holds both plans' units."""
@@ -9,7 +9,7 @@ import torch
 
 from engine import InputError, SamplingParams
 from engine.inspection.probe import Probe, scale
-from engine.tools.doctor import cast_model
+from engine.variants import cast_model, precision_plan
 
 pytestmark = pytest.mark.unit
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
@@ -33,7 +33,7 @@ def test_a_plan_with_every_unit_in_fp32_is_the_fp32_model(tiny_model, low):
     ids = tiny_model.tokenizer.encode(PROMPT)
     want = tiny_model.logits(ids)
     bf16 = low["bfloat16"]
-    plan = bf16.with_fp32(every_unit(tiny_model.config.num_layers), source=tiny_model)
+    plan = precision_plan(bf16, every_unit(tiny_model.config.num_layers), source=tiny_model)
     assert plan.new_cache(8).k.dtype == torch.float32 and plan.cos.dtype == torch.float32
     assert rel(plan.logits(ids), want) < 1e-5
     assert rel(bf16.logits(ids), want) > 1e-3                 # the low model itself is far from it
@@ -51,7 +51,7 @@ def test_an_fp32_attention_unit_keeps_keys_that_overflow_float16(tiny_model, low
     assert not torch.isfinite(fp16.logits(ids, faulty())).all()
     want = tiny_model.logits(ids, faulty())
     assert torch.isfinite(want).all()
-    plan = fp16.with_fp32(["blocks.1.attn"], source=tiny_model)
+    plan = precision_plan(fp16, ["blocks.1.attn"], source=tiny_model)
     got = plan.logits(ids, faulty())
     assert torch.isfinite(got).all()
     assert rel(got, want) < 0.05                              # the other units still round to float16
@@ -59,7 +59,7 @@ def test_an_fp32_attention_unit_keeps_keys_that_overflow_float16(tiny_model, low
 
 def test_the_logit_lens_of_a_plan(tiny_model, low):
     resid = torch.randn(5, tiny_model.config.hidden_size).bfloat16().float()    # exact in bfloat16
-    plan = low["bfloat16"].with_fp32(["final_norm", "logits"], source=tiny_model)
+    plan = precision_plan(low["bfloat16"], ["final_norm", "logits"], source=tiny_model)
     assert rel(plan.unembed(resid), tiny_model.unembed(resid)) < 1e-5
     assert rel(low["bfloat16"].unembed(resid), tiny_model.unembed(resid)) > 1e-4
 
@@ -67,12 +67,12 @@ def test_the_logit_lens_of_a_plan(tiny_model, low):
 def test_a_plan_of_a_plan_holds_both(tiny_model, low):
     ids = tiny_model.tokenizer.encode(PROMPT)
     bf16 = low["bfloat16"]
-    twice = bf16.with_fp32(["blocks.0.attn"], source=tiny_model).with_fp32(["logits"], source=tiny_model)
-    once = bf16.with_fp32(["blocks.0.attn", "logits"], source=tiny_model)
+    twice = precision_plan(precision_plan(bf16, ["blocks.0.attn"], source=tiny_model), ["logits"], source=tiny_model)
+    once = precision_plan(bf16, ["blocks.0.attn", "logits"], source=tiny_model)
     assert twice.fp32_units == ["blocks.0.attn", "logits"]
     assert twice.name == once.name == f"{bf16.name} [fp32: blocks.0.attn, logits]"
     assert twice.weights.layers[0].wqkv.dtype == twice.weights.lm_head.dtype == torch.float32
     assert twice.weights.layers[1].wqkv.dtype == torch.bfloat16
     assert torch.equal(twice.logits(ids), once.logits(ids))
     with pytest.raises(InputError, match="unknown precision unit 'embedding'"):
-        bf16.with_fp32(["embedding"])
+        precision_plan(bf16, ["embedding"])

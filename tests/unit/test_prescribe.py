@@ -15,10 +15,11 @@ import torch.nn.functional as F
 
 from engine import InputError, Model, RunSettings, SamplingParams
 from engine.cli.prescribe import add_commands, add_doctor_flags, doctor_model, extend_doctor
-from engine.tools.doctor import cast_model, run_doctor
+from engine.tools.doctor import run_doctor
 from engine.tools.quant import compare_formats, requantize
 from engine.tools.rescue import complement, find_rescue, forward_order, precision_units
 from engine.tools.why_loop import loops_in, prompt_spans, repeated_ngram, why_loop
+from engine.variants import cast_model
 from engine.weights import Weights
 from inspector.views import prescribe as pv
 

@@ -15,7 +15,8 @@ import engine.tools.why_loop as why_loop_mod
 from engine import RunSettings
 from engine.model import Model
 from engine.progress import STOP, LayerProgress, Progress, Stopped
-from engine.tools.doctor import cast_model, precision_compare
+from engine.tools.doctor import precision_compare
+from engine.variants import cast_model
 from tests.unit.test_prescribe import OVERFLOW, PROMPT, looper  # noqa: F401  (looper: a fixture)
 
 pytestmark = pytest.mark.unit

@@ -13,8 +13,8 @@ import torch
 from engine import RunSettings, SamplingParams, load_model
 from engine.cli import main as cli_main
 from engine.cli.prescribe import check_command
-from engine.tools.doctor import cast_model
 from engine.tools.rescue import Reference, RescueReport, find_rescue, judge, replay, tie_margin
+from engine.variants import cast_model
 from tests.helpers import tiny_config, tiny_tensors, write_model_dir
 
 pytestmark = pytest.mark.unit

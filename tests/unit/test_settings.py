@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import InputError, RunSettings, SamplingParams
-from engine.tools.doctor import cast_model
+from engine.variants import cast_model, precision_plan
 
 pytestmark = pytest.mark.unit
 
@@ -49,12 +49,12 @@ def test_precision_plan_units(tiny_model):
     ref = tiny_model.logits(ids)
     half = cast_model(tiny_model, "bfloat16")
     every = [f"blocks.{i}.{u}" for i in range(tiny_model.config.num_layers) for u in ("attn", "mlp")]
-    planned = half.with_fp32(every + ["blocks.0.resid", "final_norm", "logits"], source=tiny_model)
+    planned = precision_plan(half, every + ["blocks.0.resid", "final_norm", "logits"], source=tiny_model)
     err_half = float((half.logits(ids) - ref).norm() / ref.norm())
     err_plan = float((planned.logits(ids) - ref).norm() / ref.norm())
     assert err_plan < err_half / 2                # only the embedding and the KV cache stay in bfloat16
     assert planned.weights.layers[0].wqkv.dtype == torch.float32 and half.weights.layers[0].wqkv.dtype == torch.bfloat16
     assert planned.weights.embed is half.weights.embed                 # shared, not copied
-    assert tiny_model.with_fp32([]).logits(ids).equal(ref)             # an empty plan is the model itself
+    assert precision_plan(tiny_model, []).logits(ids).equal(ref)             # an empty plan is the model itself
     with pytest.raises(InputError, match="unknown precision unit 'blocks.9.mlp'"):
-        half.with_fp32(["blocks.9.mlp"])
+        precision_plan(half, ["blocks.9.mlp"])

@@ -1,11 +1,17 @@
 """Batched per-position statistics against the slow, obvious oracle."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import Probe
+from engine.accelerator import stats_backend
+from engine.inspection.row_stats import PYTORCH
 from engine.inspection.stats import StatsBatcher, dense_stats
 from tests.helpers import reference_stats
+
+# Each batcher test runs on the PyTorch backend and on the one a CPU model gets (native where it is built).
+BOTH = pytest.mark.parametrize("backend", [PYTORCH, stats_backend(torch.device("cpu"))], ids=["pytorch", "chosen"])
 
 INF, NAN = float("inf"), float("nan")
 
@@ -26,11 +32,12 @@ def test_nonfinite_and_masked_rows_match_reference():
     assert dense_stats(x)[1, 6] == 2
 
 
-def test_batcher_groups_mixed_sizes_in_order():
+@BOTH
+def test_batcher_groups_mixed_sizes_in_order(backend):
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(3, n, generator=g) * (i + 1) for i, n in enumerate([5, 7, 5, 1, 7])]
     xs[2][1, 3] = NAN
-    b = StatsBatcher()
+    b = StatsBatcher(backend)
     for i, x in enumerate(xs):
         b.add(f"s{i}", i, x)
     (block,) = b.take(step=4, pos0=10)
@@ -39,7 +46,8 @@ def test_batcher_groups_mixed_sizes_in_order():
         assert torch.allclose(block.values[i], reference_stats(x), rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
-def test_large_small_and_precomputed_stages_keep_forward_order():
+@BOTH
+def test_large_small_and_precomputed_stages_keep_forward_order(backend):
     """Large tensors are reduced when offered, small ones at the flush, precomputed rows pass through: one
     block, in the order offered, each equal to the oracle."""
     g = torch.Generator().manual_seed(1)
@@ -48,7 +56,7 @@ def test_large_small_and_precomputed_stages_keep_forward_order():
     xs[2][4, 17] = INF
     xs[3][2, 1] = NAN
     fixed = torch.arange(T * 7, dtype=torch.float32).view(T, 7)
-    b = StatsBatcher()
+    b = StatsBatcher(backend)
     for i, x in enumerate(xs[:2]):
         b.add(f"s{i}", i, x)
     b.add_values("given", None, fixed)
@@ -62,13 +70,14 @@ def test_large_small_and_precomputed_stages_keep_forward_order():
                               equal_nan=True), row
 
 
-def test_a_mean_that_dwarfs_the_spread_still_gives_the_exact_std():
+@BOTH
+def test_a_mean_that_dwarfs_the_spread_still_gives_the_exact_std(backend):
     """Σx²/n - mean² would lose every digit here; such rows take the two-pass path."""
     g = torch.Generator().manual_seed(2)
     x = 100.0 + torch.randn(4, 50_000, generator=g)
     x[1] = torch.randn(50_000, generator=g)                     # an ordinary row next to them
     for big in (x, x[:, :300]):                                  # reduced when offered / at the flush
-        b = StatsBatcher()
+        b = StatsBatcher(backend)
         b.add("s", 0, big)
         (block,) = b.take(0, 0)
         got, ref = block.values[0], reference_stats(big)
@@ -76,7 +85,8 @@ def test_a_mean_that_dwarfs_the_spread_still_gives_the_exact_std():
         assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_views_of_one_product_share_its_reductions_and_stay_exact():
+@BOTH
+def test_views_of_one_product_share_its_reductions_and_stay_exact(backend):
     """q, k, v (pieces of each row of the fused qkv product) and gate, up are reduced in place as the
     strided views they are, in inference mode too, and equal the oracle like a contiguous tensor."""
     with torch.inference_mode():
@@ -85,7 +95,7 @@ def test_views_of_one_product_share_its_reductions_and_stay_exact():
         q, k, v = qkv.view(100, 15, 64).split([9, 3, 3], dim=1)
         gate, up = (torch.randn(100, 3072, generator=g) - 0.5).chunk(2, dim=-1)
         xs = [q, k, v, gate, up, qkv]
-        b = StatsBatcher()
+        b = StatsBatcher(backend)
         for i, x in enumerate(xs):
             b.add(f"s{i}", 0, x)
         (block,) = b.take(0, 0)

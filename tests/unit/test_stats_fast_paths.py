@@ -119,8 +119,6 @@ def test_masked_stages_with_and_without_masked_entries_equal_the_oracle():
 
 
 def test_a_flush_with_the_same_order_as_the_last_reuses_it_and_a_new_order_is_honoured(monkeypatch):
-    import engine.inspection.stats
-    monkeypatch.setattr(engine.inspection.stats, "layout", lambda x: None)     # the PyTorch path (no native statistics)
     g = torch.Generator().manual_seed(7)
     b = StatsBatcher()
     shapes = [(1, 5), (1, 7), (1, 5), (1, 40_000), (1, 7)]

@@ -17,7 +17,8 @@ from safetensors.torch import save as st_save
 from engine import EngineError, RunSettings, SamplingParams, Trace, make_trace
 from engine.inspection.loops import Loop
 from engine.inspection.trace import from_bytes, load_trace, save_trace, to_bytes
-from engine.tools.doctor import cast_model, fault_probe
+from engine.tools.doctor import fault_probe
+from engine.variants import cast_model
 from inspector.session.run import inspect_run
 
 ROOT = Path(__file__).resolve().parents[2]

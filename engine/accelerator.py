@@ -1,0 +1,51 @@
+"""The accelerator, chosen once per model when it is built (as gpt-fast chooses its decode step once in main):
+the model's decode step (one token in one native call, or None: the PyTorch forward) and its statistics
+backend (engine.inspection.row_stats). Nothing else asks whether the native library is there.
+
+LLM_INSPECTOR_NATIVE=0 (read when the library is first looked for) turns the native path off for models built
+after; `Model.with_accelerator(PLAIN)` is the same model (shared weights) without it, the public switch tests
+use to hold the two paths to each other."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.inspection.row_stats import PYTORCH, StatsBackend
+from engine.native import build
+from engine.native.inspect import NATIVE
+from engine.native.step import NativeDecoder
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    decode: NativeDecoder | None      # one decode token in one native call; None: every step is the PyTorch forward
+    stats: StatsBackend
+    why_not: str = ""                 # why the native decode step is off ("" when on)
+
+    def without_decode(self, why: str) -> "Accelerator":
+        return Accelerator(None, self.stats, why)
+
+
+PLAIN = Accelerator(None, PYTORCH, "the PyTorch forward only (Model.with_accelerator(PLAIN))")
+
+
+def stats_backend(device: torch.device) -> StatsBackend:
+    """The statistics backend of a model on this device: native on the CPU where the library is built
+    (engine/native/inspect.c; it takes float32 tensors and declines the rest), else PyTorch."""
+    return NATIVE if device.type == "cpu" and build.load()[0] is not None else PYTORCH
+
+
+def choose(model, decode: bool) -> Accelerator:
+    """The accelerator of a model just built. decode: whether this model may have its own native decode step
+    (engine.loader's models; variants made from another model, such as precision plans and quantised or cast
+    copies, do not get their own copy of the weights)."""
+    stats = stats_backend(model.device)
+    if not decode:
+        return Accelerator(None, stats, "a model made from another one (no copy of its weights for the native step)")
+    lib, why = build.load()
+    if lib is None:
+        return Accelerator(None, stats, why)
+    step = NativeDecoder.for_model(model)
+    return Accelerator(step, stats, "" if step is not None else
+                       "this model does not suit the native step (device, dtype, biases or shapes)")

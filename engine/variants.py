@@ -1,0 +1,82 @@
+"""Model variants, made in one place: a precision plan (some units in fp32), a cast to another dtype, a copy
+with other weights (quantised round trips, engine.tools.quant). Every variant shares the model's config and
+tokenizer, gets its own weights where they differ (the rest are shared), and gets no native decode step of its
+own (engine.accelerator: no second copy of the weights); its statistics backend is chosen as for any model."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.errors import InputError
+from engine.model import Model
+from engine.rope import rope_tables
+from engine.weights import LayerWeights, Weights
+
+PRECISION_UNITS = ("embed", "blocks.{i}.attn", "blocks.{i}.mlp", "blocks.{i}.resid", "final_norm", "logits")
+ATTN_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo")
+MLP_WEIGHTS = ("mlp_norm", "w_gate_up", "w_down")
+
+
+def derive(model: Model, weights: Weights, *, dtype: torch.dtype, name: str) -> Model:
+    """A model of the same architecture and tokenizer with these weights (the one constructor of variants)."""
+    return Model(model.config, weights, model.tokenizer, device=model.device, dtype=dtype, name=name,
+                 path=model.path)
+
+
+def cast_model(model: Model, dtype: str | torch.dtype) -> Model:
+    """A new Model with the weights converted to dtype (copies; the given model is never changed)."""
+    from engine.loader import pick_dtype
+    dt = pick_dtype(dtype, model.device)
+    w = model.weights
+
+    def cv(t):
+        return None if t is None else t.to(dt, copy=True)
+    layers = [LayerWeights(**{f.name: cv(getattr(lw, f.name)) for f in dataclasses.fields(lw)}) for lw in w.layers]
+    weights = Weights(cv(w.embed), layers, cv(w.norm), cv(w.lm_head))
+    return derive(model, weights, dtype=dt, name=f"{model.name} [{str(dt).removeprefix('torch.')}]")
+
+
+def precision_plan(model: Model, units: list[str] | tuple[str, ...], source: Model | None = None) -> Model:
+    """A precision plan: this (lower-precision) model with the named units computed in fp32. Units: embed (the
+    embedding table in fp32, so the stream it starts is fp32), blocks.{i}.attn (its weights, RoPE and its KV cache
+    in fp32: a plan with one keeps the whole cache in fp32, which holds the other layers' keys and values
+    exactly), blocks.{i}.mlp, blocks.{i}.resid (the residual stream in fp32 from layer i on), final_norm, logits.
+    Only those units' weights are copied to fp32 (from source when given, e.g. the fp32 model, else upcast from
+    this one); every other weight is shared with this model. A plan of a plan holds both plans' units."""
+    units = list(dict.fromkeys([*model.fp32_units, *units]))
+    src = source or model
+    layers, resid_from = list(model.weights.layers), model.resid_fp32_from
+    ends = {"embed": "embed", "final_norm": "norm", "logits": "lm_head"}    # unit -> Weights field
+    whole = {f: getattr(model.weights, f) for f in ends.values()}
+    for unit in units:
+        layer, part = _split_unit(unit, model.config.num_layers)
+        if part == "resid":
+            resid_from = layer if resid_from is None else min(resid_from, layer)
+        elif part in ("attn", "mlp"):
+            fields = ATTN_WEIGHTS if part == "attn" else MLP_WEIGHTS
+            lw = src.weights.layers[layer]
+            layers[layer] = dataclasses.replace(layers[layer], **{
+                f: None if getattr(lw, f) is None else getattr(lw, f).to(torch.float32, copy=True)
+                for f in fields})
+        else:
+            whole[ends[part]] = getattr(src.weights, ends[part]).to(torch.float32, copy=True)
+    weights = Weights(layers=layers, **whole)
+    plan = derive(model, weights, dtype=model.dtype, name=f"{model.base_name} [fp32: {', '.join(units) or 'none'}]")
+    plan.base_name, plan.resid_fp32_from, plan.fp32_units = model.base_name, resid_from, units
+    if any(u.endswith(".attn") for u in units):
+        plan.cos, plan.sin = rope_tables(model.config, model.context_length, model.device, torch.float32)
+        plan.cache_dtype = torch.float32
+    return plan
+
+
+def _split_unit(unit: str, num_layers: int) -> tuple[int | None, str]:
+    """'blocks.3.mlp' -> (3, 'mlp'); 'final_norm' -> (None, 'final_norm'); anything else is an InputError."""
+    if unit in ("embed", "final_norm", "logits"):
+        return None, unit
+    parts = unit.split(".")
+    if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit() and parts[2] in ("attn", "mlp", "resid") \
+            and int(parts[1]) < num_layers:
+        return int(parts[1]), parts[2]
+    raise InputError(f"unknown precision unit {unit!r}; units are {', '.join(PRECISION_UNITS)} "
+                     f"with i in [0, {num_layers})")
