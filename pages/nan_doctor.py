@@ -3,14 +3,14 @@ presets that reproduce real failures (re-running the run's prompt with a fault),
 bfloat16 relative error per stage. Model work happens only on a button press and is kept in the session."""
 import streamlit as st
 
-from engine import EngineError
 from engine.generate import nonfinite_stop
 from engine.inspection.nonfinite import locate_nonfinite
+from engine.progress import tell_units
 from engine.tools.doctor import PRESETS, precision_compare, run_doctor
 from inspector.session.memo import run_key
 from inspector.session.models import shared_copy
 from inspector.session.run import check_settings
-from inspector.ui.common import device_slot, get_model, on_demand, plain, require_run, server_limits, was_stopped
+from inspector.ui.common import get_model, on_demand, plain, require_run, server_limits, was_stopped
 from inspector.ui.demos import lesson
 from inspector.ui.prescriptions import rescue_section
 from inspector.ui.widgets import chart, checked, checked_float
@@ -112,26 +112,28 @@ max_new = checked(st.number_input("Max new tokens", 1, limits.max_new_tokens, de
                   limits.max_new_tokens, "Max new tokens")
 reports = st.session_state.setdefault("nd_reports", {})        # run_key -> the last fault run on it
 autorun = st.session_state.pop("nd_autorun", False)           # a demo asked for the fault run
-if st.button("Run with the fault", key="nd_inject", type="primary") or autorun:
-    bar, text, pieces = st.progress(0.0, text="generating with the fault"), st.empty(), []
+fault_key, fault_what = (run_key(run), tuple(specs), norm_eps, dtype, int(max_new)), "the fault run"
+if st.button("Run with the fault", key="nd_inject", type="primary") or autorun or was_stopped(fault_what, fault_key):
+    text = st.empty()
 
-    def on_token(step) -> None:
-        pieces.append(step.text)
-        bar.progress(min(1.0, (step.index + 1) / int(max_new)), text=f"token {step.index + 1} of at most {max_new}")
-        text.code("".join(pieces), language=None, wrap_lines=True)
-    try:
+    def fault_run(tell):    # the one progress protocol: a unit per token, a Stop lands between two tokens
         s, _ = check_settings(model, run.settings, limits)        # a reopened trace's prompt is checked too
-        with device_slot("the fault run"):
-            if dtype not in (None, str(model.dtype).removeprefix("torch.")):
-                bar.progress(0.0, text=f"a {dtype} copy of the weights (once per server)")
-            target_model = model if dtype in (None, str(model.dtype).removeprefix("torch.")) else \
-                low_precision_copy(model, mkey, dtype)
-            reports[run_key(run)] = run_doctor(target_model, s.prompt, injections=specs, norm_eps=norm_eps,
-                                               on_token=on_token,
-                                               **{**s.generation_kwargs(), "max_new_tokens": int(max_new)})
-    except EngineError as e:
-        st.error(str(e))
-    bar.empty()
+        same = dtype in (None, str(model.dtype).removeprefix("torch."))
+        tell_units(tell, 0, int(max_new), "the prompt" if same else f"a {dtype} copy of the weights (once per server)")
+        pieces: list[str] = []
+
+        def on_token(step) -> None:
+            pieces.append(step.text)
+            text.code("".join(pieces), language=None, wrap_lines=True)
+            tell_units(tell, step.index + 1, int(max_new), f"token {step.index + 2} of at most {max_new}")
+        report = run_doctor(model if same else low_precision_copy(model, mkey, dtype), s.prompt, injections=specs,
+                            norm_eps=norm_eps, on_token=on_token,
+                            **{**s.generation_kwargs(), "max_new_tokens": int(max_new)})
+        tell_units(tell, int(max_new), int(max_new), "done")
+        return report
+    # a fresh store: the button always reruns; the page keeps the run's last fault run in reports
+    if (computed := on_demand({}, fault_key, fault_what, fault_run, stop_on_error=False)) is not None:
+        reports[run_key(run)] = computed
     text.empty()
 report = reports.get(run_key(run))
 if report is not None:

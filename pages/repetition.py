@@ -3,13 +3,11 @@ highlighted, the chosen token's probability and the entropy per step, attention 
 its earlier copy, and the same prompt and seed under repetition penalties side by side (on a button)."""
 import streamlit as st
 
-from engine import EngineError
 from engine.inspection.loops import MIN_TOKENS, find_loops
 from inspector.session.limits import LimitError, check_int
-from inspector.session.live_run import rates
 from inspector.session.memo import run_key
 from inspector.session.run import check_settings
-from inspector.ui.common import device_slot, get_model, on_demand, plain, require_run, server_limits
+from inspector.ui.common import get_model, on_demand, plain, require_run, server_limits, was_stopped
 from inspector.ui.demos import lesson
 from inspector.ui.prescriptions import why_loop_section
 from inspector.ui.widgets import chart
@@ -81,34 +79,21 @@ st.caption("The same prompt, seed and sampling settings, each penalty alone (the
 chosen = st.multiselect("Settings to try", list(rv.PENALTY_VARIANTS), default=list(rv.PENALTY_VARIANTS),
                         key="rep_variants")
 tables = st.session_state.setdefault("rep_tables", {})         # run_key -> the comparison table
-if st.button("Generate with each setting", key="rep_compare", disabled=not chosen):
-    est = rates(model).estimate(run.n_prompt, run.settings.max_new_tokens)
-    total = None if est is None else len(chosen) * sum(est)
-    bar = st.progress(0.0, text="generating" + ("" if total is None else f" (about {total:,.0f} s in all)"))
+variants_key, variants_what = (key, tuple(chosen)), "the penalty comparison"
+if st.button("Generate with each setting", key="rep_compare", disabled=not chosen) \
+        or (chosen and was_stopped(variants_what, variants_key)):
     text = st.empty()
-    done: list[str] = []
-    pieces: list[str] = []
-    n_new = run.settings.max_new_tokens
 
-    def step(label: str) -> None:
-        done.append(label)
-        pieces.clear()
-        bar.progress((len(done) - 1) / len(chosen), text=f"{label} ({len(done)} of {len(chosen)})")
-
-    def token(s) -> None:
-        k = s.index + 1
-        bar.progress(min(1.0, (len(done) - 1 + k / n_new) / len(chosen)),
-                     text=f"{done[-1]} ({len(done)} of {len(chosen)}): token {k} of at most {n_new}")
-        pieces.append(s.text)
-        text.caption(f"{done[-1]}: {rv.visible(''.join(pieces))[-240:]}")
-    try:
+    def compare(tell):      # the one progress protocol: a unit per token of each setting's generation
         settings, _ = check_settings(model, run.settings, server_limits(show_error=False))
-        with device_slot("the penalty comparison"):
-            tables[key] = rv.compare_penalties(model, settings, {c: rv.PENALTY_VARIANTS[c] for c in chosen},
-                                               baseline=(res.token_ids, res.text), on_variant=step, on_token=token)
-    except EngineError as e:
-        st.error(str(e))
-    bar.empty()
+        return rv.compare_penalties(model, settings, {c: rv.PENALTY_VARIANTS[c] for c in chosen},
+                                    baseline=(res.token_ids, res.text), on_progress=tell,
+                                    on_text=lambda label, t: text.caption(f"{label}: {rv.visible(t)[-240:]}"))
+    n_tokens = len(chosen) * run.settings.max_new_tokens
+    # a fresh store: the button always recomputes; the page keeps the run's last table in tables
+    if (computed := on_demand({}, variants_key, variants_what, compare, stop_on_error=False,
+                              work=(model, n_tokens, 1))) is not None:
+        tables[key] = computed
     text.empty()
 if key in tables:
     st.dataframe(tables[key], key="rep_table_view", hide_index=True)

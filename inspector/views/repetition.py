@@ -18,7 +18,7 @@ from plotly.subplots import make_subplots
 
 from engine import Probe
 from engine.inspection.loops import Loop, find_loops, repeats, tail_loop
-from engine.progress import LayerProgress
+from engine.progress import LayerProgress, OnProgress, tell_units
 
 from .theme import colorscale
 from .tokens import visible
@@ -146,21 +146,32 @@ def copy_attention_table(ca: CopyAttention, labels: Sequence[str]) -> pd.DataFra
 
 
 def compare_penalties(model, settings, variants: dict[str, dict] | None = None, *,
-                      baseline: tuple[Sequence[int], str] | None = None,
-                      on_variant: Callable[[str], None] | None = None,
-                      on_token: Callable | None = None) -> pd.DataFrame:
+                      baseline: tuple[Sequence[int], str] | None = None, on_progress: OnProgress | None = None,
+                      on_text: Callable[[str, str], None] | None = None) -> pd.DataFrame:
     """The run's prompt, seed and sampling settings with each penalty setting alone (others neutral).
 
     settings: an engine.RunSettings; baseline: the run's own (token_ids, text), shown first as
     "as run". A setting breaks the loop when its generation has no loop at all (engine.inspection.loops.find_loops).
-    on_variant(label) before each generation, on_token(step) after each of its tokens (live progress)."""
+    on_progress (engine.progress): a unit per token of each setting's generation (at most max_new_tokens each), told
+    before each generation and after each token; a STOP answer raises engine.progress.Stopped there (no table).
+    on_text(label, text so far) after each token (the live text)."""
+    variants = PENALTY_VARIANTS if variants is None else variants
+    n_new, total = settings.max_new_tokens, len(variants) * settings.max_new_tokens
     rows = [] if baseline is None else [variant_row("as run", *baseline)]
-    for label, overrides in (PENALTY_VARIANTS if variants is None else variants).items():
-        if on_variant:
-            on_variant(label)
+    for n, (label, overrides) in enumerate(variants.items()):
+        tell_units(on_progress, n * n_new, total, f"{label} ({n + 1} of {len(variants)})")
         s = dataclasses.replace(settings, params=dataclasses.replace(settings.params, **{**NEUTRAL, **overrides}))
-        res = model.generate(s.prompt, on_token=on_token, **s.generation_kwargs())
+        pieces: list[str] = []
+
+        def token(step, label=label, n=n, pieces=pieces) -> None:
+            pieces.append(step.text)
+            if on_text is not None:
+                on_text(label, "".join(pieces))
+            tell_units(on_progress, n * n_new + step.index + 1, total,
+                       f"{label} ({n + 1} of {len(variants)}): token {step.index + 2} of at most {n_new}")
+        res = model.generate(s.prompt, on_token=token, **s.generation_kwargs())
         rows.append(variant_row(label, res.token_ids, res.text))
+    tell_units(on_progress, total, total, "done")
     return pd.DataFrame(rows, columns=VARIANT_COLUMNS)
 
 
