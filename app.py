@@ -1,5 +1,9 @@
 """LLM Inspector: the frame. The sidebar (prompt, Run, the pages, model, settings), then the page.
 
+While the model loads (the first visitors of a fresh server) the frame and the page are drawn at once, the load's
+progress under the sidebar's title; the script then waits for the load and draws everything again with the model
+(inspector.ui.common.finish_load).
+
 Projector mode (the sidebar's toggle, or ?projector=1 in the URL) makes the type bigger here and every chart
 bigger and higher-contrast (inspector.ui.widgets.chart). Rooms (inspector.ui.room): a teacher's screen, followed
 by students'."""
@@ -17,7 +21,7 @@ from streamlit.runtime.scriptrunner_utils.exceptions import StopException
 
 from inspector.session.clients import SessionToken, sessions
 from inspector.ui import room
-from inspector.ui.common import browser_key, keep_within_budget, server_limits
+from inspector.ui.common import browser_key, finish_load, forget_load_box, keep_within_budget, server_limits
 from inspector.ui.frame import frame
 from inspector.ui.sidebar import own_turn, sidebar
 from inspector.ui.widgets import PROJECTOR, projector
@@ -69,6 +73,7 @@ if too_many:                                      # before any run, room or mode
     st.error(too_many)
     st.stop()
 page = nav.url_path or "overview"                 # the page's file name: what a room shows (inspector.ui.room)
+forget_load_box()
 room.before_page(page)       # a student following a room takes the teacher's run, values and page
 sidebar(PAGES)
 room.sidebar_panel()
@@ -89,3 +94,4 @@ except StopException:        # a page that stopped early (st.stop) still shows w
     after_page()
     raise
 after_page()
+finish_load()    # drawn while the model loaded (a fresh server): its progress until it is there, then all again

@@ -12,6 +12,7 @@ from engine.report.html import build_html
 from engine.sources import BUNDLED_NAME
 from inspector.session.limits import LimitError, check_run_positions, cut_text
 from inspector.session.memo import run_key
+from inspector.ui import common
 from inspector.ui.common import current_run, get_model, on_demand, plain, require_run, server_limits, was_stopped
 from inspector.ui.demos import demo_buttons
 from inspector.ui.widgets import metric_columns, page_link
@@ -56,6 +57,7 @@ if current_run() is None:
     demo_buttons("ov_demo", disabled=st.session_state.get("_live_run") is not None)
     st.caption("Each demo fills the sidebar with its prompt and settings, runs, and opens the page that shows "
                "what it is about. Every page then shows that run; change the prompt and press Run to make your own.")
+    common.finish_load()  # a fresh server's first visitors: the sidebar shows the model's load until it is done
     st.stop()
 run = require_run()
 res = run.result

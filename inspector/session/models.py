@@ -3,7 +3,8 @@ path) and a process-wide registry that loads each (source, device, dtype) once a
 session.
 
 Models come only from model_choices(): the server default ($LLM_INSPECTOR_MODEL), the bundled model, models
-under $LLM_INSPECTOR_MODEL_ROOTS and the local hub cache.
+under $LLM_INSPECTOR_MODEL_ROOTS and the local hub cache. A page asks with model_load(), which never waits: the
+load runs in a thread of the registry (one per model for every session) and its progress is read by all.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine import EngineError, Model, ModelLoadError, load_model
@@ -116,8 +118,8 @@ _models_lock = threading.Lock()
 def shared_model(source: str | None, device: str, dtype: str, _progress=None) -> Model:
     """The model for (source, device, dtype), loaded at most once per process and shared by all sessions.
     Raises ModelLoadError (with the reason) for a model that cannot be loaded or would exceed max_models."""
+    key = _key(source, device, dtype)
     dev = pick_device(device)
-    key = (source, str(dev), str(pick_dtype(None if dtype == "auto" else dtype, dev)))
     limit = _max_models()
     if _progress is not None:        # a load's progress is drawn in a student's browser: no server folders
         _progress = functools.partial(_redacted_progress, _progress, source)
@@ -151,6 +153,81 @@ def shared_model(source: str | None, device: str, dtype: str, _progress=None) ->
         return slot.model
     finally:
         slot.lock.release()
+
+
+def _key(source: str | None, device: str, dtype: str) -> tuple:
+    dev = pick_device(device)
+    return source, str(dev), str(pick_dtype(None if dtype == "auto" else dtype, dev))
+
+
+# ---- loading in the background -------------------------------------------------------------------------------
+# The first visitor after a start sees the app at once: the page asks model_load(), which starts the load in a
+# thread and answers at once; every session asking for the same model reads the one load's progress.
+@dataclass(frozen=True)
+class LoadState:
+    """A model's load as a page sees it: the model once loaded, the reason when it failed, else its progress."""
+    model: Model | None = None
+    error: str | None = None
+    fraction: float = 0.0
+    message: str = "starting"
+    seconds: float = 0.0           # since the load began
+
+    @property
+    def loading(self) -> bool:
+        return self.model is None and self.error is None
+
+
+class _Load:
+    def __init__(self) -> None:
+        self.started = self.ended = time.monotonic()
+        self.latest = (0.0, "starting")       # (fraction, what it is doing): one attribute, read whole
+        self.model: Model | None = None
+        self.error: str | None = None
+        self.done = False
+
+    def progress(self, fraction: float, message: str) -> None:
+        self.latest = (max(self.latest[0], min(max(fraction, 0.0), 1.0)), message)      # never moves back
+
+    def run(self, source: str | None, device: str, dtype: str) -> None:
+        try:
+            self.model = shared_model(source, device, dtype, _progress=self.progress)
+        except EngineError as e:     # shared_model says why (redacted); pick_device may refuse a device
+            self.error = str(e)
+        except Exception as e:       # a bug: the reason on screen, the server keeps running
+            log.exception("loading model %r failed", source)
+            self.error = redact(f"{type(e).__name__}: {e}", source)
+        finally:
+            self.ended, self.done = time.monotonic(), True
+
+    def state(self) -> LoadState:
+        if self.done:
+            return LoadState(model=self.model, error=self.error, fraction=1.0, message="done",
+                             seconds=self.ended - self.started)
+        fraction, message = self.latest
+        return LoadState(fraction=fraction, message=message, seconds=time.monotonic() - self.started)
+
+
+_background: dict[tuple, _Load] = {}
+
+
+def model_load(source: str | None, device: str, dtype: str) -> LoadState:
+    """The model for (source, device, dtype) if it is loaded; otherwise its load's state, starting the load in a
+    thread of this registry if none runs (one load per model for every session; a failed one is tried again
+    after LOAD_RETRY_S). Never waits for the load."""
+    try:
+        key = _key(source, device, dtype)
+    except EngineError as e:
+        return LoadState(error=str(e))
+    with _models_lock:
+        slot = _models.get(key)
+        if slot is not None and slot.model is not None:
+            return LoadState(model=slot.model, fraction=1.0, message="ready")
+        load = _background.get(key)
+        if load is None or (load.done and (load.model is not None or time.monotonic() - load.ended >= LOAD_RETRY_S)):
+            load = _background[key] = _Load()
+            threading.Thread(target=load.run, args=(source, device, dtype), daemon=True,
+                             name=f"model-load-{label(source)}").start()
+    return load.state()
 
 
 def _redacted_progress(progress, source: str | None, fraction: float, message: str) -> None:
@@ -221,6 +298,7 @@ def _forget_models() -> None:
     """Forget every loaded model and the listed choices (tests and admins start afresh)."""
     with _models_lock:
         _models.clear()
+        _background.clear()
     _forget_choices()
 
 

@@ -1,6 +1,6 @@
-"""What the pages share: the loaded model of the sidebar's choice, the current run, a device slot for
-on-demand model work, and the per-session memo around it. Widgets only; the model registry, limits and
-queue live in inspector.session."""
+"""What the pages share: the model of the sidebar's choice (loaded in the background, its progress shown), the
+current run, a device slot for on-demand model work, and the per-session memo around it. Widgets only; the model
+registry, limits and queue live in inspector.session."""
 from __future__ import annotations
 
 import hashlib
@@ -8,10 +8,11 @@ import logging
 import re
 import time
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import streamlit as st
 import torch
-from streamlit.runtime.scriptrunner import get_script_run_ctx
+from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
 from engine import EngineError, Model, Trace
 from engine.generate import STOP, Progress
@@ -21,7 +22,7 @@ from inspector.session.admission import set_client_resolver, slot
 from inspector.session.budget import data_allowance, enforce
 from inspector.session.limits import LimitError, Limits, LimitsConfigError, check_run_positions
 from inspector.session.memo import memo
-from inspector.session.models import model_choices, shared_model
+from inspector.session.models import LOAD_RETRY_S, LoadState, model_choices, model_load
 from inspector.session.on_demand import about, estimate, progress_text, record_rate
 from inspector.ui.frame import ensure_frame
 
@@ -81,29 +82,83 @@ def server_limits(show_error: bool = True) -> Limits:
         return Limits()
 
 
-def get_model() -> Model | None:
-    """The model chosen in the sidebar, loading it (with a progress bar) the first time in this process."""
+# ---- the model, loaded in the background -----------------------------------------------------------------------
+# A fresh server's first visitor sees the app at once: the sidebar asks without waiting (the load runs in a thread
+# of the registry, inspector.session.models.model_load), shows the load's progress under its title and disables
+# Run; the page is drawn; then the script waits for the load, updating the progress, and draws the app again with
+# the model. A page that needs the model waits the same way.
+_LOAD_BOX: ContextVar = ContextVar("llm_inspector_load_box", default=None)   # this script run's progress box
+LOAD_POLL_S = 0.25
+
+
+def chosen_load() -> LoadState:
+    """The load of the model chosen in the sidebar (started if it is not loaded); never waits."""
     label = st.session_state.get("sb_model")
     choices = model_choices()
     source = choices.get(label, next(iter(choices.values())))     # never anything outside the list
     device = st.session_state.get("sb_device", "auto")
     device = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    dtype = st.session_state.get("sb_dtype", "auto")
-    bar = []                  # made at the first progress record: a loaded model costs no element per call
+    return model_load(source, device, st.session_state.get("sb_dtype", "auto"))
 
-    def progress(f: float, msg: str) -> None:
-        if not bar:
-            bar.append(st.sidebar.empty())
-        bar[0].progress(min(max(f, 0.0), 1.0), text=msg)
-    try:
-        model = shared_model(source, device, dtype, _progress=progress)
-    except EngineError as e:
-        st.sidebar.error(f"Could not load the model: {e}")
-        return None
-    finally:
-        if bar:
-            bar[0].empty()
-    return model
+
+def get_model(wait: bool = True) -> Model | None:
+    """The model chosen in the sidebar. While it loads: wait=False answers None at once (the sidebar, drawn with
+    the load's progress); wait=True waits, showing the progress, and reruns the app once the model is there if
+    the sidebar was drawn without it. A load that failed is said in the sidebar when waiting (None)."""
+    state = chosen_load()
+    if state.loading and wait:
+        state = wait_for_model()
+    if state.error is not None and wait:
+        st.sidebar.error(f"Could not load the model: {state.error}")
+    return state.model
+
+
+def forget_load_box() -> None:
+    """At the start of each script run of the app: no progress box drawn yet."""
+    _LOAD_BOX.set(None)
+
+
+def load_box(demo_waits: bool = False) -> None:
+    """Where the sidebar names the model while there is none: the load's progress (updated while this script
+    waits), or why it failed."""
+    state = chosen_load()
+    if state.error is not None:
+        st.error(f"Could not load the model: {state.error}. The app keeps running: choose another model "
+                 f"(Model and device), or reload the page after {LOAD_RETRY_S} s to try again.")
+    elif state.loading:
+        box = st.empty()
+        _LOAD_BOX.set((box, demo_waits))
+        _show_load(box, state, demo_waits)
+
+
+def _show_load(box, state: LoadState, demo_waits: bool) -> None:
+    box.progress(state.fraction, text=f"Loading the model: {plain(state.message)} ({state.fraction:.0%}, "
+                 f"{state.seconds:.0f} s). " + ("Your demo starts as soon as it is ready." if demo_waits else
+                                                "Run is enabled as soon as it is ready."))
+
+
+def wait_for_model() -> LoadState:
+    """Wait for the chosen model's load, showing its progress (in the sidebar's box if it drew one); then, if the
+    sidebar was drawn without the model, draw the app again (st.rerun). Each update is a point where a click or
+    a closed tab ends this script run."""
+    drawn = _LOAD_BOX.get()
+    box, demo_waits = drawn if drawn is not None else (st.sidebar.empty(), False)
+    state = chosen_load()
+    while state.loading:
+        _show_load(box, state, demo_waits)
+        time.sleep(LOAD_POLL_S)
+        state = chosen_load()
+    if drawn is not None:
+        st.rerun()
+    box.empty()
+    return state
+
+
+def finish_load() -> None:
+    """After the page (app.py), and before a page stops early: if the sidebar was drawn while the model loaded,
+    wait for it and draw the app again."""
+    if _LOAD_BOX.get() is not None:
+        wait_for_model()
 
 
 @contextmanager
@@ -117,6 +172,14 @@ def device_slot(what: str = "this computation"):
             yield
     finally:
         box.empty()
+
+
+def with_script_context(thread) -> None:
+    """A thread working for this script run (a live run's) carries its context (the queue's per-browser turns
+    read it)."""
+    ctx = get_script_run_ctx(suppress_warning=True)
+    if ctx is not None:
+        add_script_run_ctx(thread, ctx)
 
 
 def current_run() -> Trace | None:
@@ -141,6 +204,7 @@ def require_run() -> Trace:
     run = current_run()
     if run is None:
         st.info("Enter a prompt in the sidebar and press **Run** to inspect a generation.")
+        finish_load()
         st.stop()
     return run
 

@@ -6,7 +6,8 @@ A run is checked against the server's limits and waits for a device slot; a wait
 in the queue. It generates in a thread of its own (inspector.session.live_run) so that Stop and page changes work
 while it runs. The run (engine.Trace) lives in this session's st.session_state only. When the run ends, the
 app is drawn again (Run and the demos enabled). A number outside its range is named above Run, and Run starts
-nothing until it is corrected. One click at a time per session draws its page (own_turn, used by app.py).
+nothing until it is corrected. One click at a time per session draws its page (own_turn, used by app.py). While
+the model loads (a fresh server's first visitors), the sidebar shows its progress and Run waits (get_model).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from contextlib import contextmanager, suppress
 import streamlit as st
 import torch
 from streamlit.runtime import Runtime
-from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
+from streamlit.runtime.scriptrunner import get_script_run_ctx
 from streamlit.runtime.scriptrunner_utils.exceptions import StopException
 
 from engine import EngineError, InputError, Model, RunSettings, SamplingParams, Trace
@@ -28,7 +29,7 @@ from inspector.session.limits import LimitError, Limits, check_int, env_name
 from inspector.session.live_run import Cancelled, LiveRun, StillFinishing, rates
 from inspector.session.models import model_choices
 from inspector.session.run import check_settings, generations, live_runs
-from inspector.ui import demos, room_live
+from inspector.ui import common, demos, room_live
 from inspector.ui.common import RUN_KEY, RUNS_KEY, client_key, current_run, get_model, log, plain, server_limits
 from inspector.ui.room_sync import following
 from inspector.ui.widgets import PROJECTOR, navigation_links, sampler_problems, sampling_params_from, sampling_widgets
@@ -56,7 +57,7 @@ def sidebar(app_pages: list | None = None) -> Model | None:
     live: LiveRun | None = st.session_state.get(LIVE)
     if not following():      # a student following a room runs nothing: fewer widgets to redraw on each change
         settings_widgets(limits, live)
-    model = get_model()
+    model = get_model(wait=False)       # while it loads: the app now, its progress under the title
     with top:
         prompt_and_run(model, limits, live)
     history(limits)
@@ -97,7 +98,9 @@ def _projector_url() -> None:
 def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) -> None:
     """Title, model, prompt, Run (or Stop while a run generates), the estimate, and the live run itself."""
     st.markdown("**LLM Inspector** · see inside a language model")
-    if model is not None:
+    if model is None:            # loading (a demo clicked meanwhile waits for it) or failed
+        common.load_box(demo_waits=demos.PENDING in st.session_state)
+    else:
         st.caption(f"Model: **{plain(model.name)}** · {model.config.num_layers} layers · {model.device.type} · "
                    f"{str(model.dtype).removeprefix('torch.')}")
     follows = following()        # a student following a room's teacher never starts a generation
@@ -126,7 +129,7 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
         st.error(f"{problem}. Run starts nothing until it is corrected (Generation settings).")
     clicked = st.button("Run", type="primary", key="sb_run", disabled=model is None or live is not None or follows,
                         use_container_width=True) and not follows
-    demo = st.session_state.pop(demos.PENDING, None) if not follows else None
+    demo = st.session_state.pop(demos.PENDING, None) if not follows and model is not None else None
     if follows:
         st.caption("Following the teacher's room: press **Explore on my own** above the page to run your own.")
         if live is None:
@@ -222,7 +225,7 @@ def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
                    client=client_key(), previous_click=turn.locked,
                    observer=room_live.publisher(settings.prompt, settings.max_new_tokens))   # a teacher's room
     st.session_state[LIVE] = live
-    return live.start(model, limits, prepare=_with_script_context)
+    return live.start(model, limits, prepare=common.with_script_context)
 
 
 def watch(live: LiveRun, limits: Limits) -> None:
@@ -357,13 +360,6 @@ def history(limits: Limits) -> None:
 
     st.sidebar.selectbox(f"Run shown (this session keeps {limits.max_runs_kept})", list(reversed(by_time)),
                          format_func=labels.get, key="sb_history", on_change=show, disabled=following())
-
-
-def _with_script_context(thread) -> None:
-    """The run's thread carries this script run's context (the queue's per-browser turns read it)."""
-    ctx = get_script_run_ctx(suppress_warning=True)
-    if ctx is not None:
-        add_script_run_ctx(thread, ctx)
 
 
 # ---- one click at a time per session ----------------------------------------------------------------------
