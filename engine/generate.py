@@ -41,8 +41,9 @@ class _Stop:
 STOP = _Stop()               # returned by on_token / on_progress: end the run here (stop reason "stopped")
 
 
-class _Stopped(Exception):
-    """Raised inside a prefill forward when on_progress asked to stop; the run ends without a token."""
+class Stopped(Exception):
+    """A job's on_progress answered STOP: raised by Model.forward when its on_layer answers STOP (before the
+    next block; the cache is not advanced), or by a job's own loop between two units (engine.progress)."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,7 @@ class GenerationRun:
         t0 = time.perf_counter()
         try:
             logits = self._forward(index)
-        except _Stopped:
+        except Stopped:
             self.stop_reason = STOPPED
             return None
         finally:
@@ -279,8 +280,8 @@ class GenerationRun:
             seen = (len(probe.captures), len(probe.stats)) if probe is not None else (0, 0)
             on_layer = None
             if self.on_progress is not None:          # told just before each block runs
-                def on_layer(i: int, a: int = a, b: int = b) -> None:
-                    self._tell(Progress(a, b, n, i, layers))
+                def on_layer(i: int, a: int = a, b: int = b) -> object:
+                    return self.on_progress(Progress(a, b, n, i, layers))      # STOP: the forward ends there
             logits = self.model.forward(torch.tensor(ids[a:b]), self.cache, probe, last_only=True, on_layer=on_layer)
             if b < n and probe is not None:
                 _drop_logits(probe, *seen)
@@ -289,7 +290,7 @@ class GenerationRun:
 
     def _tell(self, progress: Progress) -> None:
         if self.on_progress is not None and self.on_progress(progress) is STOP:
-            raise _Stopped
+            raise Stopped
 
     def _stop_nonfinite(self) -> None:
         """Logits holding NaN or Inf are no distribution: stop here and draw nothing. Which step and position

@@ -54,7 +54,7 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
     cfg = ModelConfig.from_json(model_dir / "config.json")
     if progress:
         progress(0.95, "loading weights")
-    weights = load_weights(model_dir, cfg, dev, dt)
+    weights = load_weights(model_dir, cfg, dev, dt, progress)
     try:
         tokenizer = Tokenizer.from_dir(model_dir)
     except FileNotFoundError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -27,6 +28,7 @@ from engine.inspection.probe import Probe, StopPoint, stop_point
 from engine.inspection.probe_views import FULL, NO_PROBE, NoProbe
 from engine.inspection.stages import hook_names
 from engine.kv_cache import KVCache
+from engine.progress import STOP, Stopped
 from engine.rope import apply_rope, rope_tables
 from engine.weights import LayerWeights, Weights
 
@@ -144,7 +146,8 @@ class Model:
         runs outside inference mode so a replace hook may hand in a tensor that requires grad (gradient x input
         attribution); the weights never do. stop_after: a forward stage ("blocks.5.attn.pattern") or block index;
         every stage up to it is offered, the forward ends with its half-block (probe.stop_point), returns the
-        residual stream there (T, d) and leaves later layers' cache rows unwritten. on_layer(i): just before block i."""
+        residual stream there (T, d) and leaves later layers' cache rows unwritten. on_layer(i): just before
+        block i; an answer STOP raises engine.progress.Stopped there (the cache is not advanced)."""
         if ids.dim() != 1 or ids.numel() == 0:
             raise InputError(f"forward needs a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
         T, pos = ids.shape[0], cache.get_pos()
@@ -170,15 +173,15 @@ class Model:
         embed, norm = probe.weight("embed.weight", w.embed), probe.weight("final_norm.weight", w.norm)
         lm_head = probe.weight("lm_head.weight", w.lm_head)
         step = self.accelerator.decode
-        if step is not None and T == 1 and (probe is NO_PROBE or probe.stats_only) and not torch.is_grad_enabled() \
-                and stop is on_layer is None:
+        if step is not None and T == 1 and not torch.is_grad_enabled() and stop is on_layer is None \
+                and (probe is NO_PROBE or probe.served_by(step.names)):
             # one decode token in one native call; status: a watching probe's step met a NaN or Inf (the
             # PyTorch forward then redoes it: its accounting of non-finite values is the reference)
-            stats = probe is not NO_PROBE
-            logits, values, status = step(int(ids[0]), cache, pos, eps, stats)
+            watched, start = probe is not NO_PROBE, time.perf_counter()
+            logits, values, status, marks = step(int(ids[0]), cache, pos, eps, watched, watched and probe.timing)
             if not status:
-                if stats:
-                    probe.offer_block(step.names, step.layers, values)
+                if watched:
+                    probe.offer_step(step.names, step.layers, values, logits, marks, start)
                 return logits
         cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]                 # (T, 1, hd)
         mask = None
@@ -210,8 +213,8 @@ class Model:
         layer loop of every forward and span."""
         layers, timing = self.weights.layers, probe.timing
         for i in range(first, end + attn_half):
-            if on_layer is not None:
-                on_layer(i)
+            if on_layer is not None and on_layer(i) is STOP:
+                raise Stopped        # the job's on_progress answered STOP: nothing after this block runs
             if i == self.resid_fp32_from:
                 x = x.float()     # precision plan: the residual stream stays in fp32 from this layer on
             x = self._block(probe.layer(i), probe.layer_weights(i, layers[i]), x, cache, i, cos, sin, mask, eps,

@@ -8,8 +8,8 @@ ways a computation tells them).
 
 - A prefill (engine.generate) and a one-off forward (an attention map, the entropy overview, the logit lens,
   the copy attention, the report's maps: LayerProgress) tell a record per block as it starts, chunk by
-  chunk of positions. A STOP there ends the forward from Model.forward's on_layer, the only place inside a
-  forward that hears it (its return value is not read), so LayerProgress raises Stopped.
+  chunk of positions. Model.forward's on_layer passes the answer back: a STOP ends the forward
+  before its next block (Model.forward raises Stopped; nothing raises from inside a hook).
 - A job of many units (the why-loop's and the rescue's reruns, the patching grid's and head scan's packed
   forwards, input attribution, each quantised format, the precision comparison's layers: tell_units) tells
   Progress.units(done, total, what) before each unit and done == total at its end. A STOP raises Stopped
@@ -22,15 +22,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from engine.generate import STOP, Progress
+from engine.generate import STOP, Progress, Stopped
 
 __all__ = ["STOP", "LayerProgress", "OnProgress", "Progress", "Stopped", "tell_units"]
 
 OnProgress = Callable[[Progress], object]      # returns STOP to stop, anything else to go on
-
-
-class Stopped(Exception):
-    """on_progress answered STOP: the computation ended before its result (nothing half-done is returned)."""
 
 
 def tell_units(on_progress: OnProgress | None, done: int, total: int, what: str) -> None:
@@ -49,7 +45,7 @@ class LayerProgress:
     def __init__(self, on_progress: OnProgress | None, total: int, layers: int) -> None:
         self.on_progress, self.total, self.layers = on_progress, total, layers
 
-    def on_layer(self, a: int, b: int) -> Callable[[int], None] | None:
+    def on_layer(self, a: int, b: int) -> Callable[[int], object] | None:
         """Model.forward's on_layer for the forward over positions [a, b): None without a callback (the forward
         is then the plain one)."""
         if self.on_progress is None:
@@ -57,13 +53,14 @@ class LayerProgress:
         return lambda i: self._block_starts(i, a, b)
 
     def chunk_done(self, a: int, b: int) -> None:
-        if self.on_progress is not None:
-            self._tell(Progress(a, b, self.total, self.layers, self.layers))
-
-    def _block_starts(self, i: int, a: int, b: int) -> None:
-        if 0 < i < self.layers:
-            self._tell(Progress(a, b, self.total, i, self.layers))
-
-    def _tell(self, p: Progress) -> None:
-        if self.on_progress(p) is STOP:
+        """After the forward over [a, b): the caller's loop, between two forwards; a STOP raises Stopped."""
+        if self.on_progress is not None and self._tell(Progress(a, b, self.total, self.layers, self.layers)) is STOP:
             raise Stopped
+
+    def _block_starts(self, i: int, a: int, b: int) -> object:
+        if 0 < i < self.layers:
+            return self._tell(Progress(a, b, self.total, i, self.layers))     # STOP ends the forward there
+        return None
+
+    def _tell(self, p: Progress) -> object:
+        return self.on_progress(p)

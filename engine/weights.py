@@ -116,7 +116,10 @@ def _keys(path: Path) -> list[str]:
         raise ModelLoadError(f"{path}: cannot read safetensors file (truncated or corrupt?): {e}") from None
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Weights:
+def load_weights(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 progress=None, span: tuple[float, float] = (0.95, 0.99)) -> Weights:
+    """Every expected tensor, checked (shape, dtype, finite) and converted. progress(fraction, message): the
+    load's callback (engine.loader), told per tensor across `span`."""
     model_dir = Path(model_dir)
     expected = expected_tensors(cfg)
     where = _shard_files(model_dir)
@@ -136,10 +139,14 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, device: torch.device, 
     for name in expected:
         by_file.setdefault(where[name], []).append(name)
     raw: dict[str, torch.Tensor] = {}
+    lo, hi = span
     for path, names in by_file.items():
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in names:
+                    if progress:
+                        progress(lo + (hi - lo) * len(raw) / len(expected),
+                                 f"loading and checking weights: tensor {len(raw) + 1} of {len(expected)} ({name})")
                     raw[name] = _checked(name, f.get_tensor(name), expected[name], path).to(device=device, dtype=dtype)
         except ModelLoadError:
             raise

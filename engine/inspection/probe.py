@@ -59,6 +59,7 @@ class Probe:
         self._replace_specs: list[tuple[list[str], HookFn, frozenset | None]] = []
         self._plans: dict[str, Plan] = {}
         self._block_rows: dict[int, tuple] = {}
+        self._fused: dict[int, tuple] = {}      # id(names) -> (names, whether a fused step serves this probe)
         self._batcher = StatsBatcher()
         self.stats_backend = PYTORCH           # the model's, from begin_call
         self._layer_views: dict[int, LayerProbe] = {}
@@ -82,6 +83,7 @@ class Probe:
         self._capture_specs.append((_patterns(patterns), _as_set(layers), _as_set(positions)))
         self._plans.clear()
         self._block_rows.clear()
+        self._fused.clear()
         self._layer_views.clear()
         return self
 
@@ -90,6 +92,7 @@ class Probe:
         self._stats_specs.extend(_patterns(patterns))
         self._plans.clear()
         self._block_rows.clear()
+        self._fused.clear()
         self._layer_views.clear()
         return self
 
@@ -131,6 +134,7 @@ class Probe:
         self._replace_specs.append((_patterns(patterns), fn, _as_set(layers)))
         self._plans.clear()
         self._block_rows.clear()
+        self._fused.clear()
         self._layer_views.clear()
         return self
 
@@ -179,13 +183,30 @@ class Probe:
         if p.stats:
             self._batcher.add_values(name, p.layer, values)
 
-    @property
-    def stats_only(self) -> bool:
-        """Asks for statistics and nothing else that touches a forward (no captures, replacements, weight
-        overrides, timing or run-only epsilon): a decode step may then run natively (engine/native)."""
-        return (bool(self._stats_specs) and not self._capture_specs
-                and not self._replace_specs and not self._weight_overrides and self.norm_eps is None
-                and not self.timing)
+    def served_by(self, names: list[str]) -> bool:
+        """Whether a forward that offers exactly these stages whole, as statistics, with its logits and per-layer
+        timing marks (the native decode step: engine.accelerator) gives this probe everything it asks for: no
+        replacements, weight overrides or run-only epsilon, and no capture but of the logits."""
+        got = self._fused.get(id(names))
+        if got is None or got[0] is not names:
+            ok = not (self._replace_specs or self._weight_overrides or self.norm_eps is not None) and \
+                not any(self.plan(n).capture for n in names if n != "logits")
+            got = self._fused[id(names)] = (names, ok)
+        return got[1]
+
+    def offer_step(self, names: list[str], layers: list, values: torch.Tensor | None, logits: torch.Tensor,
+                   marks: list[tuple[str, float]] | None, start: float) -> None:
+        """What a fused step computed (see served_by): statistics (G, 1, 7) of its stages in forward order, its
+        logits (captured where asked), and with timing its marks (label, seconds since `start`, a perf_counter
+        reading taken just before it ran)."""
+        if values is not None:
+            self.offer_block(names, layers, values)
+        for _, positions in self.plan("logits").capture:
+            self.captures.append(self._capture("logits", None, logits, positions, False))
+        if marks is not None and self.timing and self._t0 != "cuda":
+            base = start - self._t0
+            self.marks.append((self.step, "start", base))
+            self.marks.extend((self.step, label, base + t) for label, t in marks)
 
     def offer_block(self, names: list[str], layers: list, values: torch.Tensor) -> None:
         """Statistics (G, T, 7) of whole stages (the native decode step) in forward order; keeps those asked for."""

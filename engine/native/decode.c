@@ -32,6 +32,8 @@ typedef struct {
     float *logits;                 /* (V) out */
     float *work;                   /* scratch, llmi_work_floats() floats */
     float *stats;                  /* NULL, or (1 + 17 L + 2) x 7 out */
+    double *marks;                 /* NULL, or L + 2 out: seconds since the call began when the embedding, each
+                                      layer and the logits were done (the PyTorch forward's timing marks) */
 } Step;
 
 long llmi_work_floats(int d, int H, int K, int hd, int F, int V, int max_len, int nth) {
@@ -108,6 +110,7 @@ int llmi_decode_step(const Step *p) {
     float *st = p->stats;
     int bad = 0;
     const long cache_layer = (long)K * p->max_len * hd, cache_head = (long)p->max_len * hd;
+    const double t0 = omp_get_wtime();
 
 #pragma omp parallel num_threads(p->nth)
     {
@@ -115,6 +118,7 @@ int llmi_decode_step(const Step *p) {
         {
             for (int i = 0; i < d; i++) x[i] = p->x_in[i];
             if (st) bad |= stats7(x, d, st), st += NSTAT;
+            if (p->marks) p->marks[0] = omp_get_wtime() - t0;
         }
         for (int l = 0; l < p->L; l++) {
             float *kc = p->kc + l * cache_layer, *vc = p->vc + l * cache_layer;
@@ -221,6 +225,7 @@ int llmi_decode_step(const Step *p) {
                     bad |= stats7(x, d, st + NSTAT);
                     st += 2 * NSTAT;
                 }
+                if (p->marks) p->marks[1 + l] = omp_get_wtime() - t0;
             }
         }
 #pragma omp single
@@ -232,6 +237,7 @@ int llmi_decode_step(const Step *p) {
 #pragma omp single
         {
             if (st) bad |= stats7(p->logits, V, st), st += NSTAT;
+            if (p->marks) p->marks[p->L + 1] = omp_get_wtime() - t0;
         }
     }
     return bad;

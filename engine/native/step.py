@@ -27,7 +27,7 @@ _P = ctypes.c_void_p
 _FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_len", "pos", "nth")] + [
     ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("x_in", _P)] + [
     (n, _P) for n in ("attn_norm", "wqkv", "wo", "mlp_norm", "wgu", "wdown", "kc", "vc", "cos", "sin",
-                      "final_norm", "lm_head", "logits", "work", "stats")]
+                      "final_norm", "lm_head", "logits", "work", "stats", "marks")]
 
 
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -59,6 +59,7 @@ class NativeDecoder:
         self.lib, self.model = lib, model
         self.names = stage_names(model.config.num_layers)
         self.layers = [None] + [i for i in range(model.config.num_layers) for _ in LAYER_STAGES] + [None, None]
+        self.mark_labels = ["embed", *(f"blocks.{i}" for i in range(model.config.num_layers)), "logits"]
         self._packed = False
         self._pack_lock = threading.Lock()    # one copy of the weights, however many runs start at once
 
@@ -104,9 +105,10 @@ class NativeDecoder:
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size, cache.max_len,
             nth))
 
-    def __call__(self, token: int, cache, pos: int, eps: float, stats: bool) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                                     int]:
-        """One token at pos -> (logits (1, V), statistics (G, 1, 7) or None, status: 0, or 1 = a NaN/Inf met)."""
+    def __call__(self, token: int, cache, pos: int, eps: float, stats: bool, timing: bool = False) -> tuple:
+        """One token at pos -> (logits (1, V), statistics (G, 1, 7) or None, status: 0, or 1 = a NaN/Inf met,
+        marks: with timing, (label, seconds since the call began) after the embedding, each layer and the logits
+        (`mark_labels`), else None)."""
         if not self._packed:
             with self._pack_lock:
                 if not self._packed:
@@ -116,6 +118,7 @@ class NativeDecoder:
         x = w.embed[token]
         logits = torch.empty(1, c.vocab_size)
         st = torch.empty(len(self.names), 1, 7) if stats else None
+        marks = torch.empty(c.num_layers + 2, dtype=torch.float64) if timing else None
         nth = torch.get_num_threads()     # read once: the work buffer is sized for the threads the call uses
         work = self._work(cache, nth)
         s = Step(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
@@ -124,6 +127,6 @@ class NativeDecoder:
                  self.layer_ptrs["mlp_norm"], self.layer_ptrs["w_gate_up"], self.layer_ptrs["w_down"],
                  cache.k.data_ptr(), cache.v.data_ptr(), m.cos[pos].data_ptr(), m.sin[pos].data_ptr(),
                  w.norm.data_ptr(), self.lm_head.data_ptr(), logits.data_ptr(), work.data_ptr(),
-                 st.data_ptr() if stats else None)
+                 st.data_ptr() if stats else None, marks.data_ptr() if timing else None)
         status = self.lib.llmi_decode_step(ctypes.byref(s))
-        return logits, st, status
+        return logits, st, status, (list(zip(self.mark_labels, marks.tolist())) if timing else None)

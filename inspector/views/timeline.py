@@ -2,8 +2,9 @@
 
 Step-level times come from GenerationResult.timings and Step.seconds (time.perf_counter around each phase;
 the forward's time includes copying the logits to the CPU, so on a GPU it is synchronised too). Per-layer
-times come from the probe's marks: on the CPU a clock read after each stage (ops run synchronously), on a
-GPU CUDA events recorded on the stream and read after the call synchronises.
+times come from the probe's marks: on the CPU a clock read after each stage (ops run synchronously; a decode
+step in the native call reads its own clock after each layer), on a GPU CUDA events recorded on the stream and
+read after the call synchronises.
 """
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ def timing_note(device_type: str) -> str:
     if device_type == "cuda":
         return ("Per-layer times are CUDA events recorded on the GPU stream and read after each call "
                 "synchronises; step times are host clocks around calls that end in a synchronising copy.")
-    return ("Per-layer times are host clocks (time.perf_counter) read after each stage; CPU ops run "
-            "synchronously, so each reading is when that stage finished. GPU runs use CUDA events instead.")
+    return ("Per-layer times are host clocks read when each layer finished: time.perf_counter after each stage "
+            "of the prefill (CPU ops run synchronously), and inside the native decode step (one call per token, "
+            "engine/native) its own wall clock after the embedding, each layer and the logits. GPU runs use CUDA "
+            "events instead.")
 
 
 def step_table(result) -> pd.DataFrame:

@@ -16,7 +16,7 @@ from streamlit.testing.v1 import AppTest
 from engine import RunSettings
 from inspector.session.admission import Admission, ServerBusyError, shared_admission, slot
 from inspector.session.limits import LIMITS, LimitError, Limits, LimitsConfigError, env_name
-from inspector.session.models import model_choices
+from inspector.session.models import model_choices, shared_model
 from inspector.session.run import inspect_run, live_runs
 from tests.concurrency import twenty_sessions
 
@@ -51,6 +51,8 @@ def test_a_session_keeps_at_most_max_runs_and_an_ended_session_keeps_none(monkey
     monkeypatch.setenv("LLM_INSPECTOR_MODEL", str(tiny_model_dir))
     monkeypatch.setenv("LLM_INSPECTOR_MAX_RUNS_KEPT", "2")
     model_choices.clear()
+    shared_model.clear()            # loaded before the first script run: the sidebar alone does not wait for a load
+    shared_model(str(tiny_model_dir), "cpu", "auto")
     at = AppTest.from_function(_sidebar_app, default_timeout=120)
     at.run()
     refs = []

@@ -10,6 +10,7 @@ from engine import load_model
 from engine.errors import InputError
 from engine.inspection.probe import Probe
 from engine.model import Model
+from engine.progress import STOP, Stopped
 from engine.variants import precision_plan
 from tests.helpers import tiny_config, write_model_dir
 
@@ -110,6 +111,18 @@ def test_on_layer_hears_each_block_just_before_it_runs(model4, block_calls):
     model4.forward(IDS, model4.new_cache(len(IDS)), on_layer=lambda i: heard.append((i, 0)),
                    stop_after="blocks.1.attn.v")
     assert [i for i, _ in heard] == [0, 1]                          # a stop in block 1: blocks 2 and 3 never start
+
+
+def test_an_on_layer_answer_stop_ends_the_forward_before_that_block(model4, block_calls):
+    """The one progress protocol's STOP reaches the forward as on_layer's answer; the forward (not the callback)
+    ends the call: block 2 and later never run and the cache is not advanced."""
+    cache, before = model4.new_cache(len(IDS)), len(block_calls)
+    probe = Probe().capture("blocks.*.resid_post")
+    with pytest.raises(Stopped):
+        model4.forward(IDS, cache, probe, on_layer=lambda i: STOP if i == 2 else None)
+    assert len(block_calls) - before == 2 and cache.get_pos() == 0
+    assert sorted({c.name for c in probe.captures}) == ["blocks.0.resid_post", "blocks.1.resid_post"]
+    assert model4.live_hooks == 0                                         # the probe was detached all the same
 
 
 def streams(model) -> list[torch.Tensor]:

@@ -122,7 +122,7 @@ def test_tools_run_the_model_through_its_public_forward():
 # The one progress record and what tells it (engine.progress); everything else reports through them.
 PROGRESS_CLASSES = {("engine.generate", "Progress"), ("engine.progress", "LayerProgress")}
 # A model load's (fraction, message) callback is no job one viewer stops: one load serves every session waiting.
-LOAD_PATH = {"engine.gguf_import", "engine.loader", "engine.sources", "inspector.session.models"}
+LOAD_PATH = {"engine.gguf_import", "engine.loader", "engine.sources", "engine.weights", "inspector.session.models"}
 
 
 def _named(node: ast.AST) -> str:

@@ -9,7 +9,7 @@ import torch
 
 from engine import load_model
 from engine.accelerator import PLAIN
-from engine.inspection.probe import Probe
+from engine.inspection.probe import Probe, inspection_probe
 from engine.inspection.stats import dense_stats
 from engine.native import build
 from engine.native.step import NativeDecoder, panels, stage_names
@@ -134,13 +134,17 @@ def test_statistics_equal_dense_statistics_of_captured_stages(tiny_model):
     assert compared == 18          # the 17 stages of block 1, and the logits
 
 
-def test_only_statistics_probes_take_the_native_step(tiny_model):
-    _native_or_skip(tiny_model)
-    assert Probe().record_stats("*").stats_only
-    assert not Probe().capture("blocks.0.attn_out").stats_only
-    assert not Probe().record_stats("*").replace("blocks.0.mlp.act", lambda x, ctx: x).stats_only
-    assert not Probe(timing=True).record_stats("*").stats_only
-    assert not Probe().record_stats("*").override_weight("blocks.0.attn.wo", lambda w: w).stats_only
+def test_which_probes_the_native_step_serves(tiny_model):
+    names = _native_or_skip(tiny_model).names
+    assert Probe().record_stats("*").served_by(names)
+    assert inspection_probe(timing=True).served_by(names)           # the app's: statistics, logits, timing
+    assert not Probe().capture("blocks.0.attn_out").served_by(names)
+    assert not Probe().record_stats("*").replace("blocks.0.mlp.act", lambda x, ctx: x).served_by(names)
+    assert not Probe().record_stats("*").override_weight("blocks.0.attn.wo", lambda w: w).served_by(names)
+    p = Probe().record_stats("*")
+    assert p.served_by(names)
+    p.capture("blocks.1.mlp.act")                                    # a new spec: the answer is asked again
+    assert not p.served_by(names)
     calls = []
     real = NativeDecoder.__call__
     NativeDecoder.__call__ = lambda self, *a: calls.append(1) or real(self, *a)
@@ -151,6 +155,40 @@ def test_only_statistics_probes_take_the_native_step(tiny_model):
         assert len(calls) == len(STEPS)
     finally:
         NativeDecoder.__call__ = real
+
+
+def test_the_apps_probe_decodes_natively_with_the_same_logits_statistics_and_marks(tiny_model):
+    """The app's run (inspection_probe: statistics of every stage, the logits captured, per-layer timing)
+    decodes through the native step and records what the PyTorch forward records: the same captured logits
+    and statistics, and a timing mark after the embedding, every layer and the logits of each step."""
+    _native_or_skip(tiny_model)
+    calls, real = [], NativeDecoder.__call__
+    NativeDecoder.__call__ = lambda self, *a: calls.append(1) or real(self, *a)
+    try:
+        fast = inspection_probe(timing=True)
+        a, _ = _run(tiny_model, fast)
+    finally:
+        NativeDecoder.__call__ = real
+    slow = inspection_probe(timing=True)
+    b, _ = _run(tiny_model, slow, native=False)
+    assert len(calls) == len(STEPS)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    caps = [[c.value for c in p.captured("logits")] for p in (fast, slow)]
+    assert len(caps[0]) == len(caps[1]) == 1 + len(STEPS)
+    for x, y in zip(*caps):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    sa, sb = _by_stage(fast), _by_stage(slow)
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=1e-4)
+    L = tiny_model.config.num_layers
+    want = ["start", "embed", *(f"blocks.{i}" for i in range(L)), "logits"]
+    for p in (fast, slow):                 # one call per forward here: the prefill's, then each decode step's
+        starts = [i for i, (_, label, _) in enumerate(p.marks) if label == "start"]
+        assert len(starts) == 1 + len(STEPS)
+        last = [(label, t) for _, label, t in p.marks[starts[-1]:]]
+        assert [label for label, _ in last] == want
+        assert all(t1 <= t2 for (_, t1), (_, t2) in zip(last, last[1:]))      # each stage ends after the last
 
 
 def test_a_probe_on_some_stages_keeps_only_those(tiny_model):
