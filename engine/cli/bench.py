@@ -3,10 +3,12 @@ engine.bench.speed)."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
 from engine.bench.speed import run_bench
+from engine.bench.tools import TARGETS, run_tools_bench
 from engine.cli.args import load, model_args
 from engine.errors import InputError
 
@@ -21,6 +23,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.new_tokens < 2:
         raise InputError(f"--new-tokens must be >= 2 (decode speed needs a token after the first), got "
                          f"{a.new_tokens}")
+    if a.tools:
+        return _tools(a)
+    a.repeats = 5 if a.repeats is None else a.repeats
     if a.repeats < 1:
         raise InputError(f"--repeats must be >= 1, got {a.repeats}")
     if any(n < 2 for n in a.app_lengths):
@@ -28,18 +33,40 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return run_bench(load(a), a)
 
 
+def _tools(a: argparse.Namespace) -> int:
+    rounds = 3 if a.repeats is None else a.repeats
+    if rounds < 1:
+        raise InputError(f"--repeats must be >= 1, got {rounds}")
+    kwargs = {"prompt": a.tools_prompt} if a.tools_prompt else {}
+    out = run_tools_bench(load(a), rounds=rounds, tools=tuple(a.tool_names or TARGETS), quiet=a.json, **kwargs)
+    if a.json:
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}))
+    else:
+        for name in a.tool_names or TARGETS:
+            print(f"{name}_over_plain {out[name + '_over_plain']:.2f} (target {TARGETS[name]:g}, "
+                  f"{'met' if out[name + '_meets'] else 'NOT met'})")
+    return 0
+
+
 def add_commands(sub) -> None:
     b = sub.add_parser("bench", help="prefill/decode speed: engine vs engine+stats vs transformers vs bandwidth")
     model_args(b)
     b.add_argument("--prompt-tokens", type=int, default=128)
     b.add_argument("--new-tokens", type=int, default=64)
-    b.add_argument("--repeats", type=int, default=5,
-                   help="rounds: ratios are the median of the rounds' own ratios, speeds the best round's")
+    b.add_argument("--repeats", type=int, default=None,
+                   help="rounds: ratios are the median of the rounds' own ratios, speeds the best round's "
+                        "(default 5; with --tools 3)")
     b.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     b.add_argument("--app", action="store_true",
                    help="also the app's full inspection vs plain prefill (512, 2,048, 8,000 tokens: time, kept and "
                         "peak memory) and its decode time per token")
     b.add_argument("--app-lengths", type=int, nargs="+", default=[512, 2048, 8000], metavar="N",
                    help="prompt lengths for --app")
+    b.add_argument("--tools", action="store_true",
+                   help="instead: each doctor's and explainer's time as a multiple of one plain generation of the "
+                        "same prompt and length (engine.bench.tools)")
+    b.add_argument("--tool", dest="tool_names", action="append", choices=list(TARGETS), default=None,
+                   help="with --tools: only this tool (repeatable)")
+    b.add_argument("--tools-prompt", default=None, help="with --tools: the prompt (default: a looping one)")
     b.add_argument("--json", action="store_true", help="print the figures as one JSON object instead of tables")
     b.set_defaults(fn=cmd_bench)
