@@ -15,7 +15,9 @@ gone. Four kinds of change are tried, within one budget of reruns (MAX_RERUNS ge
 token n-gram (n = REPEAT_N) occurs REPEAT_COUNT times or more. A rerun stops as soon as either shows up
 (both can only grow as tokens are added), so a rerun that keeps the loop costs a dozen or so tokens, not
 HORIZON; its text_after is the text up to that point. Stop strings are off for reruns, and faults injected
-by the NaN doctor are not applied.
+by the NaN doctor are not applied. The baseline and the sampler reruns share their common forwards
+(SharedForwards): a sampler rerun draws the baseline's tokens until its change first picks another one, and
+those steps, the prefill included, are answered from the baseline's logits and KV cache rows, not run again.
 
 Causes are ranked: those whose rerun broke the loop first, then by kind (heads, sampler, numerics, prompt),
 then in the order tried (the weakest change first). The kinds are tried in that order too, so when the
@@ -26,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import re
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -35,6 +38,7 @@ import torch
 from engine.generate import GenerationRun
 from engine.inspection.loops import Loop, find_loops, tail_loop
 from engine.inspection.probe import Probe, zero_heads
+from engine.kv_cache import KVCache
 from engine.model import Model
 from engine.progress import OnProgress, tell_units
 from engine.settings import RunSettings
@@ -102,6 +106,52 @@ class WhyLoopReport:
 
 class _OutOfReruns(Exception):
     pass
+
+
+class SharedForwards:
+    """The model as the probe-less reruns of one why-loop see it: a forward already computed for the same tokens
+    (the same prompt, then the same tokens drawn) is answered from memory, its logits and its KV cache rows
+    written into the rerun's cache (KVCache.update), instead of being run again. The sampler reruns draw the
+    baseline's tokens until their change first picks another one, so they share the baseline's prefill and
+    every step up to there; a rerun that keeps the loop often runs no forward at all. The answer is the one the
+    forward gave for that same context and cache content: the rerun's tokens and text are those of a fresh run.
+    Anything else (a probe, other arguments) runs the model's forward."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self._fed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # cache -> token ids fed so far
+        self._memo: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.computed = self.answered = 0          # forwards run / answered from memory (positions)
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        cache = self.model.new_cache(max_len)
+        self._fed[cache] = []
+        return cache
+
+    def forward(self, ids: torch.Tensor, cache: KVCache, probe: Probe | None = None, *, last_only: bool = False,
+                **kwargs) -> torch.Tensor:
+        fed = self._fed.get(cache)
+        if probe is not None or any(v is not None for v in kwargs.values()) or not last_only or fed is None:
+            self._fed.pop(cache, None)               # this cache's rows are no longer the memo's to answer
+            return self.model.forward(ids, cache, probe, last_only=last_only, **kwargs)
+        new = [int(i) for i in ids.tolist()]
+        key, pos, T = (*fed, *new), cache.get_pos(), len(new)
+        fed.extend(new)
+        if key in self._memo:
+            logits, k, v = self._memo[key]
+            cache.check_room(T)
+            for layer in range(k.shape[0]):
+                cache.update(layer, k[layer], v[layer])
+            cache.advance(T)
+            self.answered += T
+            return logits.clone()
+        logits = self.model.forward(ids, cache, None, last_only=True)
+        self._memo[key] = (logits.clone(), cache.k[:, :, pos:pos + T].clone(), cache.v[:, :, pos:pos + T].clone())
+        self.computed += T
+        return logits
 
 
 class _Reruns:
@@ -299,8 +349,9 @@ def why_loop(model: Model, settings: RunSettings, *, horizon: int = HORIZON, max
     on_progress (engine.progress) hears each rerun before it runs and the end (done == total == reruns); a
     STOP answer raises engine.progress.Stopped before the next rerun."""
     reruns = _Reruns(settings, horizon, max_reruns, _planned(settings.prompt), on_progress)
+    shared = SharedForwards(model)      # the baseline's forwards, answered again to the sampler reruns
     # The baseline runs to the horizon (no early stop): the copy heads are read from the loop's repeats.
-    base_ids, base_text, _ = reruns.generate(model, "baseline", early_stop=False)
+    base_ids, base_text, _ = reruns.generate(shared, "baseline", early_stop=False)
     if not loops_in(base_ids):
         tell_units(on_progress, reruns.count, reruns.count, "no loop")
         return WhyLoopReport("no loop", None, horizon, base_text, [], [], reruns.count, max_reruns, [])
@@ -314,7 +365,7 @@ def why_loop(model: Model, settings: RunSettings, *, horizon: int = HORIZON, max
         top = [{"layer": i // H, "head": i % H, "mass": round(float(scores.flatten()[i]), 6)} for i in order]
     causes, skipped = [], []
     for kind, attempt in (("heads", lambda: _try_heads(model, reruns, top, causes)),
-                          ("sampler", lambda: _try_sampler(model, reruns, settings.params, causes)),
+                          ("sampler", lambda: _try_sampler(shared, reruns, settings.params, causes)),
                           ("numerics", lambda: _try_numerics(model, reruns, causes)),
                           ("prompt", lambda: _try_prompt(model, reruns, settings.prompt, causes))):
         try:
