@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import InputError
-from engine.generate import NONFINITE, PREFILL_CHUNK, GenerationRun
+from engine.generate import PREFILL_CHUNK, GenerationRun
 from engine.inspection.probe import HookContext, Probe
 from engine.model import Model
 from engine.progress import OnProgress, tell_units
@@ -212,25 +212,26 @@ class Reference:
 def fp32_reference(ref: Model, low_dtype: torch.dtype, settings: RunSettings, n_new: int, *, injections=(),
                    norm_eps: float | None = None) -> Reference:
     """The fp32 model generates n_new tokens (EOS does not end it: every rerun reads the same steps) with the
-    faults; then its logits are recomputed by `replay`, as every plan's are."""
+    faults, watched as every plan's rerun is; its logits are the run's own, kept as it goes: the same forwards
+    (prefill, then one token at a time) that `replay` runs for a plan, so the run is not computed twice."""
     specs = [i if isinstance(i, str) else i.spec for i in injections]
+    probe = fault_only_probe(ref, specs, norm_eps, watch=True).capture("logits")
+    run = GenerationRun(ref, settings.prompt, params=settings.params, max_new_tokens=n_new, seed=settings.seed,
+                        chat=settings.chat, system=settings.system, allow_special=settings.allow_special,
+                        ignore_eos=True, probe=probe)
+    out = Reference(run.prompt_ids, run.token_ids, specs, norm_eps, None, [])
     try:
-        run = GenerationRun(ref, settings.prompt, params=settings.params, max_new_tokens=n_new, seed=settings.seed,
-                            chat=settings.chat, system=settings.system, allow_special=settings.allow_special,
-                            ignore_eos=True, probe=fault_only_probe(ref, specs, norm_eps)).run()
+        while run.step() is not None:
+            pass
+    except _NonFinite as e:
+        out.nonfinite = e.stage
+        return out
     except InputError as e:
         if "not a valid distribution" not in str(e):
             raise
         raise InputError(f"the fp32 run with these faults samples from NaN/Inf logits ({e}); no precision plan "
                          "can fix that") from None
-    out = Reference(run.prompt_ids, run.token_ids, specs, norm_eps, None, [])
-    # a run that stopped at non-finite logits drew no token there: feeding every token reaches that step
-    fed = run.token_ids if run.stop_reason == NONFINITE or not run.token_ids else run.token_ids[:-1]
-    try:
-        logits = replay(ref, run.prompt_ids, fed, fault_only_probe(ref, specs, norm_eps, watch=True))
-    except _NonFinite as e:
-        out.nonfinite = e.stage
-        return out
+    logits = torch.cat([c.value.reshape(1, -1) for c in probe.captures if c.name == "logits"]).float().cpu()
     out.logits, out.margins = logits, [tie_margin(x, low_dtype) for x in logits.max(-1).values.tolist()]
     return out
 
