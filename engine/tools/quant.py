@@ -29,6 +29,7 @@ from engine.inspection.probe import HookContext, Probe, split_name
 from engine.model import Model
 from engine.progress import OnProgress, tell_units
 from engine.settings import RunSettings
+from engine.variants import derive
 from engine.weights import Weights
 
 FORMATS = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
@@ -80,8 +81,7 @@ def quantized_model(model: Model, fmt: str, *, embed: bool = False) -> Model:
     if embed:
         emb = requantize(w.embed.t(), fmt).t().contiguous()             # (V, d): rows are token vectors
         head = emb.t().contiguous() if model.config.tie_word_embeddings else requantize(w.lm_head, fmt)
-    return Model(model.config, Weights(emb, layers, w.norm, head), model.tokenizer, device=model.device,
-                 dtype=torch.float32, name=f"{model.name} [{fmt.upper()}]", path=model.path)
+    return derive(model, Weights(emb, layers, w.norm, head), dtype=torch.float32, name=f"{model.name} [{fmt.upper()}]")
 
 
 @dataclass

@@ -146,20 +146,21 @@ class RescueReport:
         return d
 
 
-class _NonFinite(Exception):
-    def __init__(self, stage: str) -> None:
-        super().__init__(stage)
-        self.stage = stage
+class Watch:
+    """A hook that reads every stage and remembers the first one holding a NaN or Inf (it never replaces or
+    raises: a rerun checks `stage` after each forward and goes no further once it is set)."""
+
+    def __init__(self) -> None:
+        self.stage: str | None = None
+
+    def __call__(self, x: torch.Tensor, ctx: HookContext) -> None:
+        if self.stage is None and x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            self.stage = ctx.name
 
 
-def _watch(x: torch.Tensor, ctx: HookContext) -> None:
-    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
-        raise _NonFinite(ctx.name)          # ends the forward: the rest could only say the same
-
-
-def fault_only_probe(model: Model, injections, norm_eps: float | None, *, watch: bool = False) -> Probe:
-    """The faults (and the run-only epsilon) without statistics; with watch, a forward raises at the first
-    non-finite stage."""
+def fault_only_probe(model: Model, injections, norm_eps: float | None, *, watch: Watch | None = None) -> Probe:
+    """The faults (and the run-only epsilon) without statistics; with a Watch, every watched stage is read by
+    it."""
     probe = Probe()
     for inj in injections:
         (Injection.parse(inj) if isinstance(inj, str) else inj).apply(probe, model)
@@ -167,20 +168,26 @@ def fault_only_probe(model: Model, injections, norm_eps: float | None, *, watch:
     if watch:
         names = [n for n in model.hook_names() if n not in ("tokenizer", "detokenizer")
                  and not n.startswith("sampler.") and not n.endswith(UNWATCHED)]
-        probe.replace(names, _watch)
+        probe.replace(names, watch)
     return probe
 
 
-def replay(model: Model, prompt_ids: list[int], fed: list[int], probe: Probe | None = None) -> torch.Tensor:
+def replay(model: Model, prompt_ids: list[int], fed: list[int], probe: Probe | None = None,
+           watch: Watch | None = None) -> torch.Tensor | None:
     """Logits (1 + len(fed), V), float32 on the CPU, as a generation computes them: the prompt prefilled into
-    a KV cache (PREFILL_CHUNK positions at a time, last row kept), then each token of fed, one at a time."""
+    a KV cache (PREFILL_CHUNK positions at a time, last row kept), then each token of fed, one at a time. None
+    as soon as the watch (reading the probe's stages) has seen a NaN or Inf: the rest could only say the same."""
     cache = model.new_cache(len(prompt_ids) + len(fed))
     size = min(len(prompt_ids), PREFILL_CHUNK)
     for a in range(0, len(prompt_ids), size):
         last = model.forward(torch.tensor(prompt_ids[a:a + size]), cache, probe, last_only=True)
+        if watch is not None and watch.stage is not None:
+            return None
     rows = [last[0].float().cpu()]
     for t in fed:
         rows.append(model.forward(torch.tensor([t]), cache, probe, last_only=True)[0].float().cpu())
+        if watch is not None and watch.stage is not None:
+            return None
     return torch.stack(rows)
 
 
@@ -215,22 +222,23 @@ def fp32_reference(ref: Model, low_dtype: torch.dtype, settings: RunSettings, n_
     faults, watched as every plan's rerun is; its logits are the run's own, kept as it goes: the same forwards
     (prefill, then one token at a time) that `replay` runs for a plan, so the run is not computed twice."""
     specs = [i if isinstance(i, str) else i.spec for i in injections]
-    probe = fault_only_probe(ref, specs, norm_eps, watch=True).capture("logits")
+    watch = Watch()
+    probe = fault_only_probe(ref, specs, norm_eps, watch=watch).capture("logits")
     run = GenerationRun(ref, settings.prompt, params=settings.params, max_new_tokens=n_new, seed=settings.seed,
                         chat=settings.chat, system=settings.system, allow_special=settings.allow_special,
                         ignore_eos=True, probe=probe)
     out = Reference(run.prompt_ids, run.token_ids, specs, norm_eps, None, [])
     try:
-        while run.step() is not None:
+        while run.step() is not None and watch.stage is None:
             pass
-    except _NonFinite as e:
-        out.nonfinite = e.stage
-        return out
     except InputError as e:
         if "not a valid distribution" not in str(e):
             raise
         raise InputError(f"the fp32 run with these faults samples from NaN/Inf logits ({e}); no precision plan "
                          "can fix that") from None
+    if watch.stage is not None:
+        out.nonfinite = watch.stage
+        return out
     logits = torch.cat([c.value.reshape(1, -1) for c in probe.captures if c.name == "logits"]).float().cpu()
     out.logits, out.margins = logits, [tie_margin(x, low_dtype) for x in logits.max(-1).values.tolist()]
     return out
@@ -239,12 +247,12 @@ def fp32_reference(ref: Model, low_dtype: torch.dtype, settings: RunSettings, n_
 def judge(reference: Reference, plan: Model, label: str = "") -> Trial:
     """One rerun: the plan (a float16 / bfloat16 model, perhaps with fp32 units) replays the reference's run
     with its faults; finite, top-1 agreement outside ties, the ties and the logits' relative error."""
-    probe = fault_only_probe(plan, reference.injections, reference.norm_eps, watch=True)
+    watch = Watch()
+    probe = fault_only_probe(plan, reference.injections, reference.norm_eps, watch=watch)
     units = list(plan.fp32_units)
-    try:
-        logits = replay(plan, reference.prompt_ids, reference.fed, probe)
-    except _NonFinite as e:
-        return Trial(units, label, False, e.stage, 0.0, None)
+    logits = replay(plan, reference.prompt_ids, reference.fed, probe, watch)
+    if logits is None:
+        return Trial(units, label, False, watch.stage, 0.0, None)
     ref_logits = reference.logits
     if not bool(torch.isfinite(logits).all()):
         return Trial(units, label, False, "logits", 0.0, None)

@@ -98,8 +98,8 @@ def test_no_file_over_400_lines_and_no_function_over_80_outside_tests():
 
 def _side_doors(mod: str, text: str) -> list[str]:
     """Ways around the public forward in one module: a call of the model's private block (outside the model),
-    and a replace hook (a function taking x, ctx) that raises a _Stop... / _Done... exception to cut a forward
-    short."""
+    and a replace hook (a function taking x, ctx) that raises a private exception (_Stop, _Done, _NonFinite ...)
+    to cut a forward short."""
     found = [f"{mod} calls the model's private block; use Model.run_blocks"] \
         if mod != "engine.model" and "._block(" in text else []
     for fn in ast.walk(ast.parse(text)):
@@ -108,7 +108,7 @@ def _side_doors(mod: str, text: str) -> list[str]:
             continue
         for r in ast.walk(fn):
             exc = r.exc.func if isinstance(r, ast.Raise) and isinstance(r.exc, ast.Call) else getattr(r, "exc", None)
-            if isinstance(r, ast.Raise) and re.match(r"_(Stop|Done)", getattr(exc, "id", "")):
+            if isinstance(r, ast.Raise) and re.match(r"_[A-Z]", getattr(exc, "id", "")):
                 found.append(f"{mod}.{fn.name} raises {exc.id} to end a forward; use Model.forward(stop_after=...)")
     return found
 
@@ -203,3 +203,10 @@ def test_the_native_accelerator_is_chosen_in_one_place():
     callers = sorted(m for m, p in mods.items() if re.search(r"accelerator\.decode\(|\._native\b|native_allowed",
                                                              p.read_text()))
     assert callers == [], callers
+
+
+def test_models_are_built_in_two_places():
+    """engine.loader builds the models it loads; every other model (a precision plan, a cast or a quantised
+    copy) is a variant made by engine.variants.derive."""
+    builders = sorted(m for m, p in _sources(*PACKAGES).items() if re.search(r"(?<![\w.])Model\(", p.read_text()))
+    assert builders == ["engine.loader", "engine.variants"], builders

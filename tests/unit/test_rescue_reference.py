@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import RunSettings
-from engine.tools.rescue import fault_only_probe, fp32_reference, replay
+from engine.tools.rescue import Watch, fault_only_probe, fp32_reference, replay
 
 pytestmark = pytest.mark.unit
 FAULT = ("scale=1e3@blocks.1.mlp_out",)
@@ -22,6 +22,6 @@ def test_the_reference_is_the_runs_own_logits_from_one_forward_a_step(tiny_model
     assert ref.nonfinite is None and len(ref.tokens) == 5 and ref.logits.shape == (5, tiny_model.config.vocab_size)
     assert len(calls) == 5                                      # the prefill and 4 decode steps, once each
     monkeypatch.undo()
-    again = replay(tiny_model, ref.prompt_ids, ref.fed, fault_only_probe(tiny_model, FAULT, None, watch=True))
+    again = replay(tiny_model, ref.prompt_ids, ref.fed, fault_only_probe(tiny_model, FAULT, None, watch=Watch()))
     assert torch.equal(ref.logits, again)
     assert ref.logits.argmax(-1).tolist() == ref.tokens         # greedy: row i is the step that drew token i
