@@ -23,9 +23,6 @@ class Accelerator:
     stats: StatsBackend
     why_not: str = ""                 # why the native decode step is off ("" when on)
 
-    def without_decode(self, why: str) -> "Accelerator":
-        return Accelerator(None, self.stats, why)
-
 
 PLAIN = Accelerator(None, PYTORCH, "the PyTorch forward only (Model.with_accelerator(PLAIN))")
 
