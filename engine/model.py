@@ -38,6 +38,25 @@ if TYPE_CHECKING:
 
 
 
+class Mask:
+    """A call's attention mask, made once and read by every layer: allowed (T, S) bool, True where query row t
+    reads key s, and its additive form for SDPA (0 or -inf, made once per dtype). The CPU kernel takes the
+    additive mask at about the cost of an unmasked call, where a boolean one costs ~1.5x (converted per call)."""
+
+    __slots__ = ("allowed", "_bias")
+
+    def __init__(self, allowed: torch.Tensor) -> None:
+        self.allowed = allowed
+        self._bias: dict[torch.dtype, torch.Tensor] = {}
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        b = self._bias.get(dtype)
+        if b is None:
+            b = self._bias[dtype] = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device) \
+                .masked_fill_(~self.allowed, float("-inf"))
+        return b
+
+
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in the wider of the stream's and the weight's dtypes, output in the weight's (the dtype the
     following matmul runs in). In fp32 it is F.rms_norm's arithmetic, op for op (x * rsqrt(mean(x²) + eps) * w),
@@ -187,7 +206,7 @@ class Model:
         mask = None
         if T > 1 and pos > 0:   # a chunk after earlier positions: causal within, full view of the past
             rows = pos + torch.arange(T, device=ids.device)
-            mask = torch.arange(pos + T, device=ids.device)[None, :] <= rows[:, None]
+            mask = Mask(torch.arange(pos + T, device=ids.device)[None, :] <= rows[:, None])
         if probe.timing:
             probe.mark("start")
         x = probe("embed", F.embedding(ids, embed))                             # (T, d)
@@ -236,7 +255,7 @@ class Model:
         eps = self.config.rms_norm_eps if probe is None or probe.norm_eps is None else probe.norm_eps
         with torch.inference_mode(), self.attached(probe, int(positions[0])):
             return self._blocks(x.to(self.device), cache, probe or NO_PROBE, start, end, self.cos[positions],
-                                self.sin[positions], mask, eps, None)
+                                self.sin[positions], None if mask is None else Mask(mask), eps, None)
 
     def _block(self, p, lw: LayerWeights, x, cache, i: int, cos, sin, mask, eps: float,
                mlp: bool = True) -> torch.Tensor:
@@ -261,10 +280,10 @@ class Model:
         qh = q.transpose(0, 1)                                                  # (H, T, hd)
         need = max(p.need("attn.scores"), p.need("attn.pattern"))
         if T == 1 or need == FULL:    # one query row: scores and pattern are small; or a hook needs them whole
-            z = self._explicit_attention(qh, keys, values, p, mask)
+            z = self._explicit_attention(qh, keys, values, p, None if mask is None else mask.allowed)
         else:
             if need:      # statistics / some rows only: beside the fused kernel (query blocks or native), never whole
-                inspect_attention(p, qh, keys, mask, values)
+                inspect_attention(p, qh, keys, None if mask is None else mask.allowed, values)
             z = self._fused_attention(qh, keys, values, mask, p.guards_nan)     # what statistics found steers nothing
         z = p("attn.z", z.transpose(0, 1))                                      # (T, H, hd)
         attn_out = p("attn_out", _mm(z.reshape(T, H * hd), lw.wo).to(x.dtype))  # (T, d)
@@ -290,15 +309,12 @@ class Model:
             bad_v = ~torch.isfinite(values)                                    # (H, T, 1), (K, S, 1), (K, S, hd)
             bad = (bad_q, bad_k | bad_v)
             qh, keys, values = qh.masked_fill(bad_q, 0.0), keys.masked_fill(bad_k, 0.0), values.masked_fill(bad_v, 0.0)
-        if qh.device.type == "cpu":   # the CPU flash kernel takes GQA only as repeated heads
-            G = self.config.kv_groups
-            k_rep, v_rep = keys.repeat_interleave(G, dim=0), values.repeat_interleave(G, dim=0)
-            gqa = False
-        else:
-            k_rep, v_rep, gqa = keys, values, self.config.num_kv_heads != self.config.num_heads
-        z = F.scaled_dot_product_attention(qh[None], k_rep[None], v_rep[None], attn_mask=mask,
-                                           is_causal=mask is None, enable_gqa=gqa)[0]
-        return z if bad is None else self._poison_readers(z, bad[0], bad[1], mask)
+        gqa = self.config.num_kv_heads != self.config.num_heads     # query heads share KV heads: no copies
+        if keys.requires_grad or values.requires_grad:    # a gradient forward: autograd keeps what SDPA reads, and
+            keys, values = keys.clone(), values.clone()   # later layers write the cache these views are of
+        z = F.scaled_dot_product_attention(qh[None], keys[None], values[None], enable_gqa=gqa, is_causal=mask is None,
+                                           attn_mask=None if mask is None else mask.bias(qh.dtype))[0]
+        return z if bad is None else self._poison_readers(z, bad[0], bad[1], None if mask is None else mask.allowed)
 
     def _poison_readers(self, z, bad_q, bad_kv, mask) -> torch.Tensor:
         """z (H, T, hd) with NaN in rows whose query is not finite (bad_q (H, T, 1)), and where a row attends
