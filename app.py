@@ -19,11 +19,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import streamlit as st  # noqa: E402
 from streamlit.runtime.scriptrunner_utils.exceptions import StopException
 
-from inspector.session.clients import SessionToken, sessions
+from inspector.session.clients import sessions
 from inspector.ui import room
 from inspector.ui.common import browser_key, finish_load, forget_load_box, keep_within_budget, server_limits
 from inspector.ui.frame import frame
 from inspector.ui.sidebar import own_turn, sidebar
+from inspector.ui.state import session
 from inspector.ui.widgets import PROJECTOR, projector
 
 # Emoji page icons, never Material Symbols ones: Streamlit makes a page's icon the browser's favicon, and a
@@ -59,15 +60,14 @@ PROJECTOR_CSS = """<style>
 [data-testid="stMain"] h3 { font-size: 1.9rem; }
 </style>"""
 
-KEPT = PROJECTOR + "_kept"     # a page switch made by the script drops sidebar widget values; this copy stays
+state = session()      # this session's SessionState (inspector.ui.state), created on its first script run
 if PROJECTOR not in st.session_state:          # a shared link decides the first screen; later, the last choice
-    st.session_state[PROJECTOR] = st.session_state.get(
-        KEPT, st.query_params.get("projector", "") in ("1", "true", "on", "yes"))
-st.session_state[KEPT] = bool(st.session_state[PROJECTOR])
+    # (a page switch made by the script drops sidebar widget values; SessionState.projector keeps a copy)
+    st.session_state[PROJECTOR] = (state.projector if state.projector is not None
+                                   else st.query_params.get("projector", "") in ("1", "true", "on", "yes"))
+state.projector = bool(st.session_state[PROJECTOR])
 nav = st.navigation(PAGES, position="hidden")     # the sidebar lists the pages (inspector.ui.widgets)
-if "_session_token" not in st.session_state:     # counts this session for its browser while the session lives
-    st.session_state["_session_token"] = SessionToken()
-too_many = sessions.admit(browser_key(), st.session_state["_session_token"],
+too_many = sessions.admit(browser_key(), state.token,     # counts this session for its browser while it lives
                           server_limits(show_error=False).max_sessions_per_client)
 if too_many:                                      # before any run, room or model is touched: it holds nothing
     st.error(too_many)

@@ -1,11 +1,12 @@
 """Activations: per-layer statistics of every stage (recorded during the run), a position × layer heatmap,
 NaN/Inf cells, and the logit lens (one forward per chosen position, memoised)."""
-from collections import OrderedDict
 
 import streamlit as st
 
 from inspector.session.memo import memo, run_key
 from inspector.ui.common import get_model, on_demand, plain, require_run, was_stopped
+from inspector.ui.frame import ensure_frame
+from inspector.ui.state import session
 from inspector.ui.widgets import chart, checked
 from inspector.views.activations import (
     MAX_POSITIONS,
@@ -23,6 +24,8 @@ from inspector.views.activations import (
 )
 from inspector.views.tokens import token_labels
 
+ensure_frame()         # opened alone (a fresh server): into app.py's frame, once per script run
+
 LENS_K = 10
 LENS_AUTO = 512      # positions from here on compute the lens only when asked (a forward over them all)
 
@@ -30,7 +33,7 @@ LENS_AUTO = 512      # positions from here on compute the lens only when asked (
 st.header("Activations")
 run = require_run()
 blocks, key = run.probe.stats, run_key(run)
-cache = st.session_state.setdefault("act_cache", OrderedDict())
+cache = session().memo("act_cache")
 summary = memo(cache, (key, "summary"), lambda: layer_summary(blocks), max_entries=16)
 stages = layer_stages(blocks)
 if not stages:

@@ -2,12 +2,13 @@
 token looks, and an all-layers × heads entropy overview. Maps are computed on demand (one forward that
 stops after the chosen layer) and memoised per run and layer in this session; generation never re-runs."""
 import time
-from collections import OrderedDict
 
 import streamlit as st
 
 from inspector.session.memo import content_key, memo, view_store
 from inspector.ui.common import on_demand, plain, require_run_and_model, was_stopped
+from inspector.ui.frame import ensure_frame
+from inspector.ui.state import session
 from inspector.ui.widgets import chart, checked, shared
 from inspector.views.attention import (
     MAX_CELLS,
@@ -26,6 +27,8 @@ from inspector.views.attention import (
 )
 from inspector.views.tokens import token_labels
 
+ensure_frame()         # opened alone (a fresh server): into app.py's frame, once per script run
+
 OVERVIEW_AUTO = 512   # longer runs compute the layers × heads overview only when asked
 
 
@@ -34,8 +37,8 @@ run, model = require_run_and_model("compute its attention")
 cfg, ids = model.config, run.ids
 T, key = len(ids), content_key(run, model)     # a room's run: every student's session shares what is derived
 labels = token_labels(model.tokenizer, ids)
-maps = view_store(run, st.session_state.setdefault("att_maps", OrderedDict()))
-overviews = view_store(run, st.session_state.setdefault("att_overviews", OrderedDict()))
+maps = view_store(run, session().memo("att_maps"))
+overviews = view_store(run, session().memo("att_overviews"))
 figures = view_store(run, None)                # figures: shared for a room, else drawn afresh
 
 c1, c2 = st.columns(2)

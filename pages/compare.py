@@ -11,11 +11,11 @@ from inspector.session.models import model_choices, shared_model
 from inspector.session.run import check_settings
 from inspector.ui.common import current_run, device_slot, get_model, plain, server_limits
 from inspector.ui.frame import ensure_frame
+from inspector.ui.state import session
 from inspector.ui.widgets import chart, checked, checked_float, checked_text, sampling_form
 from inspector.views import compare as cmp
 from inspector.views.tokens import visible
 
-RESULT = "cmp_result"
 MAX_RECOMPUTED_POSITIONS = 16_384     # KV cache off: positions computed over all steps, per configuration
 MAX_ATTENTION_POSITIONS = 1_024       # attention maps: (heads, T, T) of one layer at a time
 DTYPES = ["sidebar's", "float32", "bfloat16", "float16"]
@@ -173,10 +173,10 @@ if st.button("Compare", key="cmp_run", type="primary", disabled=None in configs)
         st.error(str(e))
         st.stop()
     bar.empty()
-    s[RESULT] = dict(a=ta, b=tb, cfg_a=cfg_a, cfg_b=cfg_b, divergence=d, diff_step=at, diff=diff,
+    session().compared = dict(a=ta, b=tb, cfg_a=cfg_a, cfg_b=cfg_b, divergence=d, diff_step=at, diff=diff,
                      names=(ma.name, str(ma.dtype), mb.name, str(mb.dtype)))
 
-res = s.get(RESULT)
+res = session().compared
 if res is None:
     st.info("Choose two configurations and press **Compare**.")
     st.stop()

@@ -1,7 +1,7 @@
 """Debugger: generate one token at a time with the live engine. Step / Continue (to a breakpoint or the end) /
 Run to end / Reset; conditional breakpoints; new sampler settings after a break. After every step the run so
-far is this session's current run (st.session_state["run"]) and the step shown is st.session_state
-["selected_step"], so every other page shows the run's state at that step."""
+far is this session's current run (SessionState.run) and the step shown is SessionState.selected_step, so every
+other page shows the run's state at that step."""
 import dataclasses
 import math
 from fnmatch import fnmatchcase
@@ -11,8 +11,10 @@ import streamlit as st
 from engine import EngineError, InputError, RunSettings, SamplingParams
 from engine.tools.breakpoints import AbsAbove, EntropyBelow, NonFinite, RepeatedNgram, TokenIs
 from inspector.session.stepper import Debugger
-from inspector.ui.common import RUN_KEY, current_run, device_slot, get_model, plain, server_limits
+from inspector.ui.common import current_run, device_slot, get_model, plain, server_limits
+from inspector.ui.frame import ensure_frame
 from inspector.ui.sidebar import settings_from_sidebar
+from inspector.ui.state import session
 from inspector.ui.widgets import (
     FILTERS,
     PENALTIES,
@@ -29,18 +31,17 @@ from inspector.views.debugger import candidates_table, describe_step, params_tab
 from inspector.views.sampling import describe as describe_params
 from inspector.views.tokens import steps_table
 
-DBG, BPS, SELECTED = "dbg", "dbg_bps", "selected_step"
+ensure_frame()         # opened alone (a fresh server): into app.py's frame, once per script run
+
 KINDS = ["NaN / Inf", "|value| above", "Entropy below", "Repeated n-gram", "Token"]
 MAX_FIELD_CHARS = 200         # a stage glob or a token's text: matched against every stage / tokenized
 MAX_NGRAM = 20
-s = st.session_state
+s, ss = st.session_state, session()      # widget values; this session's SessionState
 
 st.header("Debugger")
 model = get_model()
 if model is None:
     st.stop()
-if BPS not in s:
-    s[BPS] = []
 
 
 def sidebar_settings() -> RunSettings:
@@ -53,7 +54,7 @@ def sidebar_settings() -> RunSettings:
 def run_settings() -> RunSettings | None:
     """The settings of the run the other pages show (a trace file opened, an earlier run chosen): those of the
     debugger's own run while that is the current one, so Reset starts it over."""
-    cur, dbg = current_run(), s.get(DBG)
+    cur, dbg = current_run(), ss.debugger
     if cur is not None and (dbg is None or cur is not dbg.published):
         return cur.settings
     return dbg.settings if dbg is not None else None
@@ -82,15 +83,14 @@ def start_settings() -> RunSettings:
 def new_debugger(old: Debugger | None, settings) -> Debugger | None:
     """A fresh run from these settings (checked against the server's limits, as the sidebar's Run is)."""
     if old is not None and current_run() is old.published:     # the pages stop showing the old run
-        s.pop(RUN_KEY, None)
-        s.pop(SELECTED, None)
-    s.pop(DBG, None)
+        ss.run = ss.selected_step = None
+    ss.debugger = None
     try:
-        dbg = Debugger(model, settings, s[BPS], limits=server_limits())
+        dbg = Debugger(model, settings, ss.breakpoints, limits=server_limits())
     except (EngineError, TypeError, ValueError) as e:
         st.error(f"Could not start the run: {e}")
         return None
-    s[DBG] = dbg
+    ss.debugger = dbg
     set_sampling_widgets("dbg", dbg.run.params)
     return dbg
 
@@ -103,8 +103,8 @@ def glob_input(box, key: str) -> str:
 def publish(dbg: Debugger) -> None:
     """The run so far becomes the session's current run; the newest step is the selected one."""
     if dbg.steps:                            # pages expect at least one step in a run
-        s[RUN_KEY] = dbg.record()
-        s[SELECTED] = s["dbg_view_step"] = len(dbg.steps) - 1
+        ss.run = dbg.record()
+        ss.selected_step = s["dbg_view_step"] = len(dbg.steps) - 1
 
 
 try:
@@ -119,7 +119,7 @@ do_cont = c[2].button("Continue", key="dbg_continue", use_container_width=True,
                       help="Run until a breakpoint fires or the run ends")
 do_end = c[3].button("Run to end", key="dbg_run_end", use_container_width=True, help="Ignore breakpoints")
 
-dbg: Debugger | None = s.get(DBG)
+dbg: Debugger | None = ss.debugger
 if reset or ((do_step or do_cont or do_end) and (dbg is None or dbg.model_name != model.name)):
     if isinstance(start, EngineError):
         st.error(f"Could not start the run: {start}")
@@ -133,7 +133,7 @@ if dbg is not None and (do_step or do_cont or do_end):
         try:
             if dbg.set_params(sampling_params_from("dbg", dbg.run.params)):
                 st.toast(f"New sampler settings from step {len(dbg.steps)} on")
-            dbg.breakpoints = list(s[BPS])
+            dbg.breakpoints = list(ss.breakpoints)
             live = st.empty()
             # the text so far after each token; a Streamlit call per token also lets Stop / a rerun end a long
             # Continue between two steps (the run stays consistent, and is published on the next rerun)
@@ -165,7 +165,7 @@ elif dbg.model_name != model.name:
                "Press Reset.")
 
 # ---- breakpoints -----------------------------------------------------------------------------------
-with st.expander(f"Breakpoints ({len(s[BPS])})", expanded=True):
+with st.expander(f"Breakpoints ({len(ss.breakpoints)})", expanded=True):
     c1, c2, c3 = st.columns([2, 3, 1])
     kind = c1.selectbox("Break on", KINDS, key="dbg_bp_kind")
     try:
@@ -191,14 +191,14 @@ with st.expander(f"Breakpoints ({len(s[BPS])})", expanded=True):
     except EngineError as e:
         st.error(str(e))
         bp = None
-    if c3.button("Add", key="dbg_bp_add", disabled=bp is None, use_container_width=True) and bp not in s[BPS]:
-        s[BPS] = s[BPS] + [bp]
+    if c3.button("Add", key="dbg_bp_add", disabled=bp is None, use_container_width=True) and bp not in ss.breakpoints:
+        ss.breakpoints = ss.breakpoints + [bp]
         st.rerun()
-    for i, b in enumerate(s[BPS]):
+    for i, b in enumerate(ss.breakpoints):
         r1, r2 = st.columns([5, 1])
         r1.markdown(f"`{i}` {plain(b.describe())}")
         if r2.button("Remove", key=f"dbg_bp_rm_{i}", use_container_width=True):
-            s[BPS] = s[BPS][:i] + s[BPS][i + 1:]
+            ss.breakpoints = ss.breakpoints[:i] + ss.breakpoints[i + 1:]
             st.rerun()
 
 # ---- the sampler for the next steps -----------------------------------------------------------------
@@ -231,12 +231,12 @@ if not steps:
     st.stop()
 
 if "dbg_view_step" not in s:                              # first visit, or back from another page
-    s["dbg_view_step"] = s.get(SELECTED, len(steps) - 1)
+    s["dbg_view_step"] = len(steps) - 1 if ss.selected_step is None else ss.selected_step
 s["dbg_view_step"] = min(max(int(s["dbg_view_step"]), 0), len(steps) - 1)
 view = checked(st.number_input(f"Step shown (0–{len(steps) - 1}); every page shows this step", 0, len(steps) - 1,
                               key="dbg_view_step"), 0, len(steps) - 1, "Step shown")
 if cur is not None and cur is dbg.published:
-    s[SELECTED] = view
+    ss.selected_step = view
 step = steps[view]
 st.markdown(f"**{plain(describe_step(step, tok))}**")
 m = st.columns(4)

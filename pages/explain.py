@@ -4,7 +4,6 @@ patching from a clean into a corrupted prompt, and every head zeroed), and which
 (occlusion and gradient × input, each checked by a deletion curve). The attribution is computed when the
 step or tokens change (one forward); patching and input attribution only on a button press. Everything is
 kept per run in this session."""
-from collections import OrderedDict
 
 import pandas as pd
 import streamlit as st
@@ -15,9 +14,13 @@ from engine.tools.explain import explain_step
 from engine.tools.patching import patching_grid, replace_span
 from inspector.session.memo import memo, run_key
 from inspector.ui.common import device_slot, on_demand, plain, require_run_and_model, was_stopped
+from inspector.ui.frame import ensure_frame
+from inspector.ui.state import session
 from inspector.ui.widgets import chart, checked, checked_text, columns
 from inspector.views import explain as xv
 from inspector.views.tokens import token_labels
+
+ensure_frame()         # opened alone (a fresh server): into app.py's frame, once per script run
 
 MAX_PATCH_TOKENS = 128       # the grid's cost grows with positions² x layers; beyond this it takes minutes
 MAX_ATTRIBUTION_TOKENS = 128
@@ -29,7 +32,7 @@ STORE = "explain_memo"
 def cached(k, what: str, compute):
     """The memoised result for k, computing it (in a device slot, with a spinner) on a miss: the one-forward
     attribution. The long jobs (patching, input attribution) go through long_job."""
-    store = st.session_state.setdefault(STORE, OrderedDict())
+    store = session().memo(STORE)
     if k in store:
         return memo(store, k, compute)
     try:
@@ -44,12 +47,12 @@ def cached(k, what: str, compute):
 def long_job(k, what: str, compute):
     """compute(on_progress) memoised for k, with a progress bar and Stop (inspector.ui.common.on_demand); None while
     stopped (the page then shows "Stopped" and a button to compute again)."""
-    return on_demand(st.session_state.setdefault(STORE, OrderedDict()), k, what, compute, max_entries=12)
+    return on_demand(session().memo(STORE), k, what, compute, max_entries=12)
 
 
 def has(k, what: str) -> bool:
     """Computed for k, or stopped (on_demand then shows "Stopped" and a button to compute again)."""
-    return k in st.session_state.get(STORE, {}) or was_stopped(what, k)
+    return k in session().memo(STORE) or was_stopped(what, k)
 
 
 def show_attribution(e) -> None:

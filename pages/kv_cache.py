@@ -2,8 +2,11 @@
 import streamlit as st
 
 from inspector.ui.common import require_run_and_model
+from inspector.ui.frame import ensure_frame
 from inspector.ui.widgets import chart, checked, metric_columns
 from inspector.views import kv_cache as kv
+
+ensure_frame()         # opened alone (a fresh server): into app.py's frame, once per script run
 
 st.header("KV cache")
 run, model = require_run_and_model()

@@ -12,9 +12,13 @@ from inspector.session.models import shared_copy
 from inspector.session.run import check_settings
 from inspector.ui.common import get_model, on_demand, plain, require_run, server_limits, was_stopped
 from inspector.ui.demos import lesson
+from inspector.ui.frame import ensure_frame
 from inspector.ui.prescriptions import rescue_section
+from inspector.ui.state import session
 from inspector.ui.widgets import chart, checked, checked_float
 from inspector.views import doctor as dv
+
+ensure_frame()         # opened alone (a fresh server): into app.py's frame, once per script run
 
 MAX_PRECISION_POSITIONS = 256
 MAX_POSITION = 10**9          # a weight's element index can be large; an activation's position is checked by run_doctor
@@ -110,8 +114,8 @@ default_new = run.settings.max_new_tokens      # a reopened trace's: any value i
 default_new = min(8, default_new, limits.max_new_tokens) if type(default_new) is int and default_new >= 1 else 8
 max_new = checked(st.number_input("Max new tokens", 1, limits.max_new_tokens, default_new, key="nd_max_new"), 1,
                   limits.max_new_tokens, "Max new tokens")
-reports = st.session_state.setdefault("nd_reports", {})        # run_key -> the last fault run on it
-autorun = st.session_state.pop("nd_autorun", False)           # a demo asked for the fault run
+reports = session().memo("nd_reports")                         # run_key -> the last fault run on it
+autorun, session().autorun = session().autorun, False          # a demo asked for the fault run
 fault_key, fault_what = (run_key(run), tuple(specs), norm_eps, dtype, int(max_new)), "the fault run"
 if st.button("Run with the fault", key="nd_inject", type="primary") or autorun or was_stopped(fault_what, fault_key):
     text = st.empty()
@@ -155,7 +159,7 @@ c1, c2 = st.columns(2)
 low_dtype = c1.selectbox("Compare with", ["float16", "bfloat16"], key="nd_prec_dtype")
 thr = checked_float(c2.number_input("Divergence threshold (relative error; 0 = 8 × unit roundoff)", 0.0, 10.0, 0.0,
                                     format="%.4f", key="nd_prec_thr"), 0.0, 10.0, "Divergence threshold")
-precs = st.session_state.setdefault("nd_precs", {})            # run_key -> the last comparison
+precs = session().memo("nd_precs")                             # run_key -> the last comparison
 prec_key, prec_what = (run_key(run), low_dtype, thr), "the precision comparison"
 if st.button("Compare precisions", key="nd_prec_run") or was_stopped(prec_what, prec_key):
     ids = run.ids[:MAX_PRECISION_POSITIONS]

@@ -15,8 +15,12 @@ from inspector.session.memo import run_key
 from inspector.ui import common
 from inspector.ui.common import current_run, get_model, on_demand, plain, require_run, server_limits, was_stopped
 from inspector.ui.demos import demo_buttons
+from inspector.ui.frame import ensure_frame
+from inspector.ui.state import session
 from inspector.ui.widgets import metric_columns, page_link
 from inspector.views.tokens import seen_prompt_text, steps_table, token_counts
+
+ensure_frame()         # opened alone (a fresh server): into app.py's frame, once per script run
 
 STOP_HELP = {"eos": "The model chose its end-of-text token.", "stop_string": "The text reached a stop string.",
              "max_new_tokens": "The run generated the number of new tokens asked for.",
@@ -54,7 +58,7 @@ if current_run() is None:
         "sampler turns the model's scores into one chosen word (temperature, top-k, top-p), how the memory of the "
         "KV cache grows, and what goes wrong when it loops or a NaN appears. Type a prompt in the sidebar and "
         "press **Run**, or start with one of these:")
-    demo_buttons("ov_demo", disabled=st.session_state.get("_live_run") is not None)
+    demo_buttons("ov_demo", disabled=session().live is not None)
     st.caption("Each demo fills the sidebar with its prompt and settings, runs, and opens the page that shows "
                "what it is about. Every page then shows that run; change the prompt and press Run to make your own.")
     common.finish_load()  # a fresh server's first visitors: the sidebar shows the model's load until it is done
@@ -135,7 +139,7 @@ st.subheader("Take-home report")
 st.caption("One HTML file with this run: overview, token splits, every step, attention maps (first, middle and "
            "last layer), activation statistics, sampling distributions, NaN/loop findings and the command line "
            "that reproduces it. It opens in any browser with no network and no Python.")
-reports = st.session_state.setdefault("ov_report", {})
+reports = session().memo("ov_report")
 key = run_key(run)
 if key not in reports and (was_stopped("the report", key) or st.button("Make a report (HTML)", key="ov_report_make")):
     maps_too = model is not None and model.name == run.model_name      # else the report has no attention maps

@@ -3,7 +3,10 @@ layer, and the next-token distributions step by step (inspector.ui.prescriptions
 import streamlit as st
 
 from inspector.ui.common import require_run_and_model
+from inspector.ui.frame import ensure_frame
 from inspector.ui.prescriptions import quantization_section
+
+ensure_frame()         # opened alone (a fresh server): into app.py's frame, once per script run
 
 st.header("Quantization")
 run, model = require_run_and_model("quantize its weights")

@@ -9,10 +9,14 @@ from inspector.session.memo import run_key
 from inspector.session.run import check_settings
 from inspector.ui.common import get_model, on_demand, plain, require_run, server_limits, was_stopped
 from inspector.ui.demos import lesson
+from inspector.ui.frame import ensure_frame
 from inspector.ui.prescriptions import why_loop_section
+from inspector.ui.state import session
 from inspector.ui.widgets import chart
 from inspector.views import repetition as rv
 from inspector.views.tokens import token_labels
+
+ensure_frame()         # opened alone (a fresh server): into app.py's frame, once per script run
 
 st.header("Repetition")
 run = require_run()
@@ -57,7 +61,7 @@ if loops:
     k = st.selectbox("Loop", list(range(len(loops))), key="rep_loop",
                      format_func=lambda i: f"loop {i + 1}: start {loops[i].start}, period {loops[i].period}")
     lp = loops[k]
-    store = st.session_state.setdefault("rep_attn", {})           # (run_key, loop) -> CopyAttention
+    store = session().memo("rep_attn")                            # (run_key, loop) -> CopyAttention
     ca = on_demand(store, (key, lp), f"the attention over {len(run.ids):,} positions",
                    lambda tell: rv.copy_attention(model, run.ids, run.n_prompt, lp, on_progress=tell),
                    work=(model, len(run.ids), model.config.num_layers), max_entries=4)
@@ -78,7 +82,7 @@ st.caption("The same prompt, seed and sampling settings, each penalty alone (the
            "the loop when its generation holds no loop at all.")
 chosen = st.multiselect("Settings to try", list(rv.PENALTY_VARIANTS), default=list(rv.PENALTY_VARIANTS),
                         key="rep_variants")
-tables = st.session_state.setdefault("rep_tables", {})         # run_key -> the comparison table
+tables = session().memo("rep_tables")                         # run_key -> the comparison table
 variants_key, variants_what = (key, tuple(chosen)), "the penalty comparison"
 if st.button("Generate with each setting", key="rep_compare", disabled=not chosen) \
         or (chosen and was_stopped(variants_what, variants_key)):

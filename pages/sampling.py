@@ -5,7 +5,6 @@ captured. The page body is a fragment (a slider move reruns it alone, not the si
 chain and the draws are memoised, so a move recomputes only what it changed."""
 import math
 import time
-from collections import OrderedDict
 
 import streamlit as st
 
@@ -15,8 +14,12 @@ from inspector.session.limits import LimitError, check_int
 from inspector.session.memo import content_key, memo, view_store
 from inspector.ui.common import plain, require_run_and_model
 from inspector.ui.demos import lesson
+from inspector.ui.frame import ensure_frame
+from inspector.ui.state import session
 from inspector.ui.widgets import chart, columns, metric_columns, projector, sampling_form, shared, table
 from inspector.views import sampling as smp
+
+ensure_frame()         # opened alone (a fresh server): into app.py's frame, once per script run
 
 DEFAULTS = [None, *smp.PRESETS]           # A: the run's own settings
 LABELS = "ABCDE"
@@ -31,12 +34,12 @@ tok = model.tokenizer
 if not result.steps:
     st.info(f"This run drew no token (stop reason: {plain(result.stop_reason)}), so there is no step to replay.")
     st.stop()
-if st.session_state.get("smp_for_run") != run.created:
+if session().sampling_for != run.created:
     # a new run: setting A follows its settings again, and the step must exist in it
     for k in [k for k in st.session_state if k == "smp_step" or k.startswith("smp_0_")]:
         del st.session_state[k]
-    st.session_state["smp_for_run"] = run.created
-cache = st.session_state.setdefault("smp_cache", OrderedDict())
+    session().sampling_for = run.created
+cache = session().memo("smp_cache")
 
 
 def settings_panels(n: int) -> dict[str, SamplingParams]:
@@ -102,7 +105,7 @@ def body() -> None:
     t0 = time.perf_counter()
     c1, c2 = st.columns([3, 1])
     # the step the debugger stopped at, when this run comes from it; otherwise the first
-    default_step = min(int(st.session_state.get("selected_step") or 0), len(result.steps) - 1)
+    default_step = min(int(session().selected_step or 0), len(result.steps) - 1)
     last = len(result.steps) - 1
     try:        # every number a browser sends is checked here, not only by the widget's own bounds
         step = check_int(c1.number_input(f"Step (0 = after the prefill; {len(result.steps)} in this run)", 0,

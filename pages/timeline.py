@@ -2,8 +2,11 @@
 import streamlit as st
 
 from inspector.ui.common import get_model, require_run
+from inspector.ui.frame import ensure_frame
 from inspector.ui.widgets import chart, columns, metric_columns
 from inspector.views import timeline as tl
+
+ensure_frame()         # opened alone (a fresh server): into app.py's frame, once per script run
 
 st.header("Timeline")
 run = require_run()

@@ -5,7 +5,10 @@ import streamlit as st
 from engine import InputError
 from inspector.session.limits import LimitError, check_text, cut_text
 from inspector.ui.common import get_model, plain, require_run, server_limits
+from inspector.ui.frame import ensure_frame
 from inspector.views.tokens import chat_messages, run_token_table, spans_html, stream_table, token_counts
+
+ensure_frame()         # opened alone (a fresh server): into app.py's frame, once per script run
 
 MAX_SAMPLE_CHARS = 2_000      # "Try any text": one row per token in the table below
 

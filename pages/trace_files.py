@@ -17,10 +17,11 @@ from inspector.session.limits import trace_bounds
 from inspector.session.memo import run_key
 from inspector.session.run import track
 from inspector.ui.common import current_run, get_model, plain, server_limits
+from inspector.ui.frame import ensure_frame
 from inspector.ui.sidebar import keep_run
+from inspector.ui.state import session
 
-OPENED = "tf_opened"       # (file name, sha256, the parsed trace or the error): what this session keeps of an upload
-UPLOADS = "tf_uploads"     # uploads taken so far: the uploader's key, so a taken file leaves the widget
+ensure_frame()         # opened alone (a fresh server): into app.py's frame, once per script run
 
 
 def take_upload(up) -> None:
@@ -43,11 +44,11 @@ def take_upload(up) -> None:
         except Exception as e:     # a parser failure the checks did not foresee: still one clear message
             result = f"the file could not be read ({type(e).__name__})"
         del data
-    st.session_state[OPENED] = (str(up.name)[:200], digest, result)
+    session().opened = (str(up.name)[:200], digest, result)
     ctx = get_script_run_ctx()
     if ctx is not None:
         ctx.uploaded_file_mgr.remove_file(ctx.session_id, up.file_id)
-    st.session_state[UPLOADS] = st.session_state.get(UPLOADS, 0) + 1
+    session().uploads += 1         # the uploader's key: a taken file leaves the widget
 
 
 st.header("Trace files")
@@ -57,7 +58,7 @@ run = current_run()
 if run is None:
     st.info("Enter a prompt in the sidebar and press **Run** to make a run to save (or open a trace below).")
 else:
-    files = st.session_state.setdefault("tf_bytes", {})              # run_key -> the file's bytes
+    files = session().memo("tf_bytes")                               # run_key -> the file's bytes
     if run_key(run) not in files:
         files.clear()                                                # one file kept: the current run's
         files[run_key(run)] = to_bytes(run)
@@ -72,12 +73,12 @@ else:
 
 st.subheader("Open a trace")
 up = st.file_uploader("Trace file (.trace / .safetensors)", type=["trace", "safetensors"],
-                      key=f"tf_upload_{st.session_state.get(UPLOADS, 0)}",
+                      key=f"tf_upload_{session().uploads}",
                       max_upload_size=max(1, trace_file_limit(server_limits(show_error=False)) >> 20))
 if up is not None:
     take_upload(up)
     st.rerun()
-opened = st.session_state.get(OPENED)
+opened = session().opened      # (file name, sha256, the parsed trace or the error)
 if opened is not None and isinstance(opened[2], str):
     st.error(f"Could not open {plain(opened[0])}: {plain(opened[2])}")
 elif opened is not None:
@@ -102,7 +103,7 @@ elif opened is not None:
         st.text(f"Made with: {', '.join(map(str, made_with))}")
     st.code(trace.result.text or "(nothing)", language=None, wrap_lines=True)
     if st.button("Open as the current run", key="tf_open", type="primary"):
-        del st.session_state[OPENED]          # the run list holds it from now on: one copy, counted once
+        session().opened = None               # the run list holds it from now on: one copy, counted once
         keep_run(track(trace), server_limits(show_error=False).max_runs_kept)
         st.toast("Opened the file: every page now shows this run.")
         st.rerun()

@@ -5,7 +5,7 @@ data goes first, then earlier runs, never the run on screen. The server-wide tot
 sessions × budget + the loaded models.
 
 The budget is of the process's memory: the data it counts fills at most DATA_SHARE of it.
-Works on any mutable mapping (st.session_state in the app, a dict in tests); knows nothing of Streamlit.
+Reads the session's SessionState by field, and its widget values (any mapping); knows nothing of Streamlit.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-RUNS_KEY, RUN_KEY, DEBUGGER_KEY = "runs", "run", "dbg"
+from inspector.session.state import SessionState
+
 MAX_DEPTH = 8
 # The share of a session's budget its counted data (tensors, arrays, tables, bytes, strings) may fill. The rest
 # is for what nbytes does not see: the Python objects around that data, Streamlit's own per-session state and
@@ -64,71 +65,82 @@ def nbytes(obj: Any, seen: set | None = None, depth: int = 0) -> int:
         return sum(nbytes(k, seen, depth + 1) + nbytes(v, seen, depth + 1) for k, v in list(obj.items()))
     if isinstance(obj, (list, tuple, set, frozenset)):
         return sum(nbytes(v, seen, depth + 1) for v in list(obj))
-    if dataclasses.is_dataclass(obj) or hasattr(obj, "__dict__"):
-        return sum(nbytes(v, seen, depth + 1) for v in vars(obj).values()) if hasattr(obj, "__dict__") else 0
+    if hasattr(obj, "__dict__"):
+        return sum(nbytes(v, seen, depth + 1) for v in vars(obj).values())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):      # a slotted one (SessionState, RoomSeat)
+        return sum(nbytes(getattr(obj, f.name), seen, depth + 1) for f in dataclasses.fields(obj))
     return 0
 
 
 @dataclasses.dataclass
 class Holding:
     """One thing a session keeps that the budget may drop."""
-    key: str                 # session-state key
-    item: Any                # within a dict store: the entry's key; otherwise None (the whole value)
+    key: str                 # where: a SessionState field ("memos", "compared", "opened", "debugger", "runs"), or
+                             # "widgets" (a widget's value in st.session_state)
+    name: str | None         # the memo's name (memos), the widget's key (widgets); otherwise None
+    item: Any                # within a memo store: the entry's key; within runs: the run; otherwise None (whole)
     bytes: int
     rank: int                # drop order: lower first (derived data 0, uploads 1, debugger 2, earlier runs 3)
     label: str
 
 
-def holdings(state: Mapping) -> list[Holding]:
-    """What the session holds, in the order the budget drops it: memo entries oldest first, then uploads, opened
-    trace files and trace bytes, then the debugger's run, then earlier runs oldest first. The current run and the
-    app's own state (keys starting with "_") are never listed; everything else is, dict entry by dict entry or
-    as a whole value."""
-    current = state.get(RUN_KEY)
-    seen: set = set() if current is None else {id(current)}
+def _whole(key: str, name: str | None, value: Any, rank: int, label: str, seen: set) -> list[Holding]:
+    n = nbytes(value, seen)
+    return [Holding(key, name, None, n, rank, label)] if n else []
+
+
+def holdings(session: SessionState, widgets: Mapping | None = None) -> list[Holding]:
+    """What the session holds, in the order the budget drops it: page memo entries oldest first, the last
+    comparison and widget values (a long prompt), then opened trace files, trace bytes and uploaded files, then
+    the debugger's run, then earlier runs oldest first. The current run and the app's own state (a live run, a
+    room seat, the flags) are never listed."""
+    current, seen = session.run, set()
     nbytes(current, seen)              # what the current run holds is never counted as droppable
     out: list[Holding] = []
-    for key in list(state.keys()):
-        value = state[key]
-        if key in (RUNS_KEY, RUN_KEY, DEBUGGER_KEY) or str(key).startswith("_"):
-            continue       # "_..." keys are the app's own state (a live run, a room seat): counted, never dropped
-        rank = 1 if str(key).startswith("tf_") else 0
-        label = "a trace file" if rank else f"a cached view ({key})"
-        if not isinstance(value, dict):          # a whole value: an opened upload, a report, a widget's file
-            n = nbytes(value, seen)
+    for name, store in list(session.memos.items()):
+        rank = 1 if name.startswith("tf_") else 0
+        label = "a trace file" if rank else f"a cached view ({name})"
+        for k in list(store.keys()):
+            n = nbytes(store[k], seen)
             if n:
-                out.append(Holding(key, None, n, rank, label))
-            continue
-        for k in list(value.keys()):
-            n = nbytes(value[k], seen)
-            if n:
-                out.append(Holding(key, k, n, rank, label))
-    dbg = state.get(DEBUGGER_KEY)
+                out.append(Holding("memos", name, k, n, rank, label))
+    out += _whole("compared", None, session.compared, 0, "a cached view (comparison)", seen)
+    out += _whole("opened", None, session.opened, 1, "a trace file", seen)
+    for key in list((widgets or {}).keys()):
+        value = widgets[key]
+        if not isinstance(value, SessionState):    # a widget's value: an uploaded file, a long prompt
+            rank = 1 if str(key).startswith("tf_") else 0
+            out += _whole("widgets", key, value, rank, "a trace file" if rank else f"a cached view ({key})", seen)
+    dbg = session.debugger
     if dbg is not None and getattr(dbg, "published", None) is not current:
-        out.append(Holding(DEBUGGER_KEY, None, nbytes(dbg, seen), 2, "the debugger's run"))
-    for run in state.get(RUNS_KEY, []):
+        out.append(Holding("debugger", None, None, nbytes(dbg, seen), 2, "the debugger's run"))
+    for run in session.runs:
         if run is not current:
-            out.append(Holding(RUNS_KEY, run, nbytes(run, seen), 3, f"an earlier run ({len(run.ids)} positions)"))
+            out.append(Holding("runs", None, run, nbytes(run, seen), 3, f"an earlier run ({len(run.ids)} positions)"))
     return sorted(out, key=lambda h: h.rank)      # stable: oldest first within a rank
 
 
-def session_bytes(state: Mapping) -> int:
-    return nbytes({k: state[k] for k in list(state.keys())})
+def session_bytes(session: SessionState, widgets: Mapping | None = None) -> int:
+    """Bytes of counted data the session holds: its SessionState and its widget values."""
+    seen: set = set()
+    return nbytes(session, seen) + nbytes({k: v for k, v in (widgets or {}).items() if v is not session}, seen)
 
 
-def enforce(state: MutableMapping, budget_bytes: int) -> list[str]:
+def enforce(session: SessionState, budget_bytes: int, widgets: MutableMapping | None = None) -> list[str]:
     """Drop what holdings() lists, in order, until the session fits its budget. Returns what was dropped."""
-    used = session_bytes(state)
+    used = session_bytes(session, widgets)
     dropped: list[str] = []
-    for h in holdings(state):
+    for h in holdings(session, widgets):
         if used <= budget_bytes:
             break
-        if h.key == RUNS_KEY:
-            state[RUNS_KEY] = [r for r in state[RUNS_KEY] if r is not h.item]
-        elif h.item is None:
-            del state[h.key]
+        if h.key == "runs":
+            session.runs = [r for r in session.runs if r is not h.item]
+        elif h.key == "memos":
+            session.memos[h.name].pop(h.item, None)
+        elif h.key == "widgets":
+            del widgets[h.name]
         else:
-            state[h.key].pop(h.item, None)
+            setattr(session, h.key, None)
         used -= h.bytes
         dropped.append(f"{h.label}, {h.bytes / 2**20:.1f} MiB")
     return dropped

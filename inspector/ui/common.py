@@ -24,12 +24,9 @@ from inspector.session.limits import LimitError, Limits, LimitsConfigError, chec
 from inspector.session.memo import memo
 from inspector.session.models import LOAD_RETRY_S, LoadState, model_choices, model_load
 from inspector.session.on_demand import about, estimate, progress_text, record_rate
-from inspector.ui.frame import ensure_frame
+from inspector.ui.state import session
 
-RUN_KEY = "run"            # the run the pages show
 CLIENT_COOKIE = "_streamlit_xsrf"    # set once per browser by Streamlit (XSRF protection): shared by its tabs
-RUNS_KEY = "runs"          # the runs this session keeps, oldest first (at most max_runs_kept)
-STOPPED_KEY = "_od_stopped"  # on-demand computations a Stop ended (their tags), until "Compute again"
 log = logging.getLogger("llm_inspector")
 
 
@@ -183,8 +180,8 @@ def with_script_context(thread) -> None:
 
 
 def current_run() -> Trace | None:
-    ensure_frame()
-    return st.session_state.get(RUN_KEY)
+    """The run the pages show (SessionState.run)."""
+    return session().run
 
 
 def keep_within_budget() -> None:
@@ -192,7 +189,7 @@ def keep_within_budget() -> None:
     the page has run, so what the script just kept (a run, a map) counts at once; a walk over a session's
     data costs ~16 ms with a 1,000-position run of a 30-layer model, so it is not repeated per current_run."""
     limits = server_limits(show_error=False)
-    dropped = enforce(st.session_state, data_allowance(limits.max_session_mb))
+    dropped = enforce(session(), data_allowance(limits.max_session_mb), widgets=st.session_state)
     if dropped:
         trim()
         st.toast(f"This session reached its memory budget ({limits.max_session_mb} MiB) and dropped: "
@@ -237,12 +234,12 @@ def on_demand(store, k, what: str, compute, *, work: tuple | None = None, stop_o
 
     Stop: the click asks Streamlit for a rerun, which ends this script at its next st call (the next progress
     update: the next layer, rerun or packed call), releasing the slot on the way out; the new run finds the
-    computation marked in STOPPED_KEY (the engine is answered STOP too, should the old run still be reporting,
+    computation marked in SessionState.stopped (the engine is answered STOP too, should the old run still be reporting,
     and a job raises engine.progress.Stopped before its next unit) and shows "Stopped" with a button to compute
     again. Nothing half-computed is memoised. Returns None while stopped, and after an engine error when
     stop_on_error is False (the message is shown; otherwise the script stops there)."""
     tag = _tag(what, k)
-    stopped = st.session_state.setdefault(STOPPED_KEY, {})        # tag -> "stopped" | "again"
+    stopped = session().stopped                                   # tag -> "stopped" | "again"
     if k in store:
         stopped.pop(tag, None)
         return memo(store, k, compute, **bounds)
@@ -289,7 +286,7 @@ def on_demand(store, k, what: str, compute, *, work: tuple | None = None, stop_o
 def was_stopped(what: str, k) -> bool:
     """Whether a Stop ended on_demand(..., k, what, ...) and it was not computed since: a page that computes
     only on its own button calls on_demand then anyway (it shows "Stopped", or computes after "Compute again")."""
-    return _tag(what, k) in st.session_state.get(STOPPED_KEY, {})
+    return _tag(what, k) in session().stopped
 
 
 def _tag(what: str, k) -> str:

@@ -9,11 +9,8 @@ from dataclasses import dataclass, field
 import streamlit as st
 
 from engine import SamplingParams
+from inspector.ui.state import session
 from inspector.ui.widgets import set_sampling_widgets, switch_to
-
-PENDING = "_demo"           # the demo whose run the sidebar should start
-OPEN = "_demo_open"         # the demo whose page opens once its run is kept
-LESSON = "_demo_lesson"     # (demo, its run's .created): the page of that run says the demo's lesson
 
 
 @dataclass(frozen=True)
@@ -27,6 +24,7 @@ class Demo:
     seed: int = 0
     chat: bool = True
     page_state: tuple[tuple[str, object], ...] = ()   # widget values of that page
+    autorun: bool = False                   # that page runs its computation at once (the NaN doctor's fault run)
     lesson: str = ""                        # what to look at on that page (Markdown); the blurb if empty
 
 
@@ -51,7 +49,7 @@ DEMOS = {
         "A NaN fault", "Plants a NaN in layer 17's MLP at position 3; the NaN doctor finds the first stage that "
         "went non-finite, and the run stops with 'non-finite logits' instead of sampling from NaN.",
         "The quick brown fox jumps over the lazy dog", "nan_doctor", SamplingParams(), max_new=8, chat=False,
-        page_state=(("nd_preset", "nan-activation"), ("nd_autorun", True))),
+        page_state=(("nd_preset", "nan-activation"),), autorun=True),
 }
 
 
@@ -61,24 +59,25 @@ def start(name: str) -> None:
     s["sb_prompt"], s["sb_chat"], s["sb_max_new"], s["sb_seed"] = d.prompt, d.chat, d.max_new, d.seed
     s["sb_allow_special"] = False
     set_sampling_widgets("sb", d.params)
-    s[PENDING] = name
+    session().demo = name
 
 
 def after_run(name: str) -> None:
     """The demo's run is kept (the session's current run): set its page's widgets, remember that its page
     says the lesson for this run, and open the page."""
+    ss = session()
     for key, value in DEMOS[name].page_state:
         st.session_state[key] = value
-    run = st.session_state.get("run")
-    st.session_state[LESSON] = (name, getattr(run, "created", None))
+    ss.autorun = ss.autorun or DEMOS[name].autorun
+    ss.lesson = (name, getattr(ss.run, "created", None))
     switch_to(DEMOS[name].page)
 
 
 def lesson(page: str) -> None:
     """At the top of a demo's page, while the session's run is the demo's run: what the demo teaches and where
     to look, on the first screen (above the controls)."""
-    name, created = st.session_state.get(LESSON) or (None, None)
-    run = st.session_state.get("run")
+    name, created = session().lesson or (None, None)
+    run = session().run
     if name in DEMOS and DEMOS[name].page == page and run is not None and getattr(run, "created", None) == created:
         d = DEMOS[name]
         st.info(f"**Demo: {d.label}.** " + (d.lesson or d.blurb))

@@ -8,6 +8,8 @@ from contextvars import ContextVar
 import streamlit as st
 from streamlit.runtime.pages_manager import PagesManager
 
+from inspector.ui.state import session
+
 _IN_FRAME: ContextVar[bool] = ContextVar("llm_inspector_in_frame", default=False)
 
 
@@ -28,12 +30,14 @@ def ensure_frame() -> None:
     """Streamlit treats a folder named pages/ beside app.py as an old-style multipage app until app.py's
     st.navigation runs: on a freshly started server, the first request for a page URL runs that page alone,
     without the sidebar. A page that finds itself outside app.py switches Streamlit to app.py's
-    navigation and reruns once, which brings the sidebar back on the same URL."""
+    navigation and reruns once, which brings the sidebar back on the same URL. Each page calls it once, at its
+    top (tests/unit/test_layout.py checks it)."""
     if _IN_FRAME.get():
         return
     PagesManager.uses_pages_directory = False
-    if not st.session_state.get("_frame_rerun"):
-        st.session_state["_frame_rerun"] = True
+    ss = session()
+    if not ss.frame_rerun:
+        ss.frame_rerun = True
         st.rerun()
 
 

@@ -21,6 +21,7 @@ from engine.variants import cast_model
 from inspector.session.memo import run_key
 from inspector.session.run import check_settings
 from inspector.ui.common import on_demand, plain, server_limits, was_stopped
+from inspector.ui.state import session
 from inspector.ui.widgets import chart, checked, checked_text
 from inspector.views import prescribe as pv
 
@@ -63,7 +64,7 @@ def why_loop_section(run, model) -> None:
                f"{HORIZON} tokens hold no loop and no 3-token sequence three times.")
     budget = checked(st.number_input("Most reruns", 5, MAX_RERUNS, MAX_RERUNS, key="wl_budget"), 5, MAX_RERUNS,
                      "Most reruns")
-    store = st.session_state.setdefault("wl_reports", {})
+    store = session().memo("wl_reports")
     key = (*run_key(run), budget)
     what = "the loop diagnosis"
     if (st.button("Find the cause", key="wl_run", type="primary") or was_stopped(what, key)) \
@@ -126,7 +127,7 @@ def rescue_section(run, model) -> None:
     specs, norm_eps, dtype = _rescue_choices()
     tokens = checked(st.number_input("Generated tokens compared", 1, MAX_RESCUE_TOKENS, MAX_NEW_TOKENS,
                                      key="rs_tokens"), 1, MAX_RESCUE_TOKENS, "Generated tokens compared")
-    store = st.session_state.setdefault("rs_reports", {})
+    store = session().memo("rs_reports")
     key = (*run_key(run), tuple(specs), norm_eps, dtype, tokens)
 
     def compute(progress):
@@ -196,7 +197,7 @@ def quantization_section(run, model) -> None:
     if len(ids) <= run.n_prompt:
         st.info("This run generated no token within the first positions: nothing to compare per step.")
         return
-    store = st.session_state.setdefault("qz_reports", {})
+    store = session().memo("qz_reports")
     key = (*run_key(run), tuple(formats), embed)
 
     def compute(progress):

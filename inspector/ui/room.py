@@ -27,20 +27,19 @@ from inspector.session.rooms import shared_store
 from inspector.session.rooms_keys import failed_joins, teacher_key_state, teacher_login, warn_short_key
 from inspector.session.rooms_state import ROOM_ERRORS, RoomError, View, check_code
 from inspector.session.run import track
-from inspector.ui.common import RUN_KEY, client_key, get_model, plain, server_limits
+from inspector.session.state import RoomSeat
+from inspector.ui.common import client_key, current_run, get_model, plain, server_limits
 from inspector.ui.room_live import panel as live_panel
 from inspector.ui.room_outage import LOST, offline, restore, teacher_offline
 from inspector.ui.room_poll import poll_box
 from inspector.ui.room_push import OFFLINE, signature, watcher
 from inspector.ui.room_push import available as push_available
-from inspector.ui.room_sync import ROOM, ROOM_WIDGETS, following, publish_view, room, voter_id, widget_values
+from inspector.ui.room_sync import following, publish_view, room, voter_id, widget_values
 from inspector.ui.sidebar import keep_run
+from inspector.ui.state import session
 from inspector.ui.widgets import page_path, pages
 
 FALLBACK_EVERY_S = 1.0           # how often a screen polls the room where the watcher cannot push
-TEACHER = "_room_teacher_ok"     # this session entered the teacher key
-TRIED = "_room_link_tried"       # the ?room= code this session already tried (a bad link is tried once)
-NOTICE = "_room_notice"          # said once in the Classroom section at the next run (how the room was left)
 
 
 def _store():
@@ -65,19 +64,19 @@ def join(code: str) -> str | None:
         if not failed_joins.allow(who):
             return "Too many unknown room codes tried from this browser: wait a minute and try again."
         return f"There is no room {code} (ended, expired, or mistyped)."
-    st.session_state[ROOM] = {"role": "student", "code": code, "following": True, "version": None, "run_id": None,
-                              "voter": voter_id(code), "error": None, "answered": {}}
+    session().room = RoomSeat.student(code, voter_id(code))
     return None
 
 
 def _join_from_link() -> None:
     code = st.query_params.get("room")
-    if not code or st.session_state.get(TRIED) == code:
+    ss = session()
+    if not code or ss.link_tried == code:
         return
-    st.session_state[TRIED] = code
+    ss.link_tried = code
     err = join(code)
     if err:
-        st.session_state["_room_join_error"] = err
+        ss.join_error = err
 
 
 def _load_run(code: str, run_id: str):
@@ -100,67 +99,66 @@ def before_page(page: str) -> None:
     if room() is None:
         _join_from_link()
     r = room()
-    if r is None or r["role"] == "teacher":
-        st.session_state.pop(ROOM_WIDGETS, None)
+    if r is None or r.role == "teacher":
         if r is not None:
+            r.widgets = None
             publish_view(page)
         return
-    if not r["following"]:
-        st.session_state.pop(ROOM_WIDGETS, None)
+    if not r.following:
+        r.widgets = None
         return
     state = None
     try:
-        state = _store().state(r["code"])
-        if state is None and _store().was_ended(r["code"]):
-            r.update(following=False, ended=True)
-            st.session_state.pop(ROOM_WIDGETS, None)
+        state = _store().state(r.code)
+        if state is None and _store().was_ended(r.code):
+            r.following, r.ended, r.widgets = False, True, None
             return
         if state is None:      # the store restarted without it: the teacher's screen re-opens it (bar)
-            r["error"], r["seen"] = LOST, None
+            r.error, r.seen = LOST, None
             if push_available():
-                watcher.watch(_session_id(), "follow", r["code"], None)
+                watcher.watch(_session_id(), "follow", r.code, None)
             return
-        if state.run_id and state.run_id != r.get("run_id"):
+        if state.run_id and state.run_id != r.run_id:
             try:
-                _load_run(r["code"], state.run_id)
+                _load_run(r.code, state.run_id)
             except Exception:
-                r["run_id"] = state.run_id       # tried once per run id: a bad run is not fetched again
+                r.run_id = state.run_id          # tried once per run id: a bad run is not fetched again
                 raise
-            r["run_id"] = state.run_id           # (a script run stopped mid-load by a newer rerun tries again)
-        r["error"] = None
+            r.run_id = state.run_id              # (a script run stopped mid-load by a newer rerun tries again)
+        r.error = None
     except ROOM_ERRORS as e:   # the store does not answer: the watcher reruns this screen when it does
         if state is None:
-            r["error"], r["seen"] = offline(e), OFFLINE
+            r.error, r.seen = offline(e), OFFLINE
             return
-        r["error"] = f"Could not follow the room: {e}"
+        r.error = f"Could not follow the room: {e}"
     except Exception as e:     # a run that fails validation: one message, the app goes on
-        r["error"] = f"Could not follow the room: {e}"
+        r.error = f"Could not follow the room: {e}"
         if state is None:
             return
-    run = st.session_state.get(RUN_KEY)
-    st.session_state[ROOM_WIDGETS] = widget_values(state.view, len(run.result.steps) if run is not None else None)
-    r["version"], r["state"], r["seen"] = state.version, state, state.version
+    run = current_run()
+    r.widgets = widget_values(state.view, len(run.result.steps) if run is not None else None)
+    r.version, r.state, r.seen = state.version, state, state.version
     if push_available():
-        watcher.watch(_session_id(), "follow", r["code"], state.version)
+        watcher.watch(_session_id(), "follow", r.code, state.version)
     if state.view.page != page and (path := page_path(state.view.page)) is not None:
-        st.switch_page(path, query_params={**st.query_params.to_dict(), "room": r["code"]})
+        st.switch_page(path, query_params={**st.query_params.to_dict(), "room": r.code})
 
 
 def after_page(page: str) -> None:
     """After the page: a teacher's new current run is published (its trace bytes), then the view."""
     r = room()
-    if r is None or r["role"] != "teacher":
+    if r is None or r.role != "teacher":
         return
-    run = st.session_state.get(RUN_KEY)
-    if run is not None and run_key(run) != r.get("run_key"):
+    run = current_run()
+    if run is not None and run_key(run) != r.run_key:
         try:
-            state = _store().publish(r["code"], r["token"], run=to_bytes(run))
-            view = r.get("view") or View()
+            state = _store().publish(r.code, r.token, run=to_bytes(run))
+            view = r.view or View()
             n = len(run.result.steps)
-            r.update(run_key=run_key(run), run_id=state.run_id, published=False, error=None,
-                     view=replace(view, params=run.result.params, step=min(view.step, max(0, n - 1))))
+            r.run_key, r.run_id, r.published, r.error = run_key(run), state.run_id, False, None
+            r.view = replace(view, params=run.result.params, step=min(view.step, max(0, n - 1)))
         except ROOM_ERRORS as e:
-            r["error"] = str(e)
+            r.error = str(e)
     publish_view(page)
 
 
@@ -168,20 +166,20 @@ def after_page(page: str) -> None:
 def sidebar_panel() -> None:
     r = room()
     with st.sidebar.expander("Classroom: rooms and polls", expanded=r is not None):
-        notice = st.session_state.pop(NOTICE, None)
+        ss = session()
+        notice, ss.room_notice = ss.room_notice, None
         if notice:
             st.warning(plain(notice))
-        if r is not None and r["role"] == "teacher":
-            st.markdown(f"You are teaching room **{plain(r['code'])}**.")
+        if r is not None and r.role == "teacher":
+            st.markdown(f"You are teaching room **{plain(r.code)}**.")
             if st.button("End the room", key="room_end", help="Students stop following; its polls are deleted"):
                 _end(r)
             return
         if r is not None:
-            st.markdown(f"You are in room **{plain(r['code'])}**.")
+            st.markdown(f"You are in room **{plain(r.code)}**.")
             if st.button("Leave the room", key="room_leave"):
                 watcher.drop(_session_id())
-                st.session_state.pop(ROOM, None)
-                st.session_state.pop(ROOM_WIDGETS, None)
+                ss.room = None
                 st.rerun()
             return
         _join_form()
@@ -189,7 +187,8 @@ def sidebar_panel() -> None:
 
 
 def _join_form() -> None:
-    err = st.session_state.pop("_room_join_error", None)
+    ss = session()
+    err, ss.join_error = ss.join_error, None
     if err:
         st.error(plain(err))
     code = st.text_input("Room code", key="room_code", max_chars=12, placeholder="e.g. K7QM2X")
@@ -207,13 +206,13 @@ def _teacher_form() -> None:
         warn_short_key()                    # the suggested key goes to the server's console, never to a browser
         st.caption(plain(off + " Students can still join a room another server of this app started."))
         return
-    if not st.session_state.get(TEACHER):
+    if not session().teacher_ok:
         key = st.text_input("Teacher key", type="password", key="room_key", max_chars=1024,
                             help="Asked once per browser session; only teachers have it")
         if st.button("I am the teacher", key="room_key_btn", disabled=not key):
             refused = teacher_login(key, client_key() or "anonymous")
             if refused is None:
-                st.session_state[TEACHER] = True
+                session().teacher_ok = True
                 st.session_state.pop("room_key", None)
                 st.rerun()
             else:
@@ -239,22 +238,21 @@ def _teacher_form() -> None:
 
 def _become_teacher(code: str, token: str) -> None:
     """This session teaches room `code` (its publish token stays on the server), from the next script run."""
-    st.session_state[ROOM] = {"role": "teacher", "code": code, "token": token, "view": None, "run_key": None,
-                              "run_id": None, "published": False, "error": None, "page": None}
+    session().room = RoomSeat.teacher(code, token)
     st.rerun()
 
 
-def _end(r: dict) -> None:
+def _end(r: RoomSeat) -> None:
     """End the room; the teacher's screen leaves it whatever the store says (gone after a Redis restart, taken
     over, unreachable), so no session stays stuck teaching a room that cannot end."""
     try:
-        note = _store().end_or_leave(r["code"], r["token"])
+        note = _store().end_or_leave(r.code, r.token)
     except ROOM_ERRORS as e:          # the store could not even be chosen (a malformed setting)
         note = f"The room could not be ended in the store ({e}); you have left it here."
     watcher.drop(_session_id())
-    st.session_state.pop(ROOM, None)
+    session().room = None
     if note:
-        st.session_state[NOTICE] = note
+        session().room_notice = note
     st.rerun()
 
 
@@ -278,34 +276,34 @@ def bar() -> None:
     r = room()
     if r is None:
         return
-    if r.get("error"):
-        st.warning(plain(r["error"]))
-    if r["role"] == "teacher":
-        st.info(f"**Room {plain(r['code'])}** · students open {plain(room_link(r['code']))} (or join with the code "
+    if r.error:
+        st.warning(plain(r.error))
+    if r.role == "teacher":
+        st.info(f"**Room {plain(r.code)}** · students open {plain(room_link(r.code))} (or join with the code "
                 "in the sidebar's Classroom section) and follow what this screen shows.")
-        state, failed = _state_or_error(r["code"])
+        state, failed = _state_or_error(r.code)
         if failed:
             teacher_offline(r)
-            _notify("teacher", r["code"], signature("teacher", False))
+            _notify("teacher", r.code, signature("teacher", False))
         elif state is None:
             state = restore(r)       # the store restarted empty: same code, this screen's run and view
         if state is not None:
-            answers = _answers(r["code"], state)
-            _notify("teacher", r["code"], signature("teacher", state, answers))
+            answers = _answers(r.code, state)
+            _notify("teacher", r.code, signature("teacher", state, answers))
             poll_box(r, state, answers)
         return
-    if r.get("ended"):
+    if r.ended:
         watcher.drop(_session_id())
-        st.info(f"Room {plain(r['code'])} has ended. This run stays yours to explore.")
+        st.info(f"Room {plain(r.code)} has ended. This run stays yours to explore.")
         return
     _student_line(r)
-    state = r.get("state") if following() else _safe_state(r["code"])
+    state = r.state if following() else _safe_state(r.code)
     if not following():
-        _notify("detached", r["code"], signature("detached", state))
+        _notify("detached", r.code, signature("detached", state))
     elif not push_available():
         _poll_fallback()
-    if following() and state is not None and state.live is not None and not r.get("error"):
-        live_panel(r["code"], state.live)      # the teacher's run as it generates
+    if following() and state is not None and state.live is not None and not r.error:
+        live_panel(r.code, state.live)      # the teacher's run as it generates
     if state is not None:
         poll_box(r, state)
 
@@ -342,17 +340,17 @@ def _state_or_error(code: str) -> tuple:
         return None, True
 
 
-def _student_line(r: dict) -> None:
+def _student_line(r: RoomSeat) -> None:
     left, right = st.columns([5, 2], vertical_alignment="center")
-    state = r.get("state")
+    state = r.state
     if following():
-        left.markdown(f"**Room {plain(r['code'])}** · following the teacher"
+        left.markdown(f"**Room {plain(r.code)}** · following the teacher"
                       + (f": {plain(describe(state.view))}" if state is not None else ""))
         right.button("Explore on my own", key="room_detach", on_click=_detach, use_container_width=True,
                      help="Your own copy of the teacher's run: change anything, press Run; the teacher's "
                           "screen is not affected")
     else:
-        left.markdown(f"**Room {plain(r['code'])}** · exploring on your own")
+        left.markdown(f"**Room {plain(r.code)}** · exploring on your own")
         right.button("Follow the teacher", key="room_follow", on_click=_follow, type="primary",
                      use_container_width=True)
 
@@ -360,14 +358,13 @@ def _student_line(r: dict) -> None:
 def _detach() -> None:
     r = room()
     if r is not None:
-        r["following"] = False
-        st.session_state.pop(ROOM_WIDGETS, None)
+        r.following, r.widgets = False, None
 
 
 def _follow() -> None:
     r = room()
     if r is not None:
-        r.update(following=True, version=None, run_id=None)
+        r.following, r.version, r.run_id = True, None, None
 
 
 @st.fragment(run_every=FALLBACK_EVERY_S)
@@ -377,12 +374,12 @@ def _poll_fallback() -> None:
     r = room()
     if r is None:
         return
-    state, failed = _state_or_error(r["code"])
-    if r["role"] == "student" and following():     # what the last full run drew (before_page): no rerun loop
-        changed = signature("follow", False if failed else state) != r.get("seen")     # while the store is down
+    state, failed = _state_or_error(r.code)
+    if r.role == "student" and following():     # what the last full run drew (before_page): no rerun loop
+        changed = signature("follow", False if failed else state) != r.seen     # while the store is down
     else:
-        seen = r.get("fallback_seen")
-        r["fallback_seen"] = (None if state is None else (state.poll, _answers(r["code"], state)))
-        changed = seen is not None and seen != r["fallback_seen"]
+        seen = r.fallback_seen
+        r.fallback_seen = (None if state is None else (state.poll, _answers(r.code, state)))
+        changed = seen is not None and seen != r.fallback_seen
     if changed:
         st.rerun(scope="app")

@@ -29,14 +29,14 @@ def publisher(prompt: str, max_new: int) -> LivePublisher | None:
     """For a teacher's session in a room: the room now shows this run live; the LivePublisher its LiveRun
     tells as it generates. None outside a room, or when the store fails (said on the teacher's screen)."""
     r = room()
-    if r is None or r.get("role") != "teacher":
+    if r is None or r.role != "teacher":
         return None
-    code, token = r["code"], r["token"]
+    code, token = r.code, r.token
     try:
         store = shared_store()
         live = store.start_live(code, token, prompt, max_new)
     except ROOM_ERRORS as e:
-        r["error"] = f"The room could not show this run live: {e}"
+        r.error = f"The room could not show this run live: {e}"
         return None
     return LivePublisher(live.seq, prompt, max_new, publish=lambda doc: store.publish_live(code, token, doc),
                          end=lambda seq: store.end_live(code, token, seq))

@@ -17,7 +17,9 @@ from engine.inspection.trace import to_bytes
 from inspector.session.memo import run_key
 from inspector.session.rooms import shared_store
 from inspector.session.rooms_state import ROOM_ERRORS, View
-from inspector.ui.common import RUNS_KEY, plain
+from inspector.session.state import RoomSeat
+from inspector.ui.common import plain
+from inspector.ui.state import session
 
 RECONNECTING = "The room is reconnecting"
 LOST = (f"{RECONNECTING}: its store restarted and lost it. This screen follows the teacher again as soon as "
@@ -29,31 +31,31 @@ def offline(reason) -> str:
             "as soon as it does.")
 
 
-def held_run(r: dict):
+def held_run(r: RoomSeat):
     """The teacher's run the room showed (this session keeps it), or None."""
-    for run in reversed(st.session_state.get(RUNS_KEY, [])):
-        if run_key(run) == r.get("run_key"):
+    for run in reversed(session().runs):
+        if run_key(run) == r.run_key:
             return run
     return None
 
 
-def restore(r: dict):
+def restore(r: RoomSeat):
     """Re-open the teacher's room the store lost, same code, with its view and run; the new state, or None
     (what happened is said on the teacher's screen)."""
     run = held_run(r)
     try:
-        state = shared_store().restore(r["code"], r["token"], view=r.get("view") or View(),
+        state = shared_store().restore(r.code, r.token, view=r.view or View(),
                                        run=to_bytes(run) if run is not None else None)
     except ROOM_ERRORS as e:
-        st.warning(f"Room {plain(r['code'])} is no longer in the store and could not be re-opened ({plain(e)}): "
+        st.warning(f"Room {plain(r.code)} is no longer in the store and could not be re-opened ({plain(e)}): "
                    "press **End the room** in the sidebar's Classroom section, then start a new one.")
         return None
-    r.update(run_id=state.run_id, error=None)
-    st.info(f"The room's store had lost room {plain(r['code'])} (it restarted): this screen re-opened it under the "
+    r.run_id, r.error = state.run_id, None
+    st.info(f"The room's store had lost room {plain(r.code)} (it restarted): this screen re-opened it under the "
             "same code, with its run and view. Students' screens follow again by themselves.")
     return state
 
 
-def teacher_offline(r: dict) -> None:
-    st.warning(f"Room {plain(r['code'])}: the room's store does not answer. Students' screens say that the room "
+def teacher_offline(r: RoomSeat) -> None:
+    st.warning(f"Room {plain(r.code)}: the room's store does not answer. Students' screens say that the room "
                "is reconnecting; this screen publishes again as soon as the store answers.")

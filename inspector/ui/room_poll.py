@@ -16,19 +16,21 @@ from inspector.session.memo import run_key
 from inspector.session.rooms import shared_store
 from inspector.session.rooms_poll import answer_token, model_probs, poll_table
 from inspector.session.rooms_state import MAX_ANSWER_CHARS, ROOM_ERRORS, Poll, RoomState
-from inspector.ui.common import RUNS_KEY, get_model, plain
+from inspector.session.state import RoomSeat
+from inspector.ui.common import get_model, plain
+from inspector.ui.state import session
 from inspector.ui.widgets import chart
 from inspector.views.sampling import describe
 
 CHOICES = 5                  # the model's top candidates offered as answers
 
 
-def room_run(r: dict, run_id: str | None):
+def room_run(r: RoomSeat, run_id: str | None):
     """The run this session keeps that the room showed as run_id (the teacher's own, or a student's copy)."""
-    for run in reversed(st.session_state.get(RUNS_KEY, [])):
-        if r["role"] == "teacher" and run_key(run) == r.get("run_key") and r.get("run_id") == run_id:
+    for run in reversed(session().runs):
+        if r.role == "teacher" and run_key(run) == r.run_key and r.run_id == run_id:
             return run
-        if r["role"] == "student" and run.extra.get("room_run_id") == run_id:
+        if r.role == "student" and run.extra.get("room_run_id") == run_id:
             return run
     return None
 
@@ -48,11 +50,11 @@ def text_of(run):
     return text, tok
 
 
-def poll_box(r: dict, state: RoomState, answers: int | None = None) -> None:
+def poll_box(r: RoomSeat, state: RoomState, answers: int | None = None) -> None:
     poll = state.poll
     run = room_run(r, state.run_id if poll is None else poll.run_id)
     if poll is None:
-        if r["role"] == "teacher" and run is not None and run.result.steps:
+        if r.role == "teacher" and run is not None and run.result.steps:
             _ask(r, state, run)
         return
     text, tok = text_of(run)
@@ -61,7 +63,7 @@ def poll_box(r: dict, state: RoomState, answers: int | None = None) -> None:
         if run is not None and poll.step < len(run.result.steps):
             before = "".join(s.text for s in run.result.steps[:poll.step])[-160:]
             st.text(f"…{(run.settings.prompt[-80:] if not before else before)} ▢")
-        if r["role"] == "teacher":
+        if r.role == "teacher":
             _teacher_controls(r, poll, answers)
         else:
             _answer(r, poll, text, tok)
@@ -69,30 +71,30 @@ def poll_box(r: dict, state: RoomState, answers: int | None = None) -> None:
             _reveal(r, state, poll, run, text)
 
 
-def _ask(r: dict, state: RoomState, run) -> None:
+def _ask(r: RoomSeat, state: RoomState, run) -> None:
     if not st.button("Ask the class: what comes next?", key="room_ask",
                      help=f"At the step on screen (the Sampling page's step). Students answer with one of the model's "
                           f"top {CHOICES} candidates or a word of their own."):
         return
     try:
         store = shared_store()
-        now = store.state(r["code"]) or state               # the step on screen now (a fragment may have moved it)
+        now = store.state(r.code) or state               # the step on screen now (a fragment may have moved it)
         step = min(now.view.step, len(run.result.steps) - 1)
         top = sorted(c.id for c in run.result.steps[step].top[:CHOICES])   # by id: the order gives nothing away
-        store.ask(r["code"], r["token"], step, top)
+        store.ask(r.code, r.token, step, top)
     except ROOM_ERRORS as e:
         st.error(plain(e))
         return
     st.rerun()
 
 
-def _teacher_controls(r: dict, poll: Poll, answers: int | None) -> None:
+def _teacher_controls(r: RoomSeat, poll: Poll, answers: int | None) -> None:
     st.caption(f"{'?' if answers is None else answers} answers so far")     # rerun as answers arrive (room_push)
     c1, c2 = st.columns(2)
     if not poll.revealed and c1.button("Reveal the answers", key="room_reveal", type="primary"):
-        _call(lambda: shared_store().reveal(r["code"], r["token"]))
+        _call(lambda: shared_store().reveal(r.code, r.token))
     if c2.button("Close the poll", key="room_close_poll"):
-        _call(lambda: shared_store().close_poll(r["code"], r["token"]))
+        _call(lambda: shared_store().close_poll(r.code, r.token))
 
 
 def _call(f) -> None:
@@ -104,8 +106,8 @@ def _call(f) -> None:
     st.rerun()
 
 
-def _answer(r: dict, poll: Poll, text, tok) -> None:
-    mine = r.setdefault("answered", {}).get(poll.id)
+def _answer(r: RoomSeat, poll: Poll, text, tok) -> None:
+    mine = r.answered.get(poll.id)
     if mine is not None:
         st.caption(f"Your answer: {plain(repr(text(mine)))}." + ("" if poll.revealed else " The teacher reveals "
                                                                  "the class's answers next to the model's."))
@@ -127,19 +129,19 @@ def _answer(r: dict, poll: Poll, text, tok) -> None:
         else:
             st.warning("Pick a candidate or type a guess.")
             return
-        fresh = shared_store().answer(r["code"], poll.id, r["voter"], int(token_id))
+        fresh = shared_store().answer(r.code, poll.id, r.voter, int(token_id))
     except ROOM_ERRORS as e:
         st.error(plain(e))
         return
-    r["answered"][poll.id] = int(token_id)
+    r.answered[poll.id] = int(token_id)
     if not fresh:
         st.info("This browser had already answered (in another tab); the first answer counts.")
     st.rerun()
 
 
-def _reveal(r: dict, state: RoomState, poll: Poll, run, text) -> None:
+def _reveal(r: RoomSeat, state: RoomState, poll: Poll, run, text) -> None:
     try:
-        tally = shared_store().tally(r["code"], poll.id)
+        tally = shared_store().tally(r.code, poll.id)
     except ROOM_ERRORS as e:
         st.error(plain(e))
         return

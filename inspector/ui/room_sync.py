@@ -4,10 +4,8 @@ room. The teacher's changes are published from the widgets' callbacks (so a chan
 does not rerun app.py, still reaches the room) and after every full script run; a following student's
 widgets take the room's values and are disabled (inspector.ui.widgets.shared).
 
-This session's place in a room is one dict in st.session_state[ROOM]:
-  teacher: {"role": "teacher", "code", "token" (the publish token: server-side only), "page", "view",
-            "run_key", "run_id", "error"}
-  student: {"role": "student", "code", "following", "version", "run_id", "voter" (voter_id), "error"}
+This session's place in a room is its SessionState's room seat (inspector.session.state.RoomSeat: a teacher's
+code, publish token, page and view; a student's code, following flag, version, voter and answers).
 """
 from __future__ import annotations
 
@@ -19,9 +17,9 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 from engine import SamplingParams
 from inspector.session.rooms import shared_store, voter_of
 from inspector.session.rooms_state import ROOM_ERRORS, RoomError, View
+from inspector.session.state import RoomSeat
+from inspector.ui.state import session
 
-ROOM = "_room"                   # this session's role in a room (see above)
-ROOM_WIDGETS = "_room_widgets"   # widget key -> the value a following student's widget must show
 STEP, LAYER, HEAD = "smp_step", "att_layer", "att_head"
 PARAMS_PREFIX = "smp_0"          # the Sampling page's first column ("the run's settings")
 _PARAM_TYPES = {f.name: (int if f.type in ("int", int) else float) for f in fields(SamplingParams)}
@@ -29,19 +27,18 @@ PARAM_KEYS = {f"{PARAMS_PREFIX}_{name}": name for name in _PARAM_TYPES}
 SHARED_KEYS = frozenset({STEP, LAYER, HEAD, *PARAM_KEYS})
 
 
-def room() -> dict | None:
-    r = st.session_state.get(ROOM)
-    return r if isinstance(r, dict) else None
+def room() -> RoomSeat | None:
+    return session().room
 
 
 def is_teacher() -> bool:
     r = room()
-    return r is not None and r.get("role") == "teacher"
+    return r is not None and r.role == "teacher"
 
 
 def following() -> bool:
     r = room()
-    return r is not None and r.get("role") == "student" and bool(r.get("following"))
+    return r is not None and r.role == "student" and r.following
 
 
 def voter_id(code: str) -> str:
@@ -81,19 +78,19 @@ def teacher_view(prev: View, page: str | None) -> View:
 def publish_view(page: str | None = None) -> None:
     """Publish the teacher's view if it changed (a widget callback, and after every full script run)."""
     r = room()
-    if r is None or r.get("role") != "teacher":
+    if r is None or r.role != "teacher":
         return
     if page is not None:
-        r["page"] = page
-    prev = r.get("view") or View()
+        r.page = page
+    prev = r.view or View()
     try:
-        view = teacher_view(prev, r.get("page"))
+        view = teacher_view(prev, r.page)
     except (RoomError, TypeError, ValueError):
         return
-    if view == prev and r.get("published"):
+    if view == prev and r.published:
         return
     try:
-        shared_store().publish(r["code"], r["token"], view=view)
-        r["view"], r["published"], r["error"] = view, True, None
+        shared_store().publish(r.code, r.token, view=view)
+        r.view, r.published, r.error = view, True, None
     except ROOM_ERRORS as e:
-        r["error"] = str(e)
+        r.error = str(e)

@@ -4,7 +4,7 @@ the model, device, dtype, generation settings, demos and the runs kept.
 
 A run is checked against the server's limits and waits for a device slot; a waiting user sees their place
 in the queue. It generates in a thread of its own (inspector.session.live_run) so that Stop and page changes work
-while it runs. The run (engine.Trace) lives in this session's st.session_state only. When the run ends, the
+while it runs. The run (engine.Trace) lives in this session's SessionState only. When the run ends, the
 app is drawn again (Run and the demos enabled). A number outside its range is named above Run, and Run starts
 nothing until it is corrected. One click at a time per session draws its page (own_turn, used by app.py). While
 the model loads (a fresh server's first visitors), the sidebar shows its progress and Run waits (get_model).
@@ -30,14 +30,11 @@ from inspector.session.live_run import Cancelled, LiveRun, StillFinishing, rates
 from inspector.session.models import model_choices
 from inspector.session.run import check_settings, generations, live_runs
 from inspector.ui import common, demos, room_live
-from inspector.ui.common import RUN_KEY, RUNS_KEY, client_key, current_run, get_model, log, plain, server_limits
+from inspector.ui.common import client_key, current_run, get_model, log, plain, server_limits
 from inspector.ui.room_sync import following
+from inspector.ui.state import session
 from inspector.ui.widgets import PROJECTOR, navigation_links, sampler_problems, sampling_params_from, sampling_widgets
 
-LIVE = "_live_run"           # the LiveRun of this session while it generates
-NOTICES = "_sb_notices"      # what the end of a run said, shown once by the next script run (watch)
-OWN_PROMPT = "_sb_prompt_own"   # this student's own prompt while the sidebar shows the teacher's
-TURN = "_page_turn"          # held by the script run that draws the page (page_turn)
 LONG_S = 20.0                # runs estimated longer than this say so before they start
 SEED_MAX = 2**31 - 1
 PREVIOUS_WAIT_S = 30.0       # how long a click waits for this session's previous one to finish its page
@@ -54,7 +51,7 @@ def sidebar(app_pages: list | None = None) -> Model | None:
     sb.toggle("Chat format", value=True, key="sb_chat")
     sb.toggle("Projector mode", key=PROJECTOR, on_change=_projector_url,
               help="Big type, thick lines, high contrast, one chart per row (also: add ?projector=1 to the URL)")
-    live: LiveRun | None = st.session_state.get(LIVE)
+    live: LiveRun | None = session().live
     if not following():      # a student following a room runs nothing: fewer widgets to redraw on each change
         settings_widgets(limits, live)
     model = get_model(wait=False)       # while it loads: the app now, its progress under the title
@@ -99,18 +96,18 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
     """Title, model, prompt, Run (or Stop while a run generates), the estimate, and the live run itself."""
     st.markdown("**LLM Inspector** · see inside a language model")
     if model is None:            # loading (a demo clicked meanwhile waits for it) or failed
-        common.load_box(demo_waits=demos.PENDING in st.session_state)
+        common.load_box(demo_waits=session().demo is not None)
     else:
         st.caption(f"Model: **{plain(model.name)}** · {model.config.num_layers} layers · {model.device.type} · "
                    f"{str(model.dtype).removeprefix('torch.')}")
     follows = following()        # a student following a room's teacher never starts a generation
-    state = st.session_state
+    state, ss = st.session_state, session()
     if follows:                  # the teacher's prompt and settings; the student's own prompt is kept for later
-        state[OWN_PROMPT] = state.get("sb_prompt", state.get(OWN_PROMPT))
+        ss.own_prompt = state.get("sb_prompt", ss.own_prompt)
         room_live.teacher_prompt(height=100)
     else:
-        if "sb_prompt" not in state and isinstance(state.get(OWN_PROMPT), str):
-            state["sb_prompt"] = state[OWN_PROMPT]
+        if "sb_prompt" not in state and isinstance(ss.own_prompt, str):
+            state["sb_prompt"] = ss.own_prompt
         st.text_area("Prompt", "What is the capital of France?", key="sb_prompt", height=100,  # same id each run
                      max_chars=limits.max_prompt_chars,
                      help=f"Up to {limits.max_prompt_chars:,} characters and {limits.max_prompt_tokens:,} tokens. "
@@ -129,12 +126,15 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
         st.error(f"{problem}. Run starts nothing until it is corrected (Generation settings).")
     clicked = st.button("Run", type="primary", key="sb_run", disabled=model is None or live is not None or follows,
                         use_container_width=True) and not follows
-    demo = st.session_state.pop(demos.PENDING, None) if not follows and model is not None else None
+    demo = None
+    if not follows and model is not None:
+        demo, ss.demo = ss.demo, None
     if follows:
         st.caption("Following the teacher's room: press **Explore on my own** above the page to run your own.")
         if live is None:
             return
-    for kind, text in st.session_state.pop(NOTICES, []):   # the end of the run a previous script run watched
+    notices, ss.notices = ss.notices, []
+    for kind, text in notices:   # the end of the run a previous script run watched
         getattr(st, kind)(text)
     if live is None and model is not None and (clicked or demo) and not problems:
         live = start_run(model, limits, demo)
@@ -184,7 +184,7 @@ def _prompt_tokens(model: Model, settings: RunSettings, limits: Limits) -> int |
     over the server's length limit is never tokenized (a browser can send megabytes whatever max_chars says)."""
     if not isinstance(settings.prompt, str) or len(settings.prompt) > limits.max_prompt_chars:
         return None
-    memo = st.session_state.setdefault("_sb_ntok", {})
+    memo = session().prompt_tokens
     key = (model.name, settings.prompt, settings.chat, settings.allow_special)
     if key not in memo:
         memo.clear()
@@ -224,14 +224,14 @@ def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
     live = LiveRun(settings, model.name, est.n_prompt if est else 0, None if est is None else est.total, demo=demo,
                    client=client_key(), previous_click=turn.locked,
                    observer=room_live.publisher(settings.prompt, settings.max_new_tokens))   # a teacher's room
-    st.session_state[LIVE] = live
+    session().live = live
     return live.start(model, limits, prepare=common.with_script_context)
 
 
 def watch(live: LiveRun, limits: Limits) -> None:
     """Show the run until it ends (Stop ends it early), then keep it and draw the app again: Run, the demos and the
     page were drawn for a running run (Run greyed out when this script run found it going: after Stop, after a
-    page change), and nothing else would redraw them. What the end said is kept for that next run (NOTICES)."""
+    page change), and nothing else would redraw them. What the end said is kept for that next run (notices)."""
     try:
         stop, note = st.empty(), st.empty()           # gone once the run has ended
         stop.button("Stop", key="sb_stop", on_click=live.stop, use_container_width=True,
@@ -249,9 +249,8 @@ def watch(live: LiveRun, limits: Limits) -> None:
         raise
     for placeholder in (stop, note, bar, box, text):
         placeholder.empty()
-    st.session_state.pop(LIVE, None)
-    notices, kept = finish(live, limits)
-    st.session_state[NOTICES] = notices
+    session().live = None
+    session().notices, kept = finish(live, limits)
     if kept is not None and live.demo:
         demos.after_run(live.demo)            # opens the demo's page: a new script run
     st.rerun()
@@ -327,36 +326,23 @@ def finish(live: LiveRun, limits: Limits) -> tuple[list[tuple[str, str]], Trace 
 
 def keep_run(record: Trace, max_runs: int) -> None:
     """Make record the current run; drop runs beyond max_runs, and what pages memoised for them."""
-    runs: list[Trace] = [r for r in st.session_state.get(RUNS_KEY, []) if r is not record] + [record]
-    dropped, runs = runs[:-max_runs], runs[-max_runs:]
-    for key in (RUNS_KEY, RUN_KEY):     # deleted first: Streamlit also keeps the previous script run's values
-        if key in st.session_state:
-            del st.session_state[key]
-    st.session_state[RUNS_KEY] = runs
-    st.session_state[RUN_KEY] = record
-    st.session_state.pop("selected_step", None)   # the debugger's step belongs to the debugger's run
-    gone = {(id(r), r.created) for r in dropped}
-    for key in list(st.session_state.keys()) if gone else []:
-        store = st.session_state[key]
-        if isinstance(store, dict):   # page memos keyed by session.memo.run_key(run) or (run_key, ...)
-            for k in [k for k in store if k in gone or (isinstance(k, tuple) and k and k[0] in gone)]:
-                del store[k]
+    session().keep(record, max_runs)
 
 
 def history(limits: Limits) -> None:
     """With more than one kept run, a selectbox to show an earlier one."""
-    runs: list[Trace] = st.session_state.get(RUNS_KEY, [])
+    ss = session()
+    runs: list[Trace] = ss.runs
     if len(runs) < 2:
         return
     by_time = {r.created: r for r in runs}
-    if st.session_state.get("_history_newest") != runs[-1].created or st.session_state.get("sb_history") not in by_time:
-        st.session_state["_history_newest"] = st.session_state["sb_history"] = runs[-1].created   # a new run shows
+    if ss.history_newest != runs[-1].created or st.session_state.get("sb_history") not in by_time:
+        ss.history_newest = st.session_state["sb_history"] = runs[-1].created   # a new run shows
     labels = {r.created: f"{time.strftime('%H:%M:%S', time.localtime(r.created))} · {str(r.settings.prompt)[:30]!r} · "
                          f"{len(r.result.token_ids)} tokens" for r in runs}
 
     def show() -> None:    # only when the user picks: a run another page published stays current otherwise
-        st.session_state[RUN_KEY] = by_time[st.session_state["sb_history"]]
-        st.session_state.pop("selected_step", None)
+        ss.show(by_time[st.session_state["sb_history"]])
 
     st.sidebar.selectbox(f"Run shown (this session keeps {limits.max_runs_kept})", list(reversed(by_time)),
                          format_func=labels.get, key="sb_history", on_change=show, disabled=following())
@@ -365,7 +351,7 @@ def history(limits: Limits) -> None:
 # ---- one click at a time per session ----------------------------------------------------------------------
 def page_turn() -> threading.Lock:
     """This session's turn to draw a page (and do its model work)."""
-    return st.session_state.setdefault(TURN, threading.Lock())
+    return session().turn
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from engine import InputError, SamplingParams
 from inspector.session.limits import LimitError, check_chars, check_float, check_int
 from inspector.session.memo import styled_once
 from inspector.ui.common import plain
-from inspector.ui.room_sync import ROOM_WIDGETS, SHARED_KEYS, following, is_teacher, publish_view
+from inspector.ui.room_sync import SHARED_KEYS, following, is_teacher, publish_view, room
 from inspector.views.theme import PROJECTOR_FONT
 
 PROJECTOR = "sb_projector"          # the sidebar's projector toggle (also ?projector=1)
@@ -49,7 +49,7 @@ def shared(key: str, allowed=None, **default) -> dict:
     screen: the room's value (if `allowed` holds it; None: the widget's first option), disabled. On a
     teacher's: a callback that publishes the change at once. Otherwise `default` (value=…, index=…) unless
     the page set the value through session state (a widget given both warns)."""
-    imposed = st.session_state.get(ROOM_WIDGETS) if following() else None
+    imposed = room().widgets if following() else None
     if imposed is not None and key in imposed:
         if imposed[key] is None:            # a selectbox's None option (the first) would read as "no choice"
             st.session_state.pop(key, None)

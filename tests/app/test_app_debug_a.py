@@ -1,5 +1,5 @@
 """AppTest of the NaN doctor, Repetition and Trace files pages, each run as its own script with a run put in
-st.session_state["run"]; the sidebar's shared-model loader returns the session's already loaded model."""
+session_of(st.session_state).run; the sidebar's shared-model loader returns the session's already loaded model."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ from engine import RunSettings, make_trace
 from engine.inspection.trace import to_bytes
 from engine.tools.doctor import fault_probe
 from inspector.session.run import inspect_run
+from inspector.ui.state import session_of
 from tests.helpers import as_shown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +95,7 @@ def test_trace_page_saves_and_opens_a_run(page, tiny_model, tiny_model_dir, tiny
     assert not at.exception, at.exception
     assert "first non-finite: `blocks.0.mlp.gate` layer 0, position 2, step 0" in markdowns(at)
     at.button(key="tf_open").click().run()
-    opened = at.session_state["run"]
+    opened = session_of(at.session_state).run
     assert opened.ids == bad.ids and opened.settings == bad.settings and len(opened.probe.stats) == len(probe.stats)
     doc = page("nan_doctor", opened, tiny_model, str(tiny_model_dir)).run()
     assert "stage **`blocks.0.mlp.gate`**, layer **0**, position **2**, step **0**" in markdowns(doc)

@@ -10,6 +10,7 @@ from streamlit.testing.v1 import AppTest
 
 from engine import GenerationRun, SamplingParams
 from inspector.session.models import model_choices
+from inspector.ui.state import session_of
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Tell me about caches."
@@ -76,11 +77,11 @@ def test_debugger_steps_breaks_changes_settings_and_publishes(at, tiny_model):
     ref = greedy(tiny_model)
     at.switch_page("views/debugger.py").run()
     assert not at.exception and any("Press **Step**" in i.value for i in at.info)
-    assert "run" not in at.session_state
+    assert session_of(at.session_state).run is None
     for n in (1, 2):                                            # Step: exactly one more token each time
         click(at, "dbg_step")
-        run = at.session_state["run"]
-        assert run.result.token_ids == ref[:n] and at.session_state["selected_step"] == n - 1
+        run = session_of(at.session_state).run
+        assert run.result.token_ids == ref[:n] and session_of(at.session_state).selected_step == n - 1
         assert at.number_input(key="dbg_view_step").value == n - 1
     assert "tiny-llama" in run.model_name and run.result.stop_reason == "running"
     steps = find_df(at, "step", "top5")
@@ -91,8 +92,8 @@ def test_debugger_steps_breaks_changes_settings_and_publishes(at, tiny_model):
     click(at, "dbg_bp_add")
     assert any("token id in" in m.value for m in at.markdown)
     click(at, "dbg_continue")
-    run = at.session_state["run"]
-    assert run.result.token_ids == ref[:5] and at.session_state["selected_step"] == 4
+    run = session_of(at.session_state).run
+    assert run.result.token_ids == ref[:5] and session_of(at.session_state).selected_step == 4
     assert any("Breakpoint: step 4: chose token" in w.value for w in at.warning)
     # new sampler settings after the break: the rest follows them (top-3 at T = 1, seeded as the run)
     at.slider(key="dbg_temperature").set_value(1.0)
@@ -100,7 +101,7 @@ def test_debugger_steps_breaks_changes_settings_and_publishes(at, tiny_model):
     click(at, "dbg_bp_rm_0")
     assert not any("token id in" in m.value for m in at.markdown)
     click(at, "dbg_run_end")
-    run = at.session_state["run"]
+    run = session_of(at.session_state).run
     assert run.result.stop_reason == "max_new_tokens" and len(run.result.token_ids) == MAX_NEW
     assert run.result.params.temperature == 1.0 and run.result.params.top_k == 3
     assert run.settings.params.temperature == 1.0
@@ -111,7 +112,8 @@ def test_debugger_steps_breaks_changes_settings_and_publishes(at, tiny_model):
     assert log["from_step"].tolist() == [0, 5] and log["temperature"].tolist() == [0.0, 1.0]
     # choosing a step to show is display-only and publishes it for the other pages
     at.number_input(key="dbg_view_step").set_value(2).run()
-    assert at.session_state["selected_step"] == 2 and at.session_state["run"].result.token_ids == run.result.token_ids
+    held = session_of(at.session_state)
+    assert held.selected_step == 2 and held.run.result.token_ids == run.result.token_ids
     assert [m.value for m in at.metric if m.label == "Entropy (nats)"] == [f"{run.result.steps[2].entropy:.3f}"]
     # the other pages show the debugger's run
     at.switch_page("views/overview.py").run()
@@ -122,10 +124,10 @@ def test_debugger_steps_breaks_changes_settings_and_publishes(at, tiny_model):
     at.switch_page("views/debugger.py").run()
     assert at.number_input(key="dbg_view_step").value == 2 and at.slider(key="dbg_temperature").value == 1.0
     click(at, "dbg_reset")
-    assert "run" not in at.session_state and "selected_step" not in at.session_state
+    assert session_of(at.session_state).run is None and session_of(at.session_state).selected_step is None
     assert at.slider(key="dbg_temperature").value == 0.0
     click(at, "dbg_step")
-    assert at.session_state["run"].result.token_ids == ref[:1]
+    assert session_of(at.session_state).run.result.token_ids == ref[:1]
 
 
 def test_debugger_entropy_breakpoint_pauses_at_the_first_low_step(at, tiny_model):
@@ -142,7 +144,7 @@ def test_debugger_entropy_breakpoint_pauses_at_the_first_low_step(at, tiny_model
     at.number_input(key="dbg_bp_entropy").set_value(threshold).run()
     click(at, "dbg_bp_add")
     click(at, "dbg_continue")
-    assert len(at.session_state["run"].result.steps) == first + 1
+    assert len(session_of(at.session_state).run.result.steps) == first + 1
     assert any(f"step {first}: entropy" in w.value for w in at.warning)
 
 

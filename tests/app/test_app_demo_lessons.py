@@ -6,7 +6,8 @@ import pytest
 
 from engine import RunSettings
 from inspector.session.run import inspect_run
-from inspector.ui.demos import DEMOS, LESSON
+from inspector.ui.demos import DEMOS
+from inspector.ui.state import session_of
 
 pytestmark = pytest.mark.app
 
@@ -16,11 +17,11 @@ def test_the_demos_page_says_its_lesson_for_the_demos_run_only(page, tiny_model,
     d = DEMOS[demo]
     run = inspect_run(tiny_model, RunSettings(prompt=d.prompt, chat=False, max_new_tokens=2))
     at = page(d.page, run, tiny_model, str(tiny_model_dir))
-    at.session_state[LESSON] = (demo, run.created)
+    session_of(at.session_state).lesson = (demo, run.created)
     at.run()
     assert not at.exception, at.exception
     said = [i.value for i in at.info if i.value.startswith(f"**Demo: {d.label}.**")]
     assert said == [f"**Demo: {d.label}.** " + (d.lesson or d.blurb)]
-    at.session_state[LESSON] = (demo, "another run")
+    session_of(at.session_state).lesson = (demo, "another run")
     at.run()
     assert not [i for i in at.info if i.value.startswith("**Demo:")]

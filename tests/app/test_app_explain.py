@@ -1,4 +1,4 @@
-"""AppTest of the Explain page (run as its own script with a run in st.session_state["run"]) on the tiny
+"""AppTest of the Explain page (run as its own script with a run in session_of(st.session_state).run) on the tiny
 model: the sum of contributions shown equals the logit difference shown, the patching grid's last-layer,
 last-position cell equals the p_clean shown, and display-only controls run no model."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ from engine import RunSettings
 from engine.model import Model
 from engine.tools.explain import explain_step
 from inspector.session.run import inspect_run
+from inspector.ui.state import session_of
 from inspector.views.tokens import token_labels
 
 pytestmark = pytest.mark.app
@@ -49,7 +50,7 @@ def page(monkeypatch, tiny_model, tiny_model_dir, run):
     models.shared_model.clear()
     models.shared_model(str(tiny_model_dir), "cpu", "auto")      # loaded outside a script run
     at = AppTest.from_file(str(ROOT / "pages" / "explain.py"), default_timeout=600)
-    at.session_state["run"] = run
+    session_of(at.session_state).run = run
     return at
 
 

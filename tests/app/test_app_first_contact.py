@@ -18,6 +18,7 @@ from engine.model import Model
 from inspector.session.admission import shared_admission
 from inspector.session.limits import Limits
 from inspector.session.models import model_choices
+from inspector.ui.state import session_of
 from inspector.views.theme import PLACEHOLDERS, placeholder_colours
 
 PAGES = ["overview", "tokens", "attention", "activations", "kv_cache", "sampling", "timeline", "debugger",
@@ -75,7 +76,7 @@ def test_demo_runs_show_their_lesson_and_every_chart_keeps_its_colours(monkeypat
     # a repetition loop: the run loops, the Repetition page opens and finds it
     at.button(key="ov_demo_loop").click().run()
     assert not at.exception, at.exception
-    run = at.session_state["run"]
+    run = session_of(at.session_state).run
     assert run.settings.prompt.startswith("I like apples") and run.settings.params.temperature == 0
     assert shown_page(at) == "Repetition" and run.loops
     assert any("loop(s) in" in w.value for w in at.warning)
@@ -84,7 +85,7 @@ def test_demo_runs_show_their_lesson_and_every_chart_keeps_its_colours(monkeypat
     # sampling: T=1, top-p 0.9 run; Sampling opens with (T 1.5, top-p 0.5) and (T 0.7, top-p 0.9) beside it
     at.button(key="sb_demo_sampling").click().run()
     assert not at.exception, at.exception
-    run = at.session_state["run"]
+    run = session_of(at.session_state).run
     assert (run.settings.params.temperature, run.settings.params.top_p) == (1.0, 0.9)
     assert shown_page(at) == "Sampling"
     summary = [d.value for d in at.dataframe if "mass_kept" in d.value.columns][0].set_index("setting")
@@ -96,7 +97,7 @@ def test_demo_runs_show_their_lesson_and_every_chart_keeps_its_colours(monkeypat
     at.button(key="sb_demo_nan").click().run()
     assert not at.exception, at.exception
     assert shown_page(at) == "NaN / Inf doctor"
-    (report,) = at.session_state["nd_reports"].values()
+    (report,) = session_of(at.session_state).memos["nd_reports"].values()
     nf = report.first_nonfinite
     assert (nf.step, nf.stage, nf.layer, nf.position) == (0, "blocks.17.mlp.act", 17, 3)
     assert report.result.stop_reason == "non-finite logits" and report.result.token_ids == []
@@ -132,7 +133,7 @@ def test_a_run_stopped_by_nonfinite_logits_reads_so_on_every_page(monkeypatch, a
     at = fresh_app(monkeypatch, app_file, tiny_model_dir)
     trace = nan_logits_trace(at_model := tiny_model)
     assert trace.result.stop_reason == "non-finite logits" and len(trace.result.token_ids) == 2
-    at.session_state["run"], at.session_state["runs"] = trace, [trace]
+    session_of(at.session_state).run, session_of(at.session_state).runs = trace, [trace]
     assert at_model.name == trace.model_name
     for name in PAGES:
         at.switch_page(page(app_file, name)).run()
@@ -154,7 +155,7 @@ def test_out_of_range_max_new_tokens_is_said_not_ignored(monkeypatch, app_file, 
     (w,) = [w for w in at.sidebar.warning if "Max new tokens" in w.value]
     assert "5,000 is more than this server generates per run (8" in w.value and "at most 8" in w.value
     at.sidebar.button(key="sb_run").click().run()
-    assert not at.exception and at.session_state["run"].settings.max_new_tokens == 8
+    assert not at.exception and session_of(at.session_state).run.settings.max_new_tokens == 8
     at.sidebar.number_input(key="sb_max_new").set_value(5).run()
     assert not [w for w in at.sidebar.warning if "Max new tokens" in w.value]
 
@@ -186,7 +187,7 @@ def test_the_queue_wait_excludes_the_run_itself(monkeypatch, app_file, tiny_mode
     total = time.monotonic() - t0
     holder.join(10)
     assert not at.exception, at.exception
-    run = at.session_state["run"]
+    run = session_of(at.session_state).run
     (cap,) = [c.value for c in at.sidebar.caption if "in the queue" in c.value]
     waited = float(re.search(r"waited ([\d.]+) s in the queue", cap).group(1))
     assert run.seconds >= 6 * slow_s and total >= hold_s + run.seconds - 0.5

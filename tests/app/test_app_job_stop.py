@@ -4,7 +4,7 @@ it before its next unit of work, the page says "Stopped" and keeps nothing, and 
 
 A click cannot land mid-run in AppTest, so the unit of work is wrapped: the wrapper notes the Stop buttons on
 the page at that moment and, at the chosen unit, does what the Stop button's on_click does (marks the job
-stopped in STOPPED_KEY). The job then hears STOP at its next progress record."""
+stopped in SessionState.stopped). The job then hears STOP at its next progress record."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +13,7 @@ import engine.tools.patching as patching
 import engine.tools.why_loop as why_loop_mod
 from engine import RunSettings
 from inspector.session.run import inspect_run
-from inspector.ui.common import STOPPED_KEY
+from inspector.ui.state import session_of
 from tests.app.test_app_explain import page as explain_page  # noqa: F401  (a fixture)
 from tests.app.test_app_explain import run  # noqa: F401  (a fixture)
 from tests.app.test_app_prescribe import LOOP_PROMPT, looper, section  # noqa: F401  (looper: a fixture)
@@ -33,7 +33,7 @@ def clicking_stop(monkeypatch, module, name: str, at: int | None) -> dict:
         seen["stop_buttons"].append(keys)
         if seen["units"] == at:
             for k in keys:
-                st.session_state[STOPPED_KEY][k.removeprefix("od_stop_")] = "stopped"
+                session_of(st.session_state).stopped[k.removeprefix("od_stop_")] = "stopped"
         return fn(*a, **kw)
     monkeypatch.setattr(module, name, unit)
     return seen
@@ -54,7 +54,7 @@ def test_the_why_loop_shows_stop_while_it_reruns_and_stopped_after(looper, monke
     assert not at.exception, at.exception
     assert seen["units"] == 2 and all(len(k) == 1 for k in seen["stop_buttons"])   # a Stop button at each rerun
     assert stopped(at, "the loop diagnosis") and not at.dataframe and not at.get("progress")
-    assert not at.session_state["wl_reports"]                                        # nothing half-done kept
+    assert not session_of(at.session_state).memos["wl_reports"]                      # nothing half-done kept
     at.run()                                                                         # still stopped, no rerun
     assert seen["units"] == 2 and stopped(at, "the loop diagnosis")
     next(b for b in at.button if b.label == "Compute again").click().run()
@@ -100,8 +100,8 @@ def test_the_precision_comparison_shows_stop_and_stopped(page, tiny_model, tiny_
     at.button(key="nd_prec_run").click().run()
     assert not at.exception, at.exception
     assert seen["units"] == 2 and all(len(k) == 1 for k in seen["stop_buttons"])
-    assert stopped(at, "the precision comparison") and not at.session_state["nd_precs"]
+    assert stopped(at, "the precision comparison") and not session_of(at.session_state).memos["nd_precs"]
     next(b for b in at.button if b.label == "Compute again").click().run()
     assert not at.exception, at.exception
-    assert seen["units"] == 2 + 2 * tiny_model.config.num_layers and at.session_state["nd_precs"]
+    assert seen["units"] == 2 + 2 * tiny_model.config.num_layers and session_of(at.session_state).memos["nd_precs"]
     assert {c.key for c in at.get("plotly_chart")} >= {"nd_prec_line", "nd_prec_heat"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from inspector.ui.common import STOPPED_KEY
+from inspector.ui.state import session_of
 from tests.app.test_app_pages_a import chart, page, start
 
 pytestmark = pytest.mark.app
@@ -19,7 +19,8 @@ def stopping_page():
 
     from engine.generate import STOP, Progress
     from engine.progress import Stopped
-    from inspector.ui.common import STOPPED_KEY, _tag, on_demand, was_stopped
+    from inspector.ui.common import _tag, on_demand, was_stopped
+    from inspector.ui.state import session_of
 
     store = st.session_state.setdefault("store", {})
     tries = st.session_state.setdefault("tries", [])
@@ -28,7 +29,7 @@ def stopping_page():
         tries.append([])
         for i in range(1, 5):
             if len(tries) == 1 and i == 2:
-                st.session_state[STOPPED_KEY][_tag("the thing", "k")] = "stopped"     # what Stop's on_click does
+                session_of(st.session_state).stopped[_tag("the thing", "k")] = "stopped"   # what Stop does
             tries[-1].append(i)
             if tell(Progress(0, 10, 10, i, 4)) is STOP:
                 raise Stopped
@@ -55,7 +56,7 @@ def test_a_stop_shows_stopped_and_compute_again_computes_it():
     assert at.session_state["tries"][-1] == [1, 2, 3, 4]
     assert at.session_state["store"] == {"k": "computed"}
     assert not at.warning and not at.button and any("value: computed" in m.value for m in at.markdown)
-    assert not at.session_state[STOPPED_KEY]
+    assert not session_of(at.session_state).stopped
 
 
 def test_the_attention_page_computes_its_map_with_progress_and_leaves_no_bar(monkeypatch, tiny_model_dir, app_file):
@@ -65,6 +66,7 @@ def test_the_attention_page_computes_its_map_with_progress_and_leaves_no_bar(mon
     assert not at.exception, at.exception
     assert chart(at, "att_map")["data"][0]["z"] and chart(at, "att_entropy")["data"]
     assert not at.get("progress") and not [b for b in at.button if b.label == "Stop"]
-    assert len(at.session_state["att_maps"]) == 1 and len(at.session_state["att_overviews"]) == 1
+    memos = session_of(at.session_state).memos
+    assert len(memos["att_maps"]) == 1 and len(memos["att_overviews"]) == 1
     at.selectbox(key="att_layer").set_value(1).run()          # a second map: the rate measured by the first
-    assert not at.exception and len(at.session_state["att_maps"]) == 2
+    assert not at.exception and len(session_of(at.session_state).memos["att_maps"]) == 2

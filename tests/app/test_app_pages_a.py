@@ -14,6 +14,7 @@ from streamlit.testing.v1 import AppTest
 
 from engine.model import Model
 from inspector.session.models import model_choices
+from inspector.ui.state import session_of
 from inspector.views.attention import attention_pattern
 from inspector.views.tokens import chat_messages
 
@@ -63,7 +64,7 @@ def start(monkeypatch, app_file, prompt=PROMPT, max_new=6) -> AppTest:
     at.sidebar.number_input(key="sb_max_new").set_value(max_new)
     at.sidebar.button(key="sb_run").click().run()
     assert not at.exception, at.exception
-    assert at.session_state["run"] is not None
+    assert session_of(at.session_state).run is not None
     return at
 
 
@@ -112,7 +113,7 @@ def test_pages_without_a_run_show_the_hint(monkeypatch, tiny_model_dir, app_file
 
 
 def test_overview_lists_every_step(tiny_app, tiny_model, app_file):
-    run = tiny_app.session_state["run"]
+    run = session_of(tiny_app.session_state).run
     at = tiny_app.switch_page(page(app_file, "overview")).run()
     assert not at.exception
     steps = find_df(at, "step", "token", "prob", "model_prob", "entropy", "kept", "top5")
@@ -129,7 +130,7 @@ def test_overview_lists_every_step(tiny_app, tiny_model, app_file):
 
 
 def test_tokens_page_table_spans_and_stream(tiny_app, tiny_model, app_file):
-    run = tiny_app.session_state["run"]
+    run = session_of(tiny_app.session_state).run
     at = tiny_app.switch_page(page(app_file, "tokens")).run()
     assert not at.exception
     table = find_df(at, "position", "id", "bytes", "start", "end", "special", "part")
@@ -171,7 +172,7 @@ def test_tokens_page_table_spans_and_stream(tiny_app, tiny_model, app_file):
 
 
 def test_attention_maps_are_computed_on_demand_and_cached(tiny_app, tiny_model, calls, app_file):
-    run = tiny_app.session_state["run"]
+    run = session_of(tiny_app.session_state).run
     T, cfg = len(run.ids), tiny_model.config
     ref = [attention_pattern(tiny_model, run.ids, layer) for layer in range(cfg.num_layers)]
     before = calls["forward"]
@@ -210,7 +211,7 @@ def test_attention_maps_are_computed_on_demand_and_cached(tiny_app, tiny_model, 
 
 
 def test_activations_page(tiny_app, tiny_model, calls, app_file):
-    run = tiny_app.session_state["run"]
+    run = session_of(tiny_app.session_state).run
     L = tiny_model.config.num_layers
     at = tiny_app.switch_page(page(app_file, "activations")).run()
     assert not at.exception
@@ -245,7 +246,7 @@ def test_activations_page(tiny_app, tiny_model, calls, app_file):
 def test_pages_on_the_bundled_model(monkeypatch, app_file, calls):
     monkeypatch.delenv("LLM_INSPECTOR_MODEL", raising=False)
     at = start(monkeypatch, app_file, prompt="Name a color. 😀", max_new=3)
-    run = at.session_state["run"]
+    run = session_of(at.session_state).run
     assert "SmolLM2" in run.model_name and len(run.result.token_ids) <= 3
     for name in PAGES:
         at.switch_page(page(app_file, name)).run()
@@ -262,7 +263,7 @@ def test_long_runs_are_windowed_pooled_and_costly_views_wait_for_a_click(monkeyp
                                                                          calls):
     monkeypatch.setenv("LLM_INSPECTOR_MODEL", str(tiny_model_dir))
     at = start(monkeypatch, app_file, prompt="one two three four five six " * 100, max_new=2)
-    run = at.session_state["run"]
+    run = session_of(at.session_state).run
     T = len(run.ids)
     assert T > 600
     at.switch_page(page(app_file, "attention")).run()

@@ -13,6 +13,7 @@ from streamlit.testing.v1 import AppTest
 
 from engine.model import Model
 from inspector.session.models import model_choices
+from inspector.ui.state import session_of
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ["kv_cache", "sampling", "timeline"]
@@ -48,7 +49,7 @@ def start(app_file: Path, source: str | None, prompt: str, max_new: int = MAX_NE
     at.sidebar.number_input(key="sb_max_new").set_value(max_new)
     at.sidebar.button(key="sb_run").click().run()
     assert not at.exception, at.exception
-    assert at.session_state["run"] is not None
+    assert session_of(at.session_state).run is not None
     return at
 
 
@@ -79,7 +80,7 @@ def forward_calls(monkeypatch):
 def tiny_app(monkeypatch, tiny_model_dir, app_file):
     monkeypatch.setenv("LLM_INSPECTOR_MODEL", str(tiny_model_dir))
     at = start(app_file, str(tiny_model_dir), "Tell me about caches.")
-    assert "tiny-llama" in at.session_state["run"].model_name
+    assert "tiny-llama" in session_of(at.session_state).run.model_name
     return at
 
 
@@ -132,7 +133,7 @@ def test_pages_without_a_run_show_the_hint(monkeypatch, tiny_model_dir, app_file
 
 
 def test_kv_cache_page_bytes_match_the_formula(tiny_app, tiny_model, pages):
-    run = tiny_app.session_state["run"]
+    run = session_of(tiny_app.session_state).run
     at = tiny_app.switch_page(pages["kv_cache"]).run()
     assert not at.exception
     cfg = tiny_model.config
@@ -165,7 +166,7 @@ def test_kv_cache_page_bytes_match_the_formula(tiny_app, tiny_model, pages):
 
 
 def test_sampling_page_kept_counts_and_no_model_calls(tiny_app, pages, forward_calls):
-    run = tiny_app.session_state["run"]
+    run = session_of(tiny_app.session_state).run
     calls = forward_calls()                                             # counted from here on
     at = tiny_app.switch_page(pages["sampling"]).run()
     assert not at.exception
@@ -220,7 +221,7 @@ def test_sampling_page_kept_counts_and_no_model_calls(tiny_app, pages, forward_c
 
 
 def test_timeline_page_one_row_per_step(tiny_app, tiny_model, pages):
-    run = tiny_app.session_state["run"]
+    run = session_of(tiny_app.session_state).run
     at = tiny_app.switch_page(pages["timeline"]).run()
     assert not at.exception
     steps = find_df(at, "step", "kind", "forward_ms", "sample_ms", "detokenize_ms")
@@ -244,7 +245,7 @@ def test_timeline_page_one_row_per_step(tiny_app, tiny_model, pages):
 def test_pages_on_the_bundled_model(monkeypatch, app_file, pages, forward_calls):
     monkeypatch.delenv("LLM_INSPECTOR_MODEL", raising=False)
     at = start(app_file, None, "Name a color.", max_new=3)
-    run = at.session_state["run"]
+    run = session_of(at.session_state).run
     assert "SmolLM2" in run.model_name and len(run.result.steps) <= 3
     calls = forward_calls()
     for page in pages.values():

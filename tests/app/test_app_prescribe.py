@@ -1,6 +1,6 @@
-"""AppTest of the prescribing doctors: the Quantization page (run as its own script with a run in
-st.session_state["run"]), and the why-loop and rescue sections (inspector.ui.prescriptions) through a small script
-that calls them with a run and a model put in st.session_state, as the Repetition and NaN doctor pages will."""
+"""AppTest of the prescribing doctors: the Quantization page (run as its own script with a run as the session's
+current run, SessionState.run), and the why-loop and rescue sections (inspector.ui.prescriptions) through a small
+script that calls them with a run and a model put in st.session_state, as the Repetition and NaN doctor pages will."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +15,7 @@ from engine import RunSettings
 from engine.model import Model
 from engine.weights import Weights
 from inspector.session.run import inspect_run
+from inspector.ui.state import session_of
 from inspector.views import prescribe as pv
 
 pytestmark = pytest.mark.app
@@ -43,7 +44,7 @@ def page(monkeypatch):
         models.shared_model.clear()
         models.shared_model(source, "cpu", "auto")      # cached outside a script run: no replayed progress bar
         at = AppTest.from_file(str(ROOT / "pages" / f"{name}.py"), default_timeout=600)
-        at.session_state["run"] = run
+        session_of(at.session_state).run = run
         return at
     return make
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from inspector.ui.state import session_of
 from tests.unit.test_report import embedded, hostile_run  # noqa: F401  (hostile_run: a fixture)
 
 
@@ -15,7 +16,7 @@ def test_the_overview_page_offers_the_report_for_download(page, tiny_model, tiny
     assert not at.exception
     (btn,) = at.get("download_button")
     assert "Download report (HTML)" in str(btn.proto)
-    (html,) = at.session_state["ov_report"].values()
+    (html,) = session_of(at.session_state).memos["ov_report"].values()
     data = embedded(html, "report-data")
     assert data["token_ids"] == hostile_run.result.token_ids and len(data["attention"]) == 2
     # the model's folder name, never the server's path to it

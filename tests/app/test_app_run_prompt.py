@@ -9,6 +9,7 @@ from engine import RunSettings
 from engine.generate import prompt_ids
 from engine.inspection.trace import from_bytes, to_bytes
 from inspector.session.run import inspect_run
+from inspector.ui.state import session_of
 from tests.app.test_app_pages_a import page as page_path
 from tests.app.test_run_traps import fresh_app
 from tests.helpers import as_shown
@@ -32,7 +33,7 @@ def captions(at) -> str:
 def with_opened_run(monkeypatch, app_file, tiny_model_dir, opened):
     at = fresh_app(monkeypatch, app_file, tiny_model_dir)
     at.sidebar.text_area(key="sb_prompt").set_value(SIDEBAR).run()
-    at.session_state["run"] = opened
+    session_of(at.session_state).run = opened
     return at
 
 
@@ -44,7 +45,7 @@ def test_the_debugger_runs_the_opened_runs_prompt_and_says_so(monkeypatch, app_f
     assert "Step and Reset start a run of **the current run's** prompt: 'one two three four five'" in captions(at)
     at.button(key="dbg_step").click().run()
     assert not at.exception, at.exception
-    run = at.session_state["run"]
+    run = session_of(at.session_state).run
     assert run.result.prompt_ids == tiny_model.tokenizer.encode(OPENED)       # chat off, as in the file
     assert run.settings.seed == 5
     # the sidebar's prompt, one choice away
@@ -53,7 +54,7 @@ def test_the_debugger_runs_the_opened_runs_prompt_and_says_so(monkeypatch, app_f
     at.button(key="dbg_reset").click().run()
     at.button(key="dbg_step").click().run()
     assert not at.exception, at.exception
-    assert at.session_state["run"].result.prompt_ids == prompt_ids(tiny_model, SIDEBAR, chat=True)
+    assert session_of(at.session_state).run.result.prompt_ids == prompt_ids(tiny_model, SIDEBAR, chat=True)
 
 
 def test_compare_runs_the_opened_runs_prompt_and_says_so(monkeypatch, app_file, tiny_model_dir, tiny_model, opened):
@@ -66,11 +67,11 @@ def test_compare_runs_the_opened_runs_prompt_and_says_so(monkeypatch, app_file, 
     at.number_input(key="cmp_max_new").set_value(2)
     at.button(key="cmp_run").click().run()
     assert not at.exception, at.exception
-    assert at.session_state["cmp_result"]["a"].prompt_ids == tiny_model.tokenizer.encode(OPENED)
+    assert session_of(at.session_state).compared["a"].prompt_ids == tiny_model.tokenizer.encode(OPENED)
     at.radio(key="cmp_source").set_value("the sidebar").run()
     assert f"Prompt (from the sidebar): {SIDEBAR!r} · chat format on" in captions(at)
     at.button(key="cmp_run").click().run()
-    assert at.session_state["cmp_result"]["a"].prompt_ids == prompt_ids(tiny_model, SIDEBAR, chat=True)
+    assert session_of(at.session_state).compared["a"].prompt_ids == prompt_ids(tiny_model, SIDEBAR, chat=True)
 
 
 @pytest.mark.parametrize("allow_special", [False, True])

@@ -14,6 +14,7 @@ import engine.tools.doctor as doctor
 import inspector.views.repetition as rv
 from engine import RunSettings
 from inspector.session.run import inspect_run
+from inspector.ui.state import session_of
 from tests.app.test_app_job_stop import clicking_stop, stopped
 
 pytestmark = pytest.mark.app
@@ -35,13 +36,13 @@ def test_the_fault_run_shows_stop_and_stops_before_its_next_token(page, tiny_mod
     assert not at.exception, at.exception
     assert seen["units"] == 1 and len(seen["stop_buttons"][0]) == 1                # a Stop button during the run
     assert stopped(at, "the fault run") and not at.get("progress"), [w.value for w in at.warning]
-    assert not at.session_state["nd_reports"]                                       # nothing half-done kept
+    assert not session_of(at.session_state).memos["nd_reports"]                     # nothing half-done kept
     at.run()                                                                        # still stopped, no rerun
     assert seen["units"] == 1 and stopped(at, "the fault run")
     next(b for b in at.button if b.label == "Compute again").click().run()
     assert not at.exception, at.exception
-    assert seen["units"] == 2 and len(at.session_state["nd_reports"]) == 1
-    (report,) = at.session_state["nd_reports"].values()
+    assert seen["units"] == 2 and len(session_of(at.session_state).memos["nd_reports"]) == 1
+    (report,) = session_of(at.session_state).memos["nd_reports"].values()
     assert report.result.stop_reason == "max_new_tokens" and len(report.result.token_ids) == 3
     assert not [w for w in at.warning if w.value.startswith("Stopped")] and not at.get("progress")
 
@@ -61,7 +62,8 @@ def test_the_settings_comparison_shows_stop_and_stops_before_its_next_token(page
     assert not at.exception, at.exception
     assert seen["units"] == 1 and len(seen["stop_buttons"][0]) == 1
     assert stopped(at, "the penalty comparison") and not at.get("progress")
-    assert generated == [] and not at.session_state["rep_tables"]   # stopped at its first record, before a token
+    # stopped at its first record, before a token
+    assert generated == [] and not session_of(at.session_state).memos["rep_tables"]
     next(b for b in at.button if b.label == "Compute again").click().run()
     assert not at.exception, at.exception
     variants = len(at.multiselect(key="rep_variants").value)

@@ -15,6 +15,7 @@ from streamlit.testing.v1 import AppTest
 from inspector.session.admission import shared_admission
 from inspector.session.limits import Limits
 from inspector.session.models import model_choices
+from inspector.ui.state import session_of
 from tests.bad_input import (
     GOOD,
     ROOT,
@@ -65,10 +66,10 @@ def press_run(at: AppTest, prompt: str | None = None, max_new: int = 3) -> AppTe
 
 
 def app_still_works(at: AppTest, good_answer) -> None:
-    before = at.session_state["run"] if "run" in at.session_state else None   # noqa: SIM401 (no .get)
+    before = session_of(at.session_state).run
     press_run(at, GOOD)
     assert not at.sidebar.error, [e.value for e in at.sidebar.error]
-    run = at.session_state["run"]
+    run = session_of(at.session_state).run
     assert run is not before and run.result.token_ids == good_answer
 
 
@@ -91,7 +92,7 @@ def test_app_bad_prompt(monkeypatch, app_file, tiny_model_dir, prompt, msg, good
     press_run(at, prompt)
     (err,) = at.sidebar.error
     assert re.search(msg, err.value), err.value
-    assert "run" not in at.session_state
+    assert session_of(at.session_state).run is None
     app_still_works(at, good_answer)
 
 
@@ -101,10 +102,10 @@ def test_app_special_token_text_note_and_opt_in(monkeypatch, app_file, tiny_mode
     assert not at.sidebar.error
     assert any("it was read as plain text" in w.value for w in at.sidebar.warning)
     tok = tiny_model.tokenizer
-    plain = at.session_state["run"].result.prompt_ids
+    plain = session_of(at.session_state).run.result.prompt_ids
     at.sidebar.toggle(key="sb_allow_special").set_value(True)
     press_run(at)
-    opted = at.session_state["run"].result.prompt_ids
+    opted = session_of(at.session_state).run.result.prompt_ids
     assert not any("plain text" in w.value for w in at.sidebar.warning)
     assert sum(map(tok.is_special, opted)) == sum(map(tok.is_special, plain)) + 2
     app_still_works(at, good_answer)
@@ -120,7 +121,7 @@ def test_app_widgets_never_pass_absurd_parameters(monkeypatch, app_file, tiny_mo
     at.session_state[key] = value                   # what a forged widget message could ask for
     at.sidebar.button(key="sb_run").click().run()
     assert not at.exception and not at.sidebar.error
-    s = at.session_state["run"].settings
+    s = session_of(at.session_state).run.settings
     p = s.params
     assert 0 <= p.temperature <= 2 and 0 <= p.top_k <= 1000 and 0 < p.top_p <= 1 and 0 <= s.seed
     assert 1 <= s.max_new_tokens <= 8 and 0.5 <= p.repetition_penalty <= 2
@@ -143,7 +144,7 @@ def test_app_out_of_range_numbers_are_refused_by_name(monkeypatch, app_file, tin
     assert not at.exception
     assert [e.value for e in at.sidebar.error] == [f"{msg}. Run starts nothing until it is corrected "
                                                    "(Generation settings)."]
-    assert "run" not in at.session_state
+    assert session_of(at.session_state).run is None
     app_still_works(new_session(monkeypatch, app_file, tiny_model_dir, LLM_INSPECTOR_MAX_NEW_TOKENS="8"), good_answer)
 
 
@@ -154,7 +155,7 @@ def test_app_malformed_limit_variable_is_reported(monkeypatch, app_file, tiny_mo
     assert [e.value for e in at.sidebar.error] == said
     press_run(at, GOOD)
     assert [e.value for e in at.sidebar.error] == said
-    assert at.session_state["run"].result.token_ids == good_answer
+    assert session_of(at.session_state).run.result.token_ids == good_answer
 
 
 def test_app_server_busy_when_the_queue_is_full(monkeypatch, app_file, tiny_model_dir, good_answer):
@@ -229,4 +230,4 @@ def test_app_broken_chat_template_is_a_message(monkeypatch, app_file, tmp_path, 
     assert re.search(r"The run failed unexpectedly \(TemplateSyntaxError|chat template", err.value), err.value
     at.sidebar.toggle(key="sb_chat").set_value(False)
     press_run(at, GOOD)
-    assert not at.sidebar.error and at.session_state["run"].result.token_ids
+    assert not at.sidebar.error and session_of(at.session_state).run.result.token_ids

@@ -10,6 +10,7 @@ import pytest
 from engine import RunSettings
 from engine.inspection.trace import to_bytes
 from inspector.session.run import inspect_run
+from inspector.ui.state import session_of
 from tests.helpers import as_shown, forge
 from tests.unit.test_hostile_traces import CASES, setitem, with_meta
 
@@ -32,7 +33,7 @@ def test_a_crafted_upload_is_one_message_and_the_run_stays(page, tiny_model, tin
     assert time.perf_counter() - t0 < 5
     assert not at.exception, at.exception
     assert len(at.error) == 1 and as_shown(at.error[0].value).startswith("Could not open crafted.trace: ")
-    assert at.session_state["run"] is run and len(at.button) == 0        # nothing to open, nothing replaced
+    assert session_of(at.session_state).run is run and len(at.button) == 0        # nothing to open, nothing replaced
     assert tiny_model.generate(run.result.prompt_ids, max_new_tokens=3).token_ids == run.result.token_ids
 
 
@@ -55,7 +56,7 @@ def test_a_reupload_is_parsed_once(page, tiny_model, tiny_model_dir, run, monkey
     at.file_uploader[0].set_value(("ok.trace", to_bytes(run), "application/octet-stream")).run()
     at.run()
     at.run()
-    assert not at.exception and len(calls) <= 1 and at.session_state["tf_opened"][2].result.token_ids
+    assert not at.exception and len(calls) <= 1 and session_of(at.session_state).opened[2].result.token_ids
 
 
 @pytest.mark.parametrize("value, words", [
@@ -72,7 +73,7 @@ def test_forged_compare_length_is_refused_server_side(page, tiny_model, tiny_mod
     at.button(key="cmp_run").click().run()
     assert not at.exception, at.exception
     assert any(words in e.value for e in at.error), [e.value for e in at.error]
-    assert "cmp_result" not in at.session_state
+    assert session_of(at.session_state).compared is None
 
 
 def test_compare_without_cache_is_bounded(page, tiny_model, tiny_model_dir, run, monkeypatch):

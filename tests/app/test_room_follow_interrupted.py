@@ -12,6 +12,7 @@ from engine.inspection.trace import to_bytes
 from inspector.session.rooms import shared_store
 from inspector.session.rooms_state import View
 from inspector.session.run import inspect_run
+from inspector.ui.state import session_of
 from tests.app.test_app_pages_b import fresh_app
 
 pytestmark = pytest.mark.app
@@ -27,7 +28,7 @@ def test_a_load_stopped_by_a_newer_rerun_is_tried_again(monkeypatch, tiny_model,
     at.query_params["room"] = code
     at.run()
     assert not at.exception, at.exception
-    assert at.session_state["_room"]["following"] and "run" not in at.session_state
+    assert session_of(at.session_state).room.following and session_of(at.session_state).run is None
 
     run = inspect_run(tiny_model, RunSettings(prompt="Tell me about caches.", chat=False, max_new_tokens=4))
     store.publish(code, token, run=to_bytes(run), view=View("overview"))
@@ -40,10 +41,10 @@ def test_a_load_stopped_by_a_newer_rerun_is_tried_again(monkeypatch, tiny_model,
         return real_keep(*a, **kw)
     monkeypatch.setattr(room, "keep_run", stopped_once)
     at.run()
-    assert "run" not in at.session_state     # stopped mid-load
+    assert session_of(at.session_state).run is None     # stopped mid-load
     at.run()
     assert not at.exception, at.exception
     assert len(calls) == 2
-    got = at.session_state["run"]
+    got = session_of(at.session_state).run
     assert got.extra["room_run_id"] == store.state(code).run_id
     assert got.result.text == run.result.text

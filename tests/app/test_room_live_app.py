@@ -13,6 +13,8 @@ from inspector.session.rooms import shared_store
 from inspector.session.rooms_live import Live, LiveToken
 from inspector.session.rooms_state import View
 from inspector.session.run import inspect_run
+from inspector.session.state import RoomSeat
+from inspector.ui.state import session_of
 from tests.app.test_app_pages_b import fresh_app
 from tests.redis_server import redis_process
 
@@ -53,7 +55,7 @@ def test_a_following_students_sidebar_shows_the_teachers_prompt_and_settings(env
     at.sidebar.text_area(key="sb_prompt").set_value("my own question").run()
     at.query_params["room"] = code
     at.run()
-    assert at.session_state["_room"]["following"]
+    assert session_of(at.session_state).room.following
     shown = at.sidebar.text_area(key="sb_room_prompt")
     assert shown.value == PROMPT and shown.disabled
     assert not [t for t in at.sidebar.text_area if t.key == "sb_prompt"]
@@ -89,7 +91,7 @@ def test_a_following_student_sees_the_teachers_run_grow(env, app_file, tiny_mode
     run = inspect_run(tiny_model, RunSettings(prompt="Write a poem", chat=False, max_new_tokens=3))
     store.publish(code, token, run=to_bytes(run))                        # the full run replaces the live one
     at.run()
-    assert not at.get("progress") and at.session_state["run"].settings.prompt == "Write a poem"
+    assert not at.get("progress") and session_of(at.session_state).run.settings.prompt == "Write a poem"
 
 
 def test_students_are_told_the_room_is_reconnecting_and_follow_again_after_a_restart(
@@ -103,18 +105,17 @@ def test_students_are_told_the_room_is_reconnecting_and_follow_again_after_a_res
         state = store.publish(code, token, run=to_bytes(run), view=view)
         teacher = fresh_app(app_file, env)
         teacher.session_state["att_layer"] = 1
-        teacher.session_state["runs"] = [run]
-        teacher.session_state["run"] = run
-        teacher.session_state["_room"] = {"role": "teacher", "code": code, "token": token, "page": "attention",
-                                          "view": view, "run_key": run_key(run), "run_id": state.run_id,
-                                          "published": True, "error": None}
+        session_of(teacher.session_state).runs = [run]
+        session_of(teacher.session_state).run = run
+        session_of(teacher.session_state).room = RoomSeat("teacher", code, token=token, page="attention", view=view,
+                                                          run_key=run_key(run), run_id=state.run_id, published=True)
         student = join(app_file, env, code)
-        assert student.session_state["_room"]["following"] and "reconnecting" not in warnings(student)
+        assert session_of(student.session_state).room.following and "reconnecting" not in warnings(student)
 
         redis.stop()                                                      # the store does not answer
         student.run()
         assert "The room is reconnecting" in warnings(student) and "does not answer" in warnings(student)
-        assert student.session_state["_room"]["following"] and not student.session_state["_room"].get("ended")
+        assert session_of(student.session_state).room.following and not session_of(student.session_state).room.ended
 
         redis.start()                                                     # back, and empty
         student.run()
@@ -126,6 +127,6 @@ def test_students_are_told_the_room_is_reconnecting_and_follow_again_after_a_res
         assert back is not None and back.run_id == state.run_id and back.view == view
 
         student.run()
-        assert "reconnecting" not in warnings(student) and student.session_state["_room"]["following"]
+        assert "reconnecting" not in warnings(student) and session_of(student.session_state).room.following
         assert any("following the teacher: Attention · layer 1" in m.value.replace("\\", "")
                    for m in student.markdown)

@@ -15,6 +15,8 @@ from engine import RunSettings
 from inspector.session.rooms import shared_store
 from inspector.session.rooms_state import Poll, RoomState
 from inspector.session.run import inspect_run
+from inspector.session.state import RoomSeat
+from inspector.ui.state import session_of
 
 pytestmark = pytest.mark.app
 IMG = "![x](http://evil/img.png)"
@@ -85,9 +87,8 @@ def markdown_bodies(at) -> list[str]:
 
 def poll_app(run, poll: Poll, answered: dict) -> AppTest:
     at = AppTest.from_function(poll_script, default_timeout=120)
-    at.session_state["runs"] = [run]
-    at.session_state["_test_r"] = {"role": "student", "code": "ABCDEF", "following": True, "voter": "ab" * 16,
-                                   "answered": answered}
+    session_of(at.session_state).runs = [run]
+    at.session_state["_test_r"] = RoomSeat("student", "ABCDEF", voter="ab" * 16, answered=answered)
     at.session_state["_test_state"] = RoomState("ABCDEF", 3, run_id="ab" * 16, poll=poll)
     return at.run()
 
@@ -134,12 +135,11 @@ def test_a_teacher_whose_room_is_gone_ends_it_and_is_not_stuck(monkeypatch):
     code, token = store.create()
     store.b.delete(*[store._k(code, part) for part in ("auth", "state", "ver")])   # what a Redis restart leaves
     at = AppTest.from_function(teacher_panel_script, default_timeout=60)
-    at.session_state["_room"] = {"role": "teacher", "code": code, "token": token, "view": None, "run_key": None,
-                                 "run_id": None, "published": False, "error": None, "page": None}
+    session_of(at.session_state).room = RoomSeat.teacher(code, token)
     at.run()
     at.button(key="room_end").click().run()
     assert not at.exception, at.exception
-    assert "_room" not in at.session_state
+    assert session_of(at.session_state).room is None
     assert any("no longer in the store" in w.value for w in at.warning)
     assert not at.error
     assert at.text_input(key="room_code") is not None                   # the join form: a session like any other

@@ -15,6 +15,7 @@ from inspector.session.memo import SHARED
 from inspector.session.rooms import shared_store
 from inspector.session.rooms_state import View
 from inspector.session.run import inspect_run
+from inspector.ui.state import session_of
 from tests.app.test_app_pages_b import fresh_app
 
 pytestmark = pytest.mark.app
@@ -59,11 +60,11 @@ def test_students_following_a_room_share_each_view(monkeypatch, tiny_model, tiny
     a = student(app_file, str(tiny_model_dir), code)
     b = student(app_file, str(tiny_model_dir), code)
     for at in (a, b):
-        assert at.session_state["_room"]["following"]
+        assert session_of(at.session_state).room.following
         assert any("following the teacher: Attention · layer 1" in m.value.replace("\\", "") for m in at.markdown)
     assert calls["pattern"] == 1                  # one forward for the class, not one per student
     assert chart_spec(a, "att_map") == chart_spec(b, "att_map")
-    assert a.session_state["run"] is not b.session_state["run"]        # each session keeps its own copy of the run
+    assert session_of(a.session_state).run is not session_of(b.session_state).run   # each session: its own copy
 
     store.publish(code, token, view=View("sampling", step=2, layer=1))
     for at in (a, b):

@@ -21,6 +21,7 @@ from inspector.session.admission import ServerBusyError, shared_admission
 from inspector.session.limits import Limits
 from inspector.session.live_run import Cancelled, LiveRun, StillFinishing
 from inspector.session.models import model_choices
+from inspector.ui.state import session_of
 
 PROMPT = "The capital of France is"
 STOP_PREFILL = "Stopped during the prefill, before the first token: nothing to keep."
@@ -122,15 +123,15 @@ def test_run_is_enabled_after_any_end_of_a_run(monkeypatch, app_file, tiny_model
     demos disabled, watches the run end, and must not leave them so."""
     at = fresh_app(monkeypatch, app_file, tiny_model_dir, LLM_INSPECTOR_MAX_CONCURRENT_RUNS="1")
     live = make(tiny_model)
-    at.session_state[sidebar.LIVE] = live
+    session_of(at.session_state).live = live
     at.run()
     assert not at.exception, at.exception
-    assert live.done and sidebar.LIVE not in at.session_state
+    assert live.done and session_of(at.session_state).live is None
     assert texts(getattr(at.sidebar, kind)) == [said]
     assert not at.sidebar.button(key="sb_run").disabled
     demos = [b for b in at.sidebar.button if b.key.startswith("sb_demo_")]
     assert len(demos) == 3 and not any(b.disabled for b in demos)
-    run = at.session_state["run"] if "run" in at.session_state else None   # noqa: SIM401 (no .get)
+    run = session_of(at.session_state).run
     assert (run is not None) == kept
     if kept:
         assert run.result.stop_reason == "stopped" and len(run.result.token_ids) == 1
@@ -166,7 +167,7 @@ def test_an_out_of_range_number_is_said_above_run_and_nothing_runs(monkeypatch, 
     assert order.index(("error", shown)) < order.index(("button", "sb_run"))          # above Run
     at.sidebar.button(key="sb_run").click().run()
     assert not at.exception, at.exception
-    assert "run" not in at.session_state and sidebar.LIVE not in at.session_state   # nothing ran
+    assert session_of(at.session_state).run is None and session_of(at.session_state).live is None   # nothing ran
     assert texts(at.sidebar.error) == [shown]
     # corrected: the run uses exactly the values the boxes show
     good = {"sb_top_k": 5, "sb_seed": 7, "sb_max_new": 2, "sb_no_repeat_ngram": 3}
@@ -174,7 +175,7 @@ def test_an_out_of_range_number_is_said_above_run_and_nothing_runs(monkeypatch, 
         at.sidebar.number_input(key=k).set_value(v)
     at.sidebar.button(key="sb_run").click().run()
     assert not at.exception and not at.sidebar.error
-    s = at.session_state["run"].settings
+    s = session_of(at.session_state).run.settings
     assert (s.params.top_k, s.seed, s.max_new_tokens, s.params.no_repeat_ngram) == (5, 7, 2, 3)
 
 
@@ -193,14 +194,14 @@ def test_the_debugger_refuses_a_bad_sidebar_setting_by_name(monkeypatch, app_fil
     at.button(key="dbg_step").click().run()
     assert not at.exception, at.exception
     assert "Could not start the run: Seed must be between 0 and 2,147,483,647, got -1" in texts(at.main.error)
-    assert "run" not in at.session_state
+    assert session_of(at.session_state).run is None
 
 
 # ---- item 5: a click while the previous click still finishes --------------------------------------------------
 
 def _hold_turn(at: AppTest, seconds: float) -> threading.Thread:
     """Another script run of this session (the previous click) holds its turn for `seconds`."""
-    turn = at.session_state[sidebar.TURN]
+    turn = session_of(at.session_state).turn
     held = threading.Event()
 
     def previous_click() -> None:

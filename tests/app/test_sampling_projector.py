@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from inspector.ui.state import session_of
 from inspector.views import sampling as smp
 from tests.app.test_app_pages_b import captured_logits, chart, find_df, pages, tiny_app  # noqa: F401
 
@@ -23,7 +24,7 @@ def test_sampling_page_in_projector_mode_has_big_tables_and_stacked_horizontal_p
     summary = at.table[0].value
     assert {"kept", "kept with p < 1e-30", "entropy"} <= set(summary.columns)
     assert summary["setting"].tolist() == ["A", "B", "C"]
-    run = at.session_state["run"]
+    run = session_of(at.session_state).run
     logits = captured_logits(run, 0)
     assert summary["kept"].tolist()[0] == 1                       # the run's own settings: greedy keeps one
     fig = chart(at, "smp_compare_fig")
@@ -52,7 +53,7 @@ def test_sampling_page_says_why_a_cold_unfiltered_setting_keeps_nearly_everythin
     at.number_input(key="smp_n").set_value(5).run()
     at.slider(key="smp_4_temperature").set_value(0.05).run()
     assert not at.exception
-    z = (captured_logits(at.session_state["run"], 0) / 0.05).astype(np.float32)
+    z = (captured_logits(session_of(at.session_state).run, 0) / 0.05).astype(np.float32)
     e = np.exp(z - z.max())
     p = e / e.sum(dtype=np.float32)
     kept, tiny, zero = int((p > 0).sum()), int(((p > 0) & (p < 1e-30)).sum()), int((p == 0).sum())

@@ -13,6 +13,7 @@ from inspector.session.budget import trace_file_limit
 from inspector.session.clients import ClientSessions, SessionToken
 from inspector.session.limits import Limits
 from inspector.session.run import inspect_run
+from inspector.ui.state import session_of
 from tests.helpers import as_shown
 
 pytestmark = pytest.mark.app
@@ -33,10 +34,11 @@ def test_an_opened_upload_gives_its_bytes_back_and_is_kept_once(page, tiny_model
     assert not at.exception, at.exception
     assert len(removed) == 1                                      # Streamlit's upload store holds it no more
     assert [u.key for u in at.file_uploader] == ["tf_upload_1"] and at.file_uploader[0].value is None
-    name, _, opened = at.session_state["tf_opened"]
+    name, _, opened = session_of(at.session_state).opened
     assert name == "ok.trace" and opened.result.token_ids == run.result.token_ids
     at.button(key="tf_open").click().run()
-    assert at.session_state["run"] is opened and "tf_opened" not in at.session_state   # one copy: the run
+    held = session_of(at.session_state)
+    assert held.run is opened and held.opened is None                                  # one copy: the run
 
 
 def test_a_trace_over_half_the_sessions_allowance_is_refused_before_parsing(page, tiny_model, tiny_model_dir, run,
@@ -54,7 +56,7 @@ def test_a_trace_over_half_the_sessions_allowance_is_refused_before_parsing(page
     (err,) = at.error
     assert as_shown(err.value).startswith(f"Could not open big.trace: the file is {len(data) / 2**20:,.1f} MiB; "
                                           f"this server opens trace files of at most {most / 2**20:,.1f} MiB")
-    assert parsed == [] and at.session_state["run"] is run
+    assert parsed == [] and session_of(at.session_state).run is run
 
 
 def test_a_browser_holds_at_most_its_share_of_sessions():
@@ -86,6 +88,6 @@ def test_the_app_stops_a_session_past_the_cap_before_anything_else(monkeypatch, 
     tabs = [AppTest.from_file(str(app_file), default_timeout=120).run() for _ in range(3)]
     assert [bool(t.error) for t in tabs] == [False, False, True]
     assert as_shown(tabs[2].error[0].value).startswith("This browser already has 2 sessions open on this server")
-    assert "run" not in tabs[2].session_state and not tabs[2].sidebar.text_area     # no sidebar, nothing held
+    assert session_of(tabs[2].session_state).run is None and not tabs[2].sidebar.text_area   # nothing held
     tabs[0].run()
     assert not tabs[0].error                                          # the admitted tabs go on
