@@ -110,6 +110,7 @@ def page(monkeypatch):
     from streamlit.testing.v1 import AppTest
 
     import inspector.session.models as models
+    from inspector.ui.state import session_of
     monkeypatch.setattr(PagesManager, "uses_pages_directory", None)
     root = Path(__file__).resolve().parents[1]
 
@@ -123,7 +124,7 @@ def page(monkeypatch):
         models.shared_model(source, "cpu", "auto")       # cached outside a script run: no replayed progress bar
         at = AppTest.from_file(str(root / "pages" / f"{name}.py"), default_timeout=600)
         if run is not None:
-            at.session_state["run"] = run
+            session_of(at.session_state).run = run
         return at
     return make
 

@@ -18,6 +18,7 @@ from inspector.session.admission import Admission, ServerBusyError, shared_admis
 from inspector.session.limits import LIMITS, LimitError, Limits, LimitsConfigError, env_name
 from inspector.session.models import model_choices, shared_model
 from inspector.session.run import inspect_run, live_runs
+from inspector.ui.state import session_of
 from tests.concurrency import twenty_sessions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,19 +62,20 @@ def test_a_session_keeps_at_most_max_runs_and_an_ended_session_keeps_none(monkey
         at.sidebar.number_input(key="sb_max_new").set_value(2)
         at.sidebar.button(key="sb_run").click().run()
         assert not at.exception and not at.sidebar.error
-        run = at.session_state["run"]
+        run = session_of(at.session_state).run
         refs.append(weakref.ref(run))
         if k == 0:    # what a page memoised for this run (keyed like inspector.views.attention.run_key)
-            at.session_state["att_maps"] = {((id(run), run.created), 3): "run 0's map", ("other", 3): "kept"}
-    assert [r.settings.prompt for r in at.session_state["runs"]] == ["run 1", "run 2"]
-    assert at.session_state["att_maps"] == {("other", 3): "kept"}
+            session_of(at.session_state).memos["att_maps"] = {((id(run), run.created), 3): "run 0's map",
+                                                              ("other", 3): "kept"}
+    assert [r.settings.prompt for r in session_of(at.session_state).runs] == ["run 1", "run 2"]
+    assert session_of(at.session_state).memos["att_maps"] == {("other", 3): "kept"}
     del run
     gc.collect()
     assert refs[0]() is None and refs[1]() is not None              # the dropped run and its probe are gone
     history = at.sidebar.selectbox(key="sb_history")                 # the kept ones can be shown again
     assert len(history.options) == 2
-    history.set_value(at.session_state["runs"][0].created).run()
-    assert at.session_state["run"].settings.prompt == "run 1"
+    history.set_value(session_of(at.session_state).runs[0].created).run()
+    assert session_of(at.session_state).run.settings.prompt == "run 1"
     del at, history                                                  # the session ends
     gc.collect()
     assert [r() for r in refs] == [None, None, None]

@@ -13,6 +13,7 @@ from inspector.session import models
 from inspector.session.admission import Admission, ServerBusyError
 from inspector.session.budget import enforce, holdings, session_bytes
 from inspector.session.limits import Limits
+from inspector.session.state import SessionState
 from inspector.session.stepper import Debugger
 
 pytestmark = pytest.mark.unit
@@ -57,14 +58,15 @@ def test_the_budget_drops_derived_data_first_and_never_the_run_on_screen():
         def __init__(self, n):
             self.ids, self.values = list(range(n)), torch.zeros(n, 256)
     current, earlier = Run(512), Run(512)
-    state = {"run": current, "runs": [earlier, current],
-             "attn": {"old": torch.zeros(512, 512), "new": torch.zeros(256, 512)}, "tf_bytes": {"k": b"x" * 300_000}}
+    state = SessionState(run=current, runs=[earlier, current], memos={
+        "attn": {"old": torch.zeros(512, 512), "new": torch.zeros(256, 512)}, "tf_bytes": {"k": b"x" * 300_000}})
     assert [h.label for h in holdings(state)][:2] == ["a cached view (attn)"] * 2
     budget = session_bytes(state) - 512 * 512 * 4 + 1          # just over: the oldest map must go
     dropped = enforce(state, budget)
-    assert dropped == ["a cached view (attn), 1.0 MiB"] and list(state["attn"]) == ["new"]
+    assert dropped == ["a cached view (attn), 1.0 MiB"] and list(state.memos["attn"]) == ["new"]
     dropped = enforce(state, 1)                                 # nothing fits: all but the current run goes
-    assert state["run"] is current and state["runs"] == [current] and not state["attn"] and not state["tf_bytes"]
+    assert state.run is current and state.runs == [current] and not state.memos["attn"]
+    assert not state.memos["tf_bytes"]
     assert any(d.startswith("an earlier run (512 positions)") for d in dropped)
 
 
