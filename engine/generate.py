@@ -23,7 +23,6 @@ import torch
 from engine.errors import InputError
 from engine.inspection.probe import Probe
 from engine.inspection.stat_columns import Col
-from engine.inspection.stats import StatsBlock
 from engine.sampling import SamplingParams, draw, entropy, sampler_chain
 from engine.settings import check_stop
 
@@ -269,22 +268,20 @@ class GenerationRun:
 
     def _prefill(self) -> torch.Tensor:
         """The prompt into the cache, PREFILL_CHUNK positions at a time when it is longer than that. Only the
-        last chunk's logits are the step's: what the probe kept of the other chunks' last logits rows is
-        dropped, so it holds what one forward over the prompt would have left, however the prompt was split."""
+        last chunk computes logits (the step's); the others end at the final norm, so the probe holds what one
+        forward over the prompt would have left, however the prompt was split."""
         ids, probe, n = self.prompt_ids, self.probe, len(self.prompt_ids)
         size = PREFILL_CHUNK if n > PREFILL_CHUNK else n
         layers = self.model.config.num_layers
         logits = None
         for a in range(0, n, size):
             b = min(n, a + size)
-            seen = (len(probe.captures), len(probe.stats)) if probe is not None else (0, 0)
             on_layer = None
             if self.on_progress is not None:          # told just before each block runs
                 def on_layer(i: int, a: int = a, b: int = b) -> object:
                     return self.on_progress(Progress(a, b, n, i, layers))      # STOP: the forward ends there
-            logits = self.model.forward(torch.tensor(ids[a:b]), self.cache, probe, last_only=True, on_layer=on_layer)
-            if b < n and probe is not None:
-                _drop_logits(probe, *seen)
+            logits = self.model.forward(torch.tensor(ids[a:b]), self.cache, probe, last_only=True, on_layer=on_layer,
+                                        stop_after=None if b == n else "final_norm")
             self._tell(Progress(a, b, n, layers, layers))
         return logits[0].float().cpu()
 
@@ -332,20 +329,6 @@ class GenerationRun:
                                 self.stop_reason or "running", self.params, self.seed, timings,
                                 {"bytes_allocated": c.bytes_allocated, "bytes_used": c.bytes_used,
                                  "bytes_per_token": c.bytes_per_token}, self.probe)
-
-
-def _drop_logits(probe: Probe, captures_before: int, stats_before: int) -> None:
-    """Forget the "logits" captures and statistics rows a probe took since the given counts."""
-    probe.captures[captures_before:] = [c for c in probe.captures[captures_before:] if c.name != "logits"]
-    kept = []
-    for blk in probe.stats[stats_before:]:
-        rows = [g for g, name in enumerate(blk.names) if name != "logits"]
-        if len(rows) == len(blk.names):
-            kept.append(blk)
-        elif rows:
-            kept.append(StatsBlock(blk.step, blk.pos0, [blk.names[g] for g in rows], [blk.layers[g] for g in rows],
-                                   blk.values[rows]))
-    probe.stats[stats_before:] = kept
 
 
 def nonfinite_stop(result: GenerationResult) -> dict | None:
