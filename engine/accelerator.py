@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.inspection.row_stats import PYTORCH, StatsBackend
+from engine.inspection.row_stats import PYTORCH, StatsBackend, chain
 from engine.native import build
 from engine.native.inspect import NATIVE
 from engine.native.step import NativeDecoder
@@ -24,13 +24,16 @@ class Accelerator:
     why_not: str = ""                 # why the native decode step is off ("" when on)
 
 
+NATIVE_STATS = chain(NATIVE, PYTORCH)   # native passes; the PyTorch backend for what they have no kernel for
+
 PLAIN = Accelerator(None, PYTORCH, "the PyTorch forward only (Model.with_accelerator(PLAIN))")
 
 
 def stats_backend(device: torch.device) -> StatsBackend:
-    """The statistics backend of a model on this device: native on the CPU where the library is built
-    (engine/native/inspect.c; it takes float32 tensors and declines the rest), else PyTorch."""
-    return NATIVE if device.type == "cpu" and build.load()[0] is not None else PYTORCH
+    """The statistics backend of a model on this device (engine.inspection.row_stats): native on the CPU where
+    the library is built (engine/native/inspect.c: float32 tensors), then PyTorch for the rest; elsewhere
+    PyTorch. What either declines gets the reference statistics (the rule of engine.inspection.row_stats)."""
+    return NATIVE_STATS if device.type == "cpu" and build.load()[0] is not None else PYTORCH
 
 
 def choose(model, decode: bool) -> Accelerator:

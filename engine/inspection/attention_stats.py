@@ -1,11 +1,11 @@
 """Statistics (and chosen rows) of attention scores and pattern without materialising [heads, T, S].
 
 A full inspection wants, for every layer, the 7 statistics of each query position's scores row and pattern
-row over (heads × S), the layout engine.inspection.stats gives a heads-first stage. Materialising both (H, T, S)
-tensors costs O(T²) memory (2.3 GB per tensor per layer at 8,000 tokens) and as many slow passes through
-memory. Here a block of query rows meets every key (flash-attention style): its scores are computed into a
-fixed workspace, reduced, turned into the pattern in place, reduced again, and dropped. The output z still
-comes from the fused kernel (the caller's); this only computes what the probe asked to see.
+row over (heads × S), as for any heads-first stage. Materialising both (H, T, S) tensors costs O(T²) memory
+(2.3 GB per tensor per layer at 8,000 tokens) and as many slow passes through memory. Here a block of query
+rows meets every key (flash-attention style): its scores are computed into a fixed workspace, reduced, turned
+into the pattern in place, reduced again, and dropped. The output z still comes from the fused kernel (the
+caller's); this only computes what the probe asked to see.
 
 The fast path (causal mask) uses the structure: keys after a block's last query are masked for every row
 of the block and never computed; masked entries add nothing to the score statistics and exactly zero to the
@@ -15,9 +15,10 @@ and Σ(p - 1/S)² = Σ over computed keys + (masked keys)·(1/S)². Each block o
 partial results into (H, T) accumulators (a few large reductions, no host round trip); they are combined
 over heads (min of mins, sums of sums; the second moment about the row's own mean, as the materialised
 statistics take it) for all layers at once at the probe's flush (PendingAttention). Rows whose scores hold a
-NaN or Inf (found once per flush), and masks that are not causal, take the exact path (the block
-materialised, engine.inspection.stats.dense_stats); CPU fp32 under a causal mask, one native pass (engine/native/
-inspect.c). Each equals the materialised statistics to fp32 rounding.
+NaN or Inf (found once per flush), and masks that are not causal, take the exact path (the block materialised,
+engine.inspection.reference_stats.dense_stats). Each equals the materialised statistics to fp32 rounding.
+offer_pending is the PyTorch statistics backend's attention method, offer_exact the reference's
+(engine.inspection.row_stats; the native backend's runs in engine/native/inspect.c).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.inspection.stats import CANCELLATION, dense_stats
+from engine.inspection.reference_stats import CANCELLATION, dense_stats
 
 BLOCK_ELEMENTS = 1 << 19      # score elements per query block (2 MiB fp32): the working set is two of these
 MIN_ROWS = 16                 # ... but at least this many query rows (long contexts: fewer, larger ops)
@@ -44,8 +45,7 @@ class AttentionView:
     pattern_rows: list[int] | None = None
 
     def __bool__(self) -> bool:
-        return self.scores_stats or self.pattern_stats or self.scores_rows is not None \
-            or self.pattern_rows is not None
+        return self.scores_stats or self.pattern_stats or self.scores_rows is not None or self.pattern_rows is not None
 
 
 @dataclass
@@ -80,31 +80,47 @@ def _workspace(n: int, m: int, device, dtype) -> tuple[torch.Tensor, torch.Tenso
 
 def inspect_attention(p, qh: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, values=None) -> None:
     """Offer a layer's attention scores and pattern to its probe view p as statistics and/or captured rows,
-    as far as p needs them short of the whole tensors (engine.inspection.probe_views: STATS or ROWS). Statistics alone
-    under the causal mask: one native pass, else a
-    PendingAttention the batcher combines for all layers at its flush (no host round trip per layer)."""
+    as far as p needs them short of the whole tensors (engine.inspection.probe_views: STATS or ROWS). Statistics
+    alone: the probe's statistics backend (engine.inspection.row_stats), or the reference's (offer_exact) when it
+    declines; with captured rows, attention_view."""
     want = AttentionView(p.wants_stats("attn.scores"), p.wants_stats("attn.pattern"),
                          p.capture_positions("attn.scores"), p.capture_positions("attn.pattern"))
     if not want:
         return None
     T = qh.shape[1]
     if want.scores_rows is None and want.pattern_rows is None:
-        if p.probe.stats_backend.attention(p, qh, keys, values, causal_offset(mask, T, keys.shape[1]), want):
-            return
-        with torch.no_grad():
-            pending = _pending(qh.detach(), keys.detach(), mask, want)
-        if pending is not None:
-            p.offer_pending(("attn.scores", "attn.pattern"), pending)
-            return
-    res = attention_view(qh, keys, mask, p.pos0, want)
-    if res.scores_stats is not None:
-        p.offer_stats("attn.scores", res.scores_stats)
-    if res.scores_rows is not None:
-        p.offer_rows("attn.scores", res.scores_rows, [t for t in want.scores_rows if p.pos0 <= t < p.pos0 + T])
-    if res.pattern_stats is not None:
-        p.offer_stats("attn.pattern", res.pattern_stats)
-    if res.pattern_rows is not None:
-        p.offer_rows("attn.pattern", res.pattern_rows, [t for t in want.pattern_rows if p.pos0 <= t < p.pos0 + T])
+        off = causal_offset(mask, T, keys.shape[1])
+        if not p.probe.stats_backend.attention(p, qh, keys, values, mask, off, want):
+            offer_exact(p, qh, keys, mask, want)
+        return
+    _offer(p, attention_view(qh, keys, mask, p.pos0, want), want, T)
+
+
+def _offer(p, res: AttentionResult, want: AttentionView, T: int) -> None:
+    for stage, stats, rows, wanted in (("attn.scores", res.scores_stats, res.scores_rows, want.scores_rows),
+                                       ("attn.pattern", res.pattern_stats, res.pattern_rows, want.pattern_rows)):
+        if stats is not None:
+            p.offer_stats(stage, stats)
+        if rows is not None:
+            p.offer_rows(stage, rows, [t for t in wanted if p.pos0 <= t < p.pos0 + T])
+
+
+def offer_pending(p, qh: torch.Tensor, keys: torch.Tensor, off: int | None, want: AttentionView) -> bool:
+    """The PyTorch backend's attention statistics: a causal layer (off not None) computed up to its partial
+    results, offered to p as a PendingAttention the batcher combines for all layers at its flush (no host round
+    trip per layer; rows the partial results cannot give exactly take the exact path there). False: another mask."""
+    if off is None:
+        return False
+    with torch.no_grad():
+        pending = _pending(qh.detach(), keys.detach(), off, want)
+    p.offer_pending(("attn.scores", "attn.pattern"), pending)
+    return True
+
+
+def offer_exact(p, qh: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, want: AttentionView) -> bool:
+    """The reference's attention statistics: every block materialised and reduced by dense_stats, any mask."""
+    _offer(p, attention_view(qh, keys, mask, p.pos0, want, exact=True), want, qh.shape[1])
+    return True
 
 
 def causal_offset(mask: torch.Tensor | None, T: int, S: int) -> int | None:
@@ -142,29 +158,28 @@ def query_blocks(T: int, S: int, H: int, off: int | None, block_elements: int,
 
 
 def attention_view(qh: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, pos0: int,
-                   want: AttentionView, block_elements: int = BLOCK_ELEMENTS, min_rows: int = MIN_ROWS
-                   ) -> AttentionResult:
+                   want: AttentionView, block_elements: int = BLOCK_ELEMENTS, min_rows: int = MIN_ROWS,
+                   exact: bool = False) -> AttentionResult:
     """qh (H, T, hd) rotated queries, keys (K, S, hd), mask None (causal) or bool (T, S) allowed.
 
     Returns per-position statistics (T, 7) of the scores (-inf mask entries left out) and of the pattern,
-    and the rows asked for, in blocks of about block_elements score elements (and at least min_rows rows)."""
+    and the rows asked for, in blocks of about block_elements score elements (and at least min_rows rows).
+    exact: every block materialised (the reference), also under the causal mask."""
     with torch.no_grad():        # statistics are observations: never part of a gradient (grad=True forwards)
-        return _attention_view(qh.detach(), keys.detach(), mask, pos0, want, block_elements, min_rows)
+        return _attention_view(qh.detach(), keys.detach(), mask, pos0, want, block_elements, min_rows, exact)
 
 
 def _attention_view(qh, keys, mask, pos0: int, want: AttentionView, block_elements: int,
-                    min_rows: int) -> AttentionResult:
-    H, T, hd = qh.shape
-    K, S = keys.shape[0], keys.shape[1]
+                    min_rows: int, exact_only: bool) -> AttentionResult:
+    (H, T, hd), K, S = qh.shape, keys.shape[0], keys.shape[1]
     off = causal_offset(mask, T, S)
     blocks = query_blocks(T, S, H, off, block_elements, min_rows)
     q = (qh.float() * hd ** -0.5).reshape(K, -1, T, hd)                     # (K, G, T, hd)
     kT = keys.float().transpose(1, 2)                                      # (K, hd, S)
     out = AttentionResult(torch.empty(T, 7, device=qh.device) if want.scores_stats else None,
                           torch.empty(T, 7, device=qh.device) if want.pattern_stats else None)
-    keep = _Keep(want, pos0, T)
-    exact = blocks
-    if off is not None:
+    keep, exact = _Keep(want, pos0, T), blocks
+    if off is not None and not exact_only:
         acc = _run_blocks(q, kT, H, T, S, off, blocks, keep, want.pattern_stats)
         scores, pattern, bad = _finish([acc], want.scores_stats, want.pattern_stats)
         out.scores_stats = None if scores is None else scores[0]
@@ -187,11 +202,9 @@ class _Keep:
         self.want = want
         self.all_s = sorted(p - pos0 for p in set(want.scores_rows or ()) if 0 <= p - pos0 < T)
         self.all_p = sorted(p - pos0 for p in set(want.pattern_rows or ()) if 0 <= p - pos0 < T)
-        self.kept_s: dict[int, torch.Tensor] = {}
+        self.kept_s: dict[int, torch.Tensor] = {}     # block -> its kept rows
         self.kept_p: dict[int, torch.Tensor] = {}
-        self.sel_s: list[int] = []
-        self.sel_p: list[int] = []
-        self.b = 0
+        self.sel_s, self.sel_p, self.b = [], [], 0
 
     def block(self, b: int, t0: int, t1: int) -> "_Keep":
         """Select block b (rows t0..t1): sel_s / sel_p are its rows to keep, relative to t0."""
@@ -199,12 +212,6 @@ class _Keep:
         self.sel_s = [t - t0 for t in self.all_s if t0 <= t < t1]
         self.sel_p = [t - t0 for t in self.all_p if t0 <= t < t1]
         return self
-
-    def keep_scores(self, x: torch.Tensor) -> None:
-        self.kept_s[self.b] = x
-
-    def keep_pattern(self, x: torch.Tensor) -> None:
-        self.kept_p[self.b] = x
 
     def result(self, H: int, S: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         def cat(kept):
@@ -260,16 +267,15 @@ class _Partials:
         self.unseen[t0:t1] = S - Sc
         D.add_(minus_inf)                                                  # the mask, as the scores stage has it
         if keep.sel_s:
-            keep.keep_scores(_pad(X[:, keep.sel_s], S, float("-inf")))
+            keep.kept_s[keep.b] = _pad(X[:, keep.sel_s], S, float("-inf"))
         torch.amax(X, -1, out=hi)
         if not (pattern or keep.sel_p):
             return
         p = torch.ops.aten._softmax.out(X, -1, False, out=X)               # in place: the block is contiguous
         if keep.sel_p:
-            keep.keep_pattern(_pad(p[:, keep.sel_p], S, 0.0))
+            keep.kept_p[keep.b] = _pad(p[:, keep.sel_p], S, 0.0)
         torch.amax(p, -1, out=self.pmax[:, t0:t1])                         # = exp(0) / l: 1/l
         torch.linalg.vector_norm(p.sub_(1.0 / S), dim=-1, out=self.r[:, t0:t1])
-
 
 
 def _run_blocks(q, kT, H: int, T: int, S: int, off: int, blocks, keep: "_Keep", pattern: bool) -> "_Partials":
@@ -315,8 +321,7 @@ class PendingAttention:
 
     def redo(self, bad: torch.Tensor) -> None:
         """The exact path for the blocks holding a row in bad (T,), written into this layer's values."""
-        out = AttentionResult(*self.values)
-        keep = _Keep(AttentionView(), 0, self.rows)
+        out, keep = AttentionResult(*self.values), _Keep(AttentionView(), 0, self.rows)
         kT = self.keys.float().transpose(1, 2)
         S, off, dev = kT.shape[2], self.acc.off, self.q.device
         for b, (t0, t1) in enumerate(self.blocks):
@@ -325,14 +330,10 @@ class PendingAttention:
                 _exact_block(self.q, kT, allowed, t0, t1, out, keep.block(b, t0, t1))
 
 
-def _pending(qh, keys, mask, want: AttentionView) -> PendingAttention | None:
-    """A statistics-only layer under the causal mask, computed up to its partial results; None for any other
-    mask (its statistics then come from the exact path at once)."""
-    H, T, hd = qh.shape
-    K, S = keys.shape[0], keys.shape[1]
-    off = causal_offset(mask, T, S)
-    if off is None:
-        return None
+def _pending(qh, keys, off: int, want: AttentionView) -> PendingAttention:
+    """A statistics-only layer under the causal mask (query t sees keys s <= off + t), computed up to its
+    partial results."""
+    (H, T, hd), K, S = qh.shape, keys.shape[0], keys.shape[1]
     blocks = query_blocks(T, S, H, off, BLOCK_ELEMENTS, MIN_ROWS)
     q = (qh.float() * hd ** -0.5).reshape(K, -1, T, hd)                     # (K, G, T, hd)
     kT = keys.float().transpose(1, 2)                                      # (K, hd, S)
@@ -381,18 +382,18 @@ def _exact_block(q, kT, allowed: torch.Tensor, t0, t1, out: AttentionResult, kee
     if out.scores_stats is not None:
         out.scores_stats[t0:t1] = dense_stats(X.transpose(0, 1).reshape(Tb, -1), masked=True)
     if keep.sel_s:
-        keep.keep_scores(X[:, keep.sel_s])
+        keep.kept_s[keep.b] = X[:, keep.sel_s]
     if out.pattern_stats is not None or keep.sel_p:
         pat = torch.softmax(X, dim=-1)
         if out.pattern_stats is not None:
             out.pattern_stats[t0:t1] = dense_stats(pat.transpose(0, 1).reshape(Tb, -1))
         if keep.sel_p:
-            keep.keep_pattern(pat[:, keep.sel_p])
+            keep.kept_p[keep.b] = pat[:, keep.sel_p]
 
 
 def _pad(x: torch.Tensor, S: int, fill: float) -> torch.Tensor:
     """(H, k, Sc) rows -> (H, k, S): the keys after the block's last query are masked (-inf / 0)."""
-    if x.shape[-1] == S:
+    if x.shape[-1] == S:                      # (a copy: the block's buffer is reused)
         return x.clone()
     out = x.new_full((x.shape[0], x.shape[1], S), fill)
     out[:, :, :x.shape[-1]] = x

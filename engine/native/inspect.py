@@ -1,11 +1,13 @@
-"""Statistics of a multi-token forward in one pass each (inspect.c), for engine.inspection.stats and
-engine.inspection.attention_stats; None wherever the library or the tensor's layout cannot take it (the PyTorch code
-then runs, and stays the reference)."""
+"""The native statistics backend (engine.inspection.row_stats: NATIVE): the statistics of a multi-token forward
+in one pass each (inspect.c; the per-row kernel rowstat.h is the one decode.c uses too). It takes float32 CPU
+tensors whose last dim is contiguous and declines a tensor holding a NaN or Inf (the reference statistics,
+engine.inspection.reference_stats, then count them); engine.accelerator chains it before the PyTorch backend,
+which takes what it has no kernel for (masked stages, other dtypes)."""
 from __future__ import annotations
 
 import torch
 
-from engine.inspection.row_stats import StatsBackend
+from engine.inspection.row_stats import Alloc, StatsBackend, StatsQueue
 from engine.native import build
 
 
@@ -75,8 +77,8 @@ def attention_stats(qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return None if bad else (out_s, out_p)
 
 
-def offer_attention_stats(p, qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None, off: int | None,
-                          want) -> bool:
+def offer_attention_stats(p, qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None, mask,
+                          off: int | None, want) -> bool:
     """attention_stats of a causal layer (off: engine.inspection.attention_stats.causal_offset, None for another mask)
     offered to the probe view p as the stages' statistics (want: an AttentionView). True: done, and q, keys
     and values proved finite; False: not done here."""
@@ -94,4 +96,65 @@ def offer_attention_stats(p, qh: torch.Tensor, keys: torch.Tensor, values: torch
     return True
 
 
-NATIVE = StatsBackend("native", layout=layout, rows=row_stats, attention=offer_attention_stats)
+BACKEND_BYTES = 8 << 20   # tensors are queued until the storage the queue keeps alive reaches this, for one native
+                          # call giving their statistics (a layer's stages still in the last-level cache)
+
+
+class _NativeQueue(StatsQueue):
+    """One batcher's native queue: float32 CPU tensors, run in one call per BACKEND_BYTES of them (or at a cut:
+    a replace hook may change them in place)."""
+
+    def __init__(self, alloc: Alloc) -> None:
+        self._alloc = alloc
+        self._queue: list[tuple] = []      # (entry, x, layout) waiting for _run
+        self._bytes = 0
+        self._entries: list[int] = []
+        self._values: list[torch.Tensor | None] = []
+        self._declined: list[tuple] = []
+
+    def add(self, entry: int, x: torch.Tensor, masked: bool) -> int | None:
+        x2 = x if x.dim() > 1 else x.reshape(1, -1)
+        lay = None if masked else layout(x2)
+        if lay is None:
+            return None
+        self._queue.append((entry, x2, lay))
+        self._bytes += 8 * x.numel()       # what the queue keeps alive: a view's base (q of qkv, gate of gate_up)
+        if self._bytes >= BACKEND_BYTES:   # is about twice the view
+            self._run()
+        return 0
+
+    def cut(self) -> None:
+        if self._queue:
+            self._run()
+
+    def _run(self) -> None:
+        queue, self._queue, self._bytes = self._queue, [], 0
+        values = row_stats([q[1] for q in queue], self._alloc, [q[2] for q in queue])
+        for i, (entry, x, _) in enumerate(queue):
+            v = None if values is None else values[i]
+            if v is None:
+                self._declined.append((len(self._values), x, False))
+            self._entries.append(entry)
+            self._values.append(v)
+
+    def finish(self, T: int) -> list[tuple]:
+        if self._queue:
+            self._run()
+        if not self._entries:
+            return []
+        block = (self._entries, self._values, self._declined)
+        self._entries, self._values, self._declined = [], [], []
+        return [block]
+
+
+class _Native(StatsBackend):
+    name = "native"
+
+    def queue(self, alloc: Alloc) -> StatsQueue:
+        return _NativeQueue(alloc)
+
+    def attention(self, p, qh, keys, values, mask, off, want) -> bool:
+        return offer_attention_stats(p, qh, keys, values, mask, off, want)
+
+
+NATIVE: StatsBackend = _Native()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import Probe, inspection_probe
-from engine.inspection.stats import dense_stats
+from engine.inspection.reference_stats import dense_stats
 
 pytestmark = pytest.mark.model
 ATTN = ["blocks.*.attn.scores", "blocks.*.attn.pattern"]

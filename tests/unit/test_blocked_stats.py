@@ -8,7 +8,7 @@ import torch
 
 from engine import Probe, plant
 from engine.inspection.attention_stats import AttentionView, attention_view, release_workspace, workspace_elements
-from engine.inspection.stats import dense_stats
+from engine.inspection.reference_stats import dense_stats
 from tests.helpers import reference_stats
 
 NAN, INF = float("nan"), float("inf")

@@ -10,7 +10,7 @@ import torch
 from engine import load_model
 from engine.accelerator import PLAIN
 from engine.inspection.probe import Probe, inspection_probe
-from engine.inspection.stats import dense_stats
+from engine.inspection.reference_stats import dense_stats
 from engine.native import build
 from engine.native.step import NativeDecoder, panels, stage_names
 from engine.variants import precision_plan

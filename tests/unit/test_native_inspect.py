@@ -1,16 +1,16 @@
 """The native statistics of a multi-token forward (engine/native/inspect.c) against statistics of the
-materialised tensors (engine.inspection.stats.dense_stats, itself checked by hand in test_stats): stage rows in any
-layout the forward offers, and attention scores / pattern under a causal mask with an offset."""
+materialised tensors (engine.inspection.reference_stats.dense_stats, itself checked by hand in test_stats): stage
+rows in any layout the forward offers, and attention scores / pattern under a causal mask with an offset."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.accelerator import PLAIN
+from engine.accelerator import NATIVE_STATS, PLAIN
 from engine.inspection.probe import Probe
-from engine.inspection.stats import dense_stats
+from engine.inspection.reference_stats import dense_stats
 from engine.native import build
-from engine.native.inspect import NATIVE, attention_stats, layout, row_stats
+from engine.native.inspect import attention_stats, layout, row_stats
 
 pytestmark = pytest.mark.unit
 
@@ -94,7 +94,7 @@ def test_a_forward_s_statistics_equal_the_pytorch_path(tiny_model, monkeypatch):
     ids = list(range(300, 390))
     native = Probe().record_stats("*")
     tiny_model.logits(ids, native)
-    assert tiny_model.accelerator.stats is NATIVE or build.load()[0] is None
+    assert tiny_model.accelerator.stats is NATIVE_STATS or build.load()[0] is None
     plain = Probe().record_stats("*")
     tiny_model.with_accelerator(PLAIN).logits(ids, plain)          # the public switch: the PyTorch paths
     a = {(r.pos0, r.name): r.values for r in native.stat_records()}

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.inspection.reference_stats import dense_stats
 from engine.inspection.stat_columns import STAT_NAMES, Col, nonfinite, pool
-from engine.inspection.stats import dense_stats
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]

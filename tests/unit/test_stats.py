@@ -6,8 +6,9 @@ import torch
 
 from engine import Probe
 from engine.accelerator import stats_backend
+from engine.inspection.reference_stats import dense_stats
 from engine.inspection.row_stats import PYTORCH
-from engine.inspection.stats import StatsBatcher, dense_stats
+from engine.inspection.stats import StatsBatcher
 from tests.helpers import reference_stats
 
 # Each batcher test runs on the PyTorch backend and on the one a CPU model gets (native where it is built).
