@@ -1,13 +1,16 @@
 """Model variants, made in one place: a precision plan (some units in fp32), a cast to another dtype, a copy
-with other weights (quantised round trips, engine.tools.quant). Every variant shares the model's config and
-tokenizer, gets its own weights where they differ (the rest are shared), and gets no native decode step of its
-own (engine.accelerator: no second copy of the weights); its statistics backend is chosen as for any model."""
+with other weights (quantised round trips, engine.tools.quant), a copy with some attention heads' outputs zeroed
+(the why-loop's head reruns). Every variant shares the model's config and tokenizer, gets its own weights where
+they differ (the rest are shared), and gets no native decode step of its own (engine.accelerator: no second copy
+of the weights), except the zeroed heads' variant, which shares the model's native step with its own panels of the
+changed `wo` matrices (NativeDecoder.sharing); its statistics backend is chosen as for any model."""
 from __future__ import annotations
 
 import dataclasses
 
 import torch
 
+from engine.accelerator import Accelerator
 from engine.errors import InputError
 from engine.model import Model
 from engine.rope import rope_tables
@@ -35,6 +38,38 @@ def cast_model(model: Model, dtype: str | torch.dtype) -> Model:
     layers = [LayerWeights(**{f.name: cv(getattr(lw, f.name)) for f in dataclasses.fields(lw)}) for lw in w.layers]
     weights = Weights(cv(w.embed), layers, cv(w.norm), cv(w.lm_head))
     return derive(model, weights, dtype=dt, name=f"{model.name} [{str(dt).removeprefix('torch.')}]")
+
+
+def without_heads(model: Model, heads) -> Model:
+    """The model with these (layer, head) pairs' attention outputs zeroed, as the hook engine.inspection.probe.
+    zero_heads at blocks.{layer}.attn.z zeroes them: attn_out = z (T, H*hd) @ wo (H*hd, d), so zeroing head h's
+    slice of z is zeroing rows h*hd .. (h+1)*hd of wo (each such product term is exactly 0 either way, for finite
+    values). Only the changed layers' wo are copied; every other weight is shared. A float32 model with a native
+    decode step keeps it (its panels shared, the changed wo packed anew), so the variant decodes as fast as the
+    model; the PyTorch forward computes the same numbers as the hooked model's."""
+    hd, H, L = model.config.head_dim, model.config.num_heads, model.config.num_layers
+    by_layer: dict[int, set[int]] = {}
+    for layer, head in heads:
+        if not (0 <= int(layer) < L and 0 <= int(head) < H):
+            raise InputError(f"no head L{layer}h{head}: layers are [0, {L}), heads [0, {H})")
+        by_layer.setdefault(int(layer), set()).add(int(head))
+    layers, wos = list(model.weights.layers), {}
+    for layer, hs in by_layer.items():
+        wo = layers[layer].wo.clone()
+        for h in hs:
+            wo[h * hd:(h + 1) * hd] = 0
+        wos[layer] = wo
+        layers[layer] = dataclasses.replace(layers[layer], wo=wo)
+    names = ", ".join(f"L{layer}h{h}" for layer in sorted(by_layer) for h in sorted(by_layer[layer]))
+    variant = derive(model, dataclasses.replace(model.weights, layers=layers), dtype=model.dtype,
+                     name=f"{model.name} [zeroed: {names}]")
+    for attr in ("resid_fp32_from", "fp32_units", "cache_dtype", "cos", "sin", "base_name"):   # a plan stays one
+        setattr(variant, attr, getattr(model, attr))
+    step = model.accelerator.decode
+    shared = None if step is None else step.sharing(variant, "wo", wos)
+    if shared is None:
+        return variant
+    return variant.with_accelerator(Accelerator(shared, variant.accelerator.stats))
 
 
 def precision_plan(model: Model, units: list[str] | tuple[str, ...], source: Model | None = None) -> Model:

@@ -16,6 +16,7 @@ whose accounting of non-finite values is the reference.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import threading
 
 import torch
@@ -66,7 +67,7 @@ class NativeDecoder:
     def _pack(self) -> None:
         """The panel copy of the weight matrices, made at the first decode step (not at load: a model that never
         decodes natively never pays for it)."""
-        cfg, w = self.model.config, self.model.weights
+        w = self.model.weights
         self._keep = []      # ctypes arrays the Step points into
         mats = [getattr(lw, f) for lw in w.layers for f in MATRICES] + [w.lm_head]
         self.panels = torch.empty(sum(m.numel() for m in mats))
@@ -75,16 +76,49 @@ class NativeDecoder:
             views.append(panels(m, out=self.panels[at:at + m.numel()]))
             at += m.numel()
         self.lm_head = views[-1]
-
-        def ptrs(tensors):
-            arr = (_P * cfg.num_layers)(*[t.data_ptr() for t in tensors])
-            self._keep.append(arr)
-            return ctypes.cast(arr, _P)
-
-        self.layer_ptrs = {f: ptrs([getattr(lw, f) for lw in w.layers]) for f in ("attn_norm", "mlp_norm")}
-        for j, f in enumerate(MATRICES):
-            self.layer_ptrs[f] = ptrs(views[j:-1:len(MATRICES)])
+        self.layer_ptrs = {f: self._ptrs([getattr(lw, f) for lw in w.layers]) for f in ("attn_norm", "mlp_norm")}
+        self.views = {f: views[j:-1:len(MATRICES)] for j, f in enumerate(MATRICES)}    # field -> per-layer panels
+        for f in MATRICES:
+            self.layer_ptrs[f] = self._ptrs(self.views[f])
         self._packed = True
+
+    def _ptrs(self, tensors) -> ctypes.c_void_p:
+        """A C array of the tensors' data pointers (kept alive with this decoder)."""
+        arr = (_P * len(tensors))(*[t.data_ptr() for t in tensors])
+        self._keep.append(arr)
+        return ctypes.cast(arr, _P)
+
+    def _ensure_packed(self) -> None:
+        if not self._packed:
+            with self._pack_lock:
+                if not self._packed:
+                    self._pack()
+
+    def sharing(self, variant, field: str, layers: dict[int, torch.Tensor]) -> "NativeDecoder | None":
+        """The decode step of `variant`, a model that differs from this decoder's model only in some layers' `field`
+        matrix (one of MATRICES; layers: layer -> the variant's matrix, as the weights store it): it reads this
+        decoder's panel copy of every other matrix (no second copy of the weights) and panels of its own for these.
+        None when the variant differs in anything else (another tensor, dtype, config or device)."""
+        mine, theirs = self.model.weights, variant.weights
+        same = [(getattr(a, f), getattr(b, f)) for i, (a, b) in enumerate(zip(mine.layers, theirs.layers))
+                for f in (f.name for f in dataclasses.fields(a)) if not (f == field and i in layers)]
+        same += [(mine.embed, theirs.embed), (mine.norm, theirs.norm), (mine.lm_head, theirs.lm_head)]
+        if (field not in MATRICES or variant.config != self.model.config or variant.dtype != self.model.dtype
+                or variant.device != self.model.device or variant.fp32_units or variant.resid_fp32_from is not None
+                or len(theirs.layers) != len(mine.layers) or any(a is not b for a, b in same)
+                or any(getattr(theirs.layers[i], field) is not w or w.shape != getattr(lw, field).shape
+                       or w.dtype != torch.float32 or not w.is_contiguous()
+                       for i, w in layers.items() for lw in [mine.layers[i]])):
+            return None
+        self._ensure_packed()
+        twin = NativeDecoder(variant, self.lib)
+        twin._keep, twin.panels, twin.lm_head = [], self.panels, self.lm_head
+        twin.views = {f: list(v) for f, v in self.views.items()}
+        for i, w in layers.items():
+            twin.views[field][i] = panels(w)
+        twin.layer_ptrs = dict(self.layer_ptrs, **{field: twin._ptrs(twin.views[field])})
+        twin._packed = True
+        return twin
 
     @classmethod
     def for_model(cls, model) -> "NativeDecoder | None":
@@ -109,10 +143,7 @@ class NativeDecoder:
         """One token at pos -> (logits (1, V), statistics (G, 1, 7) or None, status: 0, or 1 = a NaN/Inf met,
         marks: with timing, (label, seconds since the call began) after the embedding, each layer and the logits
         (`mark_labels`), else None)."""
-        if not self._packed:
-            with self._pack_lock:
-                if not self._packed:
-                    self._pack()
+        self._ensure_packed()
         m, c = self.model, self.model.config
         w = m.weights
         x = w.embed[token]

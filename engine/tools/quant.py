@@ -1,5 +1,7 @@
-"""Quantization damage per stage: the model's weights re-quantized with the `gguf` package's own quantizers
-(Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, ...), dequantized, and run token-aligned against the model itself.
+"""Quantization damage per stage: the model's weights re-quantized with the `gguf` package's quantizers
+(Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, ...), dequantized, and run token-aligned against the model itself. The five
+formats named above round-trip in torch (engine.tools.gguf_blocks: the gguf package's numbers, bit for bit, on
+every core); any other goes through the gguf package.
 
 What is quantized: the block matrices (q/k/v, o, gate/up, down), as the bundled GGUF quantizes them; norms
 stay float32 (GGUF keeps them F32), and the token embedding (tied lm_head) stays as loaded unless
@@ -29,6 +31,7 @@ from engine.inspection.probe import HookContext, Probe, split_name
 from engine.model import Model
 from engine.progress import OnProgress, tell_units
 from engine.settings import RunSettings
+from engine.tools import gguf_blocks
 from engine.variants import derive
 from engine.weights import Weights
 
@@ -57,12 +60,18 @@ def check_formats(formats) -> list[str]:
 
 
 def requantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    """A matrix stored (in, out) through fmt's quantizer and back: float32, same shape and layout."""
+    """A matrix stored (in, out) through fmt's quantizer and back: float32, same shape and layout. The formats of
+    engine.tools.gguf_blocks run there (torch, every core, bit for bit the gguf package's numbers); the others, and
+    a matrix with a NaN or an Inf (or a sum beyond float32's range), through the gguf package itself."""
+    qt, w32 = _qtype(fmt), w.detach().float().cpu()
+    # a finite sum: every value finite (numpy's sum, one pass; torch's isfinite over two threads costs ~10x more here)
+    if qt.name in gguf_blocks.FORMATS and w32.shape[0] % gguf_blocks.BLOCK == 0 \
+            and math.isfinite(float(w32.numpy().sum())):
+        return gguf_blocks.round_trip(w32, qt.name).contiguous().to(w.device)
+    rows = w32.t().contiguous()                                        # (out, in): GGUF's row layout
     from gguf.quants import QuantError, dequantize, quantize
-    qt = _qtype(fmt)
-    rows = w.detach().float().cpu().t().contiguous().numpy()          # (out, in): GGUF's row layout
     try:
-        back = dequantize(quantize(rows, qt), qt)
+        back = dequantize(quantize(rows.numpy(), qt), qt)
     except NotImplementedError as e:
         raise InputError(f"the gguf package cannot quantize {fmt}: {e}") from None
     except (QuantError, ValueError) as e:                              # a row not a whole number of blocks

@@ -5,7 +5,9 @@ gone. Four kinds of change are tried, within one budget of reruns (MAX_RERUNS ge
 
     heads     the copy heads: the (layer, head) pairs whose attention from the looping positions puts the
               most mass on the earlier copy (the token one period back); the top k (HEAD_KS) are zeroed
-              at their attention output (blocks.{i}.attn.z), every other weight untouched
+              at their attention output (engine.variants.without_heads: the rows of wo that read them
+              zeroed, the same as zeroing them at blocks.{i}.attn.z; every other weight shared, and the
+              native decode step kept)
     sampler   one setting at a time (SAMPLER_LADDERS), weakest first; the first rung that breaks the loop
               is reported, so "repetition_penalty 1.0 -> 1.1" means 1.05 did not break it
     numerics  the same run in another dtype (bfloat16 for a float32 model, float32 otherwise)
@@ -37,12 +39,12 @@ import torch
 
 from engine.generate import GenerationRun
 from engine.inspection.loops import Loop, find_loops, tail_loop
-from engine.inspection.probe import Probe, zero_heads
+from engine.inspection.probe import Probe
 from engine.kv_cache import KVCache
 from engine.model import Model
 from engine.progress import OnProgress, tell_units
 from engine.settings import RunSettings
-from engine.variants import cast_model
+from engine.variants import cast_model, without_heads
 
 HORIZON = 64
 MAX_RERUNS = 40
@@ -205,15 +207,6 @@ def copy_head_scores(model: Model, ids: Sequence[int], n_prompt: int, loop: Loop
     return scores
 
 
-def _head_probe(heads: Sequence[tuple[int, int]]) -> Probe:
-    probe, by_layer = Probe(), {}
-    for layer, head in heads:
-        by_layer.setdefault(layer, []).append(head)
-    for layer, hs in sorted(by_layer.items()):
-        probe.replace(f"blocks.{layer}.attn.z", zero_heads(*hs))
-    return probe
-
-
 def _cause(kind: str, change: str, rerun: tuple[list[int], str, str], **detail) -> Cause:
     tokens, text, stopped = rerun
     return Cause(kind, change, not loops_in(tokens), text, len(tokens), stopped, detail)
@@ -226,7 +219,8 @@ def _try_heads(model, reruns: _Reruns, top: list[dict], causes: list[Cause]) -> 
             break
         heads = [(h["layer"], h["head"]) for h in top[:k]]
         names = ", ".join(f"L{layer}h{head}" for layer, head in heads)
-        rerun = reruns.generate(model, f"zero {names}", probe=_head_probe(heads))
+        reruns.check(f"zero {names}")             # before the variant is made
+        rerun = reruns.generate(without_heads(model, heads), f"zero {names}")
         causes.append(_cause("heads", f"zero the top-{k} copy head{'s' if k > 1 else ''}: {names}", rerun,
                              k=k, heads=[list(h) for h in heads]))
 
