@@ -11,7 +11,7 @@
         -> the doctor runs with those units in fp32 (engine.variants.precision_plan); adds fp32: [units]
     ... --fp32 UNIT[,UNIT...] --verify   (or --verify alone: the float16 / bfloat16 run as it is)
         -> adds fp32_check: the plan judged against the fp32 run as the rescue search judges each rerun
-           (engine.tools.rescue.check_plan): {passes, finite, top1_agreement, ties, disagreements, near_ties, ...}
+           (engine.tools.rescue_runs.check_plan): {passes, finite, top1_agreement, ties, disagreements, near_ties, ...}
 
 The doctor calls doctor_model(model, args) on its loaded model before run_doctor (so --fp32 changes the
 run), then extend_doctor(model, args, report_dict) with that same model. Bad input is an InputError.
@@ -36,7 +36,8 @@ from engine.progress import Progress
 from engine.sampling import SamplingParams
 from engine.settings import RunSettings
 from engine.tools.quant import FORMATS, THRESHOLD, check_formats, quant_report
-from engine.tools.rescue import MAX_NEW_TOKENS, TIE_ULPS, RescueReport, check_plan, find_rescue
+from engine.tools.rescue import MAX_NEW_TOKENS, RescueReport, find_rescue
+from engine.tools.rescue_runs import TIE_ULPS, check_plan
 from engine.tools.why_loop import HORIZON, MAX_RERUNS, why_loop
 from engine.variants import precision_plan
 
@@ -145,8 +146,8 @@ def extend_doctor(model: Model, a: argparse.Namespace, report: dict) -> dict:
 
 
 def verify(model: Model, a: argparse.Namespace, report: dict) -> dict:
-    """--verify: engine.tools.rescue.check_plan on the doctor's model (its --fp32 plan, if any), the doctor's faults
-    and --max-new-tokens generated tokens."""
+    """--verify: engine.tools.rescue_runs.check_plan on the doctor's model (its --fp32 plan, if any), the doctor's
+    faults and --max-new-tokens generated tokens."""
     if model.dtype == torch.float32:
         raise InputError("--verify judges a float16 / bfloat16 run against fp32; add --dtype float16 or bfloat16")
     reference, t = check_plan(fp32_source(model, a), model, settings_of(a), injections=report.get("injections", []),

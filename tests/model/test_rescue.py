@@ -49,7 +49,7 @@ def test_the_set_holds_the_planted_layers_unit_and_was_found_within_the_bound(re
     assert report.trigger[0] == "nonfinite" and report.trials[0].first_nonfinite.startswith(f"blocks.{layer}.")
     assert report.fp32 and any(unit_layer(u) == layer for u in report.fp32)
     assert report.verified and report.finite and report.top1_agreement >= 0.99
-    assert report.bound == 7 + 5 and report.reruns <= report.bound              # ceil(log2 92) + 5
+    assert report.bound == 7 + 6 and report.reruns <= report.bound              # ceil(log2 92) + 6
     assert report.complement and not report.complement["fixes"] and not report.complement["finite"]
 
 

@@ -14,7 +14,8 @@ from engine import RunSettings
 from engine.cli.prescribe import check_command
 from engine.generate import GenerationRun
 from engine.tools.doctor import PRESETS
-from engine.tools.rescue import fault_only_probe, find_rescue, fp32_reference, judge
+from engine.tools.rescue import find_rescue
+from engine.tools.rescue_runs import fault_only_probe, fp32_reference, judge
 from engine.variants import cast_model, precision_plan
 from tests.unit.test_rescue_ties import run_as_printed
 

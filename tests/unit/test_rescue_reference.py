@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import RunSettings
-from engine.tools.rescue import Watch, fault_only_probe, fp32_reference, replay
+from engine.tools.rescue_runs import Watch, fault_only_probe, fp32_reference, replay
 
 pytestmark = pytest.mark.unit
 FAULT = ("scale=1e3@blocks.1.mlp_out",)

@@ -13,7 +13,8 @@ import torch
 from engine import RunSettings, SamplingParams, load_model
 from engine.cli import main as cli_main
 from engine.cli.prescribe import check_command
-from engine.tools.rescue import Reference, RescueReport, find_rescue, judge, replay, tie_margin
+from engine.tools.rescue import RescueReport, find_rescue
+from engine.tools.rescue_runs import Reference, judge, replay, tie_margin
 from engine.variants import cast_model
 from tests.helpers import tiny_config, tiny_tensors, write_model_dir
 
@@ -111,7 +112,7 @@ def test_a_float_noise_tie_needs_no_unit_and_every_step_is_reported_as_one(tie_m
 
 
 def test_progress_counts_every_rerun_and_ends_at_its_total(tiny_model):
-    """Two overflows: the search needs a second round, 13 reruns against a one-culprit bound of 8."""
+    """Two overflows: the search needs a second round, 13 reruns against a one-culprit bound of 9."""
     seen = []
     report = find_rescue(tiny_model, cast_model(tiny_model, "float16"), RunSettings(prompt=PROMPT, chat=False),
                          injections=["scale=1e6@blocks.0.mlp.up", "scale=1e6@blocks.1.mlp.up"],

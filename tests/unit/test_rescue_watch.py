@@ -1,4 +1,4 @@
-"""engine.tools.rescue.Watch: the first stage holding a NaN or an Inf, whatever the dtype, and never a stage whose
+"""engine.tools.rescue_runs.Watch: the first stage holding a NaN or an Inf, whatever the dtype, and never a stage whose
 values are all finite however large (a sum in the stage's own dtype would overflow on these: the hand-made
 cases below hold the watch to the definition, torch.isfinite over every value)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.tools.rescue import Watch
+from engine.tools.rescue_runs import Watch
 
 
 class Ctx:
