@@ -4,10 +4,11 @@ A cause is only listed with the rerun that tests it: the change, the rerun's tex
 gone. Four kinds of change are tried, within one budget of reruns (MAX_RERUNS generations):
 
     heads     the copy heads: the (layer, head) pairs whose attention from the looping positions puts the
-              most mass on the earlier copy (the token one period back); the top k (HEAD_KS) are zeroed
-              at their attention output (engine.variants.without_heads: the rows of wo that read them
-              zeroed, the same as zeroing them at blocks.{i}.attn.z; every other weight shared, and the
-              native decode step kept)
+              most mass on the earlier copy (the token one period back); the top k are zeroed at their
+              attention output (engine.variants.without_heads: the rows of wo that read them zeroed, the
+              same as zeroing them at blocks.{i}.attn.z; every other weight shared, and the native decode
+              step kept), k in HEAD_KS, fewest first: the first k that breaks the loop is reported (as for
+              the sampler), so "top-4" means the top 2 did not break it
     sampler   one setting at a time (SAMPLER_LADDERS), weakest first; the first rung that breaks the loop
               is reported, so "repetition_penalty 1.0 -> 1.1" means 1.05 did not break it
     numerics  the same run in another dtype (bfloat16 for a float32 model, float32 otherwise)
@@ -214,15 +215,25 @@ def _cause(kind: str, change: str, rerun: tuple[list[int], str, str], **detail) 
 
 # Each _try_* appends to `causes` as its reruns finish, so what ran before the budget ended is still listed.
 def _try_heads(model, reruns: _Reruns, top: list[dict], causes: list[Cause]) -> None:
-    for k in HEAD_KS:
-        if k > len(top):
-            break
-        heads = [(h["layer"], h["head"]) for h in top[:k]]
-        names = ", ".join(f"L{layer}h{head}" for layer, head in heads)
-        reruns.check(f"zero {names}")             # before the variant is made
-        rerun = reruns.generate(without_heads(model, heads), f"zero {names}")
-        causes.append(_cause("heads", f"zero the top-{k} copy head{'s' if k > 1 else ''}: {names}", rerun,
-                             k=k, heads=[list(h) for h in heads]))
+    """The top-k copy heads zeroed, k in HEAD_KS, fewest first until one breaks the loop; one cause (the k that
+    broke it, or the largest tried when none did), as for a sampler setting."""
+    last, tried = None, []
+    try:
+        for k in HEAD_KS:
+            if k > len(top):
+                break
+            heads = [(h["layer"], h["head"]) for h in top[:k]]
+            names = ", ".join(f"L{layer}h{head}" for layer, head in heads)
+            reruns.check(f"zero {names}")             # before the variant is made
+            rerun = reruns.generate(without_heads(model, heads), f"zero {names}")
+            tried.append(k)
+            last = _cause("heads", f"zero the top-{k} copy head{'s' if k > 1 else ''}: {names}", rerun,
+                          k=k, heads=[list(h) for h in heads], tried=list(tried))
+            if last.loop_gone:
+                break
+    finally:
+        if last is not None:
+            causes.append(last)
 
 
 def _rungs(name: str, now: float) -> list[float]:

@@ -58,9 +58,9 @@ def _compute(store: dict, key, what: str, compute) -> None:
 def why_loop_section(run, model) -> None:
     st.subheader("Why does it loop?")
     st.caption(f"Reruns this run's prompt and seed for {HORIZON} tokens, then tests each candidate cause by "
-               "removing it and rerunning: the copy heads (zeroed, top 1, 2, 4, 8), the sampler (each penalty, "
-               "no-repeat n-gram and temperature, weakest first), the numerics (another dtype) and the prompt (each "
-               "span left out). A cause counts only with its rerun: the loop is gone when the rerun's "
+               "removing it and rerunning: the copy heads (the top 1, 2, 4, 8 zeroed, fewest first), the sampler "
+               "(each penalty, no-repeat n-gram and temperature, weakest first), the numerics (another dtype) and "
+               "the prompt (each span left out). A cause counts only with its rerun: the loop is gone when the rerun's "
                f"{HORIZON} tokens hold no loop and no 3-token sequence three times.")
     budget = checked(st.number_input("Most reruns", 5, MAX_RERUNS, MAX_RERUNS, key="wl_budget"), 5, MAX_RERUNS,
                      "Most reruns")

@@ -50,7 +50,11 @@ def test_a_copy_head_or_sampler_change_breaks_the_loop_and_its_text_has_no_ngram
 def test_every_cause_carries_its_rerun_and_the_breaking_ones_come_first(timed):
     report, _ = timed
     kinds = Counter(c.kind for c in report.causes)
-    assert kinds["heads"] == 4 and kinds["sampler"] == 5 and kinds["numerics"] == 1 and kinds["prompt"] == 3
+    assert kinds["heads"] == 1 and kinds["sampler"] == 5 and kinds["numerics"] == 1 and kinds["prompt"] == 3
+    # fewest heads first: zeroing the top copy head alone breaks this loop, so no larger k is rerun
+    heads = next(c for c in report.causes if c.kind == "heads")
+    assert heads.loop_gone and heads.detail["k"] == 1 and heads.detail["tried"] == [1]
+    assert heads.change == f"zero the top-1 copy head: L{report.copy_heads[0]['layer']}h{report.copy_heads[0]['head']}"
     gone = [c.loop_gone for c in report.causes]
     assert gone == sorted(gone, reverse=True)
     for c in report.causes:
