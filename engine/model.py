@@ -213,7 +213,10 @@ class Model:
         if probe.timing:
             probe.mark("embed")
         end, half, final = (cfg.num_layers, False, True) if stop is None else stop
-        x = self._blocks(x, cache, probe, 0, end, cos, sin, mask, eps, on_layer, half)
+        # nothing reads the stream but this forward (no probe, no gradient): its adds and the MLP's gate can be
+        # done in place, the same arithmetic without four fresh (T, d) / (T, F) tensors per block
+        own = probe is NO_PROBE and not torch.is_grad_enabled()
+        x = self._blocks(x, cache, probe, 0, end, cos, sin, mask, eps, on_layer, half, own)
         if final:
             x = probe("final_norm", _norm(x, norm, eps))
         if stop is not None:
@@ -227,9 +230,9 @@ class Model:
         return logits
 
     def _blocks(self, x, cache, probe, first: int, end: int, cos, sin, mask, eps: float, on_layer,
-                attn_half: bool = False) -> torch.Tensor:
+                attn_half: bool = False, own: bool = False) -> torch.Tensor:
         """Blocks [first, end) on the stream x, then with attn_half block `end`'s attention half: the one
-        layer loop of every forward and span."""
+        layer loop of every forward and span. own: nothing else holds x or reads a stage (see _block)."""
         layers, timing = self.weights.layers, probe.timing
         for i in range(first, end + attn_half):
             if on_layer is not None and on_layer(i) is STOP:
@@ -237,7 +240,7 @@ class Model:
             if i == self.resid_fp32_from:
                 x = x.float()     # precision plan: the residual stream stays in fp32 from this layer on
             x = self._block(probe.layer(i), probe.layer_weights(i, layers[i]), x, cache, i, cos, sin, mask, eps,
-                            i < end)
+                            i < end, own)
             if timing:
                 probe.mark(f"blocks.{i}")
         return x
@@ -258,10 +261,12 @@ class Model:
                                 self.sin[positions], None if mask is None else Mask(mask), eps, None)
 
     def _block(self, p, lw: LayerWeights, x, cache, i: int, cos, sin, mask, eps: float,
-               mlp: bool = True) -> torch.Tensor:
+               mlp: bool = True, own: bool = False) -> torch.Tensor:
         """One transformer block (without mlp: its attention half, ending at resid_mid). p offers each stage
         under blocks.{i}.<name> (a no-op without a probe). Each half computes in its weights' dtype (a precision
-        plan may hold some units in fp32) and adds its output to the residual stream in the stream's dtype."""
+        plan may hold some units in fp32) and adds its output to the residual stream in the stream's dtype.
+        own (no probe, no gradient, a stream only this forward holds): the residual adds and the gate's SiLU
+        and product are done in place, the same operations on the same values."""
         cfg = self.config
         T, H, K, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = p("attn_norm", _norm(x, lw.attn_norm, eps))                         # (T, d)
@@ -287,14 +292,17 @@ class Model:
             z = self._fused_attention(qh, keys, values, mask, p.guards_nan)     # what statistics found steers nothing
         z = p("attn.z", z.transpose(0, 1))                                      # (T, H, hd)
         attn_out = p("attn_out", _mm(z.reshape(T, H * hd), lw.wo).to(x.dtype))  # (T, d)
-        x = p("resid_mid", x + attn_out)
+        x = x.add_(attn_out) if own else p("resid_mid", x + attn_out)
         if not mlp:
             return x
         h = p("mlp_norm", _norm(x, lw.mlp_norm, eps))
         gate, up = _mm(h, lw.w_gate_up).chunk(2, dim=-1)                        # (T, F) each
-        act = p("mlp.act", F.silu(p("mlp.gate", gate)) * p("mlp.up", up))
+        if own:
+            act = F.silu(gate, inplace=True).mul_(up)                            # gate's half of the product
+        else:
+            act = p("mlp.act", F.silu(p("mlp.gate", gate)) * p("mlp.up", up))
         mlp_out = p("mlp_out", _mm(act, lw.w_down).to(x.dtype))                 # (T, d)
-        return p("resid_post", x + mlp_out)
+        return x.add_(mlp_out) if own else p("resid_post", x + mlp_out)
 
     def _fused_attention(self, qh, keys, values, mask, guard: bool) -> torch.Tensor:
         """Several query positions: torch SDPA (flash attention where available). (H, T, hd) out. guard (a probe is

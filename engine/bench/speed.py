@@ -181,7 +181,7 @@ def measure(model, a: argparse.Namespace) -> dict:
         best["c: transformers generate"] = c
     median = statistics.median
     prefills = {} if hf is None else prefill_vs_transformers(
-        model, hf, tuple(getattr(a, "prefill_lengths", LENGTHS)), rounds=min(a.repeats, 3))
+        model, hf, tuple(getattr(a, "prefill_lengths", LENGTHS)), rounds=a.repeats)
     return {"best": best, "prefills": prefills, "read_gb_s": read.bytes_per_second / 1e9, "bytes_per_token": nbytes,
             "floor_tok_s": read.bytes_per_second / nbytes, "matrix_reads_tok_s": 1 / mats.best,
             "rounds": len(rounds),
