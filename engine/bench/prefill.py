@@ -7,10 +7,11 @@ c: transformers' LlamaForCausalLM (attn_implementation "sdpa", the same weights,
 same ids in one forward with use_cache=True and logits_to_keep=1 (the last position's logits, as its generate
 asks for in its prefill).
 
-The two run interleaved within a round (a then c in even rounds, c then a in odd ones, so a drift of the
-machine's speed within a round favours neither), and a round's ratio is c's seconds over a's seconds: a's
-speed over c's, >= 1 when this engine is at least as fast. The reported figure is the median over the rounds
-of the rounds' own ratios.
+Each side first runs once at each length, untimed (the memory a run of that length allocates is touched for
+the first time then). The two run interleaved within a round (a then c in even rounds, c then a in odd ones,
+so a drift of the machine's speed within a round favours neither), and a round's ratio is c's seconds over
+a's seconds: a's speed over c's, >= 1 when this engine is at least as fast. The reported figure is the median
+over the rounds of the rounds' own ratios.
 """
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ def prefill_vs_transformers(model, hf, lengths: tuple[int, ...] = LENGTHS, round
     for n in lengths:
         n_ids = min(n, model.context_length - 1)
         ids = torch.randint(100, model.config.vocab_size - 100, (n_ids,), generator=g).tolist()
-        engine_prefill(model, ids[:64])                   # warm-up: first touches of kernels at this size
-        hf_prefill(hf, ids[:64], model.device)
+        engine_prefill(model, ids)                        # warm-up at this length, untimed: the allocator's first
+        hf_prefill(hf, ids, model.device)                 # touches of buffers this size are neither side's cost
         times = []
         for r in range(rounds):
             if r % 2 == 0:
