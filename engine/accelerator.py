@@ -14,7 +14,7 @@ import torch
 from engine.inspection.row_stats import PYTORCH, StatsBackend, chain
 from engine.native import build
 from engine.native.inspect import NATIVE
-from engine.native.step import NativeDecoder
+from engine.native.step import NativeDecoder, refusal
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ def choose(model, decode: bool) -> Accelerator:
     lib, why = build.load()
     if lib is None:
         return Accelerator(None, stats, why)
-    step = NativeDecoder.for_model(model)
-    return Accelerator(step, stats, "" if step is not None else
-                       "this model does not suit the native step (device, dtype, biases or shapes)")
+    why = refusal(model)
+    if why is not None:
+        return Accelerator(None, stats, f"the native step does not implement this model: {why}")
+    return Accelerator(NativeDecoder(model, lib), stats, "")

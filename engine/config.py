@@ -7,9 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.family import FAMILIES, Family, family
+from engine.family import variations as var
+from engine.family.variations import ROPE_TYPES, flag as _flag, positive as _positive
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+SUPPORTED_ROPE_TYPES = ROPE_TYPES
 # Upper bounds no real model reaches: a config past them is damaged or hostile, and would make the loader
 # allocate absurd tensors (rope tables, caches) before any weight is read.
 SIZE_BOUNDS = {"num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
@@ -26,6 +29,9 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()      # longrope: per-frequency divisors up to the original length
+    long_factor: tuple[float, ...] = ()       # longrope: past it
+    attention_factor: float = 1.0             # longrope: cos and sin scaled by it
 
 
 @dataclass(frozen=True)
@@ -46,20 +52,53 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # the family's block variations (engine.family.variations); the defaults are Llama's
+    activation: str = "silu"
+    embed_scale: float = 1.0
+    residual_scale: float = 1.0
+    attn_scale: float | None = None           # None: head_dim ** -0.5
+    logits_divisor: float = 1.0
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    rotary_dim: int | None = None             # None: head_dim
+    layer_window: tuple[int | None, ...] = ()  # per layer: sliding window, or None (global); () = all global
+    layer_rope: tuple[str | None, ...] = ()    # per layer: "main", "local" or None (no RoPE); () = all main
+    rope_local_theta: float | None = None     # Gemma 3's sliding layers
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    layer_moe: tuple[bool, ...] = ()           # per layer: an experts layer; () = none
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
 
+        if not self.layer_window:
+            object.__setattr__(self, "layer_window", (None,) * self.num_layers)
+        if not self.layer_rope:
+            object.__setattr__(self, "layer_rope", ("main",) * self.num_layers)
+        if not self.layer_moe:
+            object.__setattr__(self, "layer_moe", (False,) * self.num_layers)
+        if self.attn_scale is None:
+            object.__setattr__(self, "attn_scale", self.head_dim ** -0.5)
+        if self.rotary_dim is None:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
+    @property
+    def windowed(self) -> bool:
+        """Some layer attends within a sliding window (its cache is a ring of the window's length)."""
+        return any(w is not None for w in self.layer_window)
+
     @property
     def kv_groups(self) -> int:
         """Query heads that share one KV head (grouped-query attention)."""
         return self.num_heads // self.num_kv_heads
-
-    @property
-    def qkv_dim(self) -> int:
-        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
@@ -94,14 +133,13 @@ class ModelConfig:
             return raw[key]
 
         model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in FAMILIES:
             archs = raw.get("architectures")
             raise UnsupportedModelError(
                 f"{where}: unsupported architecture model_type={model_type!r} (architectures={archs}); "
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"{where}: unsupported hidden_act={act!r}; only 'silu' (SwiGLU) is implemented")
+        fam = family(model_type, where)
+        act = var.activation(fam, raw, where)
         if raw.get("mlp_bias"):
             raise UnsupportedModelError(f"{where}: mlp_bias=true is not supported")
 
@@ -117,83 +155,109 @@ class ModelConfig:
                      f"head_dim = hidden_size / num_attention_heads = {hidden} / {heads} = {head_dim}")
             raise UnsupportedModelError(f"{where}: {given} is odd; rotary position embedding (RoPE) rotates pairs "
                                         "of dimensions, so head_dim must be even")
-
-        # transformers >= 5 writes rope settings under rope_parameters; older configs at the top level.
-        rope_params = raw.get("rope_parameters") or {}
-        if not isinstance(rope_params, dict):
-            raise ModelLoadError(f"{where}: rope_parameters must be a JSON object, got {type(rope_params).__name__}")
-        rope_theta = _positive(rope_params.get("rope_theta", raw.get("rope_theta", 10000.0)), "rope_theta", where)
-        scaling_raw = raw.get("rope_scaling")
-        if scaling_raw is None and rope_params.get("rope_type", "default") != "default":
-            scaling_raw = rope_params
-        rope_scaling = _parse_rope_scaling(scaling_raw, where)
+        layers = int(need("num_hidden_layers"))
 
         max_pos = int(raw.get("max_position_embeddings", 2048))
-        if model_type == "mistral" and raw.get("sliding_window"):
-            # Within the window, sliding-window attention equals full attention: cap the context there.
-            max_pos = min(max_pos, int(raw["sliding_window"]))
-        if model_type == "qwen2" and raw.get("use_sliding_window"):
-            raise UnsupportedModelError(f"{where}: use_sliding_window=true is not supported")
-
+        rope = _rope_fields(fam, raw, where, head_dim, layers, max_pos)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         eps = float(raw.get("rms_norm_eps", 1e-6))
         if not math.isfinite(eps) or eps < 0:
             raise ModelLoadError(f"{where}: rms_norm_eps={eps} must be a finite number >= 0")
+        bias = {"always": True, "never": False}.get(fam.bias)
+        if bias is None:
+            bias = _flag(raw, "attention_bias", where)
+        elif fam.bias == "never" and _flag(raw, "attention_bias", where):
+            raise UnsupportedModelError(f"{where}: attention_bias=true is not supported for model_type={model_type!r}")
         return cls(
             model_type=model_type,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=eps,
-            rope_theta=rope_theta,
             max_position_embeddings=max_pos,
             tie_word_embeddings=_flag(raw, "tie_word_embeddings", where),
-            # Qwen2 always has q/k/v biases; Llama only with attention_bias.
-            attention_bias=(model_type == "qwen2") or _flag(raw, "attention_bias", where),
-            rope_scaling=rope_scaling,
+            attention_bias=bias,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            activation=act,
+            **rope,
+            **var.scales(fam, raw, where, hidden, head_dim),
+            **var.experts(fam, raw, where, layers),
         )
 
 
-def _parse_rope_scaling(raw: dict | None, where: str) -> RopeScaling:
+def _rope_fields(fam: Family, raw: dict, where: str, head_dim: int, layers: int, max_pos: int) -> dict:
+    """RoPE and attention-window settings: theta and scaling, rotary dimensions, each layer's window and table."""
+    # transformers >= 5 writes rope settings under rope_parameters (per layer type for Gemma 3); older configs
+    # at the top level.
+    rope_params = raw.get("rope_parameters") or {}
+    if not isinstance(rope_params, dict):
+        raise ModelLoadError(f"{where}: rope_parameters must be a JSON object, got {type(rope_params).__name__}")
+    local_params = None
+    if isinstance(rope_params.get("full_attention"), dict):
+        local_params = rope_params.get("sliding_attention")
+        rope_params = rope_params["full_attention"]
+    fraction = var.rotary_fraction(fam, raw, rope_params, where)
+    rotary_dim = int(head_dim * fraction)
+    if rotary_dim % 2 or rotary_dim < 2:
+        raise UnsupportedModelError(f"{where}: partial_rotary_factor={fraction} gives {rotary_dim} rotary "
+                                    "dimensions; RoPE needs an even number >= 2")
+    rope_theta = _positive(rope_params.get("rope_theta", raw.get("rope_theta", 10000.0)), "rope_theta", where)
+    scaling_raw = raw.get("rope_scaling")
+    if scaling_raw is None and rope_params.get("rope_type", "default") != "default":
+        scaling_raw = rope_params
+    rope_scaling = _parse_rope_scaling(scaling_raw, where, fam, raw, rotary_dim, max_pos)
+    layer_window = var.windows(fam, raw, where, layers, max_pos)
+    layer_rope = var.rope_layers(fam, raw, where, layer_window)
+    local_theta = None
+    if fam.local_rope:
+        if local_params is not None and local_params.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(f"{where}: rope_parameters.sliding_attention.rope_type="
+                                        f"{local_params.get('rope_type')!r} is not supported (default only)")
+        local_theta = _positive((local_params or {}).get("rope_theta", raw.get("rope_local_base_freq", 10000.0)),
+                                "rope_local_base_freq", where)
+
+    return {"rope_theta": rope_theta, "rope_scaling": rope_scaling, "rotary_dim": rotary_dim,
+            "layer_window": layer_window, "layer_rope": layer_rope, "rope_local_theta": local_theta}
+
+
+def _parse_rope_scaling(raw: dict | None, where: str, fam: Family, top: dict, rotary_dim: int,
+                        max_pos: int) -> RopeScaling:
     if not raw:
         return RopeScaling()
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{where}: rope_scaling must be a JSON object, got {str(raw)[:40]!r}")
     kind = raw.get("rope_type", raw.get("type", "default"))
-    if kind not in SUPPORTED_ROPE_TYPES:
+    if kind not in fam.rope_types:
         raise UnsupportedModelError(
-            f"{where}: unsupported rope_scaling type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+            f"{where}: unsupported rope_scaling type {kind!r}; supported: {', '.join(fam.rope_types)}")
     low = _positive(raw.get("low_freq_factor", 1.0), "rope_scaling.low_freq_factor", where)
     high = _positive(raw.get("high_freq_factor", 4.0), "rope_scaling.high_freq_factor", where)
     if kind == "llama3" and not high > low:
         raise ModelLoadError(f"{where}: rope_scaling needs high_freq_factor > low_freq_factor, got {high} <= {low}")
-    original = raw.get("original_max_position_embeddings", 8192)
+    original = raw.get("original_max_position_embeddings", top.get("original_max_position_embeddings", 8192))
     if isinstance(original, bool) or not isinstance(original, int) or not 1 <= original <= 1 << 24:
         raise ModelLoadError(f"{where}: rope_scaling.original_max_position_embeddings={original!r} must be a whole "
                              "number in [1, 2**24]")
-    return RopeScaling(rope_type=kind, factor=_positive(raw.get("factor", 1.0), "rope_scaling.factor", where),
-                       low_freq_factor=low, high_freq_factor=high, original_max_position_embeddings=original)
-
-
-def _positive(v, name: str, where: str) -> float:
-    """A JSON number that must be finite and > 0 (rope theta and factors: 0 or NaN would make every angle NaN)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ModelLoadError(f"{where}: {name}={v!r} must be a finite number > 0")
-    return float(v)
-
-
-def _flag(raw: dict, key: str, where: str) -> bool:
-    """A JSON boolean; the string "false" is refused rather than read as True."""
-    v = raw.get(key, False)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise ModelLoadError(f"{where}: {key} must be true or false, got {v!r}")
-    return v
+    if kind != "longrope":
+        return RopeScaling(rope_type=kind, factor=_positive(raw.get("factor", 1.0), "rope_scaling.factor", where),
+                           low_freq_factor=low, high_freq_factor=high, original_max_position_embeddings=original)
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        v = raw.get(key)
+        if not isinstance(v, list) or len(v) != rotary_dim // 2:
+            raise ModelLoadError(f"{where}: rope_scaling.{key} must list {rotary_dim // 2} numbers (one per rotary "
+                                 f"frequency), got {str(v)[:60]}")
+        factors[key] = tuple(_positive(x, f"rope_scaling.{key}", where) for x in v)
+    factor = raw.get("factor")
+    factor = max_pos / original if factor is None else _positive(factor, "rope_scaling.factor", where)
+    attention = raw.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(rope_type=kind, factor=factor, original_max_position_embeddings=original,
+                       attention_factor=_positive(attention, "rope_scaling.attention_factor", where), **factors)

@@ -1,4 +1,6 @@
-"""Model: weights plus a hand-written Llama-family forward (RMSNorm, RoPE, GQA, SwiGLU).
+"""Model: weights plus a hand-written forward for decoder-only families (RMSNorm, RoPE, GQA, gated MLPs, and each
+family's variations: q/k norms, post-norms, soft caps, multipliers, sliding windows, a rotary fraction, layers
+without RoPE, mixtures of experts; engine.family declares them and _block reads the declaration).
 
 The model holds weights only and is shared by every session and thread; a run brings its own KVCache and
 Probe. Every stage is offered to the probe by name. Over several query positions the output of attention
@@ -27,34 +29,17 @@ from engine.inspection.attention_stats import inspect_attention
 from engine.inspection.probe import Probe, StopPoint, stop_point
 from engine.inspection.probe_views import FULL, NO_PROBE, NoProbe
 from engine.inspection.stages import hook_names
+from engine.attention import Mask, Where, explicit, fused
+from engine.moe import activation, experts_mlp, route
 from engine.kv_cache import KVCache
 from engine.progress import STOP, Stopped
-from engine.rope import apply_rope, rope_tables
+from engine.rope import apply_rope, rope_tables, rotate, table_for, table_kinds
 from engine.weights import LayerWeights, Weights
 
 if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
 
 
-
-
-class Mask:
-    """A call's attention mask, made once and read by every layer: allowed (T, S) bool, True where query row t
-    reads key s, and its additive form for SDPA (0 or -inf, made once per dtype). The CPU kernel takes the
-    additive mask at about the cost of an unmasked call, where a boolean one costs ~1.5x (converted per call)."""
-
-    __slots__ = ("allowed", "_bias")
-
-    def __init__(self, allowed: torch.Tensor) -> None:
-        self.allowed = allowed
-        self._bias: dict[torch.dtype, torch.Tensor] = {}
-
-    def bias(self, dtype: torch.dtype) -> torch.Tensor:
-        b = self._bias.get(dtype)
-        if b is None:
-            b = self._bias[dtype] = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device) \
-                .masked_fill_(~self.allowed, float("-inf"))
-        return b
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -106,7 +91,9 @@ class Model:
         statistics backend) is chosen here, once (engine.accelerator.choose)."""
         self.config, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.device, self.dtype, self.name, self.path = device, dtype, name, path
-        self.cos, self.sin = rope_tables(cfg, cfg.max_position_embeddings, device, dtype)
+        # one table per rotary kind the layers use ("main", Gemma 3's "local", longrope's "long")
+        self.rope = {k: rope_tables(cfg, cfg.max_position_embeddings, device, dtype, k) for k in table_kinds(cfg)}
+        self.cos, self.sin = self.rope["main"]
         self.resid_fp32_from: int | None = None    # precision plan (see engine.variants.precision_plan)
         self.fp32_units: list[str] = []
         self.cache_dtype = dtype                   # float32 in a plan with an fp32 attention unit
@@ -122,7 +109,7 @@ class Model:
         return self._live_hooks
 
     def hook_names(self) -> list[str]:
-        return hook_names(self.config.num_layers)
+        return hook_names(self.config)
 
     @property
     def context_length(self) -> int:
@@ -202,21 +189,20 @@ class Model:
                 if watched:
                     probe.offer_step(step.names, step.layers, values, logits, marks, start)
                 return logits
-        cos, sin = self.cos[pos:pos + T], self.sin[pos:pos + T]                 # (T, 1, hd)
-        mask = None
-        if T > 1 and pos > 0:   # a chunk after earlier positions: causal within, full view of the past
-            rows = pos + torch.arange(T, device=ids.device)
-            mask = Mask(torch.arange(pos + T, device=ids.device)[None, :] <= rows[:, None])
+        at = Where(cfg, self.rope, pos + torch.arange(T, device=ids.device))
         if probe.timing:
             probe.mark("start")
-        x = probe("embed", F.embedding(ids, embed))                             # (T, d)
+        x = F.embedding(ids, embed)                                             # (T, d)
+        if cfg.embed_scale != 1.0:    # Gemma's sqrt(d), Granite's multiplier: in the embedding's dtype, as HF
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        x = probe("embed", x)
         if probe.timing:
             probe.mark("embed")
         end, half, final = (cfg.num_layers, False, True) if stop is None else stop
         # nothing reads the stream but this forward (no probe, no gradient): its adds and the MLP's gate can be
         # done in place, the same arithmetic without four fresh (T, d) / (T, F) tensors per block
         own = probe is NO_PROBE and not torch.is_grad_enabled()
-        x = self._blocks(x, cache, probe, 0, end, cos, sin, mask, eps, on_layer, half, own)
+        x = self._blocks(x, cache, probe, 0, end, at, eps, on_layer, half, own)
         if final:
             x = probe("final_norm", _norm(x, norm, eps))
         if stop is not None:
@@ -224,12 +210,24 @@ class Model:
         if last_only:
             x = x[-1:]
             probe.move_to(pos + T - 1)   # the one logits row belongs to the last position
-        logits = probe("logits", _mm(x.to(lm_head.dtype), lm_head))             # (T, V)
+        logits = self._head(x, lm_head, probe)                                  # (T, V)
         if probe.timing:
             probe.mark("logits")
         return logits
 
-    def _blocks(self, x, cache, probe, first: int, end: int, cos, sin, mask, eps: float, on_layer,
+    def _head(self, x: torch.Tensor, lm_head: torch.Tensor, probe) -> torch.Tensor:
+        """The final-normed stream (T, d) -> logits (T, V): the lm_head, Granite's logits_scaling, Gemma 2's final
+        soft cap (the logits before it offered as logits_uncapped)."""
+        cfg = self.config
+        logits = _mm(x.to(lm_head.dtype), lm_head)
+        if cfg.logits_divisor != 1.0:
+            logits = logits / cfg.logits_divisor
+        if cfg.final_softcap is not None:
+            logits = probe("logits_uncapped", logits)
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return probe("logits", logits)
+
+    def _blocks(self, x, cache, probe, first: int, end: int, at: Where, eps: float, on_layer,
                 attn_half: bool = False, own: bool = False) -> torch.Tensor:
         """Blocks [first, end) on the stream x, then with attn_half block `end`'s attention half: the one
         layer loop of every forward and span. own: nothing else holds x or reads a stage (see _block)."""
@@ -239,8 +237,7 @@ class Model:
                 raise Stopped        # the job's on_progress answered STOP: nothing after this block runs
             if i == self.resid_fp32_from:
                 x = x.float()     # precision plan: the residual stream stays in fp32 from this layer on
-            x = self._block(probe.layer(i), probe.layer_weights(i, layers[i]), x, cache, i, cos, sin, mask, eps,
-                            i < end, own)
+            x = self._block(probe.layer(i), probe.layer_weights(i, layers[i]), x, cache, i, at, eps, i < end, own)
             if timing:
                 probe.mark(f"blocks.{i}")
         return x
@@ -250,112 +247,116 @@ class Model:
         """Blocks [start, end) on the stream x (T, d) entering block `start` -> the stream leaving block end - 1, as
         a forward computes it (precision plan, probe). positions (T,): the rows' absolute positions (RoPE; any order:
         a hook's ctx.pos0 is the first's). cache: a KVCache (written, not advanced) or anything with its update(layer,
-        k, v) -> (keys, values). mask (T, S): True where row t reads key s; None: causal, S == T."""
+        k, v) -> (keys, values) over positions 0 .. S - 1. mask (T, S): True where row t reads key s; None: causal,
+        S == T. A window layer also keeps each row to its window."""
         if not 0 <= start <= end <= self.config.num_layers or x.shape[1:] != (self.config.hidden_size,) \
                 or positions.shape != x.shape[:1]:
             raise InputError(f"run_blocks needs a span in [0, {self.config.num_layers}] and a stream (T, d) with T "
                              f"positions; got [{start}, {end}), {tuple(x.shape)}, {tuple(positions.shape)}")
         eps = self.config.rms_norm_eps if probe is None or probe.norm_eps is None else probe.norm_eps
+        positions = positions.to(self.device)
+        at = Where(self.config, self.rope, positions, None if mask is None else mask.to(self.device), contiguous=False)
         with torch.inference_mode(), self.attached(probe, int(positions[0])):
-            return self._blocks(x.to(self.device), cache, probe or NO_PROBE, start, end, self.cos[positions],
-                                self.sin[positions], None if mask is None else Mask(mask), eps, None)
+            return self._blocks(x.to(self.device), cache, probe or NO_PROBE, start, end, at, eps, None)
 
-    def _block(self, p, lw: LayerWeights, x, cache, i: int, cos, sin, mask, eps: float,
+    def _block(self, p, lw: LayerWeights, x, cache, i: int, at: Where, eps: float,
                mlp: bool = True, own: bool = False) -> torch.Tensor:
-        """One transformer block (without mlp: its attention half, ending at resid_mid). p offers each stage
-        under blocks.{i}.<name> (a no-op without a probe). Each half computes in its weights' dtype (a precision
-        plan may hold some units in fp32) and adds its output to the residual stream in the stream's dtype.
-        own (no probe, no gradient, a stream only this forward holds): the residual adds and the gate's SiLU
+        """One transformer block (without mlp: its attention half, ending at resid_mid), as the family declares it:
+        a weight slot present is a step computed (pre- and post-norms, q/k norms, router and experts). p offers each
+        stage under blocks.{i}.<name> (a no-op without a probe). Each half computes in its weights' dtype (a
+        precision plan may hold some units in fp32) and adds its output to the residual stream in the stream's dtype:
+        resid_mid = resid_pre + (attn_post_norm or attn_out), resid_post = resid_mid + (mlp_post_norm or mlp_out).
+        own (no probe, no gradient, a stream only this forward holds): the residual adds and the gate's activation
         and product are done in place, the same operations on the same values."""
+        x = self._attention(p, lw, x, cache, i, at, eps, own)
+        return self._mlp(p, lw, x, eps, own) if mlp else x
+
+    def _attention(self, p, lw: LayerWeights, x, cache, i: int, at: Where, eps: float, own: bool) -> torch.Tensor:
+        """A block's attention half: the stream x (T, d) -> resid_mid."""
         cfg = self.config
         T, H, K, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = p("attn_norm", _norm(x, lw.attn_norm, eps))                         # (T, d)
-        qkv = (_mm(h, lw.wqkv) if lw.bqkv is None else torch.addmm(lw.bqkv, h, lw.wqkv)).view(T, H + 2 * K, hd)
-        q0, k0, v = qkv.split([H, K, K], dim=1)                                 # (T, heads, hd) each
+        h = x if lw.attn_norm is None else p("attn_norm", _norm(x, lw.attn_norm, eps))    # (T, d)
+        qkv = _mm(h, lw.wqkv) if lw.bqkv is None else torch.addmm(lw.bqkv, h, lw.wqkv)      # (T, (H + 2K) hd)
+        q0, k0, v = qkv.view(T, H + 2 * K, hd).split([H, K, K], dim=1)                  # (T, heads, hd) each
         q, k, v = p("attn.q", q0), p("attn.k", k0), p("attn.v", v)
-        if cos.dtype != q.dtype:      # a precision plan: fp32 tables, cast for the layers that stay low
-            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-        if q is q0 and k is k0:       # one rotation for q and k together (fewer small ops per decode step)
-            q, k = apply_rope(qkv[:, :H + K], cos, sin).split([H, K], dim=1)
-        else:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if lw.q_norm is not None:
+            if lw.q_norm.shape[0] == hd:      # Qwen3, Gemma 3: each head's vector
+                q, k = _norm(q, lw.q_norm, eps), _norm(k, lw.k_norm, eps)
+            else:                             # OLMo 2: the whole projection
+                q = _norm(q.reshape(T, H * hd), lw.q_norm, eps).view(T, H, hd)
+                k = _norm(k.reshape(T, K * hd), lw.k_norm, eps).view(T, K, hd)
+            q, k = p("attn.q_norm", q), p("attn.k_norm", k)
+        kind = cfg.layer_rope[i]
+        if kind is not None:                  # SmolLM3's no-RoPE layers leave q and k as they are
+            cos, sin = at.rope(kind)                                            # (T, 1, rotary_dim)
+            if cos.dtype != q.dtype:      # a precision plan: fp32 tables, cast for the layers that stay low
+                cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+            if q is q0 and k is k0 and cos.shape[-1] == hd:    # one rotation for q and k together (decode)
+                q, k = apply_rope(qkv.view(T, H + 2 * K, hd)[:, :H + K], cos, sin).split([H, K], dim=1)
+            else:
+                q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         q, k = p("attn.q_rot", q), p("attn.k_rot", k)
+        first, _ = cache.key_positions(i, T) if hasattr(cache, "key_positions") else (0, None)
         keys, values = cache.update(i, k.transpose(0, 1), v.transpose(0, 1))     # (K, S, hd)
         keys, values = keys.to(q.dtype), values.to(q.dtype)      # no-ops unless a precision plan differs
+        mask = at.mask(cfg.layer_window[i], first, keys.shape[1])
         qh = q.transpose(0, 1)                                                  # (H, T, hd)
         need = max(p.need("attn.scores"), p.need("attn.pattern"))
-        if T == 1 or need == FULL:    # one query row: scores and pattern are small; or a hook needs them whole
-            z = self._explicit_attention(qh, keys, values, p, None if mask is None else mask.allowed)
+        if T == 1 or need == FULL or cfg.attn_softcap is not None:
+            # one query row: scores and pattern are small; a hook needs them whole; or a soft cap SDPA cannot do
+            z = explicit(qh, keys, values, p, None if mask is None else mask.allowed, cfg.attn_scale, cfg.attn_softcap,
+                         first)
         else:
             if need:      # statistics / some rows only: beside the fused kernel (query blocks or native), never whole
-                inspect_attention(p, qh, keys, None if mask is None else mask.allowed, values)
-            z = self._fused_attention(qh, keys, values, mask, p.guards_nan)     # what statistics found steers nothing
+                self._inspect(p, qh, keys, values, mask, first)
+            z = fused(qh, keys, values, mask, p.guards_nan, cfg.attn_scale, K != H)   # statistics steer nothing
         z = p("attn.z", z.transpose(0, 1))                                      # (T, H, hd)
-        attn_out = p("attn_out", _mm(z.reshape(T, H * hd), lw.wo).to(x.dtype))  # (T, d)
-        x = x.add_(attn_out) if own else p("resid_mid", x + attn_out)
-        if not mlp:
-            return x
-        h = p("mlp_norm", _norm(x, lw.mlp_norm, eps))
-        gate, up = _mm(h, lw.w_gate_up).chunk(2, dim=-1)                        # (T, F) each
-        if own:
-            act = F.silu(gate, inplace=True).mul_(up)                            # gate's half of the product
+        out = _mm(z.reshape(T, H * hd), lw.wo)
+        if cfg.residual_scale != 1.0:         # Granite: the branch scaled before it joins the stream
+            out = out * cfg.residual_scale
+        out = p("attn_out", out.to(x.dtype))                                   # (T, d)
+        if lw.attn_post_norm is not None:
+            out = p("attn_post_norm", _norm(out, lw.attn_post_norm, eps).to(x.dtype))
+        return x.add_(out) if own else p("resid_mid", x + out)
+
+    def _mlp(self, p, lw: LayerWeights, x, eps: float, own: bool) -> torch.Tensor:
+        """A block's MLP half (dense, or a router and its experts): resid_mid -> resid_post."""
+        cfg = self.config
+        h = x if lw.mlp_norm is None else p("mlp_norm", _norm(x, lw.mlp_norm, eps))
+        act_fn = activation(cfg.activation)
+        if lw.router is not None:
+            gates = p("mlp.experts", route(p("mlp.router", _mm(h, lw.router)), cfg.experts_per_token,
+                                           cfg.norm_topk_prob))                  # (T, E): 0 but each row's top k
+            out = experts_mlp(h, gates, lw.experts_gate_up, lw.experts_down, act_fn)
         else:
-            act = p("mlp.act", F.silu(p("mlp.gate", gate)) * p("mlp.up", up))
-        mlp_out = p("mlp_out", _mm(act, lw.w_down).to(x.dtype))                 # (T, d)
-        return x.add_(mlp_out) if own else p("resid_post", x + mlp_out)
+            gate, up = _mm(h, lw.w_gate_up).chunk(2, dim=-1)                    # (T, F) each
+            if own and cfg.activation == "silu":
+                act = F.silu(gate, inplace=True).mul_(up)                        # gate's half of the product
+            else:
+                act = p("mlp.act", act_fn(p("mlp.gate", gate)) * p("mlp.up", up))
+            out = _mm(act, lw.w_down)
+        if cfg.residual_scale != 1.0:
+            out = out * cfg.residual_scale
+        out = p("mlp_out", out.to(x.dtype))                                     # (T, d)
+        if lw.mlp_post_norm is not None:
+            out = p("mlp_post_norm", _norm(out, lw.mlp_post_norm, eps).to(x.dtype))
+        return x.add_(out) if own else p("resid_post", x + out)
 
-    def _fused_attention(self, qh, keys, values, mask, guard: bool) -> torch.Tensor:
-        """Several query positions: torch SDPA (flash attention where available). (H, T, hd) out. guard (a probe is
-        watching): non-finite values must reach exactly the rows that read them, as in the explicit path. The kernels
-        do not promise that (a masked weight 0 times a NaN value is NaN; the CPU kernel returns 0 for a NaN query
-        under is_causal), so non-finite queries, keys and values are zeroed for the kernel and the rows that read them
-        are set to NaN afterwards."""
-        bad = None
-        # CPU: a finite sum proves every value finite (three cheap reductions); the device skips the check
-        if guard and (qh.device.type != "cpu" or not bool(torch.isfinite(qh.sum() + keys.sum() + values.sum()))):
-            bad_q, bad_k = ~torch.isfinite(qh).all(-1, keepdim=True), ~torch.isfinite(keys).all(-1, keepdim=True)
-            bad_v = ~torch.isfinite(values)                                    # (H, T, 1), (K, S, 1), (K, S, hd)
-            bad = (bad_q, bad_k | bad_v)
-            qh, keys, values = qh.masked_fill(bad_q, 0.0), keys.masked_fill(bad_k, 0.0), values.masked_fill(bad_v, 0.0)
-        gqa = self.config.num_kv_heads != self.config.num_heads     # query heads share KV heads: no copies
-        if keys.requires_grad or values.requires_grad:    # a gradient forward: autograd keeps what SDPA reads, and
-            keys, values = keys.clone(), values.clone()   # later layers write the cache these views are of
-        z = F.scaled_dot_product_attention(qh[None], keys[None], values[None], enable_gqa=gqa, is_causal=mask is None,
-                                           attn_mask=None if mask is None else mask.bias(qh.dtype))[0]
-        return z if bad is None else self._poison_readers(z, bad[0], bad[1], None if mask is None else mask.allowed)
-
-    def _poison_readers(self, z, bad_q, bad_kv, mask) -> torch.Tensor:
-        """z (H, T, hd) with NaN in rows whose query is not finite (bad_q (H, T, 1)), and where a row attends
-        to a position whose key (any dim) or value (that dim) is not finite (bad_kv (K, S, hd))."""
-        (H, T, hd), (K, S) = z.shape, bad_kv.shape[:2]
-        if mask is None:              # causal: row t reads positions 0 .. S - T + t
-            seen = bad_kv.cumsum(1, dtype=torch.int32)[:, S - T:] > 0                      # (K, T, hd)
-        else:
-            seen = (mask.to(z.dtype) @ bad_kv.to(z.dtype)) > 0                             # (K, T, hd)
-        seen = seen[:, None].expand(K, H // K, T, hd).reshape(H, T, hd)
-        return z.masked_fill(seen | bad_q, float("nan"))
-
-    def _explicit_attention(self, qh, keys, values, p, mask) -> torch.Tensor:
-        """Attention with scores and pattern as tensors: one decode row (the usual path: two grouped matmuls
-        beat SDPA's kernels at this size) or a hook that needs them whole. (H, T, hd) out. Query heads sharing
-        a KV head are stacked (K, G*T, hd) so GQA needs no copies of the cache."""
-        H, T, hd = qh.shape
-        K, S = keys.shape[0], keys.shape[1]
-        scores = (qh.reshape(K, -1, hd) @ keys.transpose(1, 2)).view(H, T, S) * (hd ** -0.5)   # (H, T, S)
-        if T > 1 or mask is not None:
-            allowed = mask if mask is not None else torch.ones(T, S, dtype=torch.bool, device=qh.device).tril()
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        scores = p("attn.scores", scores)
-        pattern = p("attn.pattern", torch.softmax(scores.float(), dim=-1).to(qh.dtype))
-        grouped = pattern.reshape(K, -1, S)                                              # (K, G*T, S)
-        if T > 1 and not bool(torch.isfinite(values).all()):
-            # 0 * NaN = NaN: a matmul would let a NaN value at position j leak into rows t < j that give it
-            # zero weight. Generation is causal, so report NaN only where a row really reads one.
-            finite = torch.isfinite(values)
-            z = grouped @ torch.where(finite, values, 0.0)
-            reads_bad = (grouped != 0).to(values.dtype) @ (~finite).to(values.dtype)     # (K, G*T, hd)
-            return torch.where(reads_bad > 0, float("nan"), z).view(H, T, hd)
-        return (grouped @ values).view(H, T, hd)
+    def _inspect(self, p, qh, keys, values, mask: Mask | None, first: int) -> None:
+        """Attention statistics beside the fused kernel, over every position as the explicit path offers them: the
+        query scaled to the family's score scale, a window layer's keys preceded by the positions it dropped."""
+        cfg = self.config
+        if cfg.attn_scale != cfg.head_dim ** -0.5:
+            qh = qh * (cfg.attn_scale / cfg.head_dim ** -0.5)
+        allowed = None if mask is None else mask.allowed
+        if first:
+            K, S, hd = keys.shape
+            if allowed is None:
+                allowed = torch.ones(qh.shape[1], S, dtype=torch.bool, device=qh.device)
+            keys = torch.cat([keys.new_zeros(K, first, hd), keys], dim=1)
+            values = torch.cat([values.new_zeros(K, first, hd), values], dim=1)
+            allowed = torch.nn.functional.pad(allowed, (first, 0), value=False)
+        inspect_attention(p, qh, keys, allowed, values)
 
     # ---- convenience surfaces -------------------------------------------------------------------
     @torch.inference_mode()
@@ -371,7 +372,8 @@ class Model:
         The logit lens: what the model would predict if it stopped at that layer."""
         stream = torch.float32 if self.resid_fp32_from is not None or "embed" in self.fp32_units else self.dtype
         x = _norm(resid.to(self.device, stream), self.weights.norm, self.config.rms_norm_eps)
-        return (x.to(self.weights.lm_head.dtype) @ self.weights.lm_head).float().cpu()
+        return self._head(x.reshape(-1, x.shape[-1]), self.weights.lm_head, NO_PROBE).view(
+            *x.shape[:-1], -1).float().cpu()
 
     def generate(self, prompt_or_ids, **kwargs):
         """See engine.generate.generate."""

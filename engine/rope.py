@@ -1,4 +1,5 @@
-"""Rotary position embedding tables (with Llama-3 / linear scaling) and their application."""
+"""Rotary position embedding tables (default, linear, Llama-3 and Phi-3's longrope; a rotary fraction; Gemma 3's
+local tables) and their application."""
 from __future__ import annotations
 
 import math
@@ -8,10 +9,19 @@ import torch
 from engine.config import ModelConfig
 
 
-def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    hd = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))  # (hd/2,)
+def inv_frequencies(cfg: ModelConfig, kind: str = "main") -> torch.Tensor:
+    """(rotary_dim / 2,) for one table: "main", "long" (longrope past its original length) or "local" (Gemma 3's
+    sliding layers: their own base, no scaling)."""
+    hd = cfg.rotary_dim
+    theta = cfg.rope_local_theta if kind == "local" else cfg.rope_theta
+    shape = torch.arange(0, hd, 2, dtype=torch.int64).float() / hd
     rs = cfg.rope_scaling
+    if kind == "local":
+        return 1.0 / (theta ** shape)
+    if rs.rope_type == "longrope":
+        ext = torch.tensor(rs.long_factor if kind == "long" else rs.short_factor, dtype=torch.float32)
+        return 1.0 / (ext * theta ** shape)
+    inv = 1.0 / (theta ** shape)  # (hd/2,)
     if rs.rope_type == "linear":
         inv = inv / rs.factor
     elif rs.rope_type == "llama3":
@@ -27,13 +37,40 @@ def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return inv
 
 
-def rope_tables(cfg: ModelConfig, length: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (length, 1, hd): computed in fp32, then cast (as transformers does)."""
-    inv = inv_frequencies(cfg)
-    freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv)      # (length, hd/2)
-    emb = torch.cat([freqs, freqs], dim=-1)                                   # (length, hd)
-    return (emb.cos().to(device=device, dtype=dtype).unsqueeze(1),
-            emb.sin().to(device=device, dtype=dtype).unsqueeze(1))
+def rope_tables(cfg: ModelConfig, length: int, device, dtype, kind: str = "main") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (length, 1, rotary_dim): computed in fp32, then cast (as transformers does)."""
+    inv = inv_frequencies(cfg, kind)
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv)      # (length, rd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)                                   # (length, rd)
+    cos, sin = emb.cos(), emb.sin()
+    if kind != "local" and cfg.rope_scaling.attention_factor != 1.0:
+        cos, sin = cos * cfg.rope_scaling.attention_factor, sin * cfg.rope_scaling.attention_factor
+    return cos.to(device=device, dtype=dtype).unsqueeze(1), sin.to(device=device, dtype=dtype).unsqueeze(1)
+
+
+def table_kinds(cfg: ModelConfig) -> tuple[str, ...]:
+    """The tables a model of this config needs."""
+    kinds = {k for k in cfg.layer_rope if k is not None} | {"main"}
+    if cfg.rope_scaling.rope_type == "longrope":
+        kinds.add("long")
+    return tuple(sorted(kinds))
+
+
+def table_for(cfg: ModelConfig, kind: str, end: int) -> str:
+    """The table a layer of rope kind `kind` reads in a call whose last position is end - 1: longrope switches every
+    row of the call to its long factors once the sequence passes the original length (as transformers does)."""
+    if kind == "main" and cfg.rope_scaling.rope_type == "longrope" \
+            and end > cfg.rope_scaling.original_max_position_embeddings:
+        return "long"
+    return kind
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, hd) with its first rotary_dim (cos's width) dimensions rotated, the rest passed through."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

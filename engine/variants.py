@@ -12,13 +12,13 @@ import torch
 
 from engine.accelerator import Accelerator
 from engine.errors import InputError
+from engine.family.slots import UNIT_FIELDS
 from engine.model import Model
 from engine.rope import rope_tables
 from engine.weights import LayerWeights, Weights
 
 PRECISION_UNITS = ("embed", "blocks.{i}.attn", "blocks.{i}.mlp", "blocks.{i}.resid", "final_norm", "logits")
-ATTN_WEIGHTS = ("attn_norm", "wqkv", "bqkv", "wo")
-MLP_WEIGHTS = ("mlp_norm", "w_gate_up", "w_down")
+ATTN_WEIGHTS, MLP_WEIGHTS = UNIT_FIELDS["attn"], UNIT_FIELDS["mlp"]
 
 
 def derive(model: Model, weights: Weights, *, dtype: torch.dtype, name: str) -> Model:
@@ -100,7 +100,9 @@ def precision_plan(model: Model, units: list[str] | tuple[str, ...], source: Mod
     plan = derive(model, weights, dtype=model.dtype, name=f"{model.base_name} [fp32: {', '.join(units) or 'none'}]")
     plan.base_name, plan.resid_fp32_from, plan.fp32_units = model.base_name, resid_from, units
     if any(u.endswith(".attn") for u in units):
-        plan.cos, plan.sin = rope_tables(model.config, model.context_length, model.device, torch.float32)
+        plan.rope = {k: rope_tables(model.config, model.context_length, model.device, torch.float32, k)
+                     for k in model.rope}
+        plan.cos, plan.sin = plan.rope["main"]
         plan.cache_dtype = torch.float32
     return plan
 

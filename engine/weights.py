@@ -18,6 +18,8 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.family import part_shape
+from engine.family.slots import BY_FIELD, FIELDS
 from engine.errors import ModelLoadError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -27,13 +29,25 @@ IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 @dataclass
 class LayerWeights:
-    attn_norm: torch.Tensor      # (d,)
-    wqkv: torch.Tensor           # (d, (H + 2K) * hd)  columns: q heads, then k heads, then v heads
-    bqkv: torch.Tensor | None    # ((H + 2K) * hd,)  Qwen2 only
-    wo: torch.Tensor             # (H * hd, d)
-    mlp_norm: torch.Tensor       # (d,)
-    w_gate_up: torch.Tensor      # (d, 2F)  columns: gate, then up
-    w_down: torch.Tensor         # (F, d)
+    """One block's weights, one field per slot of engine.family.slots (None where the family's block has no such
+    weight). Matrices are stored (in, out)."""
+    attn_norm: torch.Tensor | None = None       # (d,)
+    wqkv: torch.Tensor | None = None            # (d, (H + 2K) * hd)  columns: q heads, then k heads, then v heads
+    bqkv: torch.Tensor | None = None            # ((H + 2K) * hd,)
+    q_norm: torch.Tensor | None = None          # (hd,) per head, or (H * hd,) over the projection
+    k_norm: torch.Tensor | None = None          # (hd,) or (K * hd,)
+    wo: torch.Tensor | None = None              # (H * hd, d)
+    attn_post_norm: torch.Tensor | None = None  # (d,)
+    mlp_norm: torch.Tensor | None = None        # (d,)
+    w_gate_up: torch.Tensor | None = None       # (d, 2F)  columns: gate, then up
+    w_down: torch.Tensor | None = None          # (F, d)
+    router: torch.Tensor | None = None          # (d, E)
+    experts_gate_up: torch.Tensor | None = None  # (E, d, 2Fe)
+    experts_down: torch.Tensor | None = None    # (E, Fe, d)
+    mlp_post_norm: torch.Tensor | None = None   # (d,)
+
+    def present(self) -> dict[str, torch.Tensor]:
+        return {f: t for f in FIELDS if (t := getattr(self, f)) is not None}
 
 
 @dataclass
@@ -46,36 +60,34 @@ class Weights:
     def nbytes(self) -> int:
         seen, total = set(), 0
         for t in [self.embed, self.norm, self.lm_head] + [
-                x for lw in self.layers for x in vars(lw).values() if x is not None]:
+                x for lw in self.layers for x in lw.present().values()]:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
         return total
 
 
+def layer_parts(cfg: ModelConfig, i: int) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """Layer i's slots -> the Hugging Face tensors they are made of (full names, shapes), from the family's
+    declaration. An experts part ("{e}") stands for one tensor per expert, in expert order."""
+    out = {}
+    for slot, parts in cfg.family.slots(cfg.layer_moe[i], cfg.attention_bias).items():
+        names = []
+        for hf, key, _ in parts:
+            experts = range(cfg.num_experts) if "{e}" in hf else [None]
+            names += [(f"model.layers.{i}." + hf.format(e=e), part_shape(key, cfg)) for e in experts]
+        out[slot] = names
+    return out
+
+
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint must hold, by its Hugging Face name, with its shape."""
-    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    d = cfg.hidden_size
     names = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
     if not cfg.tie_word_embeddings:
         names["lm_head.weight"] = (cfg.vocab_size, d)
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        names |= {
-            p + "input_layernorm.weight": (d,),
-            p + "self_attn.q_proj.weight": (q, d),
-            p + "self_attn.k_proj.weight": (kv, d),
-            p + "self_attn.v_proj.weight": (kv, d),
-            p + "self_attn.o_proj.weight": (d, q),
-            p + "post_attention_layernorm.weight": (d,),
-            p + "mlp.gate_proj.weight": (f, d),
-            p + "mlp.up_proj.weight": (f, d),
-            p + "mlp.down_proj.weight": (d, f),
-        }
-        if cfg.attention_bias:
-            names |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                      p + "self_attn.v_proj.bias": (kv,)}
+        names |= {n: shape for parts in layer_parts(cfg, i).values() for n, shape in parts}
     return names
 
 
@@ -166,25 +178,34 @@ def _checked(name: str, t: torch.Tensor, shape: tuple[int, ...], path: Path) -> 
 
 
 def _assemble(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> Weights:
+    """The checkpoint's tensors in the engine's slots: parts concatenated along the output dimension, matrices
+    transposed to (in, out), experts stacked, and the family's norm offset folded in (Gemma's (1 + w), computed in
+    float32 as transformers does)."""
+    off = cfg.family.norm_offset
     layers = []
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        bqkv = None
-        if cfg.attention_bias:
-            bqkv = torch.cat([raw.pop(a + f"{n}_proj.bias") for n in "qkv"])
-        layers.append(LayerWeights(
-            attn_norm=raw.pop(p + "input_layernorm.weight"),
-            wqkv=_t(torch.cat([raw.pop(a + f"{n}_proj.weight") for n in "qkv"])),
-            bqkv=bqkv,
-            wo=_t(raw.pop(a + "o_proj.weight")),
-            mlp_norm=raw.pop(p + "post_attention_layernorm.weight"),
-            w_gate_up=_t(torch.cat([raw.pop(p + "mlp.gate_proj.weight"), raw.pop(p + "mlp.up_proj.weight")])),
-            w_down=_t(raw.pop(p + "mlp.down_proj.weight")),
-        ))
+        slots = {}
+        for slot, parts in layer_parts(cfg, i).items():
+            kind = BY_FIELD[slot].kind
+            ts = [raw.pop(n) for n, _ in parts]
+            if kind == "experts":       # per expert: its parts (gate, up / down) side by side, (in, out)
+                per = len(ts) // cfg.num_experts
+                slots[slot] = torch.stack([_t(torch.cat(ts[e::cfg.num_experts])) if per > 1 else _t(ts[e])
+                                           for e in range(cfg.num_experts)])
+            elif kind in ("matrix", "router"):
+                slots[slot] = _t(torch.cat(ts))
+            elif kind == "norm":
+                slots[slot] = _offset(ts[0], off)
+            else:
+                slots[slot] = torch.cat(ts)
+        layers.append(LayerWeights(**slots))
     embed = raw.pop("model.embed_tokens.weight")
     lm_head = _t(embed if cfg.tie_word_embeddings else raw.pop("lm_head.weight"))
-    return Weights(embed=embed, layers=layers, norm=raw.pop("model.norm.weight"), lm_head=lm_head)
+    return Weights(embed=embed, layers=layers, norm=_offset(raw.pop("model.norm.weight"), off), lm_head=lm_head)
+
+
+def _offset(w: torch.Tensor, off: float) -> torch.Tensor:
+    return w if not off else (w.float() + off).to(w.dtype)
 
 
 def _t(w: torch.Tensor) -> torch.Tensor:

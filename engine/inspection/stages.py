@@ -1,16 +1,47 @@
-"""The stable, dotted stage names a probe can hook (see README 'Stages')."""
+"""The stable, dotted stage names a probe can hook (see README 'Stages'), for each family's block.
+
+LAYER_STAGES lists every stage a block may offer, in forward order; a layer offers those its family's block
+computes (layer_stages). PLAIN_STAGES is Llama's block (pre-norms, SwiGLU, no q/k norm): what the native decode
+step computes."""
 from __future__ import annotations
 
 LAYER_STAGES = (
-    "attn_norm", "attn.q", "attn.k", "attn.v", "attn.q_rot", "attn.k_rot", "attn.scores", "attn.pattern",
-    "attn.z", "attn_out", "resid_mid", "mlp_norm", "mlp.gate", "mlp.up", "mlp.act", "mlp_out", "resid_post",
+    "attn_norm", "attn.q", "attn.k", "attn.v", "attn.q_norm", "attn.k_norm", "attn.q_rot", "attn.k_rot",
+    "attn.scores", "attn.pattern", "attn.z", "attn_out", "attn_post_norm", "resid_mid", "mlp_norm", "mlp.gate",
+    "mlp.up", "mlp.act", "mlp.router", "mlp.experts", "mlp_out", "mlp_post_norm", "resid_post",
 )
+PLAIN_STAGES = tuple(s for s in LAYER_STAGES if s not in (
+    "attn.q_norm", "attn.k_norm", "attn_post_norm", "mlp.router", "mlp.experts", "mlp_post_norm"))
 SAMPLER_STAGES = ("sampler.penalties", "sampler.temperature", "sampler.top_k", "sampler.top_p",
                   "sampler.min_p", "sampler.probs")
+# stages that exist only where the family's block has the weight or variation behind them
+_NEEDS = {"attn_norm": "attn_norm", "attn.q_norm": "q_norm", "attn.k_norm": "k_norm",
+          "attn_post_norm": "attn_post_norm", "mlp_norm": "mlp_norm", "mlp_post_norm": "mlp_post_norm"}
+_DENSE = ("mlp.gate", "mlp.up", "mlp.act")
+_MOE = ("mlp.router", "mlp.experts")
 
 
-def hook_names(num_layers: int) -> list[str]:
-    names = ["tokenizer", "embed"]
-    for i in range(num_layers):
-        names += [f"blocks.{i}.{s}" for s in LAYER_STAGES]
-    return names + ["final_norm", "logits", *SAMPLER_STAGES, "detokenizer"]
+def layer_stages(cfg, i: int) -> tuple[str, ...]:
+    """The stages block i of a model of this config offers, in forward order."""
+    slots = cfg.family.slots(cfg.layer_moe[i], cfg.attention_bias)
+    moe = cfg.layer_moe[i]
+    return tuple(s for s in LAYER_STAGES
+                 if (s not in _NEEDS or _NEEDS[s] in slots) and not (moe and s in _DENSE)
+                 and not (not moe and s in _MOE))
+
+
+def global_stages(cfg) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The stages before the blocks and after them (the logits before Gemma 2's final soft cap included)."""
+    return ("embed",), ("final_norm", *(("logits_uncapped",) if cfg.final_softcap else ()), "logits")
+
+
+def hook_names(cfg) -> list[str]:
+    """Every stage name of a model of this config (a number: a plain Llama block of that many layers)."""
+    if isinstance(cfg, int):
+        before, after, layers = ("embed",), ("final_norm", "logits"), [PLAIN_STAGES] * cfg
+    else:
+        (before, after), layers = global_stages(cfg), [layer_stages(cfg, i) for i in range(cfg.num_layers)]
+    names = ["tokenizer", *before]
+    for i, stages in enumerate(layers):
+        names += [f"blocks.{i}.{s}" for s in stages]
+    return names + [*after, *SAMPLER_STAGES, "detokenizer"]

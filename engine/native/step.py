@@ -1,8 +1,10 @@
 """The native decode step (decode.c) behind engine.model: which calls may take it, and the call itself.
 
-A call takes it when it is one token on the CPU in float32 through a plain Llama-family model (no biases, no
-precision plan, every weight a contiguous float32 matrix) and its probe is none or asks for statistics only
-(no captures, replacements, weight overrides, timing or run-only epsilon). Anything else, or a library that
+A model takes it only when everything it computes is on the allow-list of what decode.c implements (`refusal`): a
+family in NATIVE_FAMILIES whose config has every variation at Llama's value (no q/k norms, post-norms, multipliers,
+soft caps, windows, rotary fraction, layers without RoPE, experts), no biases, no precision plan, every weight a
+contiguous float32 matrix, on the CPU in float32. A call then takes it when it is one token and its probe is none
+or asks for statistics and timing only (no captures, replacements, weight overrides or run-only epsilon). Anything else, or a library that
 could not be built, runs the PyTorch forward, which stays the reference: tests hold the two to each other
 and to transformers.
 
@@ -21,7 +23,8 @@ import threading
 
 import torch
 
-from engine.inspection.stages import LAYER_STAGES, hook_names
+from engine.family.slots import MATRICES as SLOT_MATRICES
+from engine.inspection.stages import PLAIN_STAGES, hook_names
 from engine.native import build
 
 _P = ctypes.c_void_p
@@ -31,7 +34,38 @@ _FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_
                       "final_norm", "lm_head", "logits", "work", "stats", "marks")]
 
 
-MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+# What decode.c computes, named: a family whose block is Llama's, the slots it reads, and each config variation at the
+# one value it implements. Anything else decodes on the PyTorch forward (a debugger never computes another model).
+NATIVE_FAMILIES = ("llama", "mistral", "qwen2")
+LAYER_SLOTS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
+MATRICES = tuple(f for f in SLOT_MATRICES if f in LAYER_SLOTS)      # the products it streams as panels
+VARIATIONS = {"activation": "silu", "embed_scale": 1.0, "residual_scale": 1.0, "logits_divisor": 1.0,
+              "attn_softcap": None, "final_softcap": None, "num_experts": 0, "rope_local_theta": None}
+
+
+def refusal(model) -> str | None:
+    """Why this model cannot take the native step (None: it can): the first thing off the allow-list."""
+    cfg, w = model.config, model.weights
+    if cfg.model_type not in NATIVE_FAMILIES:
+        return f"family {cfg.model_type} is not in the native step's list ({', '.join(NATIVE_FAMILIES)})"
+    for key, value in VARIATIONS.items():
+        if getattr(cfg, key) != value:
+            return f"{key}={getattr(cfg, key)!r} (the native step implements {value!r})"
+    if cfg.attn_scale != cfg.head_dim ** -0.5 or cfg.rotary_dim != cfg.head_dim:
+        return "a score scale or rotary fraction other than Llama's"
+    if cfg.windowed or any(k != "main" for k in cfg.layer_rope) or cfg.rope_scaling.rope_type == "longrope":
+        return "sliding windows, per-layer RoPE or longrope"
+    if any(set(lw.present()) != set(LAYER_SLOTS) for lw in w.layers):
+        return "weights beyond a plain Llama block (biases, norms, experts)"
+    if model.device.type != "cpu" or model.dtype != torch.float32 or model.fp32_units \
+            or model.resid_fp32_from is not None:
+        return "not float32 on the CPU, or a precision plan"
+    mats = [getattr(lw, f) for lw in w.layers for f in LAYER_SLOTS]
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in [*mats, w.norm, w.lm_head, w.embed]) \
+            or any(n % 8 for t in [*mats, w.lm_head] if t.dim() == 2 for n in t.shape) \
+            or cfg.head_dim % 2 or cfg.num_heads % cfg.num_kv_heads:
+        return "weights that are not contiguous float32 matrices in multiples of 8"
+    return None
 
 
 def panels(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -53,13 +87,14 @@ def stage_names(num_layers: int) -> list[str]:
     return [n for n in hook_names(num_layers) if n not in ("tokenizer", "detokenizer") and not n.startswith("sampler.")]
 
 
+
 class NativeDecoder:
     """Built once per model (None from `for_model` when the model cannot take it)."""
 
     def __init__(self, model, lib: ctypes.CDLL) -> None:
         self.lib, self.model = lib, model
         self.names = stage_names(model.config.num_layers)
-        self.layers = [None] + [i for i in range(model.config.num_layers) for _ in LAYER_STAGES] + [None, None]
+        self.layers = [None] + [i for i in range(model.config.num_layers) for _ in PLAIN_STAGES] + [None, None]
         self.mark_labels = ["embed", *(f"blocks.{i}" for i in range(model.config.num_layers)), "logits"]
         self._packed = False
         self._pack_lock = threading.Lock()    # one copy of the weights, however many runs start at once
@@ -76,7 +111,7 @@ class NativeDecoder:
             views.append(panels(m, out=self.panels[at:at + m.numel()]))
             at += m.numel()
         self.lm_head = views[-1]
-        self.layer_ptrs = {f: self._ptrs([getattr(lw, f) for lw in w.layers]) for f in ("attn_norm", "mlp_norm")}
+        self.layer_ptrs = {f: self._ptrs([getattr(lw, f) for lw in w.layers]) for f in LAYER_SLOTS if f not in MATRICES}
         self.views = {f: views[j:-1:len(MATRICES)] for j, f in enumerate(MATRICES)}    # field -> per-layer panels
         for f in MATRICES:
             self.layer_ptrs[f] = self._ptrs(self.views[f])
@@ -122,13 +157,7 @@ class NativeDecoder:
 
     @classmethod
     def for_model(cls, model) -> "NativeDecoder | None":
-        w, cfg = model.weights, model.config
-        mats = [t for lw in w.layers for t in (lw.attn_norm, lw.wqkv, lw.wo, lw.mlp_norm, lw.w_gate_up, lw.w_down)]
-        if (model.device.type != "cpu" or model.dtype != torch.float32 or model.fp32_units
-                or model.resid_fp32_from is not None or any(lw.bqkv is not None for lw in w.layers)
-                or any(t.dtype != torch.float32 or not t.is_contiguous() for t in [*mats, w.norm, w.lm_head, w.embed])
-                or any(n % 8 for t in [*mats, w.lm_head] if t.dim() == 2 for n in t.shape)
-                or cfg.head_dim % 2 or cfg.num_heads % cfg.num_kv_heads):
+        if refusal(model) is not None:
             return None
         lib, _ = build.load()
         return None if lib is None else cls(model, lib)

@@ -32,9 +32,9 @@ def block_calls(monkeypatch):
     calls: list[tuple[int, bool]] = []
     block = Model._block
 
-    def counted(self, p, lw, x, cache, i, cos, sin, mask, eps, mlp=True, *rest):
+    def counted(self, p, lw, x, cache, i, at, eps, mlp=True, *rest):
         calls.append((i, mlp))
-        return block(self, p, lw, x, cache, i, cos, sin, mask, eps, mlp, *rest)
+        return block(self, p, lw, x, cache, i, at, eps, mlp, *rest)
     monkeypatch.setattr(Model, "_block", counted)
     return calls
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import EngineError, Probe, SamplingParams, plant, scale, zero_heads
-from engine.inspection.stages import LAYER_STAGES
+from engine.inspection.stages import PLAIN_STAGES as LAYER_STAGES
 from engine.inspection.stat_columns import STAT_NAMES
 from tests.helpers import reference_stats
 

@@ -1,0 +1,134 @@
+"""Attention for one block: the call's positions (which rotary table, which mask each layer reads), the fused path
+(torch SDPA) and the explicit one (scores and pattern as tensors, offered to the probe)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.rope import table_for
+
+
+class Mask:
+    """A call's attention mask, made once and read by every layer of its kind: allowed (T, S) bool, True where query
+    row t reads key s, and its additive form for SDPA (0 or -inf, made once per dtype). The CPU kernel takes the
+    additive mask at about the cost of an unmasked call, where a boolean one costs ~1.5x (converted per call)."""
+
+    __slots__ = ("allowed", "_bias")
+
+    def __init__(self, allowed: torch.Tensor) -> None:
+        self.allowed = allowed
+        self._bias: dict[torch.dtype, torch.Tensor] = {}
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        b = self._bias.get(dtype)
+        if b is None:
+            b = self._bias[dtype] = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device) \
+                .masked_fill_(~self.allowed, float("-inf"))
+        return b
+
+
+class Where:
+    """The positions one forward call computes: rows (T,) absolute, the rotary tables at those rows (one per kind a
+    layer reads), and the mask each layer's keys need, made once per kind and shared by the layers.
+
+    Keys of a global layer are positions 0 .. end - 1 (or, in run_blocks, what its cache holds); a window layer's
+    are the cache's key_positions. base (T, S) or None: a caller's mask over global keys (None: causal)."""
+
+    def __init__(self, cfg, tables: dict, rows: torch.Tensor, base: torch.Tensor | None = None,
+                 contiguous: bool = True) -> None:
+        self.cfg, self.rows, self.T = cfg, rows, rows.shape[0]
+        self.end = int(rows.max()) + 1 if contiguous else None
+        end = self.end if self.end is not None else int(rows.max()) + 1
+        self._rope = {k: (c[rows], s[rows]) if not contiguous else (c[int(rows[0]):end], s[int(rows[0]):end])
+                      for k, (c, s) in tables.items()}
+        self._base = base
+        self._masks: dict = {}
+
+    def rope(self, kind: str):
+        return self._rope[table_for(self.cfg, kind, self.end or 0)]
+
+    def mask(self, window: int | None, first: int, S: int) -> Mask | None:
+        """The mask over S keys at positions first .. first + S - 1 (None: plain causal with S == T, or one row
+        that reads every key)."""
+        key = (window, first, S)
+        if key in self._masks:
+            return self._masks[key]
+        rows, dev = self.rows, self.rows.device
+        if self._base is not None and window is None:
+            m = Mask(self._base)
+        elif window is None and (self.T == 1 or (first == 0 and S == self.T and self.end == self.T)):
+            m = None
+        else:
+            kpos = first + torch.arange(S, device=dev)
+            allowed = kpos[None, :] <= rows[:, None]
+            if window is not None:
+                allowed &= kpos[None, :] > rows[:, None] - window
+            if self._base is not None:
+                allowed &= self._base[:, first:first + S] if self._base.shape[1] >= first + S else self._base
+            m = None if self.T == 1 and bool(allowed.all()) else Mask(allowed)
+        self._masks[key] = m
+        return m
+
+
+def fused(qh, keys, values, mask: Mask | None, guard: bool, scale: float, gqa: bool) -> torch.Tensor:
+    """Several query positions: torch SDPA (flash attention where available). (H, T, hd) out. guard (a probe is
+    watching): non-finite values must reach exactly the rows that read them, as in the explicit path. The kernels
+    do not promise that (a masked weight 0 times a NaN value is NaN; the CPU kernel returns 0 for a NaN query
+    under is_causal), so non-finite queries, keys and values are zeroed for the kernel and the rows that read them
+    are set to NaN afterwards."""
+    bad = None
+    # CPU: a finite sum proves every value finite (three cheap reductions); the device skips the check
+    if guard and (qh.device.type != "cpu" or not bool(torch.isfinite(qh.sum() + keys.sum() + values.sum()))):
+        bad_q, bad_k = ~torch.isfinite(qh).all(-1, keepdim=True), ~torch.isfinite(keys).all(-1, keepdim=True)
+        bad_v = ~torch.isfinite(values)                                    # (H, T, 1), (K, S, 1), (K, S, hd)
+        bad = (bad_q, bad_k | bad_v)
+        qh, keys, values = qh.masked_fill(bad_q, 0.0), keys.masked_fill(bad_k, 0.0), values.masked_fill(bad_v, 0.0)
+    if keys.requires_grad or values.requires_grad:    # a gradient forward: autograd keeps what SDPA reads, and
+        keys, values = keys.clone(), values.clone()   # later layers write the cache these views are of
+    default = scale == qh.shape[-1] ** -0.5
+    z = F.scaled_dot_product_attention(qh[None], keys[None], values[None], enable_gqa=gqa, is_causal=mask is None,
+                                       attn_mask=None if mask is None else mask.bias(qh.dtype),
+                                       scale=None if default else scale)[0]
+    return z if bad is None else _poison_readers(z, bad[0], bad[1], None if mask is None else mask.allowed)
+
+
+def _poison_readers(z, bad_q, bad_kv, mask) -> torch.Tensor:
+    """z (H, T, hd) with NaN in rows whose query is not finite (bad_q (H, T, 1)), and where a row attends
+    to a position whose key (any dim) or value (that dim) is not finite (bad_kv (K, S, hd))."""
+    (H, T, hd), (K, S) = z.shape, bad_kv.shape[:2]
+    if mask is None:              # causal: row t reads positions 0 .. S - T + t
+        seen = bad_kv.cumsum(1, dtype=torch.int32)[:, S - T:] > 0                      # (K, T, hd)
+    else:
+        seen = (mask.to(z.dtype) @ bad_kv.to(z.dtype)) > 0                             # (K, T, hd)
+    seen = seen[:, None].expand(K, H // K, T, hd).reshape(H, T, hd)
+    return z.masked_fill(seen | bad_q, float("nan"))
+
+
+def explicit(qh, keys, values, p, mask, scale: float, softcap: float | None, first: int = 0) -> torch.Tensor:
+    """Attention with scores and pattern as tensors: one decode row (the usual path: two grouped matmuls beat SDPA's
+    kernels at this size), a hook that needs them whole, or a soft cap (Gemma 2: tanh(s / cap) * cap before the mask,
+    which SDPA cannot do). (H, T, hd) out. Query heads sharing a KV head are stacked (K, G*T, hd) so GQA needs no
+    copies of the cache. first > 0 (a window layer's kept keys start there): the probe sees scores and pattern over
+    every position 0 .. S - 1, -inf and 0 before the window, as for any layer."""
+    H, T, hd = qh.shape
+    K, S = keys.shape[0], keys.shape[1]
+    scores = (qh.reshape(K, -1, hd) @ keys.transpose(1, 2)).view(H, T, S) * scale         # (H, T, S)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if T > 1 or mask is not None:
+        allowed = mask if mask is not None else torch.ones(T, S, dtype=torch.bool, device=qh.device).tril()
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    pad = first if first and max(p.need("attn.scores"), p.need("attn.pattern")) else 0
+    if pad:
+        scores = F.pad(scores, (pad, 0), value=float("-inf"))
+    scores = p("attn.scores", scores)
+    pattern = p("attn.pattern", torch.softmax(scores.float(), dim=-1).to(qh.dtype))
+    grouped = pattern[..., pad:].reshape(K, -1, S)                                       # (K, G*T, S)
+    if T > 1 and not bool(torch.isfinite(values).all()):
+        # 0 * NaN = NaN: a matmul would let a NaN value at position j leak into rows t < j that give it
+        # zero weight. Generation is causal, so report NaN only where a row really reads one.
+        finite = torch.isfinite(values)
+        z = grouped @ torch.where(finite, values, 0.0)
+        reads_bad = (grouped != 0).to(values.dtype) @ (~finite).to(values.dtype)     # (K, G*T, hd)
+        return torch.where(reads_bad > 0, float("nan"), z).view(H, T, hd)
+    return (grouped @ values).view(H, T, hd)

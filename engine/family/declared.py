@@ -1,0 +1,118 @@
+"""Every family the engine opens, one declaration each: its weight names (Hugging Face and GGUF) slot by slot, and
+its block's variations. Adding a family is one Family(...) here plus its reference test
+(tests/reference/test_families.py); config parsing, loading, GGUF import, stage names and the native step's
+allow-list all read these declarations."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+# A part: (Hugging Face name under model.layers.{i}., shape key (engine.family.shapes), GGUF name under blk.{i}.).
+# A slot made of several parts concatenates them along the output dimension, in order ("{e}": one per expert; the
+# GGUF file holds those stacked in one tensor).
+Part = tuple[str, str, str]
+
+
+def _parts(*triples: Part) -> tuple[Part, ...]:
+    return tuple(triples)
+
+
+ATTN_NORM = {"attn_norm": _parts(("input_layernorm.weight", "d", "attn_norm.weight"))}
+QKV = {"wqkv": _parts(("self_attn.q_proj.weight", "q", "attn_q.weight"),
+                      ("self_attn.k_proj.weight", "k", "attn_k.weight"),
+                      ("self_attn.v_proj.weight", "v", "attn_v.weight")),
+       "bqkv": _parts(("self_attn.q_proj.bias", "qb", "attn_q.bias"), ("self_attn.k_proj.bias", "kb", "attn_k.bias"),
+                      ("self_attn.v_proj.bias", "vb", "attn_v.bias"))}
+HEAD_QK_NORM = {"q_norm": _parts(("self_attn.q_norm.weight", "hd", "attn_q_norm.weight")),
+                "k_norm": _parts(("self_attn.k_norm.weight", "hd", "attn_k_norm.weight"))}
+WHOLE_QK_NORM = {"q_norm": _parts(("self_attn.q_norm.weight", "qn", "attn_q_norm.weight")),
+                 "k_norm": _parts(("self_attn.k_norm.weight", "kn", "attn_k_norm.weight"))}
+WO = {"wo": _parts(("self_attn.o_proj.weight", "o", "attn_output.weight"))}
+MLP_NORM = {"mlp_norm": _parts(("post_attention_layernorm.weight", "d", "ffn_norm.weight"))}
+GATED_MLP = {"w_gate_up": _parts(("mlp.gate_proj.weight", "gate", "ffn_gate.weight"),
+                                 ("mlp.up_proj.weight", "up", "ffn_up.weight")),
+             "w_down": _parts(("mlp.down_proj.weight", "down", "ffn_down.weight"))}
+POST_NORMS = {"attn_post_norm": _parts(("post_attention_layernorm.weight", "d", "post_attention_norm.weight")),
+              "mlp_post_norm": _parts(("post_feedforward_layernorm.weight", "d", "post_ffw_norm.weight"))}
+GEMMA_MLP_NORM = {"mlp_norm": _parts(("pre_feedforward_layernorm.weight", "d", "ffn_norm.weight"))}
+LLAMA = {**ATTN_NORM, **QKV, **WO, **MLP_NORM, **GATED_MLP}
+
+
+@dataclass(frozen=True)
+class Family:
+    """A decoder-only family: what its checkpoint holds and how its block differs from Llama's.
+
+    Each variation names the config.json keys it reads (engine.config); a key a family does not declare is refused
+    when it would change the computation."""
+    model_type: str
+    architecture: str                     # the HF class name written into an imported config.json
+    parts: dict[str, tuple[Part, ...]]    # slot -> its parts, for the slots this family's block has
+    gguf_arch: str | None = None          # llama.cpp's general.architecture
+    gguf_permutes_qk: bool = False        # llama.cpp's converter permuted q/k rows (its LlamaModel)
+    bias: str = "flag"                    # q/k/v biases: "flag" (attention_bias), "always", "never"
+    norm_offset: float = 0.0              # RMSNorm multiplies by (offset + w) (Gemma: 1)
+    activation: str = "silu"              # the gated MLP's: "silu" or "gelu_tanh"
+    qk_norm: str | None = None            # RMSNorm of q and k before RoPE: "head" (per head) or "whole" (projection)
+    embed_scale: str | None = None        # "sqrt_d" (Gemma) or "multiplier" (Granite's embedding_multiplier)
+    multipliers: bool = False             # Granite: residual_multiplier, attention_multiplier, logits_scaling
+    softcaps: bool = False                # attn_logit_softcapping, final_logit_softcapping
+    query_scale: bool = False             # query_pre_attn_scalar sets the score scale
+    windows: str | None = None            # sliding windows: "all" (sliding_window) or "layer_types"
+    local_rope: bool = False              # sliding layers' own RoPE (rope_local_base_freq / per-type parameters)
+    rotary_fraction: bool = False         # partial_rotary_factor
+    rope_types: tuple[str, ...] = ("default", "linear", "llama3")
+    no_rope_layers: bool = False          # SmolLM3: no_rope_layers[i] == 0 has no RoPE
+    experts: str | None = None            # "mixtral" (renormalised top-k) or "qwen3_moe" (norm_topk_prob)
+    moe_parts: dict[str, tuple[Part, ...]] = field(default_factory=dict)   # slots of a mixture-of-experts layer
+
+    def slots(self, moe: bool, bias: bool) -> dict[str, tuple[Part, ...]]:
+        """The slots (and their parts) of one layer: an experts layer swaps the dense MLP for router and experts."""
+        out = dict(self.parts)
+        if moe:
+            out.pop("w_gate_up", None)
+            out.pop("w_down", None)
+            out |= self.moe_parts
+        if not bias:
+            out.pop("bqkv", None)
+        return out
+
+
+_llama = Family("llama", "LlamaForCausalLM", LLAMA, gguf_arch="llama", gguf_permutes_qk=True)
+_gemma2 = Family("gemma2", "Gemma2ForCausalLM", {**ATTN_NORM, **QKV, **WO, **POST_NORMS, **GEMMA_MLP_NORM, **GATED_MLP},
+                 gguf_arch="gemma2", norm_offset=1.0, activation="gelu_tanh", embed_scale="sqrt_d", softcaps=True,
+                 query_scale=True, windows="layer_types")
+_qwen3 = Family("qwen3", "Qwen3ForCausalLM", {**LLAMA, **HEAD_QK_NORM}, gguf_arch="qwen3", qk_norm="head")
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    _llama,
+    replace(_llama, model_type="mistral", architecture="MistralForCausalLM", windows="all"),
+    Family("qwen2", "Qwen2ForCausalLM", LLAMA, gguf_arch="qwen2", bias="always"),
+    _qwen3,
+    _gemma2,
+    replace(_gemma2, model_type="gemma3_text", architecture="Gemma3ForCausalLM", gguf_arch="gemma3",
+            parts={**_gemma2.parts, **HEAD_QK_NORM}, qk_norm="head", local_rope=True),
+    Family("phi3", "Phi3ForCausalLM", {
+        **ATTN_NORM, **WO, **MLP_NORM,
+        "wqkv": _parts(("self_attn.qkv_proj.weight", "qkv", "attn_qkv.weight")),
+        "w_gate_up": _parts(("mlp.gate_up_proj.weight", "gate_up", "ffn_up.weight")),
+        "w_down": GATED_MLP["w_down"]},
+        gguf_arch="phi3", bias="never", rotary_fraction=True, rope_types=("default", "longrope"), windows="all"),
+    Family("olmo2", "Olmo2ForCausalLM", {**QKV, **WHOLE_QK_NORM, **WO, **POST_NORMS, **GATED_MLP},
+           gguf_arch="olmo2", qk_norm="whole"),
+    replace(_llama, model_type="granite", architecture="GraniteForCausalLM", gguf_arch="granite",
+            embed_scale="multiplier", multipliers=True),
+    replace(_llama, model_type="smollm3", architecture="SmolLM3ForCausalLM", gguf_arch="smollm3",
+            no_rope_layers=True),
+    replace(_llama, model_type="mixtral", architecture="MixtralForCausalLM", windows="all", experts="mixtral",
+            moe_parts={"router": _parts(("block_sparse_moe.gate.weight", "router", "ffn_gate_inp.weight")),
+                       "experts_gate_up": _parts(("block_sparse_moe.experts.{e}.w1.weight", "egate", "ffn_gate_exps.weight"),
+                                                 ("block_sparse_moe.experts.{e}.w3.weight", "eup", "ffn_up_exps.weight")),
+                       "experts_down": _parts(("block_sparse_moe.experts.{e}.w2.weight", "edown", "ffn_down_exps.weight"))}),
+    replace(_qwen3, model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM", gguf_arch="qwen3moe",
+            experts="qwen3_moe",
+            moe_parts={"router": _parts(("mlp.gate.weight", "router", "ffn_gate_inp.weight")),
+                       "experts_gate_up": _parts(("mlp.experts.{e}.gate_proj.weight", "egate", "ffn_gate_exps.weight"),
+                                                 ("mlp.experts.{e}.up_proj.weight", "eup", "ffn_up_exps.weight")),
+                       "experts_down": _parts(("mlp.experts.{e}.down_proj.weight", "edown", "ffn_down_exps.weight"))}),
+)}
+# llama.cpp's mixtral files say "llama" (experts are told by their tensors)
+BY_GGUF_ARCH = {f.gguf_arch: f for f in FAMILIES.values() if f.gguf_arch and f.model_type != "mistral"}
