@@ -8,6 +8,7 @@ from inspector.ui.common import get_model, on_demand, plain, require_run, was_st
 from inspector.ui.frame import ensure_frame
 from inspector.ui.state import session
 from inspector.ui.widgets import chart, checked
+from inspector.views import experts as ex
 from inspector.views.activations import (
     MAX_POSITIONS,
     STATS,
@@ -86,6 +87,45 @@ if len(bad):
     st.dataframe(bad, key="act_nonfinite", hide_index=True)
 else:
     st.success("Every stage stayed finite at every position.")
+
+if same_model and ex.moe_layers(model.config):
+    mcfg, T = model.config, len(run.ids)
+    st.subheader("Mixture of experts: routing")
+    st.caption(f"{len(ex.moe_layers(mcfg))} of {mcfg.num_layers} layers are experts layers: a router scores each "
+               f"token against {mcfg.num_experts} experts and sends it to its top {mcfg.experts_per_token}, whose "
+               "outputs are summed weighted by their gates (blocks.{i}.mlp.router, blocks.{i}.mlp.experts). "
+               "Computed by one forward over the run's tokens.")
+    what = f"the expert routing over {T:,} positions"
+    if ((key, "experts") in cache or T <= LENS_AUTO or was_stopped(what, (key, "experts"))
+            or st.button("Compute the routing", key="act_moe_btn")):
+        routing = on_demand(cache, (key, "experts"), what,
+                            lambda tell: ex.expert_routing(model, run.ids, on_progress=tell),
+                            work=(model, T, mcfg.num_layers), max_entries=16)
+        if routing is not None:
+            load = memo(cache, (key, "experts_load"), lambda: ex.expert_load(routing), max_entries=16)
+            st.markdown("**Load per expert over the run** (tokens routed to each; a balanced router gives every "
+                        f"cell about {T * mcfg.experts_per_token / mcfg.num_experts:.1f})")
+            chart(ex.load_figure(load), key="act_moe_load")
+            e1, e2 = st.columns(2)
+            moe_layer = e1.selectbox("Experts layer", list(routing.layers), key="act_moe_layer",
+                                     format_func=lambda i: f"Layer {i}")
+            shown = e2.radio("Show", ["gates", "probs"], horizontal=True, key="act_moe_what",
+                             format_func=lambda w: {"gates": "gate weights (top-k, 0 elsewhere)",
+                                                    "probs": "router probabilities (all experts)"}[w])
+            m0 = 0
+            if T > MAX_POSITIONS:
+                m0 = checked(st.slider("Positions from", 0, T - MAX_POSITIONS, T - MAX_POSITIONS, key="act_moe_from"),
+                             0, T - MAX_POSITIONS, "Positions from")
+            m = ex.layer_matrix(routing, moe_layer, shown)[m0:m0 + MAX_POSITIONS]
+            chart(ex.routing_figure(m, labels, f"Layer {moe_layer}: {shown}", m0), key="act_moe_map")
+            st.markdown("**Top expert of each token at each experts layer**")
+            chart(ex.top_expert_figure(routing, labels, m0, MAX_POSITIONS), key="act_moe_top")
+            with st.expander(f"Layer {moe_layer}: each token's experts, gates and router probabilities"):
+                st.dataframe(ex.routing_table(routing, labels, [moe_layer]), key="act_moe_table", hide_index=True)
+            with st.expander("Load table"):
+                st.dataframe(load, key="act_moe_load_table", hide_index=True)
+    else:
+        st.info(f"{T} positions: one forward over them all. Press the button to compute the routing.")
 
 st.subheader("Logit lens")
 if not same_model:

@@ -18,6 +18,7 @@ from inspector.views.attention import (
     head_view,
     heatmap_figure,
     key_window,
+    layer_label,
     mass_shown,
     pool,
     top_attended,
@@ -42,7 +43,8 @@ overviews = view_store(run, session().memo("att_overviews"))
 figures = view_store(run, None)                # figures: shared for a room, else drawn afresh
 
 c1, c2 = st.columns(2)
-layer = c1.selectbox("Layer", list(range(cfg.num_layers)), key="att_layer", format_func=lambda i: f"Layer {i}",
+layer = c1.selectbox("Layer", list(range(cfg.num_layers)), key="att_layer",
+                     format_func=lambda i: layer_label(cfg.layer_window, i),
                      **shared("att_layer", allowed=range(cfg.num_layers)))
 head = c2.selectbox("Head", [None, *range(cfg.num_heads)], key="att_head",
                     format_func=lambda h: "Average of all heads" if h is None else f"Head {h}",
@@ -55,6 +57,13 @@ pattern = on_demand(maps, (key, layer), f"layer {layer}'s attention over {T:,} p
 if pattern is None:           # stopped: the page offers to compute it again
     st.stop()
 elapsed = time.perf_counter() - t0
+if cfg.windowed:
+    n_local = sum(w is not None for w in cfg.layer_window)
+    w = cfg.layer_window[layer]
+    st.caption(f"{n_local} of {cfg.num_layers} layers are local (sliding window), the others global. " + (
+        f"Layer {layer} is **local**: each query sees only itself and the {w - 1:,} positions before it, so the map "
+        f"is a band {w:,} keys wide (everything further back is 0); its KV cache keeps just {w:,} rows."
+        if w is not None else f"Layer {layer} is **global**: each query sees every earlier position."))
 m = head_view(pattern, head)                                                    # (T, T)
 
 what = "average of heads" if head is None else f"head {head}"

@@ -14,9 +14,15 @@ run, model = require_run_and_model()
 cfg, cache = model.config, run.result.cache
 shape = kv.KVShape.from_config(cfg)
 bpe = cache["bytes_per_token"] // (2 * shape.layers * shape.kv_heads * shape.head_dim)
-allocated, used = kv.run_positions(cache)
-st.caption(f"bytes = 2 (K and V) · {shape.layers} layers · {shape.kv_heads} KV heads · {shape.head_dim} head_dim · "
-           f"positions · batch · {bpe} bytes per element")
+allocated, used = kv.run_positions(cache, shape)
+local = [w for w in shape.layer_windows if w is not None]
+if local:
+    st.caption(f"bytes = 2 (K and V) · {shape.kv_heads} KV heads · {shape.head_dim} head_dim · "
+               f"({shape.layers - len(local)} global layers · positions + Σ over {len(local)} local layers of "
+               f"min(positions, window)) · batch · {bpe} bytes per element")
+else:
+    st.caption(f"bytes = 2 (K and V) · {shape.layers} layers · {shape.kv_heads} KV heads · {shape.head_dim} head_dim · "
+               f"positions · batch · {bpe} bytes per element")
 
 c = metric_columns(5)
 c[0].metric("Bytes per token", f"{cache['bytes_per_token']:,}")
@@ -35,14 +41,28 @@ st.dataframe(check, hide_index=True, key="kv_check")
 if not check["match"].all():
     st.error("The engine's cache size does not match the formula.")
 
+layers = kv.per_layer_table(shape, bpe, allocated, used)
+if local:
+    st.subheader("Global and local (sliding-window) layers")
+    st.caption("A global layer keeps every position. A local layer attends only to the last W positions, so its "
+               "cache is a ring of W rows (position p in row p mod W): once the ring is full its memory stops "
+               "growing. `next_token_bytes` is what one more position would add to each kind now.")
+    kinds = kv.kind_table(layers, 2 * shape.kv_heads * shape.head_dim * bpe)
+    st.dataframe(kinds, hide_index=True, key="kv_kinds")
+    for row in kinds[kinds["kind"] != "global"].itertuples():
+        w = int(row.window)
+        state = "ring full: no longer growing" if not row.growing else f"{min(used, w):,} of {w:,} rows used"
+        st.markdown(f"- **{row.kind}**: {row.layers} layers, {kv.human_bytes(row.used_bytes)} used of "
+                    f"{kv.human_bytes(row.allocated_bytes)} allocated ({state})")
+
 st.subheader("Growth across the run")
 st.caption("After step 0 (prefill) the cache holds the prompt; each decode step writes one more position. "
-           "The last chosen token is never written. The dashed line is what was preallocated.")
-growth = kv.growth_table(run.result)
+           "The last chosen token is never written. The dashed line is what was preallocated."
+           + (" The global layers' line keeps rising; the local layers' flattens at their window." if local else ""))
+growth = kv.growth_table(run.result, shape)
 chart(kv.growth_figure(growth), key="kv_growth")
 
 st.subheader("Per layer")
-layers = kv.per_layer_table(shape, bpe, allocated, used)
 chart(kv.per_layer_figure(layers), key="kv_layers")
 with st.expander("Per-layer table"):
     st.dataframe(layers, hide_index=True, key="kv_layers_table")
@@ -67,15 +87,16 @@ contexts = c1.multiselect("Context lengths", [512, 1024, 2048, 4096, 8192, 16384
                           default=[2048, 8192, 32768, 131072], key="kv_calc_contexts")
 batch = checked(c2.number_input("Batch size", 1, 1024, 1, key="kv_calc_batch"), 1, 1024, "Batch size")
 dtype = c3.selectbox("Dtype", list(kv.DTYPE_BYTES), index=2, key="kv_calc_dtype")
-names = st.multiselect("Models", ["this model", *kv.KNOWN_MODELS], default=["this model", *kv.KNOWN_MODELS],
-                       key="kv_calc_models")
-shapes = {(f"{model.name} (this model)" if n == "this model" else n):
-          (shape if n == "this model" else kv.KNOWN_MODELS[n]) for n in names}
+known = {**kv.KNOWN_MODELS, **kv.WINDOWED_MODELS}
+names = st.multiselect("Models", ["this model", *known], default=["this model", *known], key="kv_calc_models")
+shapes = {(f"{model.name} (this model)" if n == "this model" else n): (shape if n == "this model" else known[n])
+          for n in names}
 if contexts and shapes:
     proj = kv.projection_table(shapes, sorted(contexts), int(batch), dtype)
     chart(kv.projection_figure(proj), key="kv_calc_fig")
-    st.caption("GiB of KV cache (K and V, all layers) per model and context length. Models whose caches are "
-               "the same size share one line (the legend names them all).")
+    st.caption("GiB of KV cache (K and V, all layers) per model and context length; a local (sliding-window) layer "
+               "counts min(context, window) positions (Gemma 2: every other layer). Models whose caches are the "
+               "same size share one line (the legend names them all).")
     st.dataframe(kv.projection_pivot(proj).style.format("{:,.3f}"), key="kv_calc_table")
 else:
     st.info("Choose at least one model and one context length.")

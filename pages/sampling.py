@@ -12,17 +12,19 @@ from engine import SamplingParams
 from engine.sampling import sampler_chain
 from inspector.session.limits import LimitError, check_int
 from inspector.session.memo import content_key, memo, view_store
-from inspector.ui.common import plain, require_run_and_model
+from inspector.ui.common import on_demand, plain, require_run_and_model, was_stopped
 from inspector.ui.demos import lesson
 from inspector.ui.frame import ensure_frame
 from inspector.ui.state import session
 from inspector.ui.widgets import chart, columns, metric_columns, projector, sampling_form, shared, table
 from inspector.views import sampling as smp
+from inspector.views import softcap as sc
 
 ensure_frame()         # opened alone (a fresh server): into app.py's frame, once per script run
 
 DEFAULTS = [None, *smp.PRESETS]           # A: the run's own settings
 LABELS = "ABCDE"
+SOFTCAP_AUTO = 512                        # longer prefixes compute the soft cap view only when asked
 SEEDS = 200                               # seeds of the pass-rate check
 MAX_DRAWS = 100_000                       # draws per check (a forged larger number is refused)
 
@@ -98,6 +100,38 @@ def derive(step: int, settings: dict, chain_label: str, n_draws: int, seed: int,
                                    chosen=result.token_ids[step], n_draws=n_draws, seed=seed, top_n=top_n,
                                    stages=stages, draws=draws, projector=big), max_entries=32)
     return probs, view
+
+
+def softcap_section(step: int, top_n: int) -> None:
+    """Gemma 2's final soft cap at this step: the logits before it (logits_uncapped) and after (what the run
+    sampled from), from one forward over the positions up to this step's (the run kept only the capped ones)."""
+    cap, pos = model.config.final_softcap, run.n_prompt - 1 + step
+    st.subheader(f"The final soft cap (logits = {cap:g} · tanh(logits / {cap:g}))")
+    st.caption("This model squeezes its logits into (−cap, cap) before sampling. tanh keeps the tokens' order, so "
+               "the top token never changes, but the large logits are pulled in, which flattens the distribution. "
+               f"Computed by one forward over the {pos + 1:,} positions up to this step.")
+    what, k = f"the logits before the soft cap over {pos + 1:,} positions", (content_key(run, model), "softcap", step)
+    if not (k in cache or pos < SOFTCAP_AUTO or was_stopped(what, k)
+            or st.button("Compute the logits before the cap", key="smp_softcap_btn")):
+        st.info(f"Step {step}: one forward over {pos + 1:,} positions. Press the button.")
+        return
+    got = on_demand(cache, k, what, lambda tell: sc.capped_logits(model, run.ids, pos),
+                    work=(model, pos + 1, model.config.num_layers), max_entries=16)
+    if got is None:
+        return
+    uncapped, capped = got
+    s = sc.softcap_summary(uncapped, capped, cap)
+    c = metric_columns(4)
+    c[0].metric("Largest |logit| before", f"{s['max_abs_uncapped']:.3f}")
+    c[1].metric("Largest |logit| after", f"{s['max_abs_capped']:.3f}", f"cap {cap:g}", delta_color="off")
+    c[2].metric("Top logit pulled in by", f"{s['top_pull']:.3f}")
+    c[3].metric("Entropy before → after", f"{s['entropy_uncapped']:.3f} → {s['entropy_capped']:.3f}")
+    tbl = sc.softcap_table(uncapped, capped, top_n, lambda i: tok.decode([i]))
+    chart(sc.softcap_figure(tbl, cap), key="smp_softcap_fig")
+    st.caption(f"The top {len(tbl)} tokens; {s['share_bent']:.1%} of the vocabulary moved by more than 1 % of the "
+               "cap. Points on the dotted line were left alone; the further right of it, the harder the cap bent.")
+    table(tbl, "smp_softcap_table", formats={"uncapped": "%.4f", "capped": "%.4f", "bent": "%.4f",
+                                              "prob_uncapped": "%.5f", "prob_capped": "%.5f"}, texts=("token",))
 
 
 @st.fragment
@@ -178,6 +212,8 @@ def body() -> None:
     table(view["empirical"], "smp_empirical", formats={"token_id": "%d", "count": "localized"}, texts=("token",))
     st.caption(f"Page computed in {1e3 * (time.perf_counter() - t0):.0f} ms from the captured logits (each "
                "setting's chain and the draws memoised); the model was not called.")
+    if model.config.final_softcap is not None:
+        softcap_section(step, top_n)
 
 
 body()

@@ -43,6 +43,23 @@ def attention_pattern(model, ids: Sequence[int], layer: int, *, on_progress=None
     return cap.value.float()                                                  # (H, T, T)
 
 
+def layer_label(layer_window: Sequence[int | None], layer: int) -> str:
+    """'Layer 3', or where some layer attends within a sliding window, 'Layer 3 · local (window 4,096)' /
+    'Layer 3 · global'."""
+    if all(w is None for w in layer_window):
+        return f"Layer {layer}"
+    w = layer_window[layer]
+    return f"Layer {layer} · " + ("global" if w is None else f"local (window {w:,})")
+
+
+def outside_window(pattern: torch.Tensor, window: int) -> float:
+    """The attention weight a (heads, T, T) pattern puts on keys `window` or more positions back of their
+    query: 0 for a local layer of that window (the engine pads the positions before its window with 0)."""
+    T = pattern.shape[-1]
+    q, k = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    return float((pattern.abs() * (k <= q - window)).sum())
+
+
 def head_view(pattern: torch.Tensor, head: int | None) -> np.ndarray:
     """(T, S) map of one head, or the mean over heads (head None); rows still sum to 1."""
     m = pattern.mean(0) if head is None else pattern[head]
@@ -66,7 +83,8 @@ def entropy_overview(model, ids: Sequence[int], max_queries: int = MAX_QUERIES, 
 
     No pattern is materialised: hooks on q_rot and k_rot (the fused attention path stays on) rebuild the
     softmax rows of up to max_queries query positions per layer, (H, R, T) at a time, exactly as the
-    engine's explicit attention does (scaled dot product, causal mask, GQA heads sharing a KV head).
+    engine's explicit attention does (scaled dot product with the family's scale and soft cap, causal mask and a
+    local layer's window, GQA heads sharing a KV head).
     Exact when T <= max_queries; otherwise a mean over evenly spaced query rows. on_progress as in
     attention_pattern, for every layer."""
     cfg = model.config
@@ -74,7 +92,10 @@ def entropy_overview(model, ids: Sequence[int], max_queries: int = MAX_QUERIES, 
     rows = query_rows(T, max_queries)
     q_of: dict[int, torch.Tensor] = {}
     out = torch.zeros(cfg.num_layers, cfg.num_heads, dtype=torch.float64)
-    masked = torch.arange(T)[None, :] > rows[:, None]                         # (R, T) keys after the query
+    keys = torch.arange(T)[None, :]
+    masked = keys > rows[:, None]                                             # (R, T) keys after the query
+    # a local layer's query also cannot see keys window or more positions back (engine.attention's mask)
+    local = {w: masked | (keys <= rows[:, None] - w) for w in set(cfg.layer_window) if w is not None}
 
     def keep_q(x, ctx):
         q_of[ctx.layer] = x.index_select(0, rows.to(x.device)).float()        # (R, H, hd), on the device
@@ -82,8 +103,12 @@ def entropy_overview(model, ids: Sequence[int], max_queries: int = MAX_QUERIES, 
     def on_k(x, ctx):
         q = q_of.pop(ctx.layer)
         k = x.float().repeat_interleave(cfg.kv_groups, dim=1)                   # (T, H, hd)
-        scores = torch.einsum("rhd,thd->hrt", q, k) * cfg.head_dim ** -0.5      # (H, R, T)
-        pattern = torch.softmax(scores.masked_fill(masked.to(x.device), float("-inf")), dim=-1)
+        scores = torch.einsum("rhd,thd->hrt", q, k) * cfg.attn_scale            # (H, R, T)
+        if cfg.attn_softcap is not None:                                      # Gemma 2's attention soft cap
+            scores = torch.tanh(scores / cfg.attn_softcap) * cfg.attn_softcap
+        w = cfg.layer_window[ctx.layer]
+        hide = masked if w is None else local[w]
+        pattern = torch.softmax(scores.masked_fill(hide.to(x.device), float("-inf")), dim=-1)
         out[ctx.layer] = torch.special.entr(pattern).sum(-1).mean(-1).double().cpu()
 
     probe = Probe().replace("blocks.*.attn.q_rot", keep_q).replace("blocks.*.attn.k_rot", on_k)
