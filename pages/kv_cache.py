@@ -14,7 +14,12 @@ run, model = require_run_and_model()
 cfg, cache = model.config, run.result.cache
 shape = kv.KVShape.from_config(cfg)
 bpe = cache["bytes_per_token"] // (2 * shape.layers * shape.kv_heads * shape.head_dim)
-allocated, used = kv.run_positions(cache, shape)
+# the run's cache length and last position: taken where they give the engine's bytes (with every layer local and
+# full, the bytes alone cannot tell a longer cache from a shorter one)
+n_new = getattr(run.settings, "max_new_tokens", None)
+hints = (min(run.n_prompt + n_new, model.context_length) if isinstance(n_new, int) else None,
+         run.result.steps[-1].position if run.result.steps else None)
+allocated, used = kv.run_positions(cache, shape, hints)
 local = [w for w in shape.layer_windows if w is not None]
 if local:
     st.caption(f"bytes = 2 (K and V) · {shape.kv_heads} KV heads · {shape.head_dim} head_dim · "
@@ -36,7 +41,7 @@ st.subheader("The formula against the engine")
 st.caption("`formula_bytes` from the formula above; `engine_bytes` is what the run's own KVCache reported "
            "(its bytes_per_token, bytes_allocated and bytes_used properties). A one-position "
            f"`model.new_cache(1)` made now says **{model.new_cache(1).bytes_per_token:,}** bytes per token.")
-check = kv.formula_vs_engine(shape, bpe, cache)
+check = kv.formula_vs_engine(shape, bpe, cache, hints)
 st.dataframe(check, hide_index=True, key="kv_check")
 if not check["match"].all():
     st.error("The engine's cache size does not match the formula.")

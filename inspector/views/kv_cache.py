@@ -93,16 +93,21 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def run_positions(cache: dict[str, int], shape: KVShape | None = None) -> tuple[int, int]:
+def run_positions(cache: dict[str, int], shape: KVShape | None = None,
+                  hints: tuple[int | None, int | None] = (None, None)) -> tuple[int, int]:
     """(allocated, used) positions of a run, from its result.cache byte counts. With window layers the bytes
     are rows (global layers count every position, local ones at most their window): the positions are the
-    fewest that give those rows (where every layer is local and full, any longer cache gives the same bytes)."""
+    fewest that give those rows, unless hints (the run's cache length and last position, from its settings and
+    steps) give the same bytes: where every layer is local and its ring full, any longer cache would."""
     bpt = cache["bytes_per_token"]
     if shape is None or not shape.windows:
         return cache["bytes_allocated"] // bpt, cache["bytes_used"] // bpt
     per_row = bpt // shape.layers
-    return (positions_for_rows(shape, cache["bytes_allocated"] // per_row),
-            positions_for_rows(shape, cache["bytes_used"] // per_row))
+    out = []
+    for n_bytes, hint in zip((cache["bytes_allocated"], cache["bytes_used"]), hints):
+        rows = n_bytes // per_row
+        out.append(hint if hint is not None and shape.rows(hint) == rows else positions_for_rows(shape, rows))
+    return out[0], out[1]
 
 
 def positions_for_rows(shape: KVShape, rows: int) -> int:
@@ -117,9 +122,11 @@ def positions_for_rows(shape: KVShape, rows: int) -> int:
     return lo
 
 
-def formula_vs_engine(shape: KVShape, bpe: int, cache: dict[str, int]) -> pd.DataFrame:
-    """The formula next to the engine's measured KVCache numbers for this run (they must agree)."""
-    allocated, used = run_positions(cache, shape)
+def formula_vs_engine(shape: KVShape, bpe: int, cache: dict[str, int],
+                      hints: tuple[int | None, int | None] = (None, None)) -> pd.DataFrame:
+    """The formula next to the engine's measured KVCache numbers for this run (they must agree); hints as in
+    run_positions."""
+    allocated, used = run_positions(cache, shape, hints)
     rows = [("bytes per token", 1, shape.bytes(1, 1, bpe), cache["bytes_per_token"]),
             ("allocated", allocated, shape.bytes(allocated, 1, bpe), cache["bytes_allocated"]),
             ("used", used, shape.bytes(used, 1, bpe), cache["bytes_used"])]

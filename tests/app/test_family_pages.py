@@ -140,3 +140,15 @@ def test_sampling_page_shows_the_logits_before_and_after_the_final_cap(page, gem
     assert np.allclose(arr(pts["x"]), tbl["uncapped"]) and np.allclose(arr(pts["y"]), tbl["capped"])
     u, c = sc.capped_logits(model, run.ids, run.n_prompt - 1 + step)
     assert float(u.abs().max()) > float(c.abs().max())
+
+
+PAGES = ["overview", "tokens", "attention", "activations", "kv_cache", "sampling", "timeline", "debugger", "compare",
+         "nan_doctor", "repetition", "explain", "quantization", "trace_files"]
+
+
+@pytest.mark.parametrize("family", ["gemma", "mixtral"])
+def test_every_page_opens_on_a_family_run(page, family, request):
+    model, folder, run = request.getfixturevalue(family)
+    for name in PAGES:
+        at = page(name, run, model, str(folder)).run()
+        assert not at.exception, (name, at.exception)

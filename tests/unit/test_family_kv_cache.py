@@ -116,3 +116,25 @@ def test_calculator_counts_local_layers_at_most_their_window(gemma):
     assert row.loc[("Gemma-2-9B", 8192), "bytes"] == 2 * 8 * 256 * 2 * (21 * 8192 + 21 * 4096)
     assert row.loc[("Gemma-2-9B", 1024), "bytes"] == kv.kv_bytes(42, 8, 256, 1024, 1, 2)
     assert kv.positions_for_rows(shape, shape.rows(100)) == 100
+
+
+def test_every_layer_local_the_runs_own_lengths_are_kept(tmp_path, tokenizer_files):
+    """Mistral with a window on every layer: once the rings are full the bytes no longer tell the cache's length;
+    the run's own length and last position are taken where they give the engine's bytes."""
+    FAMILIES["mistral"] = dict(sliding_window=WINDOW)
+    try:
+        model, _ = family_model("mistral", tmp_path / "mistral", tokenizer_files)
+    finally:
+        del FAMILIES["mistral"]
+    shape = kv.KVShape.from_config(model.config)
+    assert shape.windows == (WINDOW,) * 4
+    result = family_run(model, max_new=4).result
+    n_prompt, last = len(result.prompt_ids), result.steps[-1].position
+    assert kv.run_positions(result.cache, shape) == (WINDOW, WINDOW)          # the fewest that fit the bytes
+    assert kv.run_positions(result.cache, shape, (n_prompt + 4, last)) == (n_prompt + 4, last)
+    assert kv.run_positions(result.cache, shape, (3, 2)) == (WINDOW, WINDOW)  # hints that disagree are dropped
+    check = kv.formula_vs_engine(shape, 4, result.cache, (n_prompt + 4, last)).set_index("quantity")
+    assert check["match"].all()
+    assert check.loc["allocated", "engine_bytes"] == model.new_cache(n_prompt + 4).bytes_allocated
+    kinds = kv.kind_table(kv.per_layer_table(shape, 4, n_prompt + 4, last), result.cache["bytes_per_token"] // 4)
+    assert list(kinds["kind"]) == [f"local (window {WINDOW})"] and not kinds["growing"].iloc[0]
