@@ -18,6 +18,7 @@ from inspector.ui.demos import demo_buttons
 from inspector.ui.frame import ensure_frame
 from inspector.ui.state import session
 from inspector.ui.widgets import metric_columns, page_link
+from inspector.views.family import family_notes
 from inspector.views.tokens import seen_prompt_text, steps_table, token_counts
 
 ensure_frame()         # opened alone (a fresh server): into app.py's frame, once per script run
@@ -70,6 +71,16 @@ tok = model.tokenizer if model is not None and model.name == run.model_name else
 
 st.caption(f"Model **{plain(run.model_name)}** · {run.n_prompt} prompt tokens · {len(res.token_ids)} generated · "
            f"seed {res.seed} · chat format {'on' if run.settings.chat else 'off'}")
+
+PAGE_TITLES = {"kv_cache": "KV cache", "attention": "Attention", "activations": "Activations: expert routing",
+               "sampling": "Sampling: the logits before and after the cap"}
+notes = family_notes(model.config) if tok is not None else []
+if notes:
+    with st.expander(f"This model's family ({plain(model.config.model_type)}): what differs from a plain Llama block",
+                     expanded=True):
+        for text, target in notes:
+            st.markdown(f"- {text}")
+            page_link(target, PAGE_TITLES[target], icon=":material/arrow_forward:")
 
 bad_logits, nf = nonfinite_stop(res), run.first_nonfinite
 if bad_logits or nf:

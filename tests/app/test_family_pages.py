@@ -152,3 +152,20 @@ def test_every_page_opens_on_a_family_run(page, family, request):
     for name in PAGES:
         at = page(name, run, model, str(folder)).run()
         assert not at.exception, (name, at.exception)
+
+
+def test_overview_says_what_the_family_changes(page, gemma, mixtral, tiny_model):
+    from inspector.views.family import family_notes
+    assert family_notes(tiny_model.config) == []                        # a plain Llama: nothing to say
+    model, folder, run = gemma
+    at = page("overview", run, model, str(folder)).run()
+    assert not at.exception, at.exception
+    text = " ".join(m.value for m in at.markdown)
+    assert f"2 of 4 layers are local (sliding window of {WINDOW} positions)" in text
+    assert f"soft-capped: {model.config.final_softcap:g} · tanh" in text and "experts" not in text
+    model, folder, run = mixtral
+    at = page("overview", run, model, str(folder)).run()
+    assert not at.exception, at.exception
+    text = " ".join(m.value for m in at.markdown)
+    assert "4 of 4 layers are mixture-of-experts layers: each token goes to 2 of 4 experts" in text
+    assert "sliding window" not in text and "soft-capped" not in text
