@@ -127,6 +127,7 @@ if ok:
     ent = on_demand(overviews, key, what, lambda tell: entropy_overview(model, ids, on_progress=tell),
                     work=(model, T, cfg.num_layers), max_entries=4)
     if ent is not None:
-        chart(memo(figures, (key, "entropy"), lambda: entropy_figure(ent), max_entries=8), key="att_entropy")
+        chart(memo(figures, (key, "entropy"), lambda: entropy_figure(ent, cfg.layer_window), max_entries=8),
+              key="att_entropy")
 else:
     st.info(f"{T} positions: one full forward (several seconds on a CPU). Press the button to compute it.")

@@ -227,14 +227,18 @@ def heatmap_figure(z: np.ndarray, rows: Sequence[int], cols: Sequence[int], labe
     return fig
 
 
-def entropy_figure(ent: np.ndarray) -> go.Figure:
-    """Layers (y) × heads (x) heatmap of mean attention entropy; low = focused heads."""
+def entropy_figure(ent: np.ndarray, layer_window: Sequence[int | None] | None = None) -> go.Figure:
+    """Layers (y) × heads (x) heatmap of mean attention entropy; low = focused heads. With layer_window (some
+    layer local), each layer's tick says local (window W) or global: a local layer's entropy is at most ln W."""
     L, H = ent.shape
     fig = go.Figure(go.Heatmap(z=ent, x=list(range(H)), y=list(range(L)), colorscale=colorscale("Magma"),
                                hovertemplate="layer %{y} head %{x}<br>entropy %{z:.3f} nats<extra></extra>",
                                colorbar=dict(title="nats")))
     fig.update_xaxes(title="head", dtick=1)
     fig.update_yaxes(title="layer", autorange="reversed")
+    if layer_window is not None and any(w is not None for w in layer_window):
+        fig.update_yaxes(tickvals=list(range(L)), ticktext=[f"{i} · " + ("global" if w is None else f"local {w:,}")
+                                                            for i, w in enumerate(layer_window)])
     fig.update_layout(height=max(250, 18 * L + 80), margin=dict(l=10, r=10, t=30, b=10))
     return fig
 

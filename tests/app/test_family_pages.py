@@ -69,6 +69,8 @@ def test_attention_page_says_which_layers_are_local_and_draws_their_band(page, g
     assert z.shape == (T, T) and T > 2 * WINDOW
     assert np.all(np.nan_to_num(z[k <= q - WINDOW]) == 0)                                 # nothing past the band
     assert np.allclose(np.nansum(z, axis=1), 1, atol=1e-4)
+    ticks = chart(at, "att_entropy")["layout"]["yaxis"]["ticktext"]
+    assert ticks == [f"0 · local {WINDOW}", "1 · global", f"2 · local {WINDOW}", "3 · global"]
     sel.set_value(1).run()
     assert not at.exception
     assert any("Layer 1 is **global**" in c.value for c in at.caption)

@@ -35,3 +35,12 @@ def test_layer_labels_name_local_and_global_layers():
     assert layer_label((4096, None), 1) == "Layer 1 · global"
     band = torch.tril(torch.ones(1, 6, 6)) - torch.tril(torch.ones(1, 6, 6), -3)   # each query: itself + 2 back
     assert outside_window(band, 3) == 0 and outside_window(band, 2) > 0
+
+
+def test_entropy_figure_ticks_say_local_or_global():
+    from inspector.views.attention import entropy_figure
+    ent = np.ones((3, 2))
+    fig = entropy_figure(ent, (8, None, 8))
+    assert list(fig.layout.yaxis.ticktext) == ["0 · local 8", "1 · global", "2 · local 8"]
+    assert entropy_figure(ent, (None,) * 3).layout.yaxis.ticktext is None
+    assert entropy_figure(ent).layout.yaxis.ticktext is None
