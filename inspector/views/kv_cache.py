@@ -167,8 +167,15 @@ def kind_table(layers: pd.DataFrame, bytes_per_row: int) -> pd.DataFrame:
 
 
 def per_layer_figure(df: pd.DataFrame) -> go.Figure:
-    fig = go.Figure([go.Bar(x=df["layer"], y=df["allocated_bytes"], name="allocated", marker_color="#c7d2e0"),
-                     go.Bar(x=df["layer"], y=df["used_bytes"], name="used", marker_color="#3b6fb6")])
+    """Allocated and used bytes per layer; a local (window) layer's used bar in orange, a global one's in blue."""
+    kinds = df["kind"] if "kind" in df else pd.Series(["global"] * len(df))
+    used_colours = ["#3b6fb6" if k == "global" else "#d9822b" for k in kinds]
+    hover = "layer %{x} · %{customdata}<br>%{y:,} B<extra></extra>"
+    fig = go.Figure([go.Bar(x=df["layer"], y=df["allocated_bytes"], name="allocated", marker_color="#c7d2e0",
+                            customdata=kinds, hovertemplate="allocated: " + hover),
+                     go.Bar(x=df["layer"], y=df["used_bytes"], name="used (orange: local layers)"
+                            if (kinds != "global").any() else "used", marker_color=used_colours,
+                            customdata=kinds, hovertemplate="used: " + hover)])
     fig.update_layout(barmode="overlay", xaxis_title="layer", yaxis_title="bytes", height=300,
                       margin=dict(t=30, b=40), legend=dict(orientation="h", y=1.12))
     return fig

@@ -138,3 +138,11 @@ def test_every_layer_local_the_runs_own_lengths_are_kept(tmp_path, tokenizer_fil
     assert check.loc["allocated", "engine_bytes"] == model.new_cache(n_prompt + 4).bytes_allocated
     kinds = kv.kind_table(kv.per_layer_table(shape, 4, n_prompt + 4, last), result.cache["bytes_per_token"] // 4)
     assert list(kinds["kind"]) == [f"local (window {WINDOW})"] and not kinds["growing"].iloc[0]
+
+
+def test_per_layer_figure_colours_local_layers(gemma):
+    shape = kv.KVShape.from_config(gemma.config)
+    fig = kv.per_layer_figure(kv.per_layer_table(shape, 4, 30, 20))
+    used = fig.data[1]
+    assert list(used.marker.color) == ["#d9822b", "#3b6fb6"] * 2 and "local" in used.name
+    assert list(used.customdata) == ["local (window 8)", "global"] * 2
