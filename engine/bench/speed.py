@@ -29,6 +29,7 @@ import torch
 
 from engine.bench.inspection import run_inspection_bench
 from engine.bench.prefill import LENGTHS, prefill_vs_transformers
+from engine.family.slots import MATRICES
 from engine.generate import GenerationRun
 from engine.inspection.probe import Probe
 
@@ -71,7 +72,7 @@ def hf_load(model):
         import transformers
     except ImportError:
         return None
-    if model.config.model_type not in ("llama", "mistral", "qwen2"):
+    if model.config.num_experts:      # its experts loop would measure transformers' MoE, not a peer's decode
         return None
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(model.path), dtype=model.dtype,
                                                            attn_implementation="sdpa")
@@ -103,7 +104,7 @@ def bytes_per_decoded_token(model, position: float) -> int:
     """Bytes one decode step must read: every layer's weights, the final norm, the lm_head, one embedding
     row, and the KV cache of `position` earlier positions."""
     w = model.weights
-    tensors = [w.norm, w.lm_head] + [t for lw in w.layers for t in vars(lw).values() if t is not None]
+    tensors = [w.norm, w.lm_head] + [t for lw in w.layers for t in lw.present().values()]
     seen, total = set(), 0
     for t in tensors:
         if t.data_ptr() not in seen:
@@ -142,7 +143,7 @@ class MatrixReads:
 
     def __init__(self, model) -> None:
         w = model.weights
-        self.mats = [t for lw in w.layers for t in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)] + [w.lm_head]
+        self.mats = [t for lw in w.layers for f in MATRICES if (t := getattr(lw, f)) is not None] + [w.lm_head]
         self.device = model.device
         self.best = float("inf")
 
@@ -203,6 +204,7 @@ def report(model, a: argparse.Namespace, m: dict) -> dict:
     say("decode steps: " + ("native (engine/native: one C call a token, weights read as panels)" if nat is not None
                             else f"PyTorch forward ({why})"))
     out["native_decode"] = nat is not None
+    out["decode_path"] = "native" if nat is not None else f"PyTorch forward: {why}"
     say(f"{'configuration':34s} {'prefill tok/s':>14s} {'decode tok/s':>13s}")
     for k, (p, d) in best.items():
         say(f"{k:34s} {p:14.1f} {d:13.1f}")

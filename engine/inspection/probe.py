@@ -18,13 +18,12 @@ from engine.errors import EngineError, InputError
 from engine.inspection.plans import HEADS_FIRST, Plan, plan_stage, split_name
 from engine.inspection.probe_views import NONE, LayerProbe
 from engine.inspection.row_stats import PYTORCH, StatsBackend
+from engine.family.slots import GLOBAL_WEIGHTS, SLOTS
 from engine.inspection.stages import LAYER_STAGES
 from engine.inspection.stat_columns import nonfinite
 from engine.inspection.stats import StatRecord, StatsBatcher, StatsBlock
 
-WEIGHT_SLOTS = {"attn_norm.weight": "attn_norm", "attn.wqkv": "wqkv", "attn.wo": "wo",
-                "mlp_norm.weight": "mlp_norm", "mlp.w_gate_up": "w_gate_up", "mlp.w_down": "w_down"}
-GLOBAL_WEIGHTS = ("embed.weight", "final_norm.weight", "lm_head.weight")
+WEIGHT_SLOTS = {s.probe: s.field for s in SLOTS}     # a block's weights by name (engine.family.slots)
 
 
 @dataclass(frozen=True)
@@ -126,7 +125,8 @@ class Probe:
         if not self._weight_overrides:
             return lw
         changes = {slot_field: self.weight(f"blocks.{i}.{slot}", getattr(lw, slot_field))
-                   for slot, slot_field in WEIGHT_SLOTS.items() if f"blocks.{i}.{slot}" in self._weight_overrides}
+                   for slot, slot_field in WEIGHT_SLOTS.items() if f"blocks.{i}.{slot}" in self._weight_overrides
+                   and getattr(lw, slot_field) is not None}
         return dataclasses.replace(lw, **changes) if changes else lw
 
     def replace(self, patterns: str | list[str], fn: HookFn, *, layers: Iterable[int] | None = None) -> "Probe":

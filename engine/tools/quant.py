@@ -32,11 +32,12 @@ from engine.model import Model
 from engine.progress import OnProgress, tell_units
 from engine.settings import RunSettings
 from engine.tools import gguf_blocks
+from engine.family.slots import MATRICES as SLOT_MATRICES, SLOTS
 from engine.variants import derive
 from engine.weights import Weights
 
 FORMATS = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
-MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+MATRICES = SLOT_MATRICES + tuple(s.field for s in SLOTS if s.kind == "experts")   # every product's weights
 THRESHOLD = 0.05
 SKIP = ("attn.scores", "attn.pattern")     # materialising them would change the reference's attention kernel
 
@@ -63,6 +64,8 @@ def requantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
     """A matrix stored (in, out) through fmt's quantizer and back: float32, same shape and layout. The formats of
     engine.tools.gguf_blocks run there (torch, every core, bit for bit the gguf package's numbers); the others, and
     a matrix with a NaN or an Inf (or a sum beyond float32's range), through the gguf package itself."""
+    if w.dim() == 3:      # experts (E, in, out): each expert's matrix on its own, as GGUF stores them
+        return torch.stack([requantize(x, fmt) for x in w])
     qt, w32 = _qtype(fmt), w.detach().float().cpu()
     # a finite sum: every value finite (numpy's sum, one pass; torch's isfinite over two threads costs ~10x more here)
     if qt.name in gguf_blocks.FORMATS and w32.shape[0] % gguf_blocks.BLOCK == 0 \
@@ -83,7 +86,8 @@ def requantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
 def quantized_model(model: Model, fmt: str, *, embed: bool = False) -> Model:
     """A new Model sharing config and tokenizer, with every block matrix (and the embedding with embed=True)
     replaced by its fmt round trip. Vectors (norms, biases) are shared with the model, never copied."""
-    layers = [dataclasses.replace(lw, **{f: requantize(getattr(lw, f), fmt) for f in MATRICES})
+    layers = [dataclasses.replace(lw, **{f: requantize(getattr(lw, f), fmt) for f in MATRICES
+                                                if getattr(lw, f) is not None})
               for lw in model.weights.layers]
     w = model.weights
     emb, head = w.embed, w.lm_head

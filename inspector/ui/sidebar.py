@@ -98,8 +98,11 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
     if model is None:            # loading (a demo clicked meanwhile waits for it) or failed
         common.load_box(demo_waits=session().demo is not None)
     else:
-        st.caption(f"Model: **{plain(model.name)}** · {model.config.num_layers} layers · {model.device.type} · "
-                   f"{str(model.dtype).removeprefix('torch.')}")
+        acc = model.accelerator
+        st.caption(f"Model: **{plain(model.name)}** ({model.config.model_type}) · {model.config.num_layers} layers · "
+                   f"{model.device.type} · {str(model.dtype).removeprefix('torch.')} · decode: "
+                   + ("native step" if acc.decode is not None else "PyTorch forward"),
+                   help=None if acc.decode is not None else acc.why_not)
     follows = following()        # a student following a room's teacher never starts a generation
     state, ss = st.session_state, session()
     if follows:                  # the teacher's prompt and settings; the student's own prompt is kept for later

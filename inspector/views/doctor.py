@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 
 from engine import STAT_NAMES, InputError
 from engine.inspection.nonfinite import NonFinite, stage_profile
+from engine.family.slots import SLOTS
 from engine.inspection.stages import LAYER_STAGES
 from engine.tools.doctor import FP16_MAX, PRESETS, Injection, is_weight
 
@@ -20,7 +21,7 @@ from .theme import colorscale
 GLOBAL_STAGES = ("embed", "final_norm", "logits")
 VALUE_STATS = ("min", "max", "mean", "std", "absmax")
 WINDOW = 12        # stages shown each side of the first non-finite one: one readable column per stage
-WEIGHTS = ("attn_norm.weight", "attn.wqkv", "attn.wo", "mlp_norm.weight", "mlp.w_gate_up", "mlp.w_down")
+WEIGHTS = tuple(s.probe for s in SLOTS)    # every block weight a fault can be planted in (engine.family.slots)
 
 
 # ---- injections -------------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ def test_requantizing_with_the_files_own_q4_1_reproduces_the_bundled_weights(bun
     for lw in bundled_model.weights.layers:
         for name in MATRICES:
             w = getattr(lw, name)
+            if w is None:         # a slot this family's block does not have (experts, on a dense model)
+                continue
             back = requantize(w, "Q4_1")
             blocks, moved = w.t().reshape(-1, 32), (back - w).t().reshape(-1, 32).abs()
             lo, hi = blocks.min(1).values, blocks.max(1).values
