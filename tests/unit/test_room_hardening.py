@@ -157,9 +157,12 @@ def test_after_a_redis_restart_the_store_answers_and_end_leaves_the_room():
         backend = RedisBackend.from_url(redis.url)
         store = RoomStore(backend, ttl_s=600)
         code, token = store.create()
-        with backend._conn() as a, backend._conn() as b, backend._conn() as c:    # three pooled connections
-            assert a.call(1024, "PING") == b.call(1024, "PING") == c.call(1024, "PING") == "PONG"
-        assert len(backend._idle) == 3
+        conns = [backend.pool.get_connection() for _ in range(3)]            # three pooled connections
+        for c in conns:
+            c.send_command("PING")
+            assert c.read_response() in (b"PONG", "PONG")
+            backend.pool.release(c)
+        assert len(backend.pool._available_connections) == 3
         redis.restart()                                                  # empty: no persistence
         t0 = time.monotonic()
         assert store.state(code) is None                                 # not "the store failed"
