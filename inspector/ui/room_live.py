@@ -17,8 +17,9 @@ from inspector.session.rooms_live import Live, LivePublisher
 from inspector.session.rooms_state import ROOM_ERRORS
 from inspector.ui.common import current_run, plain
 from inspector.ui.room_push import available as push_available
-from inspector.ui.room_push import fragment_id, watcher
+from inspector.ui.room_push import watcher
 from inspector.ui.room_sync import room
+from inspector.ui.st_internals import fragment_id
 from inspector.views.sampling import describe
 
 FALLBACK_S = 1.0

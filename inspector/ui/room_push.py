@@ -15,9 +15,9 @@ While the teacher's run generates (inspector.session.rooms_live), a following sc
 fragment that says its id (`watch_live`): when the room's live counter moves, the watcher reruns that
 fragment alone, not the whole app.
 
-Streamlit has no public API for a server-side rerun: `_rerun` reaches the session through the runtime's
-session manager (private names, checked at start). Where they are missing, `available()` is False and the
-room falls back to a polling fragment in the page (inspector.ui.room).
+Streamlit has no public API for a server-side rerun: `_rerun` goes through inspector.ui.st_internals, the one
+module that touches Streamlit's internals. Where they are missing, `available()` is False and the room falls
+back to a polling fragment in the page (inspector.ui.room, inspector.ui.room_live).
 """
 from __future__ import annotations
 
@@ -26,11 +26,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from streamlit.runtime import Runtime
-from streamlit.runtime.app_session import AppSession
-
 from inspector.session.rooms import shared_store
 from inspector.session.rooms_state import ROOM_ERRORS, RoomState
+from inspector.ui import st_internals
 
 POLL_S = 0.1          # how often the watcher reads each followed room
 MIN_GAP_S = 0.5       # answer counts rerun a teacher's screen at most this often
@@ -62,53 +60,13 @@ def signature(kind: str, state: RoomState | None | bool, answers: int | None = N
     return (poll_sig, answers) if kind == "teacher" else poll_sig
 
 
-def _session(session_id: str):
-    if not Runtime.exists():                      # the runtime exists only inside a running server
-        return None
-    info = Runtime.instance()._session_mgr.get_active_session_info(session_id)
-    return None if info is None else info.session
-
-
-def fragment_id() -> str | None:
-    """The id of the fragment this code runs in (Streamlit keeps it in private thread state; None where it
-    does not, or outside a fragment)."""
-    try:
-        from streamlit.runtime.scriptrunner_utils.script_run_context import ThreadState
-        fid = ThreadState.get().fragment_id
-    except (ImportError, AttributeError):
-        return None
-    return fid if isinstance(fid, str) and fid else None
-
-
 def available() -> bool:
     """Whether this Streamlit lets the watcher rerun a session (else the page polls)."""
-    try:
-        from streamlit.runtime.scriptrunner_utils.script_run_context import ThreadState
-        fragments = hasattr(ThreadState, "get")
-    except ImportError:
-        fragments = False
-    return fragments and Runtime.exists() and hasattr(Runtime.instance(), "_session_mgr") and all(
-        hasattr(AppSession, n) for n in ("request_rerun", "_call_soon_on_event_loop", "has_fragment"))
+    return st_internals.available()
 
 
 def _rerun(session_id: str, fragment: str | None = None) -> bool:
-    """Ask Streamlit to rerun a session as its browser last left it (the whole app, or one fragment of it);
-    False when the session is gone."""
-    session = _session(session_id)
-    if session is None:
-        return False
-    last = getattr(session, "_client_state", None)
-    state = None
-    if last is not None:
-        state = type(last)()
-        state.CopyFrom(last)
-        state.fragment_id = fragment or ""
-    elif fragment:                   # a fragment rerun needs the client's state: the whole app then
-        fragment = None
-    if fragment and not session.has_fragment(fragment):
-        state.fragment_id = ""
-    session._call_soon_on_event_loop(lambda: session.request_rerun(state))
-    return True
+    return st_internals.rerun_session(session_id, fragment)
 
 
 class Watcher:

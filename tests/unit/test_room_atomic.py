@@ -61,8 +61,8 @@ def test_views_and_runs_published_at_once_from_two_stores_lose_nothing(two_store
         views = [View(page=("attention", "sampling", "tokens")[i % 3], step=i, layer=i % 7) for i in range(PUBLISHES)]
         runs = [_run(i, trial) for i in range(PUBLISHES)]
         before = a.state(code).version
-        _together(lambda: [a.publish(code, token, view=v) for v in views],
-                  lambda: [b.publish(code, token, run=r) for r in runs])
+        _together(lambda c=code, t=token, vs=views: [a.publish(c, t, view=v) for v in vs],
+                  lambda c=code, t=token, rs=runs: [b.publish(c, t, run=r) for r in rs])
         s = b.state(code)
         if s.view != views[-1] or s.run_id != run_id_of(runs[-1]):
             lost.append((trial, s.view == views[-1], s.run_id == run_id_of(runs[-1])))
@@ -79,8 +79,8 @@ def test_a_view_racing_a_run_never_loses_the_run(two_stores):
     lost = 0
     for i in range(ROUNDS):
         run = _run(i, 99)
-        _together(lambda: a.publish(code, token, view=View(page="sampling", step=i)),
-                  lambda: b.publish(code, token, run=run))
+        _together(lambda i=i: a.publish(code, token, view=View(page="sampling", step=i)),
+                  lambda r=run: b.publish(code, token, run=r))
         s = a.state(code)
         lost += s.run_id != run_id_of(run) or s.view.step != i
     assert lost == 0, f"{lost} of {ROUNDS} rounds lost the new run or the view"
