@@ -186,3 +186,24 @@ def test_a_live_run_tells_its_observer_and_an_observer_that_fails_does_not_end_i
         assert tokens == ([] if fail else [s.text for s in live.record.result.steps])
         assert rec.calls[-1] == ("finished", True, False)
         assert any(c[0] == "progress" for c in rec.calls)
+
+
+def test_chinese_and_emoji_runs_reach_students_to_their_last_token():
+    """Issue 31, item 7: the bound is on what is shown (characters), not on its escaping. A 1,200-token Chinese
+    and emoji run used to stop updating students at token 852 (its escaped JSON passed 16 KiB)."""
+    store = RoomStore(MemoryBackend())
+    code, token = store.create()
+    live = store.start_live(code, token, "讲一个故事 📖" * 200, 1200)
+    pub = LivePublisher(live.seq, "讲一个故事 📖" * 200, 1200, publish=lambda d: store.publish_live(code, token, d),
+                        end=lambda seq: None, every_s=0.0)
+    texts = ["从前", "有一座山", "😀", "🐉龙", "。\n"]
+    for i in range(1200):
+        pub.token(FakeStep(texts[i % 5], 0.5, [Cand("山" * 40, 0.2), Cand("👩‍👩‍👧‍👦" * 8, 0.1)] * 3))
+    pub.finished(kept=True, stopped=False)
+    assert pub.failures == 0
+    doc = store.live(code)[1]
+    want = "".join(texts[i % 5] for i in range(1200))[-MAX_TEXT_CHARS:]
+    assert doc.tokens == 1200 and doc.text == want and len(doc.text) == MAX_TEXT_CHARS
+    worst = Live(1, "\x01" * 1000, 8, "decode", 1.0, 3, "\x07" * MAX_TEXT_CHARS,
+                 LiveToken("\x1b" * 32, 0.5, (("\x00" * 32, 0.1),) * MAX_TOP))     # 6 bytes a character
+    assert len(worst.as_json()) <= MAX_LIVE_BYTES and Live.from_json(worst.as_json()) == worst
