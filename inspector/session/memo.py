@@ -2,7 +2,8 @@
 recently used first out.
 
 Two stores, one interface (`memo(store, key, compute)`):
-  - a session's own dict in st.session_state, keyed by the run it belongs to (run_key), dropped with the run;
+  - a session's own dict (one of SessionState.memos, inspector/session/state.py: the session's typed state that
+    inspector.ui.state.session() returns), keyed by the run it belongs to (run_key), dropped with the run;
   - the process's SHARED store, for a room's run: every student's session holds a copy of the same trace
     bytes (the same room run id), so what one session computes from it (a map, a chain, a figure) is what the
     others would compute. One session computes, the others wait for it and take the same value (a class of
