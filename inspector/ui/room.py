@@ -23,6 +23,7 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 from engine.inspection.trace import from_bytes, to_bytes
 from inspector.session.limits import trace_bounds
 from inspector.session.memo import run_key
+from inspector.session.room_runs import ROOM_RUNS
 from inspector.session.rooms import shared_store
 from inspector.session.rooms_keys import failed_joins, teacher_key_state, teacher_login, warn_short_key
 from inspector.session.rooms_state import ROOM_ERRORS, RoomError, View, check_code
@@ -80,14 +81,19 @@ def _join_from_link() -> None:
 
 
 def _load_run(code: str, run_id: str):
-    """The room's run from its trace bytes, validated against this server's limits and model; None (and
-    the reason kept for the bar) when it cannot be used."""
-    data = _store().run_bytes(code, run_id)
-    if data is None:
-        raise RoomError("the teacher's run is no longer in the room")
+    """The room's run from its trace bytes, validated against this server's limits and model, parsed once per
+    process (inspector.session.room_runs); RoomError when it is no longer in the store."""
     limits, model = server_limits(show_error=False), get_model()
-    trace = track(from_bytes(data, trace_bounds(limits, model)))
-    trace.extra["room_run_id"] = run_id          # which of this session's runs is the room's (polls)
+    bounds = trace_bounds(limits, model)
+
+    def load():
+        data = _store().run_bytes(code, run_id)
+        if data is None:
+            raise RoomError("the teacher's run is no longer in the room")
+        trace = track(from_bytes(data, bounds))
+        trace.extra["room_run_id"] = run_id          # which of this session's runs is the room's (polls)
+        return trace
+    trace = ROOM_RUNS.get((run_id, repr(bounds)), load)     # one parsed copy per process, shared by the followers
     keep_run(trace, limits.max_runs_kept)
     return trace
 
