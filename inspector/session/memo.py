@@ -6,9 +6,10 @@ Two stores, one interface (`memo(store, key, compute)`):
     inspector.ui.state.session() returns), keyed by the run it belongs to (run_key), dropped with the run;
   - the process's SHARED store, for a room's run: every student's session shows the same run (the same room
     run id; one parsed copy per process, inspector.session.room_runs), so what one session computes from it (a
-    map, a chain, a figure) is what the others would compute. One session computes, the others wait for it and take the same value (a class of
-    thirty following the teacher computes each view once per server, not thirty times). Values in it are
-    never changed by their users; it has its own bounds, apart from any session's allowance.
+    map, a chain, a figure) is what the others would compute. One session computes, the others wait for it and
+    take the same value (a class of thirty following the teacher computes each view once per server, not thirty
+    times). Values in it are never changed by their users; it has its own bounds, apart from any session's
+    allowance.
 
 `view_store(run, own)` says which of the two a page uses for a run, and `content_key(run, model)` is the
 key prefix that goes with it. `styled_once(fig)` is the app's restyling of a figure, made once per figure."""
