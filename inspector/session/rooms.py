@@ -182,8 +182,7 @@ class RoomStore:
                     if s.prev_run_id not in (None, rid):
                         ops.append(("del", self._k(s.code, "run", s.prev_run_id)))
                     changes |= {"run_id": rid, "prev_run_id": s.run_id}
-                if s.live is not None:
-                    changes["live"] = None            # the full run replaces the live one
+                ops.append(("del", self._k(s.code, "live")))    # the full run replaces the live one
             return changes, ops
         return self._change(code, token, f, send=len(run) if run else 0)
 
@@ -192,24 +191,43 @@ class RoomStore:
         """A run of the teacher's starts: the room says it is live (students' screens show its panel)."""
         code = self._authorize(code, token)
         live = Live(self.b.incr(self._k(code, "liveseq"), self.ttl), prompt[:1_000], max_new)
-        self.publish_live(code, token, live)
-        self._change(code, token, lambda s: ({"live": live.seq}, []))
+        self._put_live(code, token, live, start=True)
         return live
 
     def publish_live(self, code: str, token: str, live: Live) -> int:
-        """The live run's newest state; returns the live counter (what the watcher compares)."""
-        code = self._authorize(code, token)
-        data = live.as_json()
-        Live.from_json(data)                           # the same checks as on reading: nothing oversized stored
-        self.b.set(self._k(code, "live"), data, self.ttl)
-        return self.b.incr(self._k(code, "livever"), self.ttl)
+        """The live run's newest state; returns the live counter (what the watcher compares). An update of a run
+        the room no longer shows live (its full run published, or ended) is dropped."""
+        return self._put_live(code, token, live)
+
+    def _put_live(self, code: str, token: str, live: Live | None, start: bool = False, seq: int = 0) -> int:
+        """One transaction on the live document and its counter: written (start: whatever was there; else only
+        over the same run's document), or deleted (live None: only when run `seq` is the one shown)."""
+        code = check_code(code)
+        data = None if live is None else live.as_json()
+        if data is not None:
+            Live.from_json(data)                       # the same checks as on reading: nothing oversized stored
+        ka, kl, kn = self._k(code, "auth"), self._k(code, "live"), self._k(code, "livever")
+
+        def tx(v: dict):
+            _check_token(code, v[ka], token)
+            n = _count(v[kn])
+            try:
+                shown = None if v[kl] is None else Live.from_json(v[kl]).seq
+            except RoomError:
+                shown = None
+            if not start and shown != (seq if live is None else live.seq):
+                return [], n
+            write = ("del", kl) if live is None else ("set", kl, data, self.ttl)
+            return [write, ("set", kn, str(n + 1).encode(), self.ttl)], n + 1
+        return self.b.update((ka, kl, kn), tx, limit=MAX_LIVE_BYTES)
 
     def end_live(self, code: str, token: str, seq: int) -> None:
         """The live run ended with nothing to show (failed, stopped before a token): the room shows its run."""
-        self._change(code, token, lambda s: ({"live": None} if s.live == seq else {}, []))
+        self._put_live(code, token, None, seq=seq)
 
     def live(self, code: str) -> tuple[int, Live | None]:
-        """(the live counter, the live run's document or None): what a student's live panel draws."""
+        """(the live counter, the live run's document or None: no run of the teacher's is generating): what a
+        student's live panel draws, and the watcher reads."""
         code = check_code(code)
         n = self.live_version(code)
         data = self.b.get(self._k(code, "live"), MAX_LIVE_BYTES)

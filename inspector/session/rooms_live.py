@@ -2,9 +2,10 @@
 prefill's progress, the text so far and the newest token with its probability and the model's top
 candidates; then, when the run ends, the whole run as any published run (RoomStore.publish).
 
-The room's state document says that a run is live (`RoomState.live`, the run's number in the room: students'
-screens rerun once when it starts and once when the full run replaces it). What changes with every token is
-one small document of its own (`Live`, UTF-8 JSON of at most MAX_LIVE_BYTES, its text cut to the last
+A run is live while the room holds its live document: it appears when the run starts and goes when the full
+run is published (in the same transaction as the room's new version) or when it ends with nothing to show. A
+run changes the room's state version once, when it is published whole. What changes with every token is that
+one small document (`Live`, UTF-8 JSON of at most MAX_LIVE_BYTES, its text cut to the last
 MAX_TEXT_CHARS characters, five candidates of at most MAX_TOKEN_CHARS each) under a counter the room's watcher
 reads (inspector.ui.room_push): a student's screen redraws only its live panel when it moves.
 
@@ -75,7 +76,7 @@ class LiveToken:
 @dataclass(frozen=True)
 class Live:
     """The teacher's run as it generates."""
-    seq: int                         # its number in the room (RoomState.live)
+    seq: int                         # its number in the room (counted by the room's liveseq)
     prompt: str
     max_new: int
     phase: str = "queued"

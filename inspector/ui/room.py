@@ -30,6 +30,7 @@ from inspector.session.rooms_state import ROOM_ERRORS, RoomError, View, check_co
 from inspector.session.run import track
 from inspector.session.state import RoomSeat
 from inspector.ui.common import client_key, current_run, get_model, plain, server_limits
+from inspector.ui.room_live import draw as draw_live
 from inspector.ui.room_live import panel as live_panel
 from inspector.ui.room_outage import LOST, offline, restore, teacher_offline
 from inspector.ui.room_poll import poll_box
@@ -131,6 +132,7 @@ def before_page(page: str) -> None:
                 r.run_id = state.run_id          # tried once per run id: a bad run is not fetched again
                 raise
             r.run_id = state.run_id              # (a script run stopped mid-load by a newer rerun tries again)
+        r.live = _live_seq(r.code)
         r.error = None
     except ROOM_ERRORS as e:   # the store does not answer: the watcher reruns this screen when it does
         if state is None:
@@ -143,9 +145,9 @@ def before_page(page: str) -> None:
             return
     run = current_run()
     r.widgets = widget_values(state.view, len(run.result.steps) if run is not None else None)
-    r.version, r.state, r.seen = state.version, state, state.version
+    r.version, r.state, r.seen = state.version, state, signature("follow", state, live=r.live)
     if push_available():
-        watcher.watch(_session_id(), "follow", r.code, state.version)
+        watcher.watch(_session_id(), "follow", r.code, r.seen)
     if state.view.page != page and (path := page_path(state.view.page)) is not None:
         st.switch_page(path, query_params={**st.query_params.to_dict(), "room": r.code})
 
@@ -307,11 +309,20 @@ def bar() -> None:
     if not following():
         _notify("detached", r.code, signature("detached", state))
     elif not push_available():
-        _poll_fallback()
-    if following() and state is not None and state.live is not None and not r.error:
-        live_panel(r.code, state.live)      # the teacher's run as it generates
+        _poll_fallback()                    # the one route where nothing pushes: it draws the live panel too
+    elif state is not None and r.live is not None and not r.error:
+        live_panel(r.code, r.live)          # the teacher's run as it generates
     if state is not None:
         poll_box(r, state)
+
+
+def _live_seq(code: str) -> int | None:
+    """The number of the teacher's run generating now, None when none is (or its document cannot be read)."""
+    try:
+        doc = _store().live(code)[1]
+    except ROOM_ERRORS:
+        return None
+    return None if doc is None else doc.seq
 
 
 def _session_id() -> str:
@@ -376,16 +387,21 @@ def _follow() -> None:
 @st.fragment(run_every=FALLBACK_EVERY_S)
 def _poll_fallback() -> None:
     """Only where the watcher cannot rerun a session (inspector.ui.room_push.available): every FALLBACK_EVERY_S, one
-    read of the room's state; the whole app reruns when it changed."""
+    read of the room's state (and its live run, for a following student); the whole app reruns when it changed,
+    else a following student's live panel is drawn here (one polling fragment for the run and its live view)."""
     r = room()
     if r is None:
         return
     state, failed = _state_or_error(r.code)
-    if r.role == "student" and following():     # what the last full run drew (before_page): no rerun loop
-        changed = signature("follow", False if failed else state) != r.seen     # while the store is down
+    following_now = r.role == "student" and following()
+    if following_now:     # what the last full run drew (before_page): no rerun loop while the store is down
+        live = None if failed or state is None else _live_seq(r.code)
+        changed = signature("follow", False if failed else state, live=live) != r.seen
     else:
         seen = r.fallback_seen
         r.fallback_seen = (None if state is None else (state.poll, _answers(r.code, state)))
         changed = seen is not None and seen != r.fallback_seen
     if changed:
         st.rerun(scope="app")
+    if following_now and r.live is not None and not r.error:
+        draw_live(r.code, r.live)           # the teacher's run as it generates
