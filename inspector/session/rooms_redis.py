@@ -25,6 +25,7 @@ URLs: `redis://[[user]:password@]host[:port][/db]` and `unix:///path/to/redis.so
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import redis
@@ -36,6 +37,7 @@ COOLDOWN_S = 2.0         # after a timeout, calls fail at once for this long
 SEND_RATE = 20 << 20     # bytes a second a slow link still manages: a large run's write gets its time on top
 DEFAULT_LIMIT = 1 << 20  # a value read without a limit of its own (state documents are a few KiB)
 MAX_BULK = 128 << 20    # the largest value written (a room's run: rooms_state.MAX_RUN_BYTES)
+log = logging.getLogger("llm_inspector")
 MAX_RETRIES = 200        # an update that meets a concurrent writer is tried again, at most this often
 
 # A poll's answers: at most ARGV[1] values of at most ARGV[2] bytes (the rest skipped), read on the server.
@@ -216,7 +218,14 @@ class RedisBackend:
     def check_keeps_keys(self) -> None:
         """RedisError unless this Redis keeps every key until it expires (maxmemory-policy noeviction, or no
         memory limit at all)."""
-        info = self.call(lambda r: r.info("memory"))
+        try:
+            info = self.call(lambda r: r.info("memory"))
+        except RedisError as e:       # a user whose ACL forbids INFO: said loudly, not a reason to refuse
+            if "NOPERM" not in str(e) and "unknown command" not in str(e):
+                raise
+            log.warning("rooms: cannot read this Redis's eviction policy (%s); make sure it runs with "
+                        "maxmemory-policy noeviction, or a live room's keys may vanish", e)
+            return
         policy, limit = str(info.get("maxmemory_policy", "noeviction")), int(info.get("maxmemory", 0) or 0)
         if policy != "noeviction":
             raise RedisError(
