@@ -233,6 +233,14 @@ class RoomStore:
         data = self.b.get(self._k(code, "live"), MAX_LIVE_BYTES)
         return n, None if data is None else Live.from_json(data)
 
+    def live_seq(self, code: str) -> int | None:
+        """The number of the teacher's run generating now; None when none is (or its document cannot be read)."""
+        try:
+            doc = self.live(code)[1]
+        except (RoomError, RedisError):
+            return None
+        return None if doc is None else doc.seq
+
     def live_version(self, code: str) -> int:
         return _count(self.b.get(self._k(check_code(code), "livever"), 32))
 

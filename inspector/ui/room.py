@@ -132,7 +132,7 @@ def before_page(page: str) -> None:
                 r.run_id = state.run_id          # tried once per run id: a bad run is not fetched again
                 raise
             r.run_id = state.run_id              # (a script run stopped mid-load by a newer rerun tries again)
-        r.live = _live_seq(r.code)
+        r.live = _store().live_seq(r.code)
         r.error = None
     except ROOM_ERRORS as e:   # the store does not answer: the watcher reruns this screen when it does
         if state is None:
@@ -316,15 +316,6 @@ def bar() -> None:
         poll_box(r, state)
 
 
-def _live_seq(code: str) -> int | None:
-    """The number of the teacher's run generating now, None when none is (or its document cannot be read)."""
-    try:
-        doc = _store().live(code)[1]
-    except ROOM_ERRORS:
-        return None
-    return None if doc is None else doc.seq
-
-
 def _session_id() -> str:
     ctx = get_script_run_ctx()
     return ctx.session_id if ctx is not None else "no-session"
@@ -395,7 +386,7 @@ def _poll_fallback() -> None:
     state, failed = _state_or_error(r.code)
     following_now = r.role == "student" and following()
     if following_now:     # what the last full run drew (before_page): no rerun loop while the store is down
-        live = None if failed or state is None else _live_seq(r.code)
+        live = None if failed or state is None else _store().live_seq(r.code)
         changed = signature("follow", False if failed else state, live=live) != r.seen
     else:
         seen = r.fallback_seen
