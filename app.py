@@ -21,7 +21,7 @@ from streamlit.runtime.scriptrunner_utils.exceptions import StopException
 
 from inspector.session.clients import sessions
 from inspector.ui import room
-from inspector.ui.common import browser_key, finish_load, forget_load_box, keep_within_budget, server_limits
+from inspector.ui.common import admission_key, finish_load, forget_load_box, keep_within_budget, server_limits
 from inspector.ui.frame import frame
 from inspector.ui.sidebar import own_turn, sidebar
 from inspector.ui.state import session
@@ -67,8 +67,9 @@ if PROJECTOR not in st.session_state:          # a shared link decides the first
                                    else st.query_params.get("projector", "") in ("1", "true", "on", "yes"))
 state.projector = bool(st.session_state[PROJECTOR])
 nav = st.navigation(PAGES, position="hidden")     # the sidebar lists the pages (inspector.ui.widgets)
-too_many = sessions.admit(browser_key(), state.token,     # counts this session for its browser while it lives
-                          server_limits(show_error=False).max_sessions_per_client)
+limits = server_limits(show_error=False)
+too_many = sessions.admit(admission_key(), state.token,   # counts this session for its browser (or, without a
+                          limits.max_sessions_per_client, limits.max_sessions)   # cookie, all cookie-less ones)
 if too_many:                                      # before any run, room or model is touched: it holds nothing
     st.error(too_many)
     st.stop()

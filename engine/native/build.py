@@ -9,8 +9,10 @@ LLM_INSPECTOR_NATIVE=0 turns the native decode step off (the PyTorch forward doe
 
 Whatever is loaded runs inside the server, so the cache is trusted only as far as it is private: the folder is
 created 0700, and a folder, library or checksum file that another user owns or can write is refused (the
-PyTorch path is used, with the reason). The SHA-256 of each library is recorded next to it (llmi-….so.sha256)
-when it is built and compared before every load; a library whose bytes do not match is built again in place.
+PyTorch path is used, with the reason), as is a cache folder that is a symbolic link, or one below a folder
+someone else could write to or owns (every folder up to /, `check_chain`). The SHA-256 of each library is
+recorded next to it (llmi-….so.sha256) when it is built and compared before every load; a library whose bytes
+do not match is built again in place.
 """
 from __future__ import annotations
 
@@ -109,14 +111,40 @@ def _check_private(st: os.stat_result, path: Path) -> None:
 
 
 def private_dir(folder: Path) -> None:
-    """Create the folder 0700 if it is missing; refuse one that is not this user's alone."""
+    """Create the folder 0700 if it is missing; refuse one that is not this user's alone: a symbolic link, or a
+    folder anyone but this user could replace (check_chain)."""
+    folder = Path(os.path.abspath(folder))
     folder.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         os.mkdir(folder, 0o700)
-    st = os.stat(folder)
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeCacheError(f"{folder} is a symbolic link")
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeCacheError(f"{folder} is not a folder")
     _check_private(st, folder)
+    check_chain(folder)
+
+
+def check_chain(folder: Path) -> None:
+    """Refuse a folder that someone else could swap: every folder above it, as written and with its symbolic links
+    resolved, up to /, must belong to this user or to root and be writable by its owner only. A folder others may
+    write to passes only with its sticky bit set (as /tmp) and when the entry below it is this user's or root's
+    (the sticky bit keeps others from renaming or deleting it). A symbolic link on the way belongs to this user
+    or root; its folder is the next one checked, its target on the resolved chain."""
+    me = os.geteuid()
+    for top in (folder, Path(os.path.realpath(folder))):
+        below = me
+        for p in top.parents:
+            st = os.lstat(p)
+            if st.st_uid not in (me, 0):
+                raise UnsafeCacheError(f"{p}, a folder above the cache, belongs to user id {st.st_uid}, not to this "
+                                       f"user (id {me}) or root: its owner could replace {folder}")
+            if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not (
+                    st.st_mode & stat.S_ISVTX and below in (me, 0)):
+                raise UnsafeCacheError(f"{p}, a folder above the cache, can be written by other users (mode "
+                                       f"{stat.S_IMODE(st.st_mode):04o}): they could replace {folder}")
+            below = st.st_uid
 
 
 def _read_private(path: Path) -> bytes:

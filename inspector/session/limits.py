@@ -59,6 +59,7 @@ class Limits:
     max_queued_per_client: int = 1       # runs one browser may have waiting in the queue
     max_session_mb: int = 400            # memory one browser session may keep (runs, maps, traces, reports)
     max_sessions_per_client: int = 8     # sessions (tabs) one browser may hold open on this server at once
+    max_sessions: int = 100              # sessions on this server, every browser and script together
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -108,6 +109,8 @@ LIMITS = {
                       "past it the oldest derived data is dropped, and the user told",
     "max_sessions_per_client": "sessions (tabs, kept about two minutes after they close) one browser may hold on "
                                "this server; one more is told to close a tab and holds nothing",
+    "max_sessions": "sessions on this server, every browser and every connection without a browser cookie "
+                    "together; one more is told to try later and holds nothing",
 }
 
 

@@ -2,12 +2,14 @@
 recently used first out.
 
 Two stores, one interface (`memo(store, key, compute)`):
-  - a session's own dict in st.session_state, keyed by the run it belongs to (run_key), dropped with the run;
-  - the process's SHARED store, for a room's run: every student's session holds a copy of the same trace
-    bytes (the same room run id), so what one session computes from it (a map, a chain, a figure) is what the
-    others would compute. One session computes, the others wait for it and take the same value (a class of
-    thirty following the teacher computes each view once per server, not thirty times). Values in it are
-    never changed by their users; it has its own bounds, apart from any session's allowance.
+  - a session's own dict (one of SessionState.memos, inspector/session/state.py: the session's typed state that
+    inspector.ui.state.session() returns), keyed by the run it belongs to (run_key), dropped with the run;
+  - the process's SHARED store, for a room's run: every student's session shows the same run (the same room
+    run id; one parsed copy per process, inspector.session.room_runs), so what one session computes from it (a
+    map, a chain, a figure) is what the others would compute. One session computes, the others wait for it and
+    take the same value (a class of thirty following the teacher computes each view once per server, not thirty
+    times). Values in it are never changed by their users; it has its own bounds, apart from any session's
+    allowance.
 
 `view_store(run, own)` says which of the two a page uses for a run, and `content_key(run, model)` is the
 key prefix that goes with it. `styled_once(fig)` is the app's restyling of a figure, made once per figure."""

@@ -2,9 +2,10 @@
 prefill's progress, the text so far and the newest token with its probability and the model's top
 candidates; then, when the run ends, the whole run as any published run (RoomStore.publish).
 
-The room's state document says that a run is live (`RoomState.live`, the run's number in the room: students'
-screens rerun once when it starts and once when the full run replaces it). What changes with every token is
-one small document of its own (`Live`, at most MAX_LIVE_BYTES as JSON, its text cut to the last
+A run is live while the room holds its live document: it appears when the run starts and goes when the full
+run is published (in the same transaction as the room's new version) or when it ends with nothing to show. A
+run changes the room's state version once, when it is published whole. What changes with every token is that
+one small document (`Live`, UTF-8 JSON of at most MAX_LIVE_BYTES, its text cut to the last
 MAX_TEXT_CHARS characters, five candidates of at most MAX_TOKEN_CHARS each) under a counter the room's watcher
 reads (inspector.ui.room_push): a student's screen redraws only its live panel when it moves.
 
@@ -23,13 +24,17 @@ from dataclasses import dataclass, replace
 
 from .rooms_state import ROOM_ERRORS, RoomError, check_int
 
-MAX_LIVE_BYTES = 16 << 10
+PHASES = ("queued", "prefill", "decode", "done", "stopped", "failed")
 MAX_TEXT_CHARS = 2_000
 MAX_PROMPT_CHARS = 1_000
 MAX_TOKEN_CHARS = 32
 MAX_TOP = 5
+# What is shown is bounded in characters (above); the document's bytes follow from them: written as UTF-8 JSON
+# (not ASCII-escaped), a character takes at most 6 bytes (a control character's \u00XX; Chinese 3, an emoji 4),
+# plus the keys and numbers. Chinese or emoji text fills the same 2,000 characters as English.
+SHOWN_CHARS = MAX_PROMPT_CHARS + MAX_TEXT_CHARS + (1 + MAX_TOP) * MAX_TOKEN_CHARS
+MAX_LIVE_BYTES = 6 * SHOWN_CHARS + 1024
 PUBLISH_EVERY_S = 0.15
-PHASES = ("queued", "prefill", "decode", "done", "stopped", "failed")
 log = logging.getLogger("llm_inspector")
 
 
@@ -71,7 +76,7 @@ class LiveToken:
 @dataclass(frozen=True)
 class Live:
     """The teacher's run as it generates."""
-    seq: int                         # its number in the room (RoomState.live)
+    seq: int                         # its number in the room (counted by the room's liveseq)
     prompt: str
     max_new: int
     phase: str = "queued"
@@ -83,7 +88,8 @@ class Live:
     def as_json(self) -> bytes:
         return json.dumps({"seq": self.seq, "prompt": self.prompt, "max_new": self.max_new, "phase": self.phase,
                            "prefill": self.prefill, "tokens": self.tokens, "text": self.text,
-                           "last": None if self.last is None else self.last.as_dict()}).encode()
+                           "last": None if self.last is None else self.last.as_dict()},
+                          ensure_ascii=False).encode("utf-8", "replace")      # a lone surrogate becomes ?
 
     @classmethod
     def from_json(cls, data: bytes) -> "Live":

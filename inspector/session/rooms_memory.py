@@ -5,22 +5,32 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Protocol
+from typing import Callable, Protocol
+
+from .rooms_redis import DEFAULT_LIMIT, Full
 
 SWEEP_S = 60.0                   # the in-process store drops every expired key at most this often
 
 
-class Backend(Protocol):
-    """The storage a RoomStore needs: bytes under string keys, each key with a time to live (seconds)."""
+Op = tuple    # ("set", key, value, ttl) | ("del", *keys) | ("expire", key, ttl)
 
-    def get(self, key: str) -> bytes | None: ...
+
+class Backend(Protocol):
+    """The storage a RoomStore needs: bytes under string keys, each key with a time to live (seconds). Every read
+    is bounded by its caller (`limit` bytes, `max_items` values), and `update` is the one way to read and then
+    write: atomic, whoever else writes at the same time."""
+
+    def get(self, key: str, limit: int = DEFAULT_LIMIT) -> bytes | None: ...   # at most limit + 1 bytes
     def set(self, key: str, value: bytes, ttl: int, only_new: bool = False) -> bool: ...
     def delete(self, *keys: str) -> None: ...
     def expire(self, key: str, ttl: int) -> None: ...
     def incr(self, key: str, ttl: int) -> int: ...
-    def hsetnx(self, key: str, name: str, value: bytes, ttl: int) -> bool: ...
-    def hgetall(self, key: str) -> dict[str, bytes]: ...
+    def hsetnx(self, key: str, name: str, value: bytes, ttl: int, max_len: int = 1 << 31) -> bool: ...  # Full
+    def hvals(self, key: str, max_items: int, max_len: int) -> list[bytes]: ...
     def hlen(self, key: str) -> int: ...
+    def update(self, keys: tuple[str, ...], change: Callable[[dict], tuple[list[Op], object]],
+               limit: int = DEFAULT_LIMIT, send: int = 0) -> object: ...
+    def check_keeps_keys(self) -> None: ...
 
 
 class MemoryBackend:
@@ -55,10 +65,10 @@ class MemoryBackend:
             return None
         return None if item is None else item[1]
 
-    def get(self, key):
+    def get(self, key, limit=DEFAULT_LIMIT):
         with self._lock:
             v = self._live(key)
-            return v if isinstance(v, bytes) else None
+            return v[:limit + 1] if isinstance(v, bytes) and v else None
 
     def set(self, key, value, ttl, only_new=False):
         with self._lock:
@@ -87,23 +97,51 @@ class MemoryBackend:
             self._d[key] = (self._clock() + ttl, str(n).encode())
             return n
 
-    def hsetnx(self, key, name, value, ttl):
+    def hsetnx(self, key, name, value, ttl, max_len=1 << 31):
         with self._lock:
             h = self._live(key)
             h = dict(h) if isinstance(h, dict) else {}
             if name in h:
                 return False
+            if len(h) >= max_len:
+                raise Full(f"{key} holds {max_len} fields")
             h[name] = bytes(value)
             self._d[key] = (self._clock() + ttl, h)
             return True
 
-    def hgetall(self, key):
+    def hvals(self, key, max_items, max_len):
         with self._lock:
             h = self._live(key)
-            return dict(h) if isinstance(h, dict) else {}
+            vals = list(h.values())[:max_items] if isinstance(h, dict) else []
+        return [v for v in vals if len(v) <= max_len]
 
     def hlen(self, key):
-        return len(self.hgetall(key))
+        with self._lock:
+            h = self._live(key)
+            return len(h) if isinstance(h, dict) else 0
 
+    def update(self, keys, change, limit=DEFAULT_LIMIT, send=0):
+        """Read `keys`, let change() say what to write, write it: all under the store's lock."""
+        with self._lock:
+            values = {}
+            for k in keys:
+                v = self._live(k)
+                values[k] = v[:limit + 1] if isinstance(v, bytes) and v else None
+            ops, result = change(values)
+            now = self._clock()
+            for kind, *args in ops:
+                if kind == "set":
+                    self._d[args[0]] = (now + args[2], bytes(args[1]))
+                elif kind == "del":
+                    for k in args:
+                        self._d.pop(k, None)
+                elif kind == "expire":
+                    if self._live(args[0]) is not None:
+                        self._d[args[0]] = (now + args[1], self._d[args[0]][1])
+                else:
+                    raise ValueError(f"not a store operation: {kind!r}")
+            return result
 
-# ---- the rules -------------------------------------------------------------------------------------------
+    def check_keeps_keys(self) -> None:
+        """This process's dict evicts nothing: keys go when their time is up."""
+

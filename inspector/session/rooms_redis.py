@@ -1,235 +1,252 @@
 """Rooms kept in Redis, so that several app processes (behind a load balancer) share them: a Backend for
-inspector.session.rooms.RoomStore over a minimal client of Redis's protocol (RESP2) on a plain socket.
+inspector.session.rooms.RoomStore over redis-py (its connection pool, timeouts, `unix://` URLs, pipelines and
+WATCH/MULTI transactions).
 
-Only what a RoomStore needs: GET, SET (EX, NX), DEL, EXPIRE, INCR, HSETNX, HGETALL, HLEN, plus AUTH, SELECT and
-PING. No extra package: the protocol is a few lines, and a small client is easy to bound — every reply is
-size-checked before it is read (a bulk string of at most `max_bulk` bytes, arrays of at most 100,000 items), so
-a wrong or hostile server cannot make the app allocate without limit. Connections are pooled (one per
-concurrent caller, a few kept idle).
+Every read is bounded by the caller, never by what the store holds: a value is read with
+`GETRANGE key 0 limit` (at most limit + 1 bytes come back, so a value over its limit is seen as such without
+reading it), and a poll's answers are read by a server-side script that returns at most `max_items` values
+of at most `max_len` bytes each. A wrong or hostile store cannot make the app allocate without limit.
+
+Updates that read before they write (a room's state document, and its version) are one WATCH/MULTI
+transaction (`update`): two publishes at once (two tabs, two processes) both land, the second retried on the
+first's result. A poll's answer is one script (the count checked and the answer added at once).
 
 Every call is on a page's path (a student's rerun waits for it), so a store that does not answer fails fast:
 `timeout` (0.5 s) bounds the connect and each wait for a reply, a timeout is never retried, and for
 `cooldown_s` after one every call fails at once with the same message (a hung store costs a page one wait,
 not one per call). A connection that broke (Redis restarted: every pooled connection is dead) empties the
-pool and the command is tried once more on a fresh connection (every command used here is harmless to
-repeat).
+pool and the call is tried once more on a fresh connection (every call used here is harmless to repeat).
+
+Rooms need a store that never evicts keys: with `maxmemory` and an eviction policy, Redis may drop a live
+room's keys, its teacher's authorisation included. `check_keeps_keys` refuses such a store (RoomStore calls
+it before it starts or re-opens a room).
 
 URLs: `redis://[[user]:password@]host[:port][/db]` and `unix:///path/to/redis.sock[?db=N][&password=…]`.
 """
 from __future__ import annotations
 
-import socket
-import threading
+import logging
 import time
-from contextlib import contextmanager
-from urllib.parse import parse_qs, unquote, urlsplit
 
-MAX_ARRAY = 100_000
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
 TIMEOUT_S = 0.5          # connect, and each wait for a reply: a local Redis answers in well under a millisecond
 COOLDOWN_S = 2.0         # after a timeout, calls fail at once for this long
-SEND_RATE = 20 << 20     # bytes a second a slow link still manages: a large run's send gets its time on top
+SEND_RATE = 20 << 20     # bytes a second a slow link still manages: a large run's write gets its time on top
+DEFAULT_LIMIT = 1 << 20  # a value read without a limit of its own (state documents are a few KiB)
+MAX_BULK = 128 << 20    # the largest value written (a room's run: rooms_state.MAX_RUN_BYTES)
+log = logging.getLogger("llm_inspector")
+MAX_RETRIES = 200        # an update that meets a concurrent writer is tried again, at most this often
+
+# A poll's answers: at most ARGV[1] values of at most ARGV[2] bytes (the rest skipped), read on the server.
+_HVALS_BOUNDED = """
+local out, vals = {}, redis.call('HVALS', KEYS[1])
+for i = 1, math.min(#vals, tonumber(ARGV[1])) do
+  if string.len(vals[i]) <= tonumber(ARGV[2]) then out[#out + 1] = vals[i] end
+end
+return out"""
+# One answer: refused (-1) when the poll holds ARGV[4] answers already; else HSETNX, and the key lives on.
+_HSETNX_BOUNDED = """
+if redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[4]) and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then
+  return -1
+end
+local added = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return added"""
 
 
 class RedisError(Exception):
     """Redis answered with an error, or could not be reached (the message says which)."""
 
 
-def encode(*args) -> bytes:
-    """One command in RESP: an array of bulk strings."""
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        b = a if isinstance(a, bytes) else str(a).encode()
-        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
-    return b"".join(out)
+class Full(RedisError):
+    """A bounded hash (a poll) holds as many fields as it may."""
 
 
-def read_reply(f, max_bulk: int):
-    """One reply from a binary file-like object: bytes, int, str (a status), None, list; RedisError for
-    an error reply. Sizes are checked before anything is read."""
-    line = f.readline(64 * 1024)
-    if not line.endswith(b"\r\n"):
-        raise ConnectionError("the connection closed in the middle of a reply")
-    kind, rest = line[:1], line[1:-2]
-    if kind == b"+":
-        return rest.decode("utf-8", "replace")
-    if kind == b"-":
-        raise RedisError(rest.decode("utf-8", "replace")[:200])
-    if kind == b":":
-        return int(rest)
-    if kind == b"$":
-        n = int(rest)
-        if n < 0:
-            return None
-        if n > max_bulk:
-            raise ConnectionError(f"a reply of {n:,} bytes is more than this client accepts ({max_bulk:,})")
-        data = f.read(n + 2)
-        if len(data) != n + 2:
-            raise ConnectionError("the connection closed in the middle of a reply")
-        return data[:-2]
-    if kind == b"*":
-        n = int(rest)
-        if n < 0:
-            return None
-        if n > MAX_ARRAY:
-            raise ConnectionError(f"an array of {n:,} items is more than this client accepts")
-        return [read_reply(f, max_bulk) for _ in range(n)]
-    raise ConnectionError(f"not a Redis reply: {line[:40]!r}")
-
-
-class Connection:
-    def __init__(self, address, password: str | None, user: str | None, db: int, timeout: float) -> None:
-        self.timeout = timeout
-        family = socket.AF_UNIX if isinstance(address, str) else socket.AF_INET
-        if family == socket.AF_INET:
-            self.sock = socket.create_connection(address, timeout=timeout)
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        else:
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.settimeout(timeout)
-            self.sock.connect(address)
-        self.f = self.sock.makefile("rb")
-        if password is not None:
-            self.call(1024, *(["AUTH", user, password] if user else ["AUTH", password]))
-        if db:
-            self.call(1024, "SELECT", db)
-
-    def call(self, max_bulk: int, *args):
-        data = encode(*args)
-        if len(data) > SEND_RATE // 10:          # sendall's timeout bounds the whole send, not each chunk
-            self.sock.settimeout(self.timeout + len(data) / SEND_RATE)
-        try:
-            self.sock.sendall(data)
-        finally:
-            if len(data) > SEND_RATE // 10:
-                self.sock.settimeout(self.timeout)
-        return read_reply(self.f, max_bulk)
-
-    def close(self) -> None:
-        try:
-            self.f.close()
-            self.sock.close()
-        except OSError:
-            pass
+def _ttl(ttl) -> int:
+    return max(1, int(ttl))
 
 
 class RedisBackend:
-    """The RoomStore Backend in Redis (see inspector.session.rooms.Backend)."""
+    """The RoomStore Backend in Redis (see inspector.session.rooms_memory.Backend)."""
 
     def __init__(self, address, *, password: str | None = None, user: str | None = None, db: int = 0,
-                 timeout: float = TIMEOUT_S, max_bulk: int = 160 << 20, max_idle: int = 8,
-                 cooldown_s: float = COOLDOWN_S, clock=time.monotonic) -> None:
-        self.address, self.password, self.user, self.db = address, password, user, db
-        self.timeout, self.max_bulk, self.max_idle, self.cooldown_s = timeout, max_bulk, max_idle, cooldown_s
-        self._idle: list[Connection] = []
-        self._lock = threading.Lock()
+                 timeout: float = TIMEOUT_S, cooldown_s: float = COOLDOWN_S, clock=time.monotonic,
+                 max_connections: int = 256) -> None:
+        where = {"unix_socket_path": address} if isinstance(address, str) else {"host": address[0],
+                                                                                "port": address[1]}
+        self.address, self.timeout, self.cooldown_s = address, timeout, cooldown_s
+        self.client = redis.Redis(**where, db=db, password=password, username=user, socket_timeout=timeout,
+                                  socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
+                                  max_connections=max_connections, lib_name=None, lib_version=None,
+                                  health_check_interval=0)
         self._clock = clock
         self._silent_until = 0.0          # a timeout was met: until then, calls fail at once
+        self._bulk: redis.Redis | None = None
+        self._hvals = self.client.register_script(_HVALS_BOUNDED)
+        self._hsetnx = self.client.register_script(_HSETNX_BOUNDED)
 
     @classmethod
     def from_url(cls, url: str, **kw) -> "RedisBackend":
         """ValueError for a URL this client does not read (the message says what is expected)."""
-        u = urlsplit(url)
-        q = {k: v[-1] for k, v in parse_qs(u.query).items()}
         try:
-            if u.scheme in ("redis", "tcp"):
-                db = int((u.path or "/0").strip("/") or 0)
-                address = (u.hostname or "127.0.0.1", u.port or 6379)
-                password = None if u.password is None else unquote(u.password)
-                user = unquote(u.username) if u.username else None
-            elif u.scheme in ("unix", "redis+unix") and u.path:
-                db, address = int(q.get("db", 0)), u.path
-                password, user = q.get("password"), q.get("user")
-            else:
+            u = redis.connection.parse_url(url)
+            kind = u.get("connection_class")
+            if kind is redis.connection.UnixDomainSocketConnection:
+                if not u.get("path"):
+                    raise ValueError
+                address = u["path"]
+            elif kind is not None:          # rediss:// (TLS): not offered
                 raise ValueError
-        except ValueError:
+            else:
+                address = (u.get("host") or "127.0.0.1", int(u.get("port") or 6379))
+            db = int(u.get("db") or 0)
+        except (ValueError, TypeError):
             raise ValueError("expected redis://[[user]:password@]host[:port][/db] or unix:///path/redis.sock"
                              "[?db=N]") from None
-        return cls(address, password=password, user=user, db=db, **kw)
+        return cls(address, password=u.get("password"), user=u.get("username"), db=db, **kw)
 
-    @contextmanager
-    def _conn(self, fresh: bool = False):
-        conn = None
-        if not fresh:
-            with self._lock:
-                conn = self._idle.pop() if self._idle else None
-        try:
-            conn = conn or Connection(self.address, self.password, self.user, self.db, self.timeout)
-        except TimeoutError:
-            raise
-        except OSError as e:
-            raise RedisError(f"the room store (Redis) cannot be reached: {e.strerror or e}") from None
-        ok = False
-        try:
-            yield conn
-            ok = True
-        finally:
-            with self._lock:
-                if ok and len(self._idle) < self.max_idle:
-                    self._idle.append(conn)
-                    conn = None
-            if conn is not None:
-                conn.close()
+    @property
+    def pool(self) -> redis.ConnectionPool:
+        return self.client.connection_pool
 
-    def call(self, *args):
-        """One command. A timeout fails at once (and the next calls, for cooldown_s); a broken connection
-        empties the pool (its siblings broke with it) and the command is tried once more on a fresh one."""
+    def call(self, f, *, send: int = 0):
+        """Run f(client). A timeout fails at once (and the next calls, for cooldown_s); a broken connection
+        empties the pool (its siblings broke with it) and f is tried once more on a fresh one. `send`: bytes
+        f writes (a large run gets time to travel on top of the timeout)."""
         if self._clock() < self._silent_until:
             raise RedisError(self._silent_message())
         for attempt in (0, 1):
             try:
-                with self._conn(fresh=attempt == 1) as conn:
-                    return conn.call(self.max_bulk, *args)
-            except TimeoutError:
+                if send > SEND_RATE // 10:
+                    return f(self._slow_client(send))
+                return f(self.client)
+            except redis.TimeoutError:
                 self._silent_until = self._clock() + self.cooldown_s
                 self.close()
                 raise RedisError(self._silent_message()) from None
-            except (OSError, ValueError) as e:        # ConnectionError is an OSError; ValueError: a bad length
+            except redis.ConnectionError as e:
                 self.close()
                 if attempt:
-                    raise RedisError(f"the room store (Redis) failed: {e}") from None
+                    raise RedisError(f"the room store (Redis) cannot be reached: {e}") from None
+            except redis.WatchError:
+                raise
+            except redis.RedisError as e:        # an error reply (WRONGTYPE, NOAUTH, NOSCRIPT, OOM ...)
+                raise RedisError(f"the room store (Redis) failed: {str(e)[:200]}") from None
+
+    def _slow_client(self, nbytes: int) -> redis.Redis:
+        """A client for large writes (a run's trace bytes): its own small pool, whose connections wait as long as
+        the largest run allowed (MAX_BULK) takes to travel."""
+        if self._bulk is None:
+            kw = dict(self.pool.connection_kwargs, socket_timeout=self.timeout + MAX_BULK / SEND_RATE)
+            self._bulk = redis.Redis(connection_pool=redis.ConnectionPool(
+                connection_class=self.pool.connection_class, max_connections=8, **kw))
+        return self._bulk
 
     def _silent_message(self) -> str:
         return (f"the room store (Redis) did not answer within {self.timeout:g} s; the room is not updated "
                 f"(tried again in {self.cooldown_s:g} s)")
 
     def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for c in idle:
-            c.close()
+        self.pool.disconnect()
+        if self._bulk is not None:
+            self._bulk.connection_pool.disconnect()
 
     # ---- the Backend ------------------------------------------------------------------------------------
-    def get(self, key):
-        v = self.call("GET", key)
-        return v if isinstance(v, bytes) else None
+    def get(self, key, limit: int = DEFAULT_LIMIT):
+        """The value (None when there is none); at most limit + 1 bytes are read, so a longer value comes back
+        longer than `limit`, cut: the caller refuses it."""
+        v = self.call(lambda r: r.getrange(key, 0, limit))
+        return v if isinstance(v, bytes) and v else None
 
     def set(self, key, value, ttl, only_new=False):
-        return self.call("SET", key, value, "EX", max(1, int(ttl)), *(["NX"] if only_new else [])) == "OK"
+        return bool(self.call(lambda r: r.set(key, value, ex=_ttl(ttl), nx=only_new), send=len(value)))
 
     def delete(self, *keys):
         if keys:
-            self.call("DEL", *keys)
+            self.call(lambda r: r.delete(*keys))
 
     def expire(self, key, ttl):
-        self.call("EXPIRE", key, max(1, int(ttl)))
+        self.call(lambda r: r.expire(key, _ttl(ttl)))
 
     def incr(self, key, ttl):
-        n = self.call("INCR", key)
-        self.call("EXPIRE", key, max(1, int(ttl)))
-        return int(n)
+        def f(r):
+            p = r.pipeline(transaction=True)
+            p.incr(key).expire(key, _ttl(ttl))
+            return int(p.execute()[0])
+        return self.call(f)
 
-    def hsetnx(self, key, name, value, ttl):
-        added = self.call("HSETNX", key, name, value) == 1
-        self.call("EXPIRE", key, max(1, int(ttl)))
-        return added
+    def hsetnx(self, key, name, value, ttl, max_len: int = 1 << 31):
+        """Add name: value unless name is there; Full when the hash holds max_len fields already."""
+        n = self.call(lambda r: self._hsetnx(keys=[key], args=[name, value, _ttl(ttl), max_len], client=r))
+        if n == -1:
+            raise Full(f"{key} holds {max_len} fields")
+        return n == 1
 
-    def hgetall(self, key):
-        items = self.call("HGETALL", key) or []
-        return {items[i].decode("utf-8", "replace"): items[i + 1] for i in range(0, len(items) - 1, 2)
-                if isinstance(items[i], bytes) and isinstance(items[i + 1], bytes)}
+    def hvals(self, key, max_items: int, max_len: int) -> list[bytes]:
+        return [v for v in self.call(lambda r: self._hvals(keys=[key], args=[max_items, max_len], client=r)) or []
+                if isinstance(v, bytes)]
 
     def hlen(self, key):
-        return int(self.call("HLEN", key))
+        return int(self.call(lambda r: r.hlen(key)))
+
+    def update(self, keys, change, limit: int = DEFAULT_LIMIT, send: int = 0):
+        """Atomically: read `keys` (bounded as get), ops, result = change({key: value}), apply ops (("set", key,
+        value, ttl), ("del", *keys), ("expire", key, ttl)); retried when another writer changed a key first.
+        `send`: about how many bytes the ops write (a run's)."""
+        def f(r):
+            with r.pipeline(transaction=True) as p:
+                for _ in range(MAX_RETRIES):
+                    try:
+                        p.watch(*keys)
+                        values = {k: (p.getrange(k, 0, limit) or None) for k in keys}
+                        ops, result = change(values)
+                        p.multi()
+                        for op in ops:
+                            _queue(p, op)
+                        p.execute()
+                        return result
+                    except redis.WatchError:
+                        continue
+                    finally:
+                        p.reset()
+                raise RedisError(f"the room store (Redis) was changed {MAX_RETRIES} times during one update")
+        return self.call(f, send=send)
+
+    def check_keeps_keys(self) -> None:
+        """RedisError unless this Redis keeps every key until it expires (maxmemory-policy noeviction, or no
+        memory limit at all)."""
+        try:
+            info = self.call(lambda r: r.info("memory"))
+        except RedisError as e:       # a user whose ACL forbids INFO: said loudly, not a reason to refuse
+            if "NOPERM" not in str(e) and "unknown command" not in str(e):
+                raise
+            log.warning("rooms: cannot read this Redis's eviction policy (%s); make sure it runs with "
+                        "maxmemory-policy noeviction, or a live room's keys may vanish", e)
+            return
+        policy, limit = str(info.get("maxmemory_policy", "noeviction")), int(info.get("maxmemory", 0) or 0)
+        if policy != "noeviction":
+            raise RedisError(
+                f"the room store (Redis) may evict keys (maxmemory-policy {policy}"
+                + (f", maxmemory {limit:,} bytes" if limit else ", with no maxmemory yet") + "): a live room's keys, "
+                "its teacher's authorisation included, could vanish. Rooms are off until Redis runs with "
+                "maxmemory-policy noeviction (docs/CLASSROOM.md)")
 
     def ping(self) -> bool:
-        return self.call("PING") == "PONG"
+        return bool(self.call(lambda r: r.ping()))
+
+
+def _queue(p, op) -> None:
+    kind, *args = op
+    if kind == "set":
+        key, value, ttl = args
+        p.set(key, value, ex=_ttl(ttl))
+    elif kind == "del":
+        if args:
+            p.delete(*args)
+    elif kind == "expire":
+        p.expire(args[0], _ttl(args[1]))
+    else:
+        raise ValueError(f"not a store operation: {kind!r}")

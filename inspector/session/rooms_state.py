@@ -145,11 +145,10 @@ class RoomState:
     poll: Poll | None = None
     past_polls: tuple[Poll, ...] = ()
     prev_run_id: str | None = None            # kept one publish longer, for a student still loading it
-    live: int | None = None                   # the teacher's run generating now (its number), carried by rooms_live
 
     def as_json(self) -> bytes:
         return json.dumps({"code": self.code, "version": self.version, "run_id": self.run_id,
-                           "prev_run_id": self.prev_run_id, "view": self.view.as_dict(), "live": self.live,
+                           "prev_run_id": self.prev_run_id, "view": self.view.as_dict(),
                            "poll": None if self.poll is None else self.poll.as_dict(),
                            "past_polls": [p.as_dict() for p in self.past_polls]}).encode()
 
@@ -167,6 +166,5 @@ class RoomState:
         return cls(code=code, version=check_int(d.get("version"), 0, 1 << 62, "version"),
                    run_id=check_run_id(d.get("run_id")), view=View.from_dict(d.get("view")),
                    prev_run_id=check_run_id(d.get("prev_run_id")),
-                   live=None if d.get("live") is None else check_int(d.get("live"), 1, 1 << 62, "live run"),
                    poll=None if d.get("poll") is None else Poll.from_dict(d["poll"]),
                    past_polls=tuple(Poll.from_dict(p) for p in past))

@@ -39,6 +39,7 @@ class RoomSeat:
     # the student's side
     following: bool = True                  # False: exploring on their own
     version: int | None = None              # the room's state version this screen applied
+    live: int | None = None                 # the teacher's run generating now, shown live (its number in the room)
     voter: str | None = None                # the name this browser's answers are kept under (room_sync.voter_id)
     answered: dict[int, int] = field(default_factory=dict)   # poll id -> the token id this browser answered
     ended: bool = False                     # the teacher ended the room

@@ -12,6 +12,7 @@ from contextvars import ContextVar
 
 import streamlit as st
 import torch
+from streamlit import runtime
 from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
 from engine import EngineError, Model, Trace
@@ -20,6 +21,7 @@ from engine.heap import trim
 from engine.progress import Stopped
 from inspector.session.admission import set_client_resolver, slot
 from inspector.session.budget import data_allowance, enforce
+from inspector.session.clients import COOKIELESS
 from inspector.session.limits import LimitError, Limits, LimitsConfigError, check_run_positions
 from inspector.session.memo import memo
 from inspector.session.models import LOAD_RETRY_S, LoadState, model_choices, model_load
@@ -40,6 +42,16 @@ def browser_key() -> str | None:
     if isinstance(cookie, str) and cookie:
         return "browser:" + hashlib.sha256(xsrf_token(cookie).encode()).hexdigest()[:16]
     return None
+
+
+def admission_key() -> str | None:
+    """Whom this session counts against (inspector.session.clients.sessions): its browser; without the browser
+    cookie, every such session of the server together (COOKIELESS: a script cannot invent browsers by leaving it
+    out); None outside a running server (AppTest), where nothing is counted."""
+    browser = browser_key()
+    if browser is not None:
+        return browser
+    return COOKIELESS if runtime.exists() else None
 
 
 def client_key() -> str | None:

@@ -23,12 +23,14 @@ from streamlit.runtime.scriptrunner import get_script_run_ctx
 from engine.inspection.trace import from_bytes, to_bytes
 from inspector.session.limits import trace_bounds
 from inspector.session.memo import run_key
+from inspector.session.room_runs import ROOM_RUNS
 from inspector.session.rooms import shared_store
 from inspector.session.rooms_keys import failed_joins, teacher_key_state, teacher_login, warn_short_key
 from inspector.session.rooms_state import ROOM_ERRORS, RoomError, View, check_code
 from inspector.session.run import track
 from inspector.session.state import RoomSeat
 from inspector.ui.common import client_key, current_run, get_model, plain, server_limits
+from inspector.ui.room_live import draw as draw_live
 from inspector.ui.room_live import panel as live_panel
 from inspector.ui.room_outage import LOST, offline, restore, teacher_offline
 from inspector.ui.room_poll import poll_box
@@ -80,14 +82,19 @@ def _join_from_link() -> None:
 
 
 def _load_run(code: str, run_id: str):
-    """The room's run from its trace bytes, validated against this server's limits and model; None (and
-    the reason kept for the bar) when it cannot be used."""
-    data = _store().run_bytes(code, run_id)
-    if data is None:
-        raise RoomError("the teacher's run is no longer in the room")
+    """The room's run from its trace bytes, validated against this server's limits and model, parsed once per
+    process (inspector.session.room_runs); RoomError when it is no longer in the store."""
     limits, model = server_limits(show_error=False), get_model()
-    trace = track(from_bytes(data, trace_bounds(limits, model)))
-    trace.extra["room_run_id"] = run_id          # which of this session's runs is the room's (polls)
+    bounds = trace_bounds(limits, model)
+
+    def load():
+        data = _store().run_bytes(code, run_id)
+        if data is None:
+            raise RoomError("the teacher's run is no longer in the room")
+        trace = track(from_bytes(data, bounds))
+        trace.extra["room_run_id"] = run_id          # which of this session's runs is the room's (polls)
+        return trace
+    trace = ROOM_RUNS.get((run_id, repr(bounds)), load)     # one parsed copy per process, shared by the followers
     keep_run(trace, limits.max_runs_kept)
     return trace
 
@@ -125,6 +132,7 @@ def before_page(page: str) -> None:
                 r.run_id = state.run_id          # tried once per run id: a bad run is not fetched again
                 raise
             r.run_id = state.run_id              # (a script run stopped mid-load by a newer rerun tries again)
+        r.live = _store().live_seq(r.code)
         r.error = None
     except ROOM_ERRORS as e:   # the store does not answer: the watcher reruns this screen when it does
         if state is None:
@@ -137,9 +145,9 @@ def before_page(page: str) -> None:
             return
     run = current_run()
     r.widgets = widget_values(state.view, len(run.result.steps) if run is not None else None)
-    r.version, r.state, r.seen = state.version, state, state.version
+    r.version, r.state, r.seen = state.version, state, signature("follow", state, live=r.live)
     if push_available():
-        watcher.watch(_session_id(), "follow", r.code, state.version)
+        watcher.watch(_session_id(), "follow", r.code, r.seen)
     if state.view.page != page and (path := page_path(state.view.page)) is not None:
         st.switch_page(path, query_params={**st.query_params.to_dict(), "room": r.code})
 
@@ -301,9 +309,9 @@ def bar() -> None:
     if not following():
         _notify("detached", r.code, signature("detached", state))
     elif not push_available():
-        _poll_fallback()
-    if following() and state is not None and state.live is not None and not r.error:
-        live_panel(r.code, state.live)      # the teacher's run as it generates
+        _poll_fallback()                    # the one route where nothing pushes: it draws the live panel too
+    elif state is not None and r.live is not None and not r.error:
+        live_panel(r.code, r.live)          # the teacher's run as it generates
     if state is not None:
         poll_box(r, state)
 
@@ -370,16 +378,21 @@ def _follow() -> None:
 @st.fragment(run_every=FALLBACK_EVERY_S)
 def _poll_fallback() -> None:
     """Only where the watcher cannot rerun a session (inspector.ui.room_push.available): every FALLBACK_EVERY_S, one
-    read of the room's state; the whole app reruns when it changed."""
+    read of the room's state (and its live run, for a following student); the whole app reruns when it changed,
+    else a following student's live panel is drawn here (one polling fragment for the run and its live view)."""
     r = room()
     if r is None:
         return
     state, failed = _state_or_error(r.code)
-    if r.role == "student" and following():     # what the last full run drew (before_page): no rerun loop
-        changed = signature("follow", False if failed else state) != r.seen     # while the store is down
+    following_now = r.role == "student" and following()
+    if following_now:     # what the last full run drew (before_page): no rerun loop while the store is down
+        live = None if failed or state is None else _store().live_seq(r.code)
+        changed = signature("follow", False if failed else state, live=live) != r.seen
     else:
         seen = r.fallback_seen
         r.fallback_seen = (None if state is None else (state.poll, _answers(r.code, state)))
         changed = seen is not None and seen != r.fallback_seen
     if changed:
         st.rerun(scope="app")
+    if following_now and r.live is not None and not r.error:
+        draw_live(r.code, r.live)           # the teacher's run as it generates

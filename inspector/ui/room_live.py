@@ -2,8 +2,9 @@
 publishing when Run is pressed (`publisher`), and a following student's screen shows a live panel above the
 page: the prompt, the prefill's progress, the text as it grows, the newest token with its probability and the
 model's top candidates. The panel is a fragment that the room's watcher reruns alone when the live run moves
-(inspector.ui.room_push.watch_live), or that polls every FALLBACK_S where the watcher cannot rerun a session. When the
-run ends, the teacher's screen publishes it whole and every student's screen loads it as any room run.
+(inspector.ui.room_push.watch_live); where the watcher cannot rerun a session, the room's one polling fragment
+draws it (inspector.ui.room._poll_fallback). When the run ends, the teacher's screen publishes it whole and
+every student's screen loads it as any room run.
 
 Token texts and the prompt come from the store: they reach the screen as plain text only (st.text, st.code,
 Markdown-escaped), never as Markdown or HTML."""
@@ -16,12 +17,11 @@ from inspector.session.rooms import shared_store
 from inspector.session.rooms_live import Live, LivePublisher
 from inspector.session.rooms_state import ROOM_ERRORS
 from inspector.ui.common import current_run, plain
-from inspector.ui.room_push import available as push_available
-from inspector.ui.room_push import fragment_id, watcher
+from inspector.ui.room_push import watcher
 from inspector.ui.room_sync import room
+from inspector.ui.st_internals import fragment_id
 from inspector.views.sampling import describe
 
-FALLBACK_S = 1.0
 TEACHER_PROMPT = "sb_room_prompt"     # the sidebar's box showing the teacher's prompt to a following student
 
 
@@ -42,25 +42,14 @@ def publisher(prompt: str, max_new: int) -> LivePublisher | None:
                          end=lambda seq: store.end_live(code, token, seq))
 
 
-def panel(code: str, seq: int) -> None:
-    """The live panel of a following student's screen (the room's state says run `seq` is live)."""
-    if push_available():
-        _pushed(code, seq)
-    else:
-        _polled(code, seq)
-
-
 @st.fragment
-def _pushed(code: str, seq: int) -> None:
+def panel(code: str, seq: int) -> None:
+    """The live panel of a following student's screen (run `seq` of the room is live), rerun alone by the room's
+    watcher when the live run moves."""
     n = draw(code, seq)
     ctx, fid = get_script_run_ctx(), fragment_id()
     if ctx is not None:
         watcher.watch_live(ctx.session_id, code, n, fid)
-
-
-@st.fragment(run_every=FALLBACK_S)
-def _polled(code: str, seq: int) -> None:
-    draw(code, seq)
 
 
 def draw(code: str, seq: int) -> int:

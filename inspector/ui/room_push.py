@@ -3,7 +3,7 @@ each followed room's small state document every POLL_S (one read per room, howev
 and asks Streamlit to rerun exactly the sessions whose screen is behind. Nothing polls in the browsers.
 
 Each session says what its screen shows when it draws it (`watch(kind, code, seen)`):
-  "follow"   the room's version it applied (a following student);
+  "follow"   the room's version it applied and the live run it shows, if any (a following student);
   "detached" the poll it showed (a student exploring on their own still sees a poll open or its answers);
   "teacher"  the poll and its number of answers (the teacher's count goes up as answers arrive).
 When the store says otherwise, the watcher requests a rerun of that session with its last client state, as
@@ -11,13 +11,16 @@ if its browser had asked (the page, query and widget values stay). At most one r
 MIN_GAP_S for answer counts; a version change reruns at once. A store that stops answering is a state of its
 own (OFFLINE): each screen reruns once to say that the room is reconnecting, and once more when it answers.
 
-While the teacher's run generates (inspector.session.rooms_live), a following screen's live panel is a
-fragment that says its id (`watch_live`): when the room's live counter moves, the watcher reruns that
-fragment alone, not the whole app.
+One route carries a run to a following screen: this watcher, with one signature per screen. When a run of
+the teacher's starts (its live document appears) or ends (its full run is published under a new version, or
+it ended with nothing to show), the signature changes and the whole screen reruns, once each; while it
+generates, the screen's live panel, a fragment that says its id (`watch_live`), is rerun alone whenever the
+room's live counter moves. Where the watcher cannot rerun sessions, one polling fragment does the same
+(inspector.ui.room._poll_fallback).
 
-Streamlit has no public API for a server-side rerun: `_rerun` reaches the session through the runtime's
-session manager (private names, checked at start). Where they are missing, `available()` is False and the
-room falls back to a polling fragment in the page (inspector.ui.room).
+Streamlit has no public API for a server-side rerun: `_rerun` goes through inspector.ui.st_internals, the one
+module that touches Streamlit's internals. Where they are missing, `available()` is False and the room falls
+back to that polling fragment.
 """
 from __future__ import annotations
 
@@ -26,11 +29,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from streamlit.runtime import Runtime
-from streamlit.runtime.app_session import AppSession
-
 from inspector.session.rooms import shared_store
 from inspector.session.rooms_state import ROOM_ERRORS, RoomState
+from inspector.ui import st_internals
 
 POLL_S = 0.1          # how often the watcher reads each followed room
 MIN_GAP_S = 0.5       # answer counts rerun a teacher's screen at most this often
@@ -48,67 +49,28 @@ class _Sub:
     live_seen: int = 0
 
 
-def signature(kind: str, state: RoomState | None | bool, answers: int | None = None) -> object:
+def signature(kind: str, state: RoomState | None | bool, answers: int | None = None,
+              live: int | None = None) -> object:
     """What a screen of this kind must show of the room's state (None: the room is gone; False: the store
-    does not answer)."""
+    does not answer); `live`: the number of the teacher's run generating now (None: none)."""
     if state is False:
         return OFFLINE
     if state is None:
         return None
     if kind == "follow":
-        return state.version
+        return state.version, live
     poll = state.poll
     poll_sig = None if poll is None else (poll.id, poll.revealed)
     return (poll_sig, answers) if kind == "teacher" else poll_sig
 
 
-def _session(session_id: str):
-    if not Runtime.exists():                      # the runtime exists only inside a running server
-        return None
-    info = Runtime.instance()._session_mgr.get_active_session_info(session_id)
-    return None if info is None else info.session
-
-
-def fragment_id() -> str | None:
-    """The id of the fragment this code runs in (Streamlit keeps it in private thread state; None where it
-    does not, or outside a fragment)."""
-    try:
-        from streamlit.runtime.scriptrunner_utils.script_run_context import ThreadState
-        fid = ThreadState.get().fragment_id
-    except (ImportError, AttributeError):
-        return None
-    return fid if isinstance(fid, str) and fid else None
-
-
 def available() -> bool:
     """Whether this Streamlit lets the watcher rerun a session (else the page polls)."""
-    try:
-        from streamlit.runtime.scriptrunner_utils.script_run_context import ThreadState
-        fragments = hasattr(ThreadState, "get")
-    except ImportError:
-        fragments = False
-    return fragments and Runtime.exists() and hasattr(Runtime.instance(), "_session_mgr") and all(
-        hasattr(AppSession, n) for n in ("request_rerun", "_call_soon_on_event_loop", "has_fragment"))
+    return st_internals.available()
 
 
 def _rerun(session_id: str, fragment: str | None = None) -> bool:
-    """Ask Streamlit to rerun a session as its browser last left it (the whole app, or one fragment of it);
-    False when the session is gone."""
-    session = _session(session_id)
-    if session is None:
-        return False
-    last = getattr(session, "_client_state", None)
-    state = None
-    if last is not None:
-        state = type(last)()
-        state.CopyFrom(last)
-        state.fragment_id = fragment or ""
-    elif fragment:                   # a fragment rerun needs the client's state: the whole app then
-        fragment = None
-    if fragment and not session.has_fragment(fragment):
-        state.fragment_id = ""
-    session._call_soon_on_event_loop(lambda: session.request_rerun(state))
-    return True
+    return st_internals.rerun_session(session_id, fragment)
 
 
 class Watcher:
@@ -161,9 +123,10 @@ class Watcher:
         now = time.monotonic()
         for sid, sub in subs.items():
             if sub.code not in states:
-                states[sub.code] = self._read(sub.code, any(s.fragment and s.code == sub.code for s in subs.values()))
-            state, answers, live = states[sub.code]
-            sig = signature(sub.kind, state, answers)
+                states[sub.code] = self._read(sub.code, any(s.kind == "follow" and s.code == sub.code
+                                                            for s in subs.values()))
+            state, answers, live, live_seq = states[sub.code]
+            sig = signature(sub.kind, state, answers, live_seq)
             if sig == sub.seen:
                 if sub.fragment and live is not None and live != sub.live_seen:
                     sub.live_seen = live
@@ -177,18 +140,21 @@ class Watcher:
                 self.drop(sid)
 
     @staticmethod
-    def _read(code: str, live: bool) -> tuple:
+    def _read(code: str, followed: bool) -> tuple:
         """(state, or None when gone, or False when the store fails; the open poll's answers; the live counter
-        when a live panel watches)."""
+        and the live run's number, when a student follows)."""
         try:
             store = shared_store()
             state = store.state(code)
             answers = None
             if state is not None and state.poll is not None:
                 answers = store.answer_count(code, state.poll.id)
-            return state, answers, store.live_version(code) if live and state is not None else None
+            if not followed or state is None:
+                return state, answers, None, None
+            n, doc = store.live(code)
+            return state, answers, n, None if doc is None else doc.seq
         except ROOM_ERRORS:
-            return False, None, None
+            return False, None, None, None
 
 
 watcher = Watcher()

@@ -17,7 +17,6 @@ from contextlib import contextmanager, suppress
 
 import streamlit as st
 import torch
-from streamlit.runtime import Runtime
 from streamlit.runtime.scriptrunner import get_script_run_ctx
 from streamlit.runtime.scriptrunner_utils.exceptions import StopException
 
@@ -29,7 +28,7 @@ from inspector.session.limits import LimitError, Limits, check_int, env_name
 from inspector.session.live_run import Cancelled, LiveRun, StillFinishing, rates
 from inspector.session.models import model_choices
 from inspector.session.run import check_settings, generations, live_runs
-from inspector.ui import common, demos, room_live
+from inspector.ui import common, demos, room_live, st_internals
 from inspector.ui.common import client_key, current_run, get_model, log, plain, server_limits
 from inspector.ui.room_sync import following
 from inspector.ui.state import session
@@ -262,15 +261,9 @@ def watch(live: LiveRun, limits: Limits) -> None:
 def stopped_for_good(settle_s: float = 0.2) -> bool:
     """Whether this script run's StopException is the toolbar's Stop (or the session's end), not a rerun: with
     fast reruns (Streamlit's default) a rerun or page change stops the script alike, but gives the session a new
-    ScriptRunner, set just after (hence the settle). Read from Streamlit's internals (pinned: requirements.txt)."""
-    ctx, end = get_script_run_ctx(suppress_warning=True), time.monotonic() + settle_s
-    try:
-        session = Runtime.instance()._session_mgr.get_session_info(ctx.session_id).session
-        while getattr(session._scriptrunner, "_requests", None) is ctx.script_requests and time.monotonic() < end:
-            time.sleep(0.02)
-        return getattr(session._scriptrunner, "_requests", None) is ctx.script_requests
-    except (AttributeError, RuntimeError):     # no server (AppTest) or another release: unknown, the run goes on
-        return False
+    ScriptRunner, set just after (hence the settle). Read from Streamlit's internals through
+    inspector.ui.st_internals (False where they are not there: the run goes on, and the next click keeps it)."""
+    return st_internals.stopped_for_good(get_script_run_ctx(suppress_warning=True), settle_s)
 
 
 def _draw(live: LiveRun, bar, box, text) -> None:

@@ -2,7 +2,8 @@
 following the teacher must not make the server compute each view thirty times). Two students' sessions,
 run the way Streamlit runs them (AppTest of the app), follow a room whose teacher shows layer 1 of the
 Attention page: the map is computed by one forward, the second session takes it, and both draw the same
-chart; then the Sampling page at step 2: its chains and figures are computed once."""
+chart; then the Sampling page at step 2: its chains and figures are computed once. The run itself is parsed
+once and shared by both sessions (issue 31)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ import pytest
 from engine import RunSettings
 from engine.inspection.trace import to_bytes
 from inspector.session.memo import SHARED
+from inspector.session.room_runs import ROOM_RUNS
 from inspector.session.rooms import shared_store
 from inspector.session.rooms_state import View
 from inspector.session.run import inspect_run
@@ -57,6 +59,7 @@ def test_students_following_a_room_share_each_view(monkeypatch, tiny_model, tiny
     run = inspect_run(tiny_model, RunSettings(prompt="Tell me about caches.", chat=False, max_new_tokens=5))
     store.publish(code, token, run=to_bytes(run), view=View("attention", layer=1))
 
+    parsed = ROOM_RUNS.parsed
     a = student(app_file, str(tiny_model_dir), code)
     b = student(app_file, str(tiny_model_dir), code)
     for at in (a, b):
@@ -64,7 +67,9 @@ def test_students_following_a_room_share_each_view(monkeypatch, tiny_model, tiny
         assert any("following the teacher: Attention · layer 1" in m.value.replace("\\", "") for m in at.markdown)
     assert calls["pattern"] == 1                  # one forward for the class, not one per student
     assert chart_spec(a, "att_map") == chart_spec(b, "att_map")
-    assert session_of(a.session_state).run is not session_of(b.session_state).run   # each session: its own copy
+    # issue 31: one parsed copy of the room's run per process, shared by its followers (was: a copy each)
+    assert session_of(a.session_state).run is session_of(b.session_state).run
+    assert ROOM_RUNS.parsed == parsed + 1
 
     store.publish(code, token, view=View("sampling", step=2, layer=1))
     for at in (a, b):

@@ -15,6 +15,7 @@ LLM_INSPECTOR_LATENCY_P95_S=1.0 checks the target itself (docs/CLASSROOM.md, "Ho
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 import time
 
@@ -52,8 +53,11 @@ class Student:
     def __init__(self, base: str, code: str) -> None:
         from streamlit.proto.BackMsg_pb2 import BackMsg
         from websockets.sync.client import connect
+        # each student is a browser of their own, with Streamlit's cookie (sessions without one count as one
+        # browser together: LLM_INSPECTOR_MAX_SESSIONS_PER_CLIENT of them, docs/CLASSROOM.md)
+        cookie = {"Cookie": f"_streamlit_xsrf={secrets.token_hex(16)}"}
         self.ws = connect(base.replace("http://", "ws://") + "/_stcore/stream", subprotocols=["streamlit"],
-                          proxy=None, max_size=64 << 20, open_timeout=30)
+                          proxy=None, max_size=64 << 20, open_timeout=30, additional_headers=cookie)
         msg = BackMsg()
         msg.rerun_script.query_string = f"room={code}"
         self.ws.send(msg.SerializeToString())

@@ -157,9 +157,12 @@ def test_after_a_redis_restart_the_store_answers_and_end_leaves_the_room():
         backend = RedisBackend.from_url(redis.url)
         store = RoomStore(backend, ttl_s=600)
         code, token = store.create()
-        with backend._conn() as a, backend._conn() as b, backend._conn() as c:    # three pooled connections
-            assert a.call(1024, "PING") == b.call(1024, "PING") == c.call(1024, "PING") == "PONG"
-        assert len(backend._idle) == 3
+        conns = [backend.pool.get_connection() for _ in range(3)]            # three pooled connections
+        for c in conns:
+            c.send_command("PING")
+            assert c.read_response() in (b"PONG", "PONG")
+            backend.pool.release(c)
+        assert len(backend.pool._available_connections) == 3
         redis.restart()                                                  # empty: no persistence
         t0 = time.monotonic()
         assert store.state(code) is None                                 # not "the store failed"
@@ -172,3 +175,19 @@ def test_after_a_redis_restart_the_store_answers_and_end_leaves_the_room():
         redis.stop()
         note = store.end_or_leave(code3, token3)
         assert note is not None and "could not be ended" in note and "Redis" in note
+
+
+def test_a_redis_that_may_evict_keys_is_refused_for_rooms():
+    """Issue 31, item 7: with maxmemory and allkeys-lru every key of a live room can be evicted, the teacher's
+    authorisation included. Such a store starts no room, and says why; with noeviction it does."""
+    with redis_process() as redis:
+        backend = RedisBackend.from_url(redis.url)
+        store = RoomStore(backend, ttl_s=600)
+        code, token = store.create()
+        backend.client.config_set("maxmemory", "64mb")
+        backend.client.config_set("maxmemory-policy", "allkeys-lru")
+        for start in (store.create, lambda: store.take_over(code), lambda: store.restore(code, token, view=View())):
+            with pytest.raises(RedisError, match="may evict keys.*allkeys-lru.*noeviction"):
+                start()
+        backend.client.config_set("maxmemory-policy", "noeviction")
+        assert store.create()[0] != code

@@ -15,7 +15,7 @@ from inspector.session.rooms_memory import MemoryBackend
 from inspector.session.rooms_redis import RedisError
 from inspector.session.rooms_state import Forbidden, NoRoom, RoomError, View
 from inspector.session.run import inspect_run
-from inspector.ui.room_push import OFFLINE, Watcher
+from inspector.ui.room_push import OFFLINE, Watcher, signature
 
 
 class FakeStep:
@@ -67,24 +67,31 @@ def test_the_publisher_keeps_its_pace_cuts_what_it_sends_and_never_fails_the_run
 
 
 def test_the_store_says_a_run_is_live_until_the_full_run_replaces_it(tiny_model):
+    """Issue 31: a run reaches the room's state once, when it is published whole (one new version); while it
+    generates, its live document says so."""
     store = RoomStore(MemoryBackend())
     code, token = store.create()
     v0 = store.state(code).version
     live = store.start_live(code, token, "Tell me", 8)
-    s = store.state(code)
-    assert s.live == live.seq and s.version > v0
+    assert store.state(code).version == v0                                  # starting a run: no new version
     n0, doc = store.live(code)
-    assert doc.phase == "queued" and doc.prompt == "Tell me"
+    assert doc.seq == live.seq and doc.phase == "queued" and doc.prompt == "Tell me"
     n1 = store.publish_live(code, token, Live(live.seq, "Tell me", 8, "decode", 1.0, 1, "Once"))
     assert n1 > n0 and store.live(code)[1].text == "Once" and store.live_version(code) == n1
     with pytest.raises(Forbidden):
         store.publish_live(code, "not-the-token", Live(live.seq, "x", 8))
     run = inspect_run(tiny_model, RunSettings(prompt="Tell me", chat=False, max_new_tokens=3))
-    assert store.publish(code, token, run=to_bytes(run)).live is None       # the whole run replaces it
+    assert store.publish(code, token, run=to_bytes(run)).version == v0 + 1  # the whole run replaces it: one bump
+    assert store.live(code)[1] is None
+    late = store.publish_live(code, token, Live(live.seq, "Tell me", 8, "done", 1.0, 3, "Once upon a"))
+    assert store.live(code)[1] is None and late == store.live_version(code)  # a late update of it: dropped
     second = store.start_live(code, token, "Again", 8)
-    assert second.seq == live.seq + 1
+    assert second.seq == live.seq + 1 and store.live(code)[1].seq == second.seq
+    store.end_live(code, token, live.seq)                                   # not the run shown live: nothing
+    assert store.live(code)[1].seq == second.seq
     store.end_live(code, token, second.seq)                                 # ended with nothing to show
-    assert store.state(code).live is None and store.state(code).run_id is not None
+    assert store.live(code)[1] is None and store.state(code).run_id is not None
+    assert store.state(code).version == v0 + 1
 
 
 def test_a_room_the_store_lost_is_reopened_under_its_code_and_an_ended_room_is_not(tiny_model):
@@ -127,7 +134,7 @@ def test_the_watcher_reruns_screens_when_the_store_stops_and_starts_answering(mo
     code, token = store.create()
     reruns: list[tuple] = []
     w = Watcher(rerun=lambda sid, fragment=None: reruns.append((sid, fragment)) or True)
-    w.watch("s1", "follow", code, store.state(code).version)
+    w.watch("s1", "follow", code, signature("follow", store.state(code)))
     w.tick()
     assert reruns == []
     flaky.down = True
@@ -144,21 +151,31 @@ def test_the_watcher_reruns_only_the_live_panel_when_the_live_run_moves(monkeypa
     store = RoomStore(MemoryBackend())
     monkeypatch.setattr(push, "shared_store", lambda: store)
     code, token = store.create()
-    live = store.start_live(code, token, "Tell me", 8)
     reruns: list[tuple] = []
     w = Watcher(rerun=lambda sid, fragment=None: reruns.append((sid, fragment)) or True)
-    w.watch("s1", "follow", code, store.state(code).version)
-    w.watch_live("s1", code, store.live_version(code), "frag-1")
+    w.watch("s1", "follow", code, signature("follow", store.state(code)))
     w.tick()
     assert reruns == []
+    live = store.start_live(code, token, "Tell me", 8)                     # a run starts: the screen reruns once
+    w.tick()
+    w.tick()
+    assert reruns == [("s1", None)]
+    w.watch("s1", "follow", code, signature("follow", store.state(code), live=live.seq))
+    w.watch_live("s1", code, store.live_version(code), "frag-1")
+    w.tick()
+    assert reruns == [("s1", None)]
     store.publish_live(code, token, Live(live.seq, "Tell me", 8, "decode", 1.0, 1, "Once"))
     w.tick()
     w.tick()
-    assert reruns == [("s1", "frag-1")]
-    w.watch("s1", "follow", code, store.state(code).version)               # a full rerun: no panel until it says
-    store.publish_live(code, token, Live(live.seq, "Tell me", 8, "decode", 1.0, 2, "Once upon"))
+    assert reruns == [("s1", None), ("s1", "frag-1")]                      # then only its live panel
+    w.watch("s1", "follow", code, signature("follow", store.state(code), live=live.seq))  # a full rerun: no
+    store.publish_live(code, token, Live(live.seq, "Tell me", 8, "decode", 1.0, 2, "Once upon"))  # panel yet
     w.tick()
-    assert reruns == [("s1", "frag-1")]
+    assert reruns == [("s1", None), ("s1", "frag-1")]
+    store.publish(code, token, run=b"the whole run as trace bytes")          # the run ends: once more
+    w.tick()
+    w.tick()
+    assert reruns == [("s1", None), ("s1", "frag-1"), ("s1", None)]
 
 
 def test_a_live_run_tells_its_observer_and_an_observer_that_fails_does_not_end_it(tiny_model):
@@ -186,3 +203,24 @@ def test_a_live_run_tells_its_observer_and_an_observer_that_fails_does_not_end_i
         assert tokens == ([] if fail else [s.text for s in live.record.result.steps])
         assert rec.calls[-1] == ("finished", True, False)
         assert any(c[0] == "progress" for c in rec.calls)
+
+
+def test_chinese_and_emoji_runs_reach_students_to_their_last_token():
+    """Issue 31, item 7: the bound is on what is shown (characters), not on its escaping. A 1,200-token Chinese
+    and emoji run used to stop updating students at token 852 (its escaped JSON passed 16 KiB)."""
+    store = RoomStore(MemoryBackend())
+    code, token = store.create()
+    live = store.start_live(code, token, "讲一个故事 📖" * 200, 1200)
+    pub = LivePublisher(live.seq, "讲一个故事 📖" * 200, 1200, publish=lambda d: store.publish_live(code, token, d),
+                        end=lambda seq: None, every_s=0.0)
+    texts = ["从前", "有一座山", "😀", "🐉龙", "。\n"]
+    for i in range(1200):
+        pub.token(FakeStep(texts[i % 5], 0.5, [Cand("山" * 40, 0.2), Cand("👩‍👩‍👧‍👦" * 8, 0.1)] * 3))
+    pub.finished(kept=True, stopped=False)
+    assert pub.failures == 0
+    doc = store.live(code)[1]
+    want = "".join(texts[i % 5] for i in range(1200))[-MAX_TEXT_CHARS:]
+    assert doc.tokens == 1200 and doc.text == want and len(doc.text) == MAX_TEXT_CHARS
+    worst = Live(1, "\x01" * 1000, 8, "decode", 1.0, 3, "\x07" * MAX_TEXT_CHARS,
+                 LiveToken("\x1b" * 32, 0.5, (("\x00" * 32, 0.1),) * MAX_TOP))     # 6 bytes a character
+    assert len(worst.as_json()) <= MAX_LIVE_BYTES and Live.from_json(worst.as_json()) == worst

@@ -15,7 +15,7 @@ from engine.inspection.trace import from_bytes, to_bytes
 from inspector.session.rooms import RoomStore, shared_store
 from inspector.session.rooms_keys import RateLimiter, teacher_key_ok, teacher_key_state
 from inspector.session.rooms_memory import MemoryBackend
-from inspector.session.rooms_redis import RedisBackend, RedisError, encode, read_reply
+from inspector.session.rooms_redis import RedisBackend, RedisError
 from inspector.session.rooms_state import (
     ROOM_PAGES,
     Forbidden,
@@ -244,16 +244,41 @@ def test_an_unreachable_redis_is_one_clear_error(tmp_path):
         RoomStore(RedisBackend.from_url(f"redis://127.0.0.1:{port}", timeout=0.5)).state("ABCDEF")
 
 
-def test_the_resp_reader_bounds_what_a_server_can_send():
-    import io
-    assert encode("SET", "k", b"v\r\n", 5) == b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$3\r\nv\r\n\r\n$1\r\n5\r\n"
-    assert read_reply(io.BytesIO(b"$3\r\nabc\r\n"), 10) == b"abc"
-    assert read_reply(io.BytesIO(b"*2\r\n:1\r\n$-1\r\n"), 10) == [1, None]
-    with pytest.raises(RedisError, match="WRONGTYPE"):
-        read_reply(io.BytesIO(b"-WRONGTYPE bad\r\n"), 10)
-    for hostile in [b"$999999999\r\n", b"*99999999\r\n", b"$5\r\nab", b"?what\r\n", b""]:
-        with pytest.raises(ConnectionError):
-            read_reply(io.BytesIO(hostile), 1000)
+def test_every_read_is_bounded_by_the_reader_not_by_what_the_store_holds(store):
+    """A store someone else can write to holds a state, a live document and a run over their bounds, and a poll of
+    huge answers: each is refused (or skipped) having read at most its bound plus one byte."""
+    from inspector.session.rooms_live import MAX_LIVE_BYTES
+    from inspector.session.rooms_redis import DEFAULT_LIMIT
+    code, token = store.create()
+    poll = store.ask(code, token, step=0)
+    read: list[int] = []
+    b = store.b
+    real_get = b.get
+
+    def get(key, *a, **k):
+        v = real_get(key, *a, **k)
+        read.append(0 if v is None else len(v))
+        return v
+    b.get = get
+    huge = b"x" * (DEFAULT_LIMIT * 3)
+    b.set(store._k(code, "live"), b'{"seq": 1, "text": "' + huge + b'"}', 60)
+    with pytest.raises(RoomError):
+        store.live(code)
+    assert max(read) <= MAX_LIVE_BYTES + 1
+    b.set(store._k(code, "run", "ab" * 16), b"y" * (DEFAULT_LIMIT * 3), 60)
+    read.clear()
+    assert len(store.run_bytes(code, "ab" * 16)) == DEFAULT_LIMIT * 3        # a run: up to MAX_RUN_BYTES
+    b.set(store._k(code, "state"), b'{"code": "' + huge + b'"}', 60)
+    read.clear()
+    with pytest.raises(RoomError, match="over"):
+        store.state(code)
+    assert read == [DEFAULT_LIMIT + 1]
+    b.get = real_get
+    key = store._k(code, "poll", poll.id)
+    for i in range(5):
+        b.hsetnx(key, f"{i:08x}", b"7" if i % 2 else b"9" * 100_000, 60)
+    assert store.tally(code, poll.id) == {7: 2}                              # the huge answers skipped, unread
+    assert b.hvals(key, 2, 9) == [b"7"] or len(b.hvals(key, 2, 9)) <= 2
 
 
 def test_the_generation_counter_counts_each_run_once(tiny_model):
