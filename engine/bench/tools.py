@@ -2,9 +2,9 @@
 same prompt and length, in the same run.
 
 The plain generation is the one a user waits for before asking the tool: GenerationRun of the prompt, greedy,
-EOS ignored, on the fp32 model (its fastest path), for the tool's own length: the why-loop's horizon (64), the
-rescue's replayed tokens (8; float16 with an overflow planted at the middle layer's mlp_out), and
-settings.max_new_tokens (32, the app's default run) for the tools that read one prompt or one run (patching grid,
+EOS ignored, on the fp32 model (its fastest path), for the tool's own length: the why-loop's run
+(settings.max_new_tokens, 32: it diagnoses that run), the rescue's replayed tokens (8; float16 with an overflow
+planted at the middle layer's mlp_out), and settings.max_new_tokens (32, the app's default run) for the tools that read one prompt or one run (patching grid,
 head scan, input attribution, quantization).
 
 This machine's memory speed moves minute to minute, so measurements are interleaved: plain, tool, plain, tool,
@@ -26,7 +26,7 @@ from engine.tools.attribution import attribute_inputs, neutral_token
 from engine.tools.patching import base_run, head_scan, patching_grid, replace_span
 from engine.tools.quant import quant_report
 from engine.tools.rescue import MAX_NEW_TOKENS, find_rescue
-from engine.tools.why_loop import HORIZON, why_loop
+from engine.tools.why_loop import why_loop
 from engine.variants import cast_model
 
 PROMPT = "I like apples. I like apples. I like"       # loops greedily on the bundled model (the why-loop's case)
@@ -51,7 +51,7 @@ def tool_jobs(model: Model, prompt: str = PROMPT, tools=tuple(TARGETS)) -> dict[
     # float16 copy is the user's --dtype (made once, outside the timing), not the search's work
     faults = (f"scale=1e6@blocks.{model.config.num_layers // 2}.mlp_out",)
     fp16 = cast_model(model, "float16") if "rescue" in tools else None
-    jobs = {"why_loop": (HORIZON, lambda: why_loop(model, settings)),
+    jobs = {"why_loop": (RUN_TOKENS, lambda: why_loop(model, settings)),
             "rescue": (min(RUN_TOKENS, MAX_NEW_TOKENS),
                        lambda: find_rescue(model, fp16, settings, injections=faults)),
             "patch_grid": (RUN_TOKENS, lambda: patching_grid(model, ids, corrupt, target, heads=False)),

@@ -91,8 +91,9 @@ ORDINARY = {
 REAL = {
     "greedy 'I like apples...'": ([" apples"] + [".", " I", "'m", " a", " big", " apple"] * 4 + ["."], (1, 6, 4)),
     "greedy 'Tomorrow will be' (64 tokens)": (
-        [" a", " day", " of", " the", " past", ".", "\n", "\n", "I", "'m", " not", " sure", " what", " to", " do", " with",
-         " it", ",", " but"] + [" I", "'m", " not", " sure", " what", " to", " do", " with", " it", " either", "."] * 2
+        [" a", " day", " of", " the", " past", ".", "\n", "\n", "I", "'m", " not", " sure", " what", " to", " do",
+         " with", " it", ",", " but"]
+        + [" I", "'m", " not", " sure", " what", " to", " do", " with", " it", " either", "."] * 2
         + [" I", "'m", " not", " sure", " what", " to", " do", "."] * 2 + [" I", "'m", " not", " sure", " what", " to",
                                                                             " do"], (40, 8, 3)),
     "one token forever": (["The", " end"] + ["!"] * 14, (2, 1, 14)),
