@@ -108,21 +108,25 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
     else:
         if "sb_prompt" not in state and isinstance(ss.own_prompt, str):
             state["sb_prompt"] = ss.own_prompt
+        # No max_chars: Streamlit's box drops a change past max_chars without a word (a 50,000-character paste left
+        # the box as it was, and Run then ran the old prompt). The box takes any paste; the length is checked below,
+        # said with the limit, and Run starts nothing until the prompt is shortened.
         st.text_area("Prompt", "What is the capital of France?", key="sb_prompt", height=100,  # same id each run
-                     max_chars=limits.max_prompt_chars,
                      help=f"Up to {limits.max_prompt_chars:,} characters and {limits.max_prompt_tokens:,} tokens. "
                           "Tab, newline and carriage return are the only control characters accepted.")
     typed = st.session_state.get("sb_prompt")
-    if isinstance(typed, str) and len(typed) > limits.max_prompt_chars:   # a forged browser ignores max_chars
-        st.warning(f"The prompt is {len(typed):,} characters long; this server accepts at most "
-                   f"{limits.max_prompt_chars:,} ({env_name('max_prompt_chars')}).")
+    too_long = not follows and isinstance(typed, str) and len(typed) > limits.max_prompt_chars
+    if too_long:
+        st.error(f"The prompt is {len(typed):,} characters long; this server accepts at most "
+                 f"{limits.max_prompt_chars:,} ({env_name('max_prompt_chars')}). Shorten it: Run starts nothing until "
+                 "then.")
     asked = st.session_state.get("sb_max_new")
     if isinstance(asked, (int, float)) and asked > limits.max_new_tokens:
         st.warning(f"Max new tokens: {asked:,} is more than this server generates per run "
                    f"({limits.max_new_tokens:,}, {env_name('max_new_tokens')}); Run generates at most "
                    f"{limits.max_new_tokens:,}.")
-    problems = [] if follows else generation_problems()
-    for problem in problems:     # the box may sit in a collapsed expander: said here, above Run
+    problems = [] if follows else generation_problems() + (["The prompt is too long"] if too_long else [])
+    for problem in problems[:len(problems) - too_long]:     # the box may sit in a collapsed expander: said here
         st.error(f"{problem}. Run starts nothing until it is corrected (Generation settings).")
     clicked = st.button("Run", type="primary", key="sb_run", disabled=model is None or live is not None or follows,
                         use_container_width=True) and not follows
