@@ -4,8 +4,8 @@ same prompt and length, in the same run.
 The plain generation is the one a user waits for before asking the tool: GenerationRun of the prompt, greedy,
 EOS ignored, on the fp32 model (its fastest path), for the tool's own length: the why-loop's run
 (settings.max_new_tokens, 32: it diagnoses that run), the rescue's replayed tokens (8; float16 with an overflow
-planted at the middle layer's mlp_out), and settings.max_new_tokens (32, the app's default run) for the tools that read one prompt or one run (patching grid,
-head scan, input attribution, quantization).
+planted at the middle layer's mlp_out), and settings.max_new_tokens (32, the app's default run) for the tools
+that read one prompt or one run (patching grid, head scan, input attribution, quantization).
 
 This machine's memory speed moves minute to minute, so measurements are interleaved: plain, tool, plain, tool,
 ..., plain over every tool, `rounds` times; a tool's ratio in a round is its time over the mean of the plain
