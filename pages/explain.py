@@ -8,9 +8,9 @@ kept per run in this session."""
 import pandas as pd
 import streamlit as st
 
-from engine import EngineError
+from engine import EngineError, InputError
 from engine.tools.attribution import attribute_inputs, neutral_token
-from engine.tools.explain import explain_step
+from engine.tools.explain import explain_step, single_token
 from engine.tools.patching import patching_grid, replace_span
 from inspector.session.memo import memo, run_key
 from inspector.ui.common import device_slot, on_demand, plain, require_run_and_model, was_stopped
@@ -26,6 +26,7 @@ MAX_PATCH_TOKENS = 128       # the grid's cost grows with positions² x layers; 
 MAX_ATTRIBUTION_TOKENS = 128
 MAX_RANDOM_ORDERS = 8
 MAX_REPLACEMENT_CHARS = 2_000   # tokenized on every rerun; the span it must match is at most a context's tokens
+MAX_B_CHARS = 200               # one token's text (the longest SmolLM2 token is far shorter)
 STORE = "explain_memo"
 
 
@@ -156,6 +157,17 @@ c1, c2 = st.columns(2)
 a = c1.selectbox("A (why this token…)", cands, key="ex_a", format_func=name.get)
 b = c2.selectbox("B (…and not this one)", [None] + [i for i in cands if i != a], key="ex_b",
                  format_func=lambda i: "the runner-up" if i is None else name[i])
+typed_b = checked_text(c2.text_input("…or type any token as B (e.g. ' London')", "", key="ex_b_text",
+                                     max_chars=MAX_B_CHARS,
+                                     help="The text of exactly one token, a leading space included; it need not "
+                                          "be among the candidates above (one forward computes its logit)."),
+                       MAX_B_CHARS, "B")
+if typed_b:
+    try:
+        b = single_token(model, typed_b, "B")
+    except InputError as err:
+        st.error(f"{err}. B stays unset until it is one token.")
+        st.stop()
 
 tab_why, tab_patch, tab_inputs = st.tabs(["Why A and not B", "Activation patching", "Prompt tokens"])
 with tab_why:
