@@ -25,12 +25,12 @@ import functools
 import json
 import math
 import shlex
-import sys
 from dataclasses import fields
 
 import torch
 
 from engine.cli.args import SAMPLER_FLAGS
+from engine.cli.progress_line import progress_printer
 from engine.errors import InputError
 from engine.loader import load_model
 from engine.model import Model
@@ -114,10 +114,10 @@ def settings_of(a: argparse.Namespace, **changes) -> RunSettings:
 
 def _progress(what: str):
     """on_progress (engine.progress) printing one line that updates in place; never answers STOP (Ctrl-C)."""
+    line = progress_printer(f"{what} ", 60)
+
     def show(p: Progress) -> None:
-        f = p.fraction
-        print(f"\r[{what} {f * 100:5.1f}%] {p.what[:60]:60s}", end="" if f < 1 else "\n", file=sys.stderr,
-              flush=True)
+        line(p.fraction, p.what)
     return show
 
 
