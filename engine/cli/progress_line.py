@@ -4,18 +4,21 @@ step named changes or the percentage has moved by STEP_PERCENT, and the last one
 from __future__ import annotations
 
 import sys
+import time
 from typing import Callable, TextIO
 
 STEP_PERCENT = 10.0
+QUIET_S = 2.0
 
 
 class ProgressLine:
     """show(fraction, what) prints the progress of one job; prefix: what the job is ("why-loop "), width: the
     message's width on a terminal."""
 
-    def __init__(self, prefix: str = "", width: int = 70, stream: TextIO | None = None) -> None:
-        self.prefix, self.width, self.stream = prefix, width, stream
-        self._said: tuple[float, str] | None = None
+    def __init__(self, prefix: str = "", width: int = 70, stream: TextIO | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.prefix, self.width, self.stream, self.clock = prefix, width, stream, clock
+        self._said: tuple[float, str, float] | None = None         # (percent, message, when) of the last line
 
     def show(self, fraction: float, what: str) -> None:
         out = self.stream or sys.stderr
@@ -24,10 +27,11 @@ class ProgressLine:
             print(f"\r[{self.prefix}{pct:5.1f}%] {what[:self.width]:{self.width}s}", end="" if fraction < 1 else "\n",
                   file=out, flush=True)
             return
-        last = self._said
-        if fraction < 1 and last is not None and what == last[1] and pct - last[0] < STEP_PERCENT:
+        last, now = self._said, self.clock()
+        if fraction < 1 and last is not None and pct - last[0] < STEP_PERCENT \
+                and (what == last[1] or now - last[2] < QUIET_S):
             return
-        self._said = (pct, what)
+        self._said = (pct, what, now)
         print(f"[{self.prefix}{pct:5.1f}%] {what}", file=out, flush=True)
 
 
