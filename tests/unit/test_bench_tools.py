@@ -23,7 +23,7 @@ def test_bench_tools_json_has_every_tools_ratio_and_target(tiny_model_dir, capsy
     for k in KEYS:
         assert out[f"{k}_over_plain"] > 0 and out[f"{k}_target"] == (10 if k in ("why_loop", "rescue") else 5)
         assert out[f"{k}_meets"] == (out[f"{k}_over_plain"] <= out[f"{k}_target"])
-    assert out["why_loop_plain_tokens"] == 32 and out["rescue_plain_tokens"] == 8 and out["quant_plain_tokens"] == 32
+    assert out["why_loop_plain_tokens"] == 64 and out["rescue_plain_tokens"] == 8 and out["quant_plain_tokens"] == 32
 
 
 def test_a_ratio_is_the_median_of_the_rounds_tool_over_its_neighbouring_plains(tiny_model, monkeypatch):
