@@ -28,11 +28,8 @@ def attribution() -> InputAttribution:
 def boxes(browser, fig, selector: str):
     import plotly.offline
     page = browser.new_page(viewport={"width": 900, "height": 1000})
-    js = plotly.offline.get_plotlyjs()
-    page.set_content(f"<html><body style='margin:0'><div style='width:760px'>"
-                     f"{fig.to_html(include_plotlyjs=False, full_html=False, div_id='f')}</div>"
-                     f"<script>{js}</script></body></html>".replace("<script type=\"text/javascript\">", "<script>"))
-    page.add_script_tag(content=js)
+    page.set_content("<html><body style='margin:0'><div id='f' style='width:760px'></div></body></html>")
+    page.add_script_tag(content=plotly.offline.get_plotlyjs())
     page.evaluate("(spec) => Plotly.newPlot('f', spec.data, spec.layout)", fig.to_plotly_json())
     page.wait_for_selector("#f .main-svg")
     out = page.evaluate("""(sel) => {
@@ -50,9 +47,10 @@ def test_every_rotated_token_label_is_inside_the_bar_chart(browser):
     fig = xv.attribution_figure(attribution(), LABELS)
     got = boxes(browser, fig, "#f .xtick text")
     assert got["texts"] == LABELS
-    l, t, r, b = got["svg"]
+    left, top, right, bottom = got["svg"]
     for (x0, y0, x1, y1), text in zip(got["items"], got["texts"]):
-        assert x0 >= l - 0.5 and y0 >= t - 0.5 and x1 <= r + 0.5 and y1 <= b + 0.5, (text, (x0, y0, x1, y1), got["svg"])
+        assert x0 >= left - 0.5 and y0 >= top - 0.5 and x1 <= right + 0.5 and y1 <= bottom + 0.5, \
+            (text, (x0, y0, x1, y1), got["svg"])
 
 
 def test_the_deletion_charts_axis_title_is_clear_of_its_legend(browser):
