@@ -56,15 +56,23 @@ def sidebar(app_pages: list | None = None) -> Model | None:
         settings_widgets(limits, live)
     model = get_model(wait=False)       # while it loads: the app now, its progress under the title
     with top:
-        prompt_and_run(model, limits, live)
+        live = prompt_and_run(model, limits, live)
     history(limits)
     run = current_run()
     for note in (run.notes if run is not None else []):
         sb.warning(plain(note))       # a run's notes may come from a file: shown as the characters they are
-    a = shared_admission(limits).state()
-    sb.caption(f"Server: {a.running} of {a.max_concurrent} run slots busy · {a.waiting} waiting · "
-               f"{live_runs()} runs in memory · model generations: {generations()}")
+    footer = sb.empty()
+    server_footer(footer, limits)
+    if live is not None:              # the run is watched once the whole sidebar is drawn: the footer counts it
+        with top:
+            watch(live, limits, on_tick=lambda: server_footer(footer, limits))
     return model
+
+
+def server_footer(slot, limits: Limits) -> None:
+    a = shared_admission(limits).state()
+    slot.caption(f"Server: {a.running} of {a.max_concurrent} run slots busy · {a.waiting} waiting · "
+                 f"{live_runs()} runs in memory · model generations: {generations()}")
 
 
 def settings_widgets(limits: Limits, live: LiveRun | None) -> None:
@@ -92,8 +100,8 @@ def _projector_url() -> None:
         st.query_params.pop("projector", None)
 
 
-def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) -> None:
-    """Title, model, prompt, Run (or Stop while a run generates), the estimate, and the live run itself."""
+def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) -> LiveRun | None:
+    """Title, model, prompt, Run, the estimate; the live run (started here on a click) for the caller to watch."""
     st.markdown("**LLM Inspector** · see inside a language model")
     if model is None:            # loading (a demo clicked meanwhile waits for it) or failed
         common.load_box(demo_waits=session().demo is not None)
@@ -128,24 +136,27 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
     problems = [] if follows else generation_problems() + (["The prompt is too long"] if too_long else [])
     for problem in problems[:len(problems) - too_long]:     # the box may sit in a collapsed expander: said here
         st.error(f"{problem}. Run starts nothing until it is corrected (Generation settings).")
-    clicked = st.button("Run", type="primary", key="sb_run", disabled=model is None or live is not None or follows,
-                        use_container_width=True) and not follows
+    run_slot = st.empty()
+    clicked = run_slot.button("Run", type="primary", key="sb_run",
+                              disabled=model is None or live is not None or follows,
+                              use_container_width=True) and not follows
     demo = None
     if not follows and model is not None:
         demo, ss.demo = ss.demo, None
     if follows:
         st.caption("Following the teacher's room: press **Explore on my own** above the page to run your own.")
         if live is None:
-            return
+            return None
     notices, ss.notices = ss.notices, []
     for kind, text in notices:   # the end of the run a previous script run watched
         getattr(st, kind)(text)
     if live is None and model is not None and (clicked or demo) and not problems:
         live = start_run(model, limits, demo)
+        if live is not None:        # Run was drawn enabled before the click started it: greyed out now, above Stop
+            run_slot.button("Run", type="primary", key="sb_run_going", disabled=True, use_container_width=True)
     elif live is None and model is not None:
         estimate_caption(model, limits)
-    if live is not None:
-        watch(live, limits)
+    return live
 
 
 def generation_problems() -> list[str]:
@@ -232,7 +243,7 @@ def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
     return live.start(model, limits, prepare=common.with_script_context)
 
 
-def watch(live: LiveRun, limits: Limits) -> None:
+def watch(live: LiveRun, limits: Limits, on_tick=None) -> None:
     """Show the run until it ends (Stop ends it early), then keep it and draw the app again: Run, the demos and the
     page were drawn for a running run (Run greyed out when this script run found it going: after Stop, after a
     page change), and nothing else would redraw them. What the end said is kept for that next run (notices)."""
@@ -246,6 +257,8 @@ def watch(live: LiveRun, limits: Limits) -> None:
         bar, box, text = st.progress(0.0, text="starting"), st.empty(), st.empty()
         while not live.done:
             _draw(live, bar, box, text)
+            if on_tick is not None:
+                on_tick()             # the server footer, as the run takes its slot and others come and go
             live.wait(0.25)
     except StopException:
         if stopped_for_good():   # nobody watches any more: the run ends at its next layer or token, its slot is
