@@ -16,7 +16,7 @@ from inspector.session.memo import memo, run_key
 from inspector.ui.common import device_slot, on_demand, plain, require_run_and_model, was_stopped
 from inspector.ui.frame import ensure_frame
 from inspector.ui.state import session
-from inspector.ui.widgets import chart, checked, checked_text, columns
+from inspector.ui.widgets import chart, checked, checked_text, columns, table
 from inspector.views import explain as xv
 from inspector.views.tokens import token_labels
 
@@ -72,12 +72,13 @@ def show_attribution(e) -> None:
     with left:
         chart(xv.head_heatmap(e), key="ex_heads")
     right.markdown("**Largest components**")
-    right.dataframe(xv.top_components(e, 15), key="ex_top", hide_index=True)
+    with right:
+        table(xv.top_components(e, 15), "ex_top")
     st.subheader("The sampler")
     lines = xv.sampler_summary(e)
     st.markdown("\n".join(f"- {s}" for s in lines) if lines else
                 "No sampler stage changed A's or B's probability or order with this run's settings.")
-    st.dataframe(xv.sampler_frame(e), key="ex_sampler", hide_index=True)
+    table(xv.sampler_frame(e), "ex_sampler")
     st.caption("Each row: A and B after that stage (probabilities: softmax of that stage's logits; the last row "
                "is the distribution actually sampled). Temperature 0 samples greedily, so its final row is one-hot.")
 
@@ -118,7 +119,7 @@ def show_patching(r, labels: list[str]) -> None:
     chart(xv.patching_heatmap(r, site, labels), key="ex_grid")
     with st.expander("The grid as a table (rows: layers; columns: positions)"):
         st.dataframe(pd.DataFrame(r.grid[site], columns=labels), key="ex_grid_table")
-    st.dataframe(xv.patching_top(r, labels), key="ex_patch_top", hide_index=True)
+    table(xv.patching_top(r, labels), "ex_patch_top")
     if r.head_scan is not None:
         chart(xv.head_scan_heatmap(r), key="ex_head_scan")
         st.caption("Each head zeroed (its attention output at every position) in the clean run: the change in the "
@@ -135,7 +136,7 @@ def show_inputs(a, labels: list[str]) -> None:
                 f"fastest, and it {verdict} random orders (lower area = the prediction fell sooner).")
     chart(xv.attribution_figure(a, labels), key="ex_attr_bars")
     chart(xv.deletion_figure(a), key="ex_deletion")
-    st.dataframe(xv.attribution_frame(a, labels), key="ex_attr_table", hide_index=True)
+    table(xv.attribution_frame(a, labels), "ex_attr_table")
 
 
 # ---- the page ------------------------------------------------------------------------------------------

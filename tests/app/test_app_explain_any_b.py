@@ -49,3 +49,12 @@ def test_a_typed_b_that_is_not_one_token_is_named(page):  # noqa: F811
     (err,) = at.error
     assert "the B 'London is big' is" in err.value and "tokens (" in err.value
     assert "give the text of exactly one token" in err.value
+
+
+def test_in_projector_mode_the_explain_tables_are_html_tables_not_grids(page):  # noqa: F811
+    """Issue 33, item 6: Explain still showed small st.dataframe grids in projector mode."""
+    at = page
+    at.session_state["sb_projector"] = True
+    at.run()
+    assert not at.exception, at.exception
+    assert len(at.dataframe) == 0 and len(at.table) >= 2        # the top components and the sampler stages
