@@ -16,20 +16,31 @@ import os
 # "Many runs at once"). OMP_WAIT_POLICY=ACTIVE before starting brings the spinning back.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import streamlit as st  # noqa: E402
-from streamlit.runtime.scriptrunner_utils.exceptions import StopException
+import sys  # noqa: E402
 
-from inspector.session.clients import sessions
-from inspector.ui import room
-from inspector.ui.common import admission_key, finish_load, forget_load_box, keep_within_budget, server_limits
-from inspector.ui.frame import frame
-from inspector.ui.sidebar import own_turn, sidebar
-from inspector.ui.state import session
-from inspector.ui.widgets import PROJECTOR, projector
+import streamlit as st  # noqa: E402
 
 # Emoji page icons, never Material Symbols ones: Streamlit makes a page's icon the browser's favicon, and a
 # material one is fetched from a public font server by every student's browser (missing without internet).
 st.set_page_config(page_title="LLM Inspector", page_icon="🔬", layout="wide")
+# The first script run of a fresh server imports the engine and torch (about 4 s): a blank white page until then
+# unless something is drawn first. Later runs find them imported and skip this.
+_starting = None if "engine" in sys.modules else st.empty()
+if _starting is not None:
+    _starting.info("Starting LLM Inspector: loading the engine (a few seconds, once after the server starts)…")
+
+from streamlit.runtime.scriptrunner_utils.exceptions import StopException  # noqa: E402
+
+from inspector.session.clients import sessions  # noqa: E402
+from inspector.ui import room  # noqa: E402
+from inspector.ui.common import admission_key, finish_load, forget_load_box, keep_within_budget, server_limits  # noqa: E402,E501
+from inspector.ui.frame import frame  # noqa: E402
+from inspector.ui.sidebar import own_turn, sidebar  # noqa: E402
+from inspector.ui.state import session  # noqa: E402
+from inspector.ui.widgets import PROJECTOR, projector  # noqa: E402
+
+if _starting is not None:
+    _starting.empty()
 
 PAGES = [
     st.Page("pages/overview.py", title="Overview", icon="🏠", default=True),

@@ -9,7 +9,7 @@ from inspector.session.memo import content_key, memo, view_store
 from inspector.ui.common import on_demand, plain, require_run_and_model, was_stopped
 from inspector.ui.frame import ensure_frame
 from inspector.ui.state import session
-from inspector.ui.widgets import chart, checked, shared
+from inspector.ui.widgets import chart, checked, shared, table
 from inspector.views.attention import (
     MAX_CELLS,
     attention_pattern,
@@ -113,7 +113,7 @@ top, top_fig = memo(figures, (key, "top", layer, head, query, k),
                     lambda: (lambda t: (t, top_attended_figure(t)))(top_attended(m, query, labels, k)), max_entries=8)
 st.caption(f"Query {plain(labels[query])} (layer {layer}, {what})")
 chart(top_fig, key="att_bars")
-st.dataframe(top, key="att_top_table", hide_index=True)
+table(top, "att_top_table")      # on the projector an HTML table in its type, not the 13-px grid
 
 st.subheader("All layers × heads: attention entropy")
 st.caption("Mean entropy (nats) of each head's attention rows: low = sharply focused (e.g. on the first token "

@@ -195,7 +195,13 @@ right.code(tok.decode(tb.token_ids) or "(nothing)", language=None, wrap_lines=Tr
 
 table = cmp.aligned_table(ta, tb, lambda i: visible(tok.decode([i])))
 st.subheader("Token by token")
-st.dataframe(table, hide_index=True, key="cmp_table",
+shown = table
+if d is not None and len(cmp.from_divergence(table, d)) < len(table):
+    every = st.toggle(f"Show steps 0–{d - 3} too (the same in both runs)", False, key="cmp_all_steps")
+    shown = table if every else cmp.from_divergence(table, d)
+    if not every:
+        st.caption(f"The table opens at the first divergence, step {d}, with the two steps before it.")
+st.dataframe(shown, hide_index=True, key="cmp_table",
              column_config={"prob_a": st.column_config.NumberColumn(format="%.4f"),
                             "prob_b": st.column_config.NumberColumn(format="%.4f")})
 chart(cmp.tokens_figure(table), key="cmp_tokens_fig")

@@ -9,7 +9,7 @@ from fnmatch import fnmatchcase
 import streamlit as st
 
 from engine import EngineError, InputError, RunSettings, SamplingParams
-from engine.tools.breakpoints import AbsAbove, EntropyBelow, NonFinite, RepeatedNgram, TokenIs
+from engine.tools.breakpoints import AbsAbove, EntropyBelow, NonFinite, RepeatedNgram
 from inspector.session.stepper import Debugger
 from inspector.ui.common import current_run, device_slot, get_model, plain, server_limits
 from inspector.ui.frame import ensure_frame
@@ -27,7 +27,7 @@ from inspector.ui.widgets import (
     set_sampling_widgets,
     widget_key,
 )
-from inspector.views.debugger import candidates_table, describe_step, params_table, token_ids_for
+from inspector.views.debugger import candidates_table, describe_step, params_table, token_breakpoint
 from inspector.views.sampling import describe as describe_params
 from inspector.views.tokens import steps_table
 
@@ -184,7 +184,7 @@ with st.expander(f"Breakpoints ({len(ss.breakpoints)})", expanded=True):
         else:
             text = checked_text(c2.text_input("Token text (' Paris') or id(s)", key="dbg_bp_token",
                                               max_chars=MAX_FIELD_CHARS), MAX_FIELD_CHARS, "Token text")
-            bp = TokenIs(token_ids_for(model.tokenizer, text, model.config.vocab_size)) if text else None
+            bp = token_breakpoint(model.tokenizer, text, model.config.vocab_size) if text else None
         stage = getattr(bp, "stage", None)
         if stage is not None and not any(fnmatchcase(n, stage) for n in model.hook_names()):
             raise InputError(f"no stage matches {stage!r}; stages are named like blocks.0.mlp.act (see Activations)")

@@ -8,15 +8,15 @@ kept per run in this session."""
 import pandas as pd
 import streamlit as st
 
-from engine import EngineError
+from engine import EngineError, InputError
 from engine.tools.attribution import attribute_inputs, neutral_token
-from engine.tools.explain import explain_step
+from engine.tools.explain import explain_step, single_token
 from engine.tools.patching import patching_grid, replace_span
 from inspector.session.memo import memo, run_key
 from inspector.ui.common import device_slot, on_demand, plain, require_run_and_model, was_stopped
 from inspector.ui.frame import ensure_frame
 from inspector.ui.state import session
-from inspector.ui.widgets import chart, checked, checked_text, columns
+from inspector.ui.widgets import chart, checked, checked_text, columns, table
 from inspector.views import explain as xv
 from inspector.views.tokens import token_labels
 
@@ -26,6 +26,7 @@ MAX_PATCH_TOKENS = 128       # the grid's cost grows with positions² x layers; 
 MAX_ATTRIBUTION_TOKENS = 128
 MAX_RANDOM_ORDERS = 8
 MAX_REPLACEMENT_CHARS = 2_000   # tokenized on every rerun; the span it must match is at most a context's tokens
+MAX_B_CHARS = 200               # one token's text (the longest SmolLM2 token is far shorter)
 STORE = "explain_memo"
 
 
@@ -71,12 +72,13 @@ def show_attribution(e) -> None:
     with left:
         chart(xv.head_heatmap(e), key="ex_heads")
     right.markdown("**Largest components**")
-    right.dataframe(xv.top_components(e, 15), key="ex_top", hide_index=True)
+    with right:
+        table(xv.top_components(e, 15), "ex_top")
     st.subheader("The sampler")
     lines = xv.sampler_summary(e)
     st.markdown("\n".join(f"- {s}" for s in lines) if lines else
                 "No sampler stage changed A's or B's probability or order with this run's settings.")
-    st.dataframe(xv.sampler_frame(e), key="ex_sampler", hide_index=True)
+    table(xv.sampler_frame(e), "ex_sampler")
     st.caption("Each row: A and B after that stage (probabilities: softmax of that stage's logits; the last row "
                "is the distribution actually sampled). Temperature 0 samples greedily, so its final row is one-hot.")
 
@@ -117,7 +119,7 @@ def show_patching(r, labels: list[str]) -> None:
     chart(xv.patching_heatmap(r, site, labels), key="ex_grid")
     with st.expander("The grid as a table (rows: layers; columns: positions)"):
         st.dataframe(pd.DataFrame(r.grid[site], columns=labels), key="ex_grid_table")
-    st.dataframe(xv.patching_top(r, labels), key="ex_patch_top", hide_index=True)
+    table(xv.patching_top(r, labels), "ex_patch_top")
     if r.head_scan is not None:
         chart(xv.head_scan_heatmap(r), key="ex_head_scan")
         st.caption("Each head zeroed (its attention output at every position) in the clean run: the change in the "
@@ -134,7 +136,7 @@ def show_inputs(a, labels: list[str]) -> None:
                 f"fastest, and it {verdict} random orders (lower area = the prediction fell sooner).")
     chart(xv.attribution_figure(a, labels), key="ex_attr_bars")
     chart(xv.deletion_figure(a), key="ex_deletion")
-    st.dataframe(xv.attribution_frame(a, labels), key="ex_attr_table", hide_index=True)
+    table(xv.attribution_frame(a, labels), "ex_attr_table")
 
 
 # ---- the page ------------------------------------------------------------------------------------------
@@ -156,6 +158,17 @@ c1, c2 = st.columns(2)
 a = c1.selectbox("A (why this token…)", cands, key="ex_a", format_func=name.get)
 b = c2.selectbox("B (…and not this one)", [None] + [i for i in cands if i != a], key="ex_b",
                  format_func=lambda i: "the runner-up" if i is None else name[i])
+typed_b = checked_text(c2.text_input("…or type any token as B (e.g. ' London')", "", key="ex_b_text",
+                                     max_chars=MAX_B_CHARS,
+                                     help="The text of exactly one token, a leading space included; it need not "
+                                          "be among the candidates above (one forward computes its logit)."),
+                       MAX_B_CHARS, "B")
+if typed_b:
+    try:
+        b = single_token(model, typed_b, "B")
+    except InputError as err:
+        st.error(f"{err}. B stays unset until it is one token.")
+        st.stop()
 
 tab_why, tab_patch, tab_inputs = st.tabs(["Why A and not B", "Activation patching", "Prompt tokens"])
 with tab_why:

@@ -3,7 +3,7 @@ highlighted, the chosen token's probability and the entropy per step, attention 
 its earlier copy, and the same prompt and seed under repetition penalties side by side (on a button)."""
 import streamlit as st
 
-from engine.inspection.loops import MIN_TOKENS, find_loops
+from engine.inspection.loops import MIN_COUNT, MIN_TOKENS, find_loops
 from inspector.session.limits import LimitError, check_int
 from inspector.session.memo import run_key
 from inspector.session.run import check_settings
@@ -25,7 +25,7 @@ res, key = run.result, run_key(run)
 
 c1, c2 = st.columns(2)
 try:       # the widgets' bounds, checked here too: a forged message could send anything
-    min_count = check_int(c1.number_input("Minimum full repeats", 2, 20, 2, key="rep_min_count"), 2, 20,
+    min_count = check_int(c1.number_input("Minimum full repeats", 2, 20, MIN_COUNT, key="rep_min_count"), 2, 20,
                           "Minimum full repeats")
     min_tokens = check_int(c2.number_input("Minimum tokens in a loop", 1, 200, MIN_TOKENS, key="rep_min_tokens"),
                            1, 200, "Minimum tokens in a loop")
@@ -33,15 +33,14 @@ except LimitError as e:
     st.error(str(e))
     st.stop()
 loops = find_loops(res.token_ids, min_count=min_count, min_tokens=min_tokens)
-st.caption("A loop is a stretch of the generated tokens that repeats with a period p (each token equals the one "
-           "p steps earlier) at least the minimum number of full times, as long as it can be extended. Start and "
-           "end are generation steps; positions are absolute.")
+st.caption(f"A loop is a degenerate repeat: the generated tokens repeat with a period p (each token equals the one "
+           f"p steps earlier) **to the end of the run**, at least {MIN_COUNT} full times and over at least "
+           f"{MIN_TOKENS} tokens. A pattern seen twice (a clock time, a date) or one the text moves on from is "
+           "ordinary text, not a loop. Start and end are generation steps; positions are absolute.")
 if not loops:
     st.success(f"No loop in the {len(res.token_ids)} generated tokens.")
 else:
-    n_tail = sum(lp.end == len(res.token_ids) for lp in loops)
-    st.warning(f"{len(loops)} loop(s) in {len(res.token_ids)} generated tokens"
-               + (" — the generation ends inside one." if n_tail else "."))
+    st.warning(f"The generation ends in a loop: {len(loops)} loop(s) in {len(res.token_ids)} generated tokens.")
     st.dataframe(rv.loops_frame(loops, res.steps, run.n_prompt), key="rep_loops", hide_index=True)
 st.html(rv.highlight_html(res.steps, loops))
 

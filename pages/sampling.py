@@ -137,6 +137,10 @@ def softcap_section(step: int, top_n: int) -> None:
 @st.fragment
 def body() -> None:
     t0 = time.perf_counter()
+    big = projector()
+    # On the projector the comparison comes first (it was 1,500-1,900 px down, under the step and settings): drawn
+    # into this container, above the controls, once they have been read.
+    first = st.container() if big else None
     c1, c2 = st.columns([3, 1])
     # the step the debugger stopped at, when this run comes from it; otherwise the first
     default_step = min(int(session().selected_step or 0), len(result.steps) - 1)
@@ -175,10 +179,14 @@ def body() -> None:
         st.error(str(e))
         return
 
-    big = projector()
     probs, view = derive(step, settings, chain_label, n_draws, seed, top_n, big)
 
-    st.subheader("Side by side")
+    if first is not None:
+        with first:
+            st.subheader(f"Side by side: step {step}, settings {', '.join(settings)} (change them below)")
+            chart(view["compare_fig"], key="smp_compare_fig")
+    else:
+        st.subheader("Side by side")
     st.info("**The chain runs in this order: penalties → temperature → top-k → top-p → min-p.** Temperature "
             "reshapes the distribution *before* top-p cuts it, so a higher temperature can leave more tokens under "
             "a smaller top-p. At this step:\n\n" + "\n\n".join(f"- {line}" for line in view["notes"]))
@@ -187,7 +195,8 @@ def body() -> None:
                "probabilities, the dashed line where the kept set ends. Entropy H in nats of the final distribution."
                + (f" On the projector each panel shows the top {min(top_n, smp.PROJECTOR_TOKENS)} tokens, one "
                   "panel per row." if big else ""))
-    chart(view["compare_fig"], key="smp_compare_fig")
+    if first is None:
+        chart(view["compare_fig"], key="smp_compare_fig")
     table(view["summary"], "smp_summary",
           formats={"kept": "localized", "kept_tiny": "localized", "entropy": "%.3f", "entropy_before": "%.3f",
                    "mass_kept": "%.4f", "chosen_prob": "%.4f"},

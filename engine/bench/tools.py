@@ -2,10 +2,11 @@
 same prompt and length, in the same run.
 
 The plain generation is the one a user waits for before asking the tool: GenerationRun of the prompt, greedy,
-EOS ignored, on the fp32 model (its fastest path), for the tool's own length: the why-loop's horizon (64), the
-rescue's replayed tokens (8; float16 with an overflow planted at the middle layer's mlp_out), and
-settings.max_new_tokens (32, the app's default run) for the tools that read one prompt or one run (patching grid,
-head scan, input attribution, quantization).
+EOS ignored, on the fp32 model (its fastest path), for the tool's own length: the why-loop's run (64 tokens, as
+before issue 33: the why-loop now diagnoses the user's run at its own length, and this is the run it is given), the
+rescue's replayed tokens (8; float16 with an overflow
+planted at the middle layer's mlp_out), and settings.max_new_tokens (32, the app's default run) for the tools
+that read one prompt or one run (patching grid, head scan, input attribution, quantization).
 
 This machine's memory speed moves minute to minute, so measurements are interleaved: plain, tool, plain, tool,
 ..., plain over every tool, `rounds` times; a tool's ratio in a round is its time over the mean of the plain
@@ -15,6 +16,7 @@ Targets (issue 21, item 11): why-loop and rescue <= 10x, every other tool <= 5x.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Callable
@@ -26,11 +28,12 @@ from engine.tools.attribution import attribute_inputs, neutral_token
 from engine.tools.patching import base_run, head_scan, patching_grid, replace_span
 from engine.tools.quant import quant_report
 from engine.tools.rescue import MAX_NEW_TOKENS, find_rescue
-from engine.tools.why_loop import HORIZON, why_loop
+from engine.tools.why_loop import why_loop
 from engine.variants import cast_model
 
 PROMPT = "I like apples. I like apples. I like"       # loops greedily on the bundled model (the why-loop's case)
 RUN_TOKENS = 32                                       # RunSettings' default max_new_tokens
+WHY_LOOP_TOKENS = 64                                  # the looping run the why-loop diagnoses
 TARGETS = {"why_loop": 10.0, "rescue": 10.0, "patch_grid": 5.0, "head_scan": 5.0, "attribution": 5.0, "quant": 5.0}
 
 
@@ -51,7 +54,8 @@ def tool_jobs(model: Model, prompt: str = PROMPT, tools=tuple(TARGETS)) -> dict[
     # float16 copy is the user's --dtype (made once, outside the timing), not the search's work
     faults = (f"scale=1e6@blocks.{model.config.num_layers // 2}.mlp_out",)
     fp16 = cast_model(model, "float16") if "rescue" in tools else None
-    jobs = {"why_loop": (HORIZON, lambda: why_loop(model, settings)),
+    loop_run = dataclasses.replace(settings, max_new_tokens=WHY_LOOP_TOKENS)
+    jobs = {"why_loop": (WHY_LOOP_TOKENS, lambda: why_loop(model, loop_run)),
             "rescue": (min(RUN_TOKENS, MAX_NEW_TOKENS),
                        lambda: find_rescue(model, fp16, settings, injections=faults)),
             "patch_grid": (RUN_TOKENS, lambda: patching_grid(model, ids, corrupt, target, heads=False)),

@@ -3,9 +3,9 @@ one RunSettings. Subcommand modules take this module as `common`."""
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import fields
 
+from engine.cli.progress_line import progress_printer
 from engine.loader import load_model
 from engine.sampling import SamplingParams
 from engine.settings import RunSettings
@@ -61,6 +61,4 @@ def run_settings(a: argparse.Namespace, **extra) -> RunSettings:
 
 
 def load(a: argparse.Namespace):
-    def progress(f: float, msg: str) -> None:
-        print(f"\r[{f * 100:5.1f}%] {msg[:70]:70s}", end="" if f < 1 else "\n", file=sys.stderr, flush=True)
-    return load_model(a.model, device=a.device, dtype=a.dtype, progress=progress)
+    return load_model(a.model, device=a.device, dtype=a.dtype, progress=progress_printer())

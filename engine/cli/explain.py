@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from engine.cli.progress_line import progress_printer
 from engine.errors import InputError
 from engine.generate import GenerationRun, prompt_ids
 from engine.progress import Progress
@@ -48,9 +48,11 @@ def add_commands(sub, common) -> None:
 
 
 def _progress(p: Progress) -> None:
-    """on_progress (engine.progress) printing one line that updates in place; never answers STOP (Ctrl-C)."""
-    f = p.fraction
-    print(f"\r[{f * 100:5.1f}%] {p.what[:70]:70s}", end="" if f < 1 else "\n", file=sys.stderr, flush=True)
+    """on_progress (engine.progress) printing its progress (engine.cli.progress_line); never answers STOP."""
+    _LINE(p.fraction, p.what)
+
+
+_LINE = progress_printer()
 
 
 # ---- explain -------------------------------------------------------------------------------------------

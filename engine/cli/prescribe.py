@@ -2,8 +2,10 @@
 --rescue and --fp32.
 
     python -m engine quant "PROMPT" [--formats Q8_0,Q4_0] [--threshold T] [--embed] [generation flags] [--json]
-    python -m engine doctor "PROMPT" [generation flags] --why-loop --json
-        -> adds causes: [{kind, change, loop_gone, text_after, tokens, stopped, detail}] and why_loop
+    python -m engine doctor "PROMPT" [generation flags] --why-loop [--why-loop-tokens N] --json
+        -> adds causes: [{kind, change, outcome, loop_gone, text_after, tokens, stopped, detail}] and why_loop
+           ({headline, status, loop, horizon, run_tokens, looked_further, ...}): the run of --max-new-tokens is
+           the one diagnosed; only when it holds no loop does --why-loop-tokens N rerun it further
     python -m engine doctor "PROMPT" --dtype float16 [--preset P | --inject ...] --rescue --json
         -> adds rescue: {fp32: [units], reruns, finite, top1_agreement, near_ties, ties, complement, trials,
            check (the command that checks the set), ...}
@@ -23,12 +25,12 @@ import functools
 import json
 import math
 import shlex
-import sys
 from dataclasses import fields
 
 import torch
 
 from engine.cli.args import SAMPLER_FLAGS
+from engine.cli.progress_line import progress_printer
 from engine.errors import InputError
 from engine.loader import load_model
 from engine.model import Model
@@ -38,7 +40,7 @@ from engine.settings import RunSettings
 from engine.tools.quant import FORMATS, THRESHOLD, check_formats, quant_report
 from engine.tools.rescue import MAX_NEW_TOKENS, RescueReport, find_rescue
 from engine.tools.rescue_runs import TIE_ULPS, check_plan
-from engine.tools.why_loop import HORIZON, MAX_RERUNS, why_loop
+from engine.tools.why_loop import LOOK_FURTHER, MAX_RERUNS, why_loop
 from engine.variants import precision_plan
 
 
@@ -56,8 +58,11 @@ def add_commands(sub, common) -> None:
 
 def add_doctor_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--why-loop", action="store_true",
-                   help=f"on a loop, rerun with candidate causes removed ({HORIZON} tokens each, at most "
-                        f"{MAX_RERUNS} reruns) and list them")
+                   help=f"if the run (--max-new-tokens) ends in a loop, rerun it with candidate causes removed (at "
+                        f"most {MAX_RERUNS} reruns) and list them")
+    p.add_argument("--why-loop-tokens", type=int, default=None, metavar="N",
+                   help=f"with --why-loop, when the run holds no loop: rerun the same prompt and seed for N tokens "
+                        f"(e.g. {LOOK_FURTHER}) and diagnose a loop there")
     p.add_argument("--rescue", action="store_true",
                    help="find the smallest set of units that must run in fp32 (needs --dtype float16/bfloat16)")
     p.add_argument("--rescue-tokens", type=int, default=MAX_NEW_TOKENS,
@@ -109,10 +114,10 @@ def settings_of(a: argparse.Namespace, **changes) -> RunSettings:
 
 def _progress(what: str):
     """on_progress (engine.progress) printing one line that updates in place; never answers STOP (Ctrl-C)."""
+    line = progress_printer(f"{what} ", 60)
+
     def show(p: Progress) -> None:
-        f = p.fraction
-        print(f"\r[{what} {f * 100:5.1f}%] {p.what[:60]:60s}", end="" if f < 1 else "\n", file=sys.stderr,
-              flush=True)
+        line(p.fraction, p.what)
     return show
 
 
@@ -137,8 +142,14 @@ def extend_doctor(model: Model, a: argparse.Namespace, report: dict) -> dict:
         report["rescue"]["check"] = check_command(settings_of(a), rep, device=a.device, model=a.model)
     if getattr(a, "verify", False):
         report["fp32_check"] = verify(model, a, report)
+    further = getattr(a, "why_loop_tokens", None)
+    if further is not None and not getattr(a, "why_loop", False):
+        raise InputError("--why-loop-tokens goes with --why-loop")
+    if further is not None and further <= a.max_new_tokens:
+        raise InputError(f"--why-loop-tokens looks further than the run: it must be above --max-new-tokens "
+                         f"({a.max_new_tokens}), got {further}")
     if getattr(a, "why_loop", False):
-        rep = why_loop(model, settings_of(a, max_new_tokens=HORIZON), on_progress=_progress("why-loop"))
+        rep = why_loop(model, settings_of(a), look_further=further, on_progress=_progress("why-loop"))
         d = rep.as_dict()
         report["causes"] = d.pop("causes")
         report["why_loop"] = d
@@ -228,10 +239,17 @@ def human_lines(report: dict) -> list[str]:
                          + (", a near tie" if left["near_tie"] else ", not a near tie"))
     if "why_loop" in report:
         w = report["why_loop"]
-        lines.append(f"why the loop: {w['status']} ({w['reruns']} reruns)")
+        lines.append(f"why the loop: {w['headline']}")
+        if w["status"] == "no loop" and not w["looked_further"]:
+            lines.append(f"  to look further: add --why-loop-tokens {LOOK_FURTHER} (reruns the same prompt and seed "
+                         f"for {LOOK_FURTHER} tokens)")
+        if report["causes"]:
+            lines.append(f"  causes ({w['reruns']} reruns of {w['horizon']} tokens each at most):")
         for c in report["causes"]:
-            lines.append(f"  [{'gone' if c['loop_gone'] else 'kept'}] {c['kind']:8s} {c['change']}: "
-                         f"{c['text_after'][:60]!r}")
+            lines.append(f"  [{ {'loop gone': 'gone', 'stopped': 'stopped', 'loop kept': 'kept'}[c['outcome']]}] "
+                         f"{c['kind']:8s} {c['change']}: "
+                         + (f"ended (end-of-text) after {c['tokens']} tokens, no loop before it: "
+                            if c["outcome"] == "stopped" else "") + f"{c['text_after'][:60]!r}")
     return lines
 
 

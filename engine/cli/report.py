@@ -68,7 +68,9 @@ def reproduce_command(trace: Trace, *, out: str = "run.html", layers: str | None
     flags += [f for spec in (x.get("injections") or []) for f in ("--inject", spec)]
     flags += ["--norm-eps", repr(float(x["norm_eps"]))] if x.get("norm_eps") is not None else []
     flags += (["--layers", layers] if layers is not None else []) + (["--steps", steps] if steps is not None else [])
-    flags += ["--out", out]
+    # the file's name only when it was given as an absolute path: the server's (or this machine's) folders do not
+    # belong in a report that is handed out
+    flags += ["--out", Path(out).name if Path(out).is_absolute() else out]
     head = ["python3", "-m", "engine", "report"]
     if s.prompt.startswith("-"):                      # would read as a flag: after "--" it is the prompt
         return shlex.join(head + flags + ["--", s.prompt])

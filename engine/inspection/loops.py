@@ -1,31 +1,38 @@
-"""Loops in generated tokens: maximal periodic runs ("the same n tokens again and again").
+"""Loops in generated tokens: what this app calls a loop, in one place. The Repetition page, the doctor's `loops`
+(CLI and JSON), the why-loop's judgement of every rerun, trace files and the report all use `find_loops`.
+
+A loop is a degenerate repeat: the same tokens again and again, **to the end of the run**. Ordinary text repeats
+short patterns all the time without being stuck -- a clock time ("12:12:53": `12:` twice), a date, a list, a
+phrase said twice -- so neither a pattern seen twice nor one the text moves on from is a loop.
 
 Definition (what `find_loops` reports). Let t[0..n) be the generated token ids (indices are generation
 steps: index i is the token chosen at step i, at absolute position n_prompt + i).
 
 * A span t[s:e] has period p when t[i] == t[i + p] for every s <= i < e - p.
-* A *loop* is a span with period p that cannot be extended (t[s-1] != t[s-1+p], and e == n or
-  t[e] != t[e-p]), holds at least `min_count` full periods ((e - s) // p >= min_count, min_count >= 2) and
-  covers at least `min_tokens` tokens. p is the smallest period of the span: a span of period p lying
-  inside a loop of a smaller period q is not reported again (by Fine and Wilf it is periodic in gcd(p, q)).
+* A *loop* is a span with period p that cannot be extended (t[s-1] != t[s-1+p]) and **runs through the last
+  generated token** (e == n), holds at least `min_count` full periods ((e - s) // p >= min_count; MIN_COUNT = 3:
+  the pattern, then two more copies of it) and covers at least `min_tokens` tokens (MIN_TOKENS = 12). p is the
+  smallest period of the span: a span of period p lying inside a loop of a smaller period q is not reported
+  again (by Fine and Wilf it is periodic in gcd(p, q)).
 * Loop(start=s, period=p, count=(e - s) // p, end=e): `count` full periods, then (e - s) % p tokens
   of a last, partial one.
 
-`tail_loop` is the loop the generation is stuck in: among loops reaching the last token (e == n), the one
-with the earliest start, then the smallest period; i.e. the earliest s and smallest p such that t[s:] has
-period p at least twice over. None when the text does not end in a loop.
+A run shorter than MIN_TOKENS generated tokens has no loop; a repeat the run leaves before its end is not a
+loop (`periodic_runs` still lists every periodic span, loop or not). `tail_loop` is the loop the generation is
+stuck in: the one with the earliest start, then the smallest period; None when there is none.
 
-Example: greedy SmolLM2-135M on the raw prompt "I like apples. I like apples. I like" continues
-" apples. I'm a big apple. I'm a big apple. ..." and tail_loop gives start 1, period 6
-(". I'm a big apple" = 6 tokens, from the first '.').
+Examples: greedy SmolLM2-135M on the raw prompt "I like apples. I like apples. I like" continues
+" apples. I'm a big apple. I'm a big apple. ..." and, over 20 tokens, tail_loop gives start 1, period 6, count 3
+(". I'm a big apple" = 6 tokens, from the first '.'). On "The capital of France is" it writes
+" Paris.\n\nThe answer is: 2018-01-22 12:12:53." and stops: `1 2 :` twice in a time, not a loop.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-MIN_COUNT = 2
-MIN_TOKENS = 6
+MIN_COUNT = 3     # full periods: a pattern seen twice (a time, a date) is ordinary text
+MIN_TOKENS = 12   # a run shorter than this has no loop
 
 
 @dataclass(frozen=True)
@@ -66,25 +73,31 @@ def periodic_runs(tokens: Sequence[int], max_period: int | None = None) -> list[
 
 def find_loops(tokens: Sequence[int], *, min_count: int = MIN_COUNT, min_tokens: int = MIN_TOKENS,
                max_period: int | None = None) -> list[Loop]:
-    """The loops of `tokens` (see the module docstring), sorted by start, then period."""
+    """The loops of `tokens` (see the module docstring: periodic to the last token, min_count full periods,
+    min_tokens tokens), sorted by start, then period."""
     if min_count < 2:
         raise ValueError(f"min_count must be >= 2, got {min_count}")
-    runs = periodic_runs(tokens, max_period)
+    n = len(tokens)
+    runs = [r for r in periodic_runs(tokens, max_period) if r.end == n]
     kept = []
     for r in runs:
         if r.count < min_count or r.length < min_tokens:
             continue
-        if any(q.period < r.period and q.start <= r.start and r.end <= q.end for q in runs):
+        if any(q.period < r.period and q.start <= r.start for q in runs):
             continue                                             # a multiple of a smaller period
         kept.append(r)
     return sorted(kept, key=lambda r: (r.start, r.period))
 
 
+def has_loop(tokens: Sequence[int]) -> bool:
+    """Whether `tokens` end in a loop (the definition above, default thresholds)."""
+    return bool(find_loops(tokens))
+
+
 def tail_loop(tokens: Sequence[int], **kw) -> Loop | None:
     """The loop running through the last token: earliest start, then smallest period. None if none."""
-    n = len(tokens)
-    ends = [r for r in find_loops(tokens, **kw) if r.end == n]
-    return min(ends, key=lambda r: (r.start, r.period)) if ends else None
+    loops = find_loops(tokens, **kw)
+    return min(loops, key=lambda r: (r.start, r.period)) if loops else None
 
 
 def repeats(loop: Loop) -> list[tuple[int, int]]:

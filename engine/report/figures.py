@@ -13,7 +13,8 @@ from engine.report.data import AttentionMap
 
 PER_LAYER_SHOWN = ("attn_out", "mlp_out", "resid_post")   # lines visible at first; the others one click away
 KEPT, MODEL, CHOSEN, LOOP = "#3b6fb6", "#9aa9bd", "#e4572e", "rgba(228,87,46,0.12)"
-MAX_TICKS = 40
+MAX_TICKS = 30
+TICK_FONT = {"size": 12}      # the attention maps' position labels (they were drawn at 9 px)
 HEAT = [[0.0, "#f7fbff"], [0.25, "#c6dbef"], [0.5, "#6baed6"], [0.75, "#2171b5"], [1.0, "#08306b"]]
 
 
@@ -113,8 +114,10 @@ def attention_figure(m: AttentionMap, labels: list[str], n_prompt: int) -> dict:
         f"Layer {m.layer}: attention, average of all heads" + ("" if m.block == 1 else f" (pooled, {m.block} "
                                                                  "positions a cell)"),
         height=side + 120, shapes=shapes,
-        xaxis={"title": {"text": "key position"}, "side": "bottom", **ticks, "tickangle": -60, "automargin": True},
-        yaxis={"title": {"text": "query position"}, "autorange": "reversed", **ticks, "automargin": True})}
+        xaxis={"title": {"text": "key position"}, "side": "bottom", **ticks, "tickangle": -60, "automargin": True,
+               "tickfont": TICK_FONT},
+        yaxis={"title": {"text": "query position"}, "autorange": "reversed", **ticks, "automargin": True,
+               "tickfont": TICK_FONT})}
 
 
 def sampling_figure(dist: dict) -> dict:

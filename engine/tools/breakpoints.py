@@ -12,7 +12,7 @@ whose `step` is the step's index, so the run's probe must record statistics of t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from types import SimpleNamespace
 from typing import Iterator, Protocol, Sequence
@@ -131,14 +131,21 @@ class RepeatedNgram:
 
 @dataclass(frozen=True)
 class TokenIs:
-    """The step chose one of these token ids."""
+    """The step chose one of these token ids. texts: each id's text, for describe (the engine's breakpoints hold
+    no tokenizer; whoever makes one from what a user typed knows them)."""
     token_ids: tuple[int, ...]
+    texts: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             raise InputError("a token breakpoint needs at least one token id")
+        if self.texts and len(self.texts) != len(self.token_ids):
+            raise InputError(f"a token breakpoint has {len(self.token_ids)} ids but {len(self.texts)} texts")
 
     def describe(self) -> str:
+        if self.texts:
+            named = [f"{t!r} (id {i})" for i, t in zip(self.token_ids, self.texts)]
+            return ("token " if len(named) == 1 else "token one of ") + ", ".join(named)
         return f"token id in {list(self.token_ids)}"
 
     def check(self, run, step, probe: Probe | None) -> str | None:

@@ -10,19 +10,32 @@ gone. Four kinds of change are tried, within one budget of reruns (MAX_RERUNS ge
               step kept), k in HEAD_KS, fewest first: the first k that breaks the loop is reported (as for
               the sampler), so "top-4" means the top 2 did not break it
     sampler   one setting at a time (SAMPLER_LADDERS), weakest first; the first rung that breaks the loop
-              is reported, so "repetition_penalty 1.0 -> 1.1" means 1.05 did not break it
+              is reported, so "repetition_penalty 1.0 -> 1.1" means 1.05 did not break it (no_repeat_ngram is
+              not tried: it forbids an exact repeat by construction, see SAMPLER_LADDERS)
     numerics  the same run in another dtype (bfloat16 for a float32 model, float32 otherwise)
     prompt    each span of the prompt (a sentence or clause) left out in turn: which one seeded the loop
 
-"The loop is gone" means: over HORIZON generated tokens there is no loop (engine.inspection.loops.find_loops) and no
-token n-gram (n = REPEAT_N) occurs REPEAT_COUNT times or more. A rerun stops as soon as either shows up
-(both can only grow as tokens are added), so a rerun that keeps the loop costs a dozen or so tokens, not
-HORIZON; its text_after is the text up to that point. Stop strings are off for reruns, and faults injected
-by the NaN doctor are not applied. The baseline and the sampler reruns share their common forwards
+Which run is diagnosed. The user's own run: the same prompt, seed and settings for its own number of new tokens
+(settings.max_new_tokens), so the loop diagnosed is the loop the Repetition page and the doctor show. When that
+run holds no loop the report says so plainly and runs nothing more, unless asked to look further (look_further=N:
+rerun the same prompt and seed for N tokens, LOOK_FURTHER = 64 by default where offered); then the report's first
+line says that it diagnosed a longer rerun, and why.
+
+A loop is engine.inspection.loops' one definition (three full periods, 12 tokens or more, running to the end of
+the run). Each rerun is judged by it: "loop gone" means the rerun ran its whole horizon (the diagnosed run's
+length) and its tokens end in no loop; a rerun that ended at end-of-text (or the context) first did not fix
+anything, it "stopped" (outcome "stopped", loop_gone False); "loop kept" means its tokens end in a loop. A rerun
+stops as soon as its tokens end in a loop (the loop can only be left by tokens it has not made yet, and a loop of
+three full periods seldom is), or as soon as it has fallen back into the diagnosed loop itself: its last 2p tokens
+are that loop's own p-token piece twice over, in any rotation (`fell_back`); either way it counts as keeping the
+loop (stopped "loop"). So a rerun that keeps the loop costs its first few periods, not the horizon; its
+text_after is the text up to that point. Stop strings are off for reruns, and faults injected by the NaN doctor
+are not applied. The baseline and the sampler reruns share their common forwards
 (SharedForwards): a sampler rerun draws the baseline's tokens until its change first picks another one, and
 those steps, the prefill included, are answered from the baseline's logits and KV cache rows, not run again.
 
-Causes are ranked: those whose rerun broke the loop first, then by kind (heads, sampler, numerics, prompt),
+Causes are ranked: those whose rerun broke the loop first, then those that stopped, then by kind (heads,
+sampler, numerics, prompt),
 then in the order tried (the weakest change first). The kinds are tried in that order too, so when the
 budget runs out it is the prompt spans that go untried (listed in `skipped`).
 """
@@ -32,14 +45,13 @@ import dataclasses
 import heapq
 import re
 import weakref
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from engine.generate import GenerationRun
-from engine.inspection.loops import Loop, find_loops, tail_loop
+from engine.inspection.loops import Loop, has_loop, tail_loop
 from engine.inspection.probe import Probe
 from engine.kv_cache import KVCache
 from engine.model import Model
@@ -47,61 +59,80 @@ from engine.progress import OnProgress, tell_units
 from engine.settings import RunSettings
 from engine.variants import cast_model, without_heads
 
-HORIZON = 64
+HORIZON = LOOK_FURTHER = 64     # how far "look further" reruns a run that holds no loop (tokens)
 MAX_RERUNS = 40
 HEAD_KS = (1, 2, 4, 8)
-REPEAT_N, REPEAT_COUNT = 3, 3
 MAX_SPANS = 6
 KIND_ORDER = ("heads", "sampler", "numerics", "prompt")
-# Weakest first. no_repeat_ngram is weaker the longer the banned n-gram; temperature > 0 samples with the seed.
+# Weakest first; temperature > 0 samples with the seed. no_repeat_ngram is not a rung: banning repeated n-grams
+# of n tokens makes every loop of period p <= (its length - n) impossible by the loop's own definition (an exact
+# repeat to the end of the run), whatever the model would do, so its rerun could not tell whether a cause is gone
+# (a ban of 8-grams leaves "() temper like() temper like temper like()..." and would count as a fix).
 SAMPLER_LADDERS: dict[str, tuple[float, ...]] = {
     "repetition_penalty": (1.05, 1.1, 1.2, 1.3, 1.5),
     "frequency_penalty": (0.1, 0.25, 0.5, 1.0),
     "presence_penalty": (0.1, 0.25, 0.5, 1.0),
-    "no_repeat_ngram": (8, 6, 4, 3),
     "temperature": (0.3, 0.7, 1.0),
 }
 
-def repeated_ngram(tokens: Sequence[int], n: int = REPEAT_N, count: int = REPEAT_COUNT) -> tuple[int, ...] | None:
-    """The first token n-gram (in order of appearance) that occurs `count` times or more; None if none."""
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
-    seen = Counter(grams)
-    return next((g for g in grams if seen[g] >= count), None)
+def fell_back(tokens: Sequence[int], piece: Sequence[int] | None) -> bool:
+    """Whether tokens end in the diagnosed loop's p-token piece twice over (in any rotation): the rerun is back in
+    that very loop. A shortcut for stopping a rerun early, not a loop by itself (engine.inspection.loops)."""
+    p = len(piece or ())
+    if p == 0 or len(tokens) < 2 * p:
+        return False
+    last = list(tokens[-p:])
+    if last != list(tokens[-2 * p:-p]):
+        return False
+    doubled = list(piece) * 2
+    return any(doubled[i:i + p] == last for i in range(p))
 
 
 def loops_in(tokens: Sequence[int]) -> bool:
-    """The loop test every rerun is judged by (see the module docstring)."""
-    return bool(find_loops(tokens)) or repeated_ngram(tokens) is not None
+    """The loop test every rerun is judged by: engine.inspection.loops.has_loop (the one definition)."""
+    return has_loop(tokens)
+
+
+OUTCOMES = ("loop gone", "stopped", "loop kept")     # the rank of a cause's outcome, best first
 
 
 @dataclass
 class Cause:
     kind: str            # heads | sampler | numerics | prompt
     change: str          # what the rerun changed, e.g. "zero the top-2 copy heads: L8h1, L12h8"
-    loop_gone: bool
+    loop_gone: bool      # the rerun ran its whole horizon and ends in no loop (stopping at end-of-text is no fix)
     text_after: str      # the rerun's text (up to where its loop showed, when it kept one)
     tokens: int          # tokens the rerun generated
     stopped: str         # loop (the loop test fired) | eos (the model ended the text) | max_new_tokens
     detail: dict = field(default_factory=dict)
 
+    @property
+    def outcome(self) -> str:
+        """"loop gone" | "stopped" (ended at end-of-text or the context, no loop before it) | "loop kept"."""
+        return "loop gone" if self.loop_gone else ("loop kept" if self.stopped == "loop" else "stopped")
+
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "outcome": self.outcome}
 
 
 @dataclass
 class WhyLoopReport:
     status: str                      # "loop" | "no loop"
-    loop: dict | None                # the baseline's tail loop (or first loop): start, period, count, end
-    horizon: int
+    loop: dict | None                # the diagnosed run's loop (engine.inspection.loops.tail_loop)
+    horizon: int                     # tokens of the diagnosed run (and of every rerun)
     baseline_text: str
     causes: list[Cause]              # loop-breaking causes first, then by kind (KIND_ORDER), weakest first
     copy_heads: list[dict]           # layer, head, mass (mean attention to the earlier copy), best first
     reruns: int                      # generations run, the baseline included
     max_reruns: int
     skipped: list[str]               # changes not tried because the budget ran out
+    run_tokens: int = 0              # tokens of the user's own run (settings.max_new_tokens, or fewer at its end)
+    looked_further: bool = False     # the diagnosed run is a longer rerun (the user's run held no loop)
+    headline: str = ""               # the report's first line, in words
 
     def as_dict(self) -> dict:
-        return {"status": self.status, "loop": self.loop, "horizon": self.horizon,
+        return {"headline": self.headline, "status": self.status, "loop": self.loop, "horizon": self.horizon,
+                "run_tokens": self.run_tokens, "looked_further": self.looked_further,
                 "baseline_text": self.baseline_text, "causes": [c.as_dict() for c in self.causes],
                 "copy_heads": self.copy_heads, "reruns": self.reruns, "max_reruns": self.max_reruns,
                 "skipped": self.skipped}
@@ -165,6 +196,7 @@ class _Reruns:
         self.settings, self.horizon, self.limit = settings, horizon, limit
         self.planned, self.on_progress, self.count = max(1, min(planned, limit)), on_progress, 0
         self.last_prompt_ids: list[int] = []
+        self.piece: tuple[int, ...] | None = None        # the diagnosed loop's piece, once known (fell_back)
 
     def check(self, label: str) -> None:
         if self.count >= self.limit:
@@ -183,7 +215,7 @@ class _Reruns:
                             max_new_tokens=self.horizon, seed=s.seed, chat=s.chat, system=s.system,
                             allow_special=s.allow_special, ignore_eos=s.ignore_eos, probe=probe)
         while run.step() is not None:
-            if early_stop and len(run.token_ids) >= 2 * REPEAT_N and loops_in(run.token_ids):
+            if early_stop and (fell_back(run.token_ids, self.piece) or loops_in(run.token_ids)):
                 break
         self.last_prompt_ids = run.prompt_ids
         if run.done:
@@ -210,7 +242,9 @@ def copy_head_scores(model: Model, ids: Sequence[int], n_prompt: int, loop: Loop
 
 def _cause(kind: str, change: str, rerun: tuple[list[int], str, str], **detail) -> Cause:
     tokens, text, stopped = rerun
-    return Cause(kind, change, not loops_in(tokens), text, len(tokens), stopped, detail)
+    looping = stopped == "loop" or loops_in(tokens)        # "loop": stopped early in a loop (_Reruns.generate)
+    return Cause(kind, change, not looping and stopped == "max_new_tokens", text, len(tokens),
+                 "loop" if looping else stopped, detail)
 
 
 # Each _try_* appends to `causes` as its reruns finish, so what ran before the budget ended is still listed.
@@ -347,27 +381,66 @@ def _planned(prompt: str) -> int:
     return 1 + len(HEAD_KS) + sampler + 1 + len(prompt_spans(prompt))
 
 
-def why_loop(model: Model, settings: RunSettings, *, horizon: int = HORIZON, max_reruns: int = MAX_RERUNS,
+def _loop_words(lp: Loop) -> str:
+    return f"from step {lp.start} with period {lp.period} (×{lp.count})"
+
+
+def _headline(run_tokens: int, run_stop: str, horizon: int, looked_further: bool, loop: Loop | None,
+              causes: list[Cause], look_further: int | None) -> str:
+    """The report's first line: which run was diagnosed, and what came of it."""
+    ended = "" if run_stop in ("max_new_tokens", "loop") else f" (it ended: {run_stop})"
+    own = f"Your run's {run_tokens} generated token{'s' if run_tokens != 1 else ''}{ended}"
+    if loop is None and not looked_further:
+        further = ("" if look_further else f" To look further, rerun the same prompt and seed for up to "
+                   f"{LOOK_FURTHER} tokens and diagnose any loop there.")
+        return f"{own} hold no loop: there is nothing to diagnose.{further}"
+    if loop is None:
+        return (f"{own} hold no loop, and neither does a longer rerun of the same prompt and seed "
+                f"({horizon} tokens asked): there is nothing to diagnose.")
+    gone = sum(c.loop_gone for c in causes)
+    stopped = sum(c.outcome == "stopped" for c in causes)
+    tail = (f" {gone} of {len(causes)} changes break it" + (f"; {stopped} more only stopped the text early"
+                                                           if stopped else "") + ".") if causes else ""
+    if looked_further:
+        return (f"{own} hold no loop, so this diagnoses a longer rerun of the same prompt and seed ({horizon} "
+                f"tokens), which loops {_loop_words(loop)}.{tail}")
+    return f"{own} end in a loop {_loop_words(loop)}: the loop diagnosed here.{tail}"
+
+
+def why_loop(model: Model, settings: RunSettings, *, look_further: int | None = None, max_reruns: int = MAX_RERUNS,
              top_heads: int = max(HEAD_KS), on_progress: OnProgress | None = None) -> WhyLoopReport:
-    """Rerun settings' prompt and seed for `horizon` tokens; on a loop, test the candidate causes (see the
-    module docstring), at most max_reruns generations in all. A loop-free baseline reports "no loop".
+    """Rerun the user's run (settings' prompt, seed and max_new_tokens) and, if it ends in a loop, test the
+    candidate causes (see the module docstring), at most max_reruns generations in all. A run without a loop is
+    reported as "no loop" after that one rerun, unless look_further=N (> max_new_tokens): then the same prompt
+    and seed are rerun for N tokens and a loop there is diagnosed, the headline saying so.
     on_progress (engine.progress) hears each rerun before it runs and the end (done == total == reruns); a
     STOP answer raises engine.progress.Stopped before the next rerun."""
-    reruns = _Reruns(settings, horizon, max_reruns, _planned(settings.prompt), on_progress)
+    run_len = settings.max_new_tokens
+    if look_further is not None and look_further <= run_len:
+        look_further = None                      # the run itself already reaches that far
+    reruns = _Reruns(settings, run_len, max_reruns, _planned(settings.prompt) + (look_further is not None),
+                     on_progress)
     shared = SharedForwards(model)      # the baseline's forwards, answered again to the sampler reruns
     # The baseline runs to the horizon (no early stop): the copy heads are read from the loop's repeats.
-    base_ids, base_text, _ = reruns.generate(shared, "baseline", early_stop=False)
-    if not loops_in(base_ids):
+    base_ids, base_text, base_stop = reruns.generate(shared, "your run", early_stop=False)
+    run_tokens, run_stop, looked_further = len(base_ids), base_stop, False
+    if not loops_in(base_ids) and look_further is not None and base_stop == "max_new_tokens":
+        reruns.horizon, looked_further = look_further, True          # its first run_len forwards are shared
+        base_ids, base_text, base_stop = reruns.generate(shared, f"a longer rerun ({look_further} tokens)",
+                                                         early_stop=False)
+    horizon = reruns.horizon
+    base_loop = tail_loop(base_ids)
+    if base_loop is None:
         tell_units(on_progress, reruns.count, reruns.count, "no loop")
-        return WhyLoopReport("no loop", None, horizon, base_text, [], [], reruns.count, max_reruns, [])
-    base_loop = tail_loop(base_ids) or next(iter(find_loops(base_ids)), None)
-    top = []
-    if base_loop is not None:
-        n_prompt = len(reruns.last_prompt_ids)
-        scores = copy_head_scores(model, reruns.last_prompt_ids + base_ids, n_prompt, base_loop)
-        H = scores.shape[1]
-        order = scores.flatten().argsort(descending=True, stable=True)[:top_heads].tolist()
-        top = [{"layer": i // H, "head": i % H, "mass": round(float(scores.flatten()[i]), 6)} for i in order]
+        return WhyLoopReport("no loop", None, horizon, base_text, [], [], reruns.count, max_reruns, [], run_tokens,
+                             looked_further, _headline(run_tokens, run_stop, horizon, looked_further, None, [],
+                                                       look_further))
+    reruns.piece = tuple(base_ids[base_loop.start:base_loop.start + base_loop.period])
+    n_prompt = len(reruns.last_prompt_ids)
+    scores = copy_head_scores(model, reruns.last_prompt_ids + base_ids, n_prompt, base_loop)
+    H = scores.shape[1]
+    order = scores.flatten().argsort(descending=True, stable=True)[:top_heads].tolist()
+    top = [{"layer": i // H, "head": i % H, "mass": round(float(scores.flatten()[i]), 6)} for i in order]
     causes, skipped = [], []
     for kind, attempt in (("heads", lambda: _try_heads(model, reruns, top, causes)),
                           ("sampler", lambda: _try_sampler(shared, reruns, settings.params, causes)),
@@ -377,7 +450,8 @@ def why_loop(model: Model, settings: RunSettings, *, horizon: int = HORIZON, max
             attempt()
         except _OutOfReruns as e:
             skipped.append(f"{kind}: {e} and what follows it (the budget of {max_reruns} reruns is spent)")
-    causes.sort(key=lambda c: (not c.loop_gone, KIND_ORDER.index(c.kind)))    # stable: weakest first kept
+    causes.sort(key=lambda c: (OUTCOMES.index(c.outcome), KIND_ORDER.index(c.kind)))   # stable: weakest first kept
     tell_units(on_progress, reruns.count, reruns.count, f"done: {reruns.count} reruns")
-    return WhyLoopReport("loop", None if base_loop is None else base_loop.as_dict(), horizon, base_text,
-                         causes, top, reruns.count, max_reruns, skipped)
+    return WhyLoopReport("loop", base_loop.as_dict(), horizon, base_text, causes, top, reruns.count, max_reruns,
+                         skipped, run_tokens, looked_further,
+                         _headline(run_tokens, run_stop, horizon, looked_further, base_loop, causes, look_further))

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import EngineError, Model, ModelLoadError, load_model
+from engine import EngineError, Model, ModelLoadError, UnsupportedModelError, load_model
 from engine.loader import pick_device, pick_dtype
 from engine.sources import cache_dir as engine_cache_dir
 from engine.sources import find_in_hub_cache, hub_cache_dirs
@@ -108,7 +108,7 @@ class _Slot:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.model: Model | None = None
-        self.error: tuple[float, str] | None = None     # (when, message) of the last failed load
+        self.error: tuple[float, str, type] | None = None     # (when, message, error class) of the last failed load
 
 
 _models: dict[tuple, _Slot] = {}
@@ -135,7 +135,7 @@ def shared_model(source: str | None, device: str, dtype: str, _progress=None) ->
     try:
         if slot.model is None:
             if slot.error and time.monotonic() - slot.error[0] < LOAD_RETRY_S:
-                raise ModelLoadError(slot.error[1])
+                raise slot.error[2](slot.error[1])
             try:
                 with _loads.slot(on_wait=lambda n: _progress and _progress(0.0, f"waiting to load: number {n} in "
                                                                                "the queue for model loads"),
@@ -147,8 +147,10 @@ def shared_model(source: str | None, device: str, dtype: str, _progress=None) ->
             except Exception as e:
                 log.warning("loading model %r failed", source, exc_info=not isinstance(e, EngineError))
                 msg = str(e) if isinstance(e, EngineError) else f"{type(e).__name__}: {e}"
-                slot.error = (time.monotonic(), redact(msg, source))
-                raise ModelLoadError(slot.error[1]) from None
+                # an architecture this engine does not implement stays unsupported: said so, not "try again"
+                kind = UnsupportedModelError if isinstance(e, UnsupportedModelError) else ModelLoadError
+                slot.error = (time.monotonic(), redact(msg, source), kind)
+                raise kind(slot.error[1]) from None
             slot.error = None
         return slot.model
     finally:
@@ -171,6 +173,7 @@ class LoadState:
     fraction: float = 0.0
     message: str = "starting"
     seconds: float = 0.0           # since the load began
+    unsupported: bool = False      # the failure was an architecture this engine does not implement: a retry cannot help
 
     @property
     def loading(self) -> bool:
@@ -183,6 +186,7 @@ class _Load:
         self.latest = (0.0, "starting")       # (fraction, what it is doing): one attribute, read whole
         self.model: Model | None = None
         self.error: str | None = None
+        self.unsupported = False
         self.done = False
 
     def progress(self, fraction: float, message: str) -> None:
@@ -192,7 +196,7 @@ class _Load:
         try:
             self.model = shared_model(source, device, dtype, _progress=self.progress)
         except EngineError as e:     # shared_model says why (redacted); pick_device may refuse a device
-            self.error = str(e)
+            self.error, self.unsupported = str(e), isinstance(e, UnsupportedModelError)
         except Exception as e:       # a bug: the reason on screen, the server keeps running
             log.exception("loading model %r failed", source)
             self.error = redact(f"{type(e).__name__}: {e}", source)
@@ -202,7 +206,7 @@ class _Load:
     def state(self) -> LoadState:
         if self.done:
             return LoadState(model=self.model, error=self.error, fraction=1.0, message="done",
-                             seconds=self.ended - self.started)
+                             seconds=self.ended - self.started, unsupported=self.unsupported)
         fraction, message = self.latest
         return LoadState(fraction=fraction, message=message, seconds=time.monotonic() - self.started)
 

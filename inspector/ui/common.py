@@ -131,7 +131,10 @@ def load_box(demo_waits: bool = False) -> None:
     """Where the sidebar names the model while there is none: the load's progress (updated while this script
     waits), or why it failed."""
     state = chosen_load()
-    if state.error is not None:
+    if state.error is not None and state.unsupported:     # reloading cannot help: this engine lacks the architecture
+        st.error(f"Could not load the model: {state.error}. This app does not implement that model; the app keeps "
+                 "running: choose another model (Model and device).")
+    elif state.error is not None:
         st.error(f"Could not load the model: {state.error}. The app keeps running: choose another model "
                  f"(Model and device), or reload the page after {LOAD_RETRY_S} s to try again.")
     elif state.loading:

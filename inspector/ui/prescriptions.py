@@ -13,10 +13,11 @@ import torch
 
 from engine import InputError
 from engine.cli.prescribe import check_command
+from engine.inspection.loops import MIN_COUNT, MIN_TOKENS, has_loop
 from engine.tools.doctor import PRESETS
 from engine.tools.quant import FORMATS, THRESHOLD, compare_formats
 from engine.tools.rescue import MAX_NEW_TOKENS, find_rescue
-from engine.tools.why_loop import HORIZON, MAX_RERUNS, why_loop
+from engine.tools.why_loop import LOOK_FURTHER, MAX_RERUNS, why_loop
 from engine.variants import cast_model
 from inspector.session.memo import run_key
 from inspector.session.run import check_settings
@@ -57,19 +58,30 @@ def _compute(store: dict, key, what: str, compute) -> None:
 # ---- Repetition page ------------------------------------------------------------------------------
 def why_loop_section(run, model) -> None:
     st.subheader("Why does it loop?")
-    st.caption(f"Reruns this run's prompt and seed for {HORIZON} tokens, then tests each candidate cause by "
-               "removing it and rerunning: the copy heads (the top 1, 2, 4, 8 zeroed, fewest first), the sampler "
-               "(each penalty, no-repeat n-gram and temperature, weakest first), the numerics (another dtype) and "
-               "the prompt (each span left out). A cause counts only with its rerun: the loop is gone when the rerun's "
-               f"{HORIZON} tokens hold no loop and no 3-token sequence three times.")
+    n = len(run.result.token_ids)
+    looping = has_loop(run.result.token_ids)
+    st.caption(f"Diagnoses this run's loop (a loop: the same tokens at least {MIN_COUNT} full times, {MIN_TOKENS} "
+               "tokens or more, to the end of the run): reruns its prompt and seed for its own length, then tests each "
+               "candidate cause by removing it and rerunning: the copy heads (the top 1, 2, 4, 8 zeroed, fewest "
+               "first), the sampler (each penalty, no-repeat n-gram and temperature, weakest first), the numerics "
+               "(another dtype) and the prompt (each span left out). A cause counts only with its rerun: the loop is "
+               "gone when the rerun runs the whole length and ends in no loop; a rerun that ends its text early has "
+               "only stopped.")
+    further = None
+    if not looping:
+        st.info(f"This run's {n} generated tokens hold no loop: there is nothing to diagnose. You can look further: "
+                f"rerun the same prompt and seed for up to {LOOK_FURTHER} tokens and diagnose a loop there.")
+        further = LOOK_FURTHER
     budget = checked(st.number_input("Most reruns", 5, MAX_RERUNS, MAX_RERUNS, key="wl_budget"), 5, MAX_RERUNS,
                      "Most reruns")
     store = session().memo("wl_reports")
     key = (*run_key(run), budget)
     what = "the loop diagnosis"
-    if (st.button("Find the cause", key="wl_run", type="primary") or was_stopped(what, key)) \
+    label = "Find the cause" if looping else f"Look further ({LOOK_FURTHER} tokens)"
+    if (st.button(label, key="wl_run", type="primary") or was_stopped(what, key)) \
             and (settings := _checked_settings(run, model)):
-        _compute(store, key, what, lambda tell: why_loop(model, settings, max_reruns=budget, on_progress=tell))
+        _compute(store, key, what, lambda tell: why_loop(model, settings, look_further=further, max_reruns=budget,
+                                                         on_progress=tell))
     report = store.get(key)
     if report is not None:
         show_why_loop(report)
@@ -77,12 +89,10 @@ def why_loop_section(run, model) -> None:
 
 def show_why_loop(report) -> None:
     if report.status == "no loop":
-        st.success(f"No loop in {report.horizon} tokens from the same prompt and seed: there is nothing to explain "
-                   f"({report.reruns} rerun).")
+        st.success(f"{report.headline} ({report.reruns} rerun{'s' if report.reruns != 1 else ''})")
         return
-    lp, gone = report.loop, [c for c in report.causes if c.loop_gone]
-    where = f" from step {lp['start']} with period {lp['period']} (×{lp['count']})" if lp else ""
-    st.warning(f"The rerun loops{where}. {len(gone)} of {len(report.causes)} changes break it.")
+    gone = [c for c in report.causes if c.loop_gone]
+    st.warning(report.headline)
     c = st.columns(3)
     c[0].metric("Reruns", f"{report.reruns} / {report.max_reruns}")
     c[1].metric("Changes that break the loop", len(gone))
@@ -90,8 +100,9 @@ def show_why_loop(report) -> None:
                 if report.copy_heads else "—")
     st.dataframe(pv.causes_frame(report), key="wl_causes", hide_index=True)
     chart(pv.causes_figure(report), key="wl_causes_fig")
-    st.caption("Each bar is one rerun: how many tokens it generated before its loop came back. A full green bar: "
-               "the loop stayed away for the whole horizon.")
+    st.caption(f"Each bar is one rerun: how many tokens it generated before its loop came back or its text ended. "
+               f"A full green bar: the loop stayed away for the whole {report.horizon} tokens. A grey bar: the rerun "
+               "ended its text (end-of-text) early, with no loop before it: it stopped, which is not a fix.")
     if report.copy_heads:
         st.markdown("**Copy heads** (mean attention from the looping tokens to their copy one period back)")
         st.dataframe(pv.copy_heads_frame(report), key="wl_heads", hide_index=True)

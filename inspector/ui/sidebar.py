@@ -55,15 +55,23 @@ def sidebar(app_pages: list | None = None) -> Model | None:
         settings_widgets(limits, live)
     model = get_model(wait=False)       # while it loads: the app now, its progress under the title
     with top:
-        prompt_and_run(model, limits, live)
+        live = prompt_and_run(model, limits, live)
     history(limits)
     run = current_run()
     for note in (run.notes if run is not None else []):
         sb.warning(plain(note))       # a run's notes may come from a file: shown as the characters they are
-    a = shared_admission(limits).state()
-    sb.caption(f"Server: {a.running} of {a.max_concurrent} run slots busy · {a.waiting} waiting · "
-               f"{live_runs()} runs in memory · model generations: {generations()}")
+    footer = sb.empty()
+    server_footer(footer, limits)
+    if live is not None:              # the run is watched once the whole sidebar is drawn: the footer counts it
+        with top:
+            watch(live, limits, on_tick=lambda: server_footer(footer, limits))
     return model
+
+
+def server_footer(slot, limits: Limits) -> None:
+    a = shared_admission(limits).state()
+    slot.caption(f"Server: {a.running} of {a.max_concurrent} run slots busy · {a.waiting} waiting · "
+                 f"{live_runs()} runs in memory · model generations: {generations()}")
 
 
 def settings_widgets(limits: Limits, live: LiveRun | None) -> None:
@@ -91,8 +99,8 @@ def _projector_url() -> None:
         st.query_params.pop("projector", None)
 
 
-def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) -> None:
-    """Title, model, prompt, Run (or Stop while a run generates), the estimate, and the live run itself."""
+def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) -> LiveRun | None:
+    """Title, model, prompt, Run, the estimate; the live run (started here on a click) for the caller to watch."""
     st.markdown("**LLM Inspector** · see inside a language model")
     if model is None:            # loading (a demo clicked meanwhile waits for it) or failed
         common.load_box(demo_waits=session().demo is not None)
@@ -110,40 +118,47 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
     else:
         if "sb_prompt" not in state and isinstance(ss.own_prompt, str):
             state["sb_prompt"] = ss.own_prompt
+        # No max_chars: Streamlit's box drops a change past max_chars without a word (a 50,000-character paste left
+        # the box as it was, and Run then ran the old prompt). The box takes any paste; the length is checked below,
+        # said with the limit, and Run starts nothing until the prompt is shortened.
         st.text_area("Prompt", "What is the capital of France?", key="sb_prompt", height=100,  # same id each run
-                     max_chars=limits.max_prompt_chars,
                      help=f"Up to {limits.max_prompt_chars:,} characters and {limits.max_prompt_tokens:,} tokens. "
                           "Tab, newline and carriage return are the only control characters accepted.")
     typed = st.session_state.get("sb_prompt")
-    if isinstance(typed, str) and len(typed) > limits.max_prompt_chars:   # a forged browser ignores max_chars
-        st.warning(f"The prompt is {len(typed):,} characters long; this server accepts at most "
-                   f"{limits.max_prompt_chars:,} ({env_name('max_prompt_chars')}).")
+    too_long = not follows and isinstance(typed, str) and len(typed) > limits.max_prompt_chars
+    if too_long:
+        st.error(f"The prompt is {len(typed):,} characters long; this server accepts at most "
+                 f"{limits.max_prompt_chars:,} ({env_name('max_prompt_chars')}). Shorten it: Run starts nothing until "
+                 "then.")
     asked = st.session_state.get("sb_max_new")
     if isinstance(asked, (int, float)) and asked > limits.max_new_tokens:
         st.warning(f"Max new tokens: {asked:,} is more than this server generates per run "
                    f"({limits.max_new_tokens:,}, {env_name('max_new_tokens')}); Run generates at most "
                    f"{limits.max_new_tokens:,}.")
-    problems = [] if follows else generation_problems()
-    for problem in problems:     # the box may sit in a collapsed expander: said here, above Run
+    problems = [] if follows else generation_problems() + (["The prompt is too long"] if too_long else [])
+    for problem in problems[:len(problems) - too_long]:     # the box may sit in a collapsed expander: said here
         st.error(f"{problem}. Run starts nothing until it is corrected (Generation settings).")
-    clicked = st.button("Run", type="primary", key="sb_run", disabled=model is None or live is not None or follows,
-                        use_container_width=True) and not follows
+    run_slot = st.empty()
+    clicked = run_slot.button("Run", type="primary", key="sb_run",
+                              disabled=model is None or live is not None or follows,
+                              use_container_width=True) and not follows
     demo = None
     if not follows and model is not None:
         demo, ss.demo = ss.demo, None
     if follows:
         st.caption("Following the teacher's room: press **Explore on my own** above the page to run your own.")
         if live is None:
-            return
+            return None
     notices, ss.notices = ss.notices, []
     for kind, text in notices:   # the end of the run a previous script run watched
         getattr(st, kind)(text)
     if live is None and model is not None and (clicked or demo) and not problems:
         live = start_run(model, limits, demo)
+        if live is not None:        # Run was drawn enabled before the click started it: greyed out now, above Stop
+            run_slot.button("Run", type="primary", key="sb_run_going", disabled=True, use_container_width=True)
     elif live is None and model is not None:
         estimate_caption(model, limits)
-    if live is not None:
-        watch(live, limits)
+    return live
 
 
 def generation_problems() -> list[str]:
@@ -230,7 +245,7 @@ def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
     return live.start(model, limits, prepare=common.with_script_context)
 
 
-def watch(live: LiveRun, limits: Limits) -> None:
+def watch(live: LiveRun, limits: Limits, on_tick=None) -> None:
     """Show the run until it ends (Stop ends it early), then keep it and draw the app again: Run, the demos and the
     page were drawn for a running run (Run greyed out when this script run found it going: after Stop, after a
     page change), and nothing else would redraw them. What the end said is kept for that next run (notices)."""
@@ -244,6 +259,8 @@ def watch(live: LiveRun, limits: Limits) -> None:
         bar, box, text = st.progress(0.0, text="starting"), st.empty(), st.empty()
         while not live.done:
             _draw(live, bar, box, text)
+            if on_tick is not None:
+                on_tick()             # the server footer, as the run takes its slot and others come and go
             live.wait(0.25)
     except StopException:
         if stopped_for_good():   # nobody watches any more: the run ends at its next layer or token, its slot is

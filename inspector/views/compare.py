@@ -112,6 +112,14 @@ def aligned_table(a: GenerationResult, b: GenerationResult, token_text: TokenTex
                                        "prob_a", "prob_b", "model_prob_a", "model_prob_b"])
 
 
+def from_divergence(table: pd.DataFrame, divergence: int | None, before: int = 2) -> pd.DataFrame:
+    """The aligned table opened at the first divergence: `before` matching steps for context, then the rest (the
+    whole table when the runs never diverge or diverge at once). The steps keep their numbers."""
+    if divergence is None or divergence <= before:
+        return table
+    return table[table["step"] >= divergence - before]
+
+
 def capture_step(model: Model, ids: Sequence[int], n_prompt: int, cfg: RunConfig, *,
                  attention_maps: bool = False) -> dict[str, torch.Tensor]:
     """Replay `ids` (prompt + the shared generated tokens before the step) as cfg would, and return every

@@ -7,6 +7,7 @@ from dataclasses import asdict
 import pandas as pd
 
 from engine import InputError, SamplingParams, Step
+from engine.tools.breakpoints import TokenIs
 
 from .tokens import bytes_label, visible
 
@@ -50,3 +51,9 @@ def token_ids_for(tok, text: str, vocab_size: int | None = None) -> tuple[int, .
         raise InputError(f"{text!r} is {len(ids)} tokens {ids}; a token breakpoint needs one token "
                          "(mind the leading space: ' Paris') or its id")
     return (ids[0],)
+
+
+def token_breakpoint(tok, text: str, vocab_size: int | None = None) -> TokenIs:
+    """The token breakpoint for what the user typed, named by its tokens' texts (not "token id in [7042]")."""
+    ids = token_ids_for(tok, text, vocab_size)
+    return TokenIs(ids, texts=tuple(tok.decode([i]) for i in ids))

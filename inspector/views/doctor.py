@@ -94,6 +94,8 @@ def shown_value(v: float) -> str:
         return "NaN"
     if math.isinf(v):
         return "Inf" if v > 0 else "-Inf"
+    if v == 0:        # -0.0 too: a row of zeros (and a NaN) read "min −0, max −0", the sign of zero being arbitrary
+        return "0"
     return f"{v:.4g}"
 
 

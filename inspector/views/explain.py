@@ -18,6 +18,10 @@ ATTN, MLP, EMBED = "#3b6fb6", "#e4572e", "#7a7a7a"
 METHOD_LABELS = {"occlusion": "occlusion", "grad_x_input": "gradient × input", "random": "random order (mean)"}
 
 
+LEGEND_ABOVE = dict(orientation="h", yanchor="bottom", y=1.02, xanchor="left", x=0)
+LABEL_PX = 7.5          # width of one character of a tick label (plotly's 12-px default font), for the margins
+
+
 def _layout(fig: go.Figure, height: int) -> go.Figure:
     fig.update_layout(height=height, margin=dict(l=10, r=10, t=40, b=10))
     return fig
@@ -162,10 +166,16 @@ def attribution_figure(a: InputAttribution, labels: Sequence[str]) -> go.Figure:
         scale = float(np.abs(s).max()) or 1.0
         fig.add_bar(x=list(labels), y=s / scale, name=METHOD_LABELS[m], marker_color=color,
                     customdata=s, hovertemplate="%{x}<br>score %{customdata:.4g}<extra></extra>")
-    fig.update_xaxes(title="prompt token", type="category", tickangle=-60)
-    fig.update_yaxes(title="score / max |score|")
-    fig.update_layout(barmode="group", legend=dict(orientation="h"))
-    return _layout(fig, 360)
+    fig.update_xaxes(title="prompt token", type="category", tickangle=-60, automargin=True)
+    fig.update_yaxes(title="score / max |score|", automargin=True)
+    fig.update_layout(barmode="group", legend=LEGEND_ABOVE)
+    # room for the labels rotated 60°: below the axis, and left of it for the first one (it leans left)
+    longest = max((len(s) for s in labels), default=1)
+    first = len(labels[0]) if len(labels) else 1
+    _layout(fig, 360 + int(LABEL_PX * longest * 0.87))
+    fig.update_layout(margin=dict(l=max(60, int(LABEL_PX * first * 0.5) + 20), t=60,
+                                  b=int(LABEL_PX * longest * 0.87) + 50))
+    return fig
 
 
 def deletion_figure(a: InputAttribution) -> go.Figure:
@@ -176,7 +186,9 @@ def deletion_figure(a: InputAttribution) -> go.Figure:
         label = f"{METHOD_LABELS.get(m, m)} (area {a.areas[m]:.3f})"
         fig.add_scatter(x=list(range(len(curve))), y=curve, mode="lines+markers", name=label,
                         line=dict(dash="dot" if m == "random" else "solid"))
-    fig.update_xaxes(title="tokens removed (replaced by the neutral token)")
-    fig.update_yaxes(title=f"log p({a.target_text!r})")
-    fig.update_layout(legend=dict(orientation="h"))
-    return _layout(fig, 360)
+    fig.update_xaxes(title="tokens removed (replaced by the neutral token)", automargin=True)
+    fig.update_yaxes(title=f"log p({a.target_text!r})", automargin=True)
+    fig.update_layout(legend=LEGEND_ABOVE)          # a legend below the plot sat on the x-axis title
+    _layout(fig, 380)
+    fig.update_layout(margin=dict(t=70, b=50))
+    return fig

@@ -46,7 +46,7 @@ def stopped(at, what: str) -> bool:
 
 def test_the_why_loop_shows_stop_while_it_reruns_and_stopped_after(looper, monkeypatch):  # noqa: F811
     seen = clicking_stop(monkeypatch, why_loop_mod, "GenerationRun", at=2)
-    run = inspect_run(looper, RunSettings(prompt=LOOP_PROMPT, chat=False, max_new_tokens=8))  # noqa: F811
+    run = inspect_run(looper, RunSettings(prompt=LOOP_PROMPT, chat=False, max_new_tokens=16))  # noqa: F811
     at = section("why_loop_section", run, looper).run()
     at.number_input(key="wl_budget").set_value(5).run()
     seen["units"], seen["stop_buttons"] = 0, []

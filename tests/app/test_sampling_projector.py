@@ -11,6 +11,17 @@ from inspector.views import sampling as smp
 from tests.app.test_app_pages_b import captured_logits, chart, find_df, pages, tiny_app  # noqa: F401
 
 
+def keyed_in_order(node) -> list[str]:
+    """The keys of the keyed elements under an AppTest node, in the order they are on screen."""
+    out = []
+    for child in getattr(node, "children", {}).values():
+        key = getattr(child, "key", None)
+        if key:
+            out.append(key)
+        out += keyed_in_order(child)
+    return out
+
+
 def test_sampling_page_in_projector_mode_has_big_tables_and_stacked_horizontal_panels(tiny_app, pages):  # noqa: F811
     at = tiny_app.switch_page(pages["sampling"]).run()
     assert not at.exception
@@ -19,6 +30,9 @@ def test_sampling_page_in_projector_mode_has_big_tables_and_stacked_horizontal_p
     assert wide["xaxis"]["tickangle"] == -60 and wide["xaxis2"]["domain"][0] > 0.3     # side by side
     at.sidebar.toggle(key="sb_projector").set_value(True).run()
     assert not at.exception
+    # the comparison first, above the step and the settings (issue 33, item 6: it was 1,500-1,900 px down)
+    order = [k for k in keyed_in_order(at.main) if k in ("smp_compare_fig", "smp_step", "smp_0_temperature")]
+    assert order == ["smp_compare_fig", "smp_step", "smp_0_temperature"], order
     # every table an HTML table (the projector's type reaches it), none a canvas grid
     assert len(at.dataframe) == 0 and len(at.table) == 3
     summary = at.table[0].value

@@ -1,6 +1,7 @@
 """Why the bundled model loops on "I like apples. I like apples. I like" (raw, greedy): every listed cause
-carries its rerun, at least one copy-head or sampler change breaks the loop for 64 tokens, the same
-report comes out twice, and a loop-free prompt gets no causes."""
+carries its rerun, at least one copy-head or sampler change breaks the loop for the run's 32 tokens, the same
+report comes out twice, and a loop-free prompt gets no causes; an ordinary answer ("The capital of France is",
+issue 33) is no loop, neither in the user's 8 tokens nor when looked at further."""
 from __future__ import annotations
 
 import time
@@ -9,7 +10,7 @@ from collections import Counter
 import pytest
 
 from engine import RunSettings
-from engine.tools.why_loop import HORIZON, MAX_RERUNS, why_loop
+from engine.tools.why_loop import LOOK_FURTHER, MAX_RERUNS, why_loop
 
 pytestmark = pytest.mark.model
 LOOPING = RunSettings(prompt="I like apples. I like apples. I like", chat=False)
@@ -42,7 +43,7 @@ def test_a_copy_head_or_sampler_change_breaks_the_loop_and_its_text_has_no_ngram
     broken = [c for c in report.causes if c.loop_gone and c.kind in ("heads", "sampler")]
     assert broken
     for c in broken:
-        assert c.tokens == HORIZON or c.stopped == "eos"
+        assert c.tokens == LOOPING.max_new_tokens and c.stopped == "max_new_tokens"
         assert most_repeated_ngram(c.text_after.split()) < 3, (c.change, c.text_after)          # words
         assert most_repeated_ngram(bundled_model.tokenizer.encode(c.text_after)) < 3, c.change   # tokens
 
@@ -50,7 +51,7 @@ def test_a_copy_head_or_sampler_change_breaks_the_loop_and_its_text_has_no_ngram
 def test_every_cause_carries_its_rerun_and_the_breaking_ones_come_first(timed):
     report, _ = timed
     kinds = Counter(c.kind for c in report.causes)
-    assert kinds["heads"] == 1 and kinds["sampler"] == 5 and kinds["numerics"] == 1 and kinds["prompt"] == 3
+    assert kinds["heads"] == 1 and kinds["sampler"] == 4 and kinds["numerics"] == 1 and kinds["prompt"] == 3
     # fewest heads first: zeroing the top copy head alone breaks this loop, so no larger k is rerun
     heads = next(c for c in report.causes if c.kind == "heads")
     assert heads.loop_gone and heads.detail["k"] == 1 and heads.detail["tried"] == [1]
@@ -59,8 +60,10 @@ def test_every_cause_carries_its_rerun_and_the_breaking_ones_come_first(timed):
     assert gone == sorted(gone, reverse=True)
     for c in report.causes:
         assert c.text_after and c.tokens >= 1
-        if not c.loop_gone:
-            assert c.stopped == "loop" and c.tokens < HORIZON
+        if c.outcome == "loop kept":
+            assert c.stopped == "loop" and c.tokens <= LOOPING.max_new_tokens
+        elif c.outcome == "stopped":
+            assert c.stopped in ("eos", "context") and c.tokens < LOOPING.max_new_tokens
 
 
 def test_the_same_report_twice_is_identical(timed, bundled_model):
@@ -71,3 +74,27 @@ def test_the_same_report_twice_is_identical(timed, bundled_model):
 def test_a_loop_free_prompt_gets_no_causes(bundled_model):
     report = why_loop(bundled_model, RunSettings(prompt="What is 2+2?", chat=True))
     assert report.status == "no loop" and report.causes == [] and report.reruns == 1
+
+
+def test_an_ordinary_answer_is_no_loop_in_the_users_run_nor_further(bundled_model):
+    """`doctor "The capital of France is" --max-new-tokens 8 --why-loop` once called "12:12:" in a time (its 64-token
+    rerun: " Paris.\\n\\nThe answer is: 2018-01-22 12:12:53.") a loop and listed 22 reruns of causes."""
+    own = RunSettings(prompt="The capital of France is", chat=False, max_new_tokens=8)
+    report = why_loop(bundled_model, own)
+    assert report.status == "no loop" and report.causes == [] and report.reruns == 1 and not report.looked_further
+    assert report.headline.startswith("Your run's 8 generated tokens hold no loop: there is nothing to diagnose.")
+    further = why_loop(bundled_model, own, look_further=LOOK_FURTHER)
+    assert "12:12:53" in further.baseline_text and further.looked_further
+    assert further.status == "no loop" and further.causes == [] and further.reruns == 2
+    assert "neither does a longer rerun" in further.headline
+
+
+def test_the_loop_diagnosed_is_the_loop_the_page_shows(bundled_model):
+    """"Tomorrow will be" (raw, greedy, 64 tokens): the page's loop is the diagnosis's loop (start 40, period 8)."""
+    from engine.inspection.loops import tail_loop
+    settings = RunSettings(prompt="Tomorrow will be", chat=False, max_new_tokens=64)
+    shown = bundled_model.generate(settings.prompt, max_new_tokens=64)
+    report = why_loop(bundled_model, settings, max_reruns=6)
+    assert report.loop == tail_loop(shown.token_ids).as_dict()
+    assert (report.loop["start"], report.loop["period"]) == (40, 8)
+    assert report.headline.startswith("Your run's 64 generated tokens end in a loop from step 40 with period 8")

@@ -196,3 +196,16 @@ def test_token_ids_for(tiny_model):
         token_ids_for(tok, " Paris is")
     with pytest.raises(InputError, match="vocabulary"):
         token_ids_for(tok, "999999", vocab_size=49152)
+
+
+def test_a_token_breakpoint_is_named_by_its_token_not_only_its_id(tiny_model):
+    """Issue 33, item 9: the Debugger's list read "token id in [7042]"; it names the token now."""
+    from inspector.views.debugger import token_breakpoint
+    tok = tiny_model.tokenizer
+    (pid,) = tok.encode(" Paris") if len(tok.encode(" Paris")) == 1 else (tok.encode("a")[0],)
+    text = tok.decode([pid])
+    bp = token_breakpoint(tok, text)
+    assert bp == TokenIs((pid,)) and bp.describe() == f"token {text!r} (id {pid})"
+    two = token_breakpoint(tok, f"{pid}, 13")
+    assert two.describe() == f"token one of {text!r} (id {pid}), {tok.decode([13])!r} (id 13)"
+    assert TokenIs((5,)).describe() == "token id in [5]"           # made without texts (the CLI, a trace)

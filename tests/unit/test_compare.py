@@ -17,6 +17,7 @@ from inspector.views.compare import (
     divergence_stages,
     first_differing_stage,
     first_divergence,
+    from_divergence,
     rel_error,
     run_config,
     stage_differences,
@@ -49,6 +50,15 @@ def test_aligned_table_of_hand_made_traces():
     assert t["diverged"].tolist() == [False, False, True, True]
     fig = tokens_figure(t)
     assert len(fig.data) == 2 and fig.layout.shapes[0].x0 == 2
+
+
+def test_the_table_opens_at_the_divergence_with_two_steps_before_it():
+    """Issue 33, item 9: Compare's table opened at step 0 and the divergence was below the fold."""
+    same = list(range(10, 40))
+    t = aligned_table(trace("A", same + [1, 2]), trace("B", same + [7, 8]), lambda i: f"t{i}")
+    shown = from_divergence(t, first_divergence(t["id_a"].tolist(), t["id_b"].tolist()))
+    assert shown["step"].tolist() == [28, 29, 30, 31] and shown["diverged"].tolist() == [False, False, True, True]
+    assert from_divergence(t, None) is t and from_divergence(t, 2) is t          # nothing to skip
 
 
 def test_stage_differences_of_hand_made_tensors():

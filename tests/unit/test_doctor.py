@@ -165,7 +165,7 @@ def test_cli_doctor_json_tiny(tiny_model_dir):
 
 @pytest.mark.model                  # a separate process loads the model: slower than the unit loop
 def test_cli_doctor_json_bundled_loop_then_nan():
-    """Greedy loop over 13 tokens, then a NaN planted at position 22 (fed at step 13, the last step)."""
+    """Greedy repeat over 13 tokens, then a NaN planted at position 22 (fed at step 13, the last step)."""
     r = cli("doctor", "I like apples. I like apples. I like", "--max-new-tokens", "14", "--inject",
             "nan@blocks.17.mlp.act:22", "--json")
     assert r.returncode == 0, r.stderr
@@ -173,7 +173,9 @@ def test_cli_doctor_json_bundled_loop_then_nan():
     assert out["prompt_tokens"] == 10
     nf = out["first_nonfinite"]
     assert (nf["step"], nf["stage"], nf["layer"], nf["position"]) == (13, "blocks.17.mlp.act", 17, 22)
-    assert [(lp["start"], lp["period"], lp["count"]) for lp in out["loops"]] == [(1, 6, 2)]
+    # ". I'm a big apple" twice (steps 1-12) is not yet a loop: a loop holds three full periods
+    # (engine.inspection.loops)
+    assert out["loops"] == []
     assert out["lead_up"][-1]["stage"] == "blocks.17.mlp.act" and out["lead_up"][-1]["nan"] == 1
     # the NaN reaches step 13's logits: the run stops there with 13 tokens, none drawn from them
     assert out["stop_reason"] == "non-finite logits" and out["generated_tokens"] == 13

@@ -8,14 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import RunSettings
-from engine.inspection.loops import Loop, find_loops, periodic_runs, repeats, tail_loop
+from engine.inspection.loops import Loop, find_loops, has_loop, periodic_runs, repeats, tail_loop
 from inspector.views import repetition as rv
 
 LOOP_PROMPT = "I like apples. I like apples. I like"     # raw prompt: greedy SmolLM2 loops on ". I'm a big apple"
 LOOP_NEW = 20
 
 
-def brute_loops(t, min_count=2, min_tokens=6):
+def brute_loops(t, min_count=3, min_tokens=12):
     """The module docstring's definition, read literally: every (s, e, p), no cleverness."""
     n = len(t)
 
@@ -27,6 +27,7 @@ def brute_loops(t, min_count=2, min_tokens=6):
             for e in range(s + 2 * p, n + 1):
                 if periodic(s, e, p) and (s == 0 or t[s - 1] != t[s - 1 + p]) and (e == n or t[e] != t[e - p]):
                     cands.append((s, e, p))
+    cands = [(s, e, p) for s, e, p in cands if e == n]           # a loop runs through the last token
     out = []
     for s, e, p in cands:
         if (e - s) // p < min_count or e - s < min_tokens:
@@ -41,6 +42,7 @@ def brute_loops(t, min_count=2, min_tokens=6):
 @given(st.lists(st.integers(0, 2), max_size=18), st.integers(2, 3), st.integers(1, 7))
 def test_find_loops_matches_the_definition(t, min_count, min_tokens):
     assert find_loops(t, min_count=min_count, min_tokens=min_tokens) == brute_loops(t, min_count, min_tokens)
+    assert find_loops(t) == brute_loops(t)
 
 
 @settings(max_examples=200, deadline=None)
@@ -51,7 +53,7 @@ def test_tail_loop_of_a_repeated_unit(unit, prefix, k, partial):
     distinct tokens, so no smaller period) and starts at the prefix or, if the prefix's end happens to
     continue the pattern, before it."""
     t = prefix + unit * k + unit[:partial % len(unit)]
-    loop = tail_loop(t, min_tokens=1)
+    loop = tail_loop(t, min_count=2, min_tokens=1)
     assert loop is not None and loop.end == len(t) and loop.period == len(unit)
     assert loop.start <= len(prefix) and loop.count >= k
     assert all(t[i] == t[i + loop.period] for i in range(loop.start, len(t) - loop.period))
@@ -59,16 +61,57 @@ def test_tail_loop_of_a_repeated_unit(unit, prefix, k, partial):
 
 
 def test_loop_examples():
-    assert find_loops([5] * 10) == [Loop(0, 1, 10, 10)]              # not also period 2, 3, ...
-    assert find_loops(list("cababcabab")) == [Loop(0, 5, 2, 10)]      # 'abab' alone is under 6 tokens
-    assert find_loops(list("cababcabab"), min_tokens=4) == [Loop(0, 5, 2, 10), Loop(1, 2, 2, 5), Loop(6, 2, 2, 10)]
-    assert tail_loop(list("xyzabcabcab")) == Loop(3, 3, 2, 11)
-    assert tail_loop(list("abcabcxyz")) is None and find_loops(list("abcabcxyz")) == [Loop(0, 3, 2, 6)]
+    assert find_loops([5] * 12) == [Loop(0, 1, 12, 12)]              # not also period 2, 3, ...
+    assert find_loops([5] * 11) == []                                # under 12 tokens: no loop
+    assert find_loops(list("cababcababcabab")) == [Loop(0, 5, 3, 15)]
+    assert find_loops(list("cababcabab"), min_count=2, min_tokens=4) == [Loop(0, 5, 2, 10), Loop(6, 2, 2, 10)]
+    assert tail_loop(list("xyzabcabcabcabca")) == Loop(3, 3, 4, 16)
+    assert tail_loop(list("abcabcabcabcabcxyz")) is None and find_loops(list("abcabcabcabcabcxyz")) == []
     assert find_loops([]) == [] and tail_loop([1]) is None
     assert repeats(Loop(3, 3, 2, 11)) == [(3, 6), (6, 9), (9, 11)]
     assert periodic_runs([1, 2] * 4) == [Loop(0, 2, 4, 8), Loop(0, 4, 2, 8)]   # unfiltered: every period
     with pytest.raises(ValueError):
         find_loops([1, 1, 1], min_count=1)
+
+
+# Ordinary answers: repeats a text moves on from, or short patterns seen twice. SmolLM2's tokenizer splits digits
+# one by one, so a character list is how it sees a number. None is a loop.
+ORDINARY = {
+    "a clock time (the bundled model's answer to 'The capital of France is')":
+        [" Paris", ".", "\n", "\n", "The", " answer", " is", ":", " ", *"2018-01-22 12:12:53", ".", "<|im_end|>"],
+    "a time at the very end": ["It", " is", " now", " ", *"12:12:12"],
+    "a date range": ["From", " ", *"2020-01-01", " to", " ", *"2020-01-01"],
+    "a list": [*"1. apples\n2. pears\n3. plums\n4. figs\n"],
+    "a phrase said twice, then the text goes on": [*"I'm not sure what to do with it. I'm not sure what to do with it "
+                                                     "either, so I will ask."],
+    "a phrase said twice at the end": ["Yes", ".", " I", " agree", ".", " I", " agree", "."],
+    "a number with zeros": [" It", " costs", " ", *"1000000", " dollars", "."],
+}
+# Real loops: the same tokens again and again to the end of the run (the first two from the bundled model).
+REAL = {
+    "greedy 'I like apples...'": ([" apples"] + [".", " I", "'m", " a", " big", " apple"] * 4 + ["."], (1, 6, 4)),
+    "greedy 'Tomorrow will be' (64 tokens)": (
+        [" a", " day", " of", " the", " past", ".", "\n", "\n", "I", "'m", " not", " sure", " what", " to", " do",
+         " with", " it", ",", " but"]
+        + [" I", "'m", " not", " sure", " what", " to", " do", " with", " it", " either", "."] * 2
+        + [" I", "'m", " not", " sure", " what", " to", " do", "."] * 2 + [" I", "'m", " not", " sure", " what", " to",
+                                                                            " do"], (40, 8, 3)),
+    "one token forever": (["The", " end"] + ["!"] * 14, (2, 1, 14)),
+}
+
+
+@pytest.mark.parametrize("name", ORDINARY)
+def test_ordinary_answers_hold_no_loop(name):
+    toks = ORDINARY[name]
+    assert find_loops(toks) == [] and tail_loop(toks) is None and not has_loop(toks), name
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_real_loops_are_found_where_they_start(name):
+    toks, (start, period, count) = REAL[name]
+    loop = tail_loop(toks)
+    assert loop is not None and has_loop(toks)
+    assert (loop.start, loop.period, loop.count, loop.end) == (start, period, count, len(toks))
 
 
 @pytest.fixture(scope="module")

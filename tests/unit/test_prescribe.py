@@ -14,12 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from engine import InputError, Model, RunSettings, SamplingParams
-from engine.cli.prescribe import add_commands, add_doctor_flags, doctor_model, extend_doctor
+from engine.cli.prescribe import add_commands, add_doctor_flags, doctor_model, extend_doctor, human_lines
+from engine.inspection.loops import tail_loop
 from engine.tools.doctor import run_doctor
 from engine.tools.quant import compare_formats, requantize
 from engine.tools.rescue import MAX_NEW_TOKENS, complement, find_rescue, forward_order, known_failing, precision_units
 from engine.tools.rescue_runs import fp32_reference, judge
-from engine.tools.why_loop import loops_in, prompt_spans, repeated_ngram, why_loop
+from engine.tools.why_loop import LOOK_FURTHER, Cause, _cause, fell_back, loops_in, prompt_spans, why_loop
 from engine.variants import cast_model, precision_plan
 from engine.weights import Weights
 from inspector.views import prescribe as pv
@@ -58,11 +59,27 @@ def tiny_fp16(tiny_model) -> Model:
 
 
 # ---- why the loop ---------------------------------------------------------------------------------
-def test_repeated_ngram_finds_the_first_trigram_seen_three_times():
-    assert repeated_ngram([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]) == (1, 2, 3)
-    assert repeated_ngram([1, 2, 3, 9, 1, 2, 3, 8]) is None
-    assert loops_in([5, 6] * 4) and loops_in([7, 1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3])
+def test_the_reruns_loop_test_is_the_one_loop_definition():
+    # a trigram seen three times with other text between, or a short repeat the text moves on from, is no loop
+    assert not loops_in([7, 1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3]) and not loops_in([1, 2, 3] * 4 + [9])
+    assert loops_in([5, 6] * 6) and loops_in([9, 8] + [1, 2, 3] * 4)
     assert not loops_in(list(range(64)))
+
+
+def test_a_rerun_falls_back_into_the_loop_when_it_ends_in_the_loops_piece_twice():
+    piece = (1, 2, 3)
+    assert fell_back([9, 2, 3, 1, 2, 3, 1], piece) and fell_back([7, 1, 2, 3, 1, 2, 3], piece)
+    assert not fell_back([1, 2, 3, 1, 2, 4], piece) and not fell_back([4, 5, 6, 4, 5, 6], piece)
+    assert not fell_back([1, 2, 3], piece) and not fell_back([1, 2, 3, 1, 2, 3], None)
+
+
+def test_a_rerun_that_ends_its_text_early_has_stopped_not_broken_the_loop():
+    ended = _cause("sampler", "temperature 0 -> 1", ([4, 5, 6, 7, 8, 9, 10, 11, 12], "nine tokens", "eos"))
+    assert ended.outcome == "stopped" and not ended.loop_gone and ended.as_dict()["outcome"] == "stopped"
+    full = _cause("sampler", "x", (list(range(32)), "t", "max_new_tokens"))
+    assert full.outcome == "loop gone" and full.loop_gone
+    kept = _cause("sampler", "x", ([1, 2, 3] * 5, "t", "loop"))
+    assert kept.outcome == "loop kept" and not kept.loop_gone and isinstance(kept, Cause)
 
 
 def test_prompt_spans_are_sentences_covering_the_prompt_then_words_and_at_most_six():
@@ -81,7 +98,9 @@ def test_a_loop_free_control_reports_no_loop_and_no_causes(tiny_model):
     assert report.as_dict()["causes"] == []
 
 
-def test_a_loop_made_by_the_unembedding_is_broken_by_no_repeat_ngram_and_not_by_heads(looper):
+def test_a_loop_made_by_the_unembedding_is_kept_by_every_change_tried(looper):
+    """The looper's logits (20 apart) make its cycle survive every head, sampler rung, dtype and prompt span; no
+    no_repeat_ngram rung is tried (it forbids an exact repeat by construction, a fix only by definition)."""
     report = why_loop(looper, RunSettings(prompt=PROMPT, chat=False))
     assert report.status == "loop" and report.loop["period"] == 3 and report.loop["start"] == 0
     kinds = {c.kind for c in report.causes}
@@ -89,14 +108,37 @@ def test_a_loop_made_by_the_unembedding_is_broken_by_no_repeat_ngram_and_not_by_
     heads = [c for c in report.causes if c.kind == "heads"]
     # one cause per ladder: none of k = 1, 2, 4, 8 broke it, so the largest is reported with every k tried
     assert [c.detail["k"] for c in heads] == [8] and not heads[0].loop_gone and heads[0].detail["tried"] == [1, 2, 4, 8]
-    gone = [c for c in report.causes if c.loop_gone]
-    assert [c.change for c in gone] == ["no_repeat_ngram 0 -> 3"]          # 8, 6, 4 were tried first
-    assert gone[0].detail["tried"] == [8, 6, 4, 3] and gone[0].tokens == 64
-    ids = looper.tokenizer.encode(gone[0].text_after)
-    assert no_trigram_thrice(ids) and gone[0].text_after
-    assert report.causes[0] is gone[0]                                       # loop-breaking first
-    for c in report.causes[1:]:
-        assert not c.loop_gone and c.stopped == "loop" and c.text_after and c.tokens < 64
+    assert not any(c.detail.get("setting") == "no_repeat_ngram" for c in report.causes)
+    assert [c.detail["setting"] for c in report.causes if c.kind == "sampler"] == [
+        "repetition_penalty", "frequency_penalty", "presence_penalty", "temperature"]
+    for c in report.causes:        # each rerun stops once back in the loop: its 3-token piece twice (fell_back)
+        assert c.outcome == "loop kept" and not c.loop_gone and c.stopped == "loop" and c.tokens == 6
+        assert c.text_after
+
+
+def test_the_loop_diagnosed_is_the_loop_of_the_users_run(looper):
+    """The run the page shows (16 tokens) is the run diagnosed: its loop, its length, said in the first line."""
+    settings = RunSettings(prompt=PROMPT, chat=False, max_new_tokens=16)
+    shown = looper.generate(PROMPT, max_new_tokens=16)
+    loop = tail_loop(shown.token_ids)
+    report = why_loop(looper, settings, max_reruns=7)
+    assert report.loop == loop.as_dict() and report.horizon == 16 and report.run_tokens == 16
+    assert not report.looked_further and report.baseline_text == shown.text
+    assert report.headline.startswith(f"Your run's 16 generated tokens end in a loop from step {loop.start} with "
+                                      f"period 3 (×{loop.count})")
+
+
+def test_a_run_without_a_loop_is_said_plainly_and_only_then_looked_at_further(looper):
+    short = RunSettings(prompt=PROMPT, chat=False, max_new_tokens=8)       # under 12 tokens: no loop yet
+    report = why_loop(looper, short)
+    assert report.status == "no loop" and report.reruns == 1 and report.causes == []
+    assert report.headline.startswith("Your run's 8 generated tokens hold no loop: there is nothing to diagnose.")
+    assert f"up to {LOOK_FURTHER} tokens" in report.headline
+    further = why_loop(looper, short, look_further=20, max_reruns=7)
+    assert further.looked_further and further.horizon == 20 and further.run_tokens == 8
+    assert further.headline.startswith("Your run's 8 generated tokens hold no loop, so this diagnoses a longer rerun "
+                                       "of the same prompt and seed (20 tokens), which loops from step 0 with period 3")
+    assert further.loop == tail_loop(looper.generate(PROMPT, max_new_tokens=20).token_ids).as_dict()
 
 
 def test_the_rerun_budget_is_kept_and_what_was_left_out_is_said(looper):
@@ -273,6 +315,24 @@ def test_doctor_flags_refuse_what_cannot_work(tiny_model, tiny_fp16):
         doctor_model(tiny_fp16, parser.parse_args(["doctor", "x", "--fp32", " , "]))
     with pytest.raises(InputError, match="add --dtype float16"):
         extend_doctor(tiny_model, parser.parse_args(["doctor", "x", "--rescue"]), {"injections": []})
+
+
+def test_doctor_why_loop_diagnoses_the_run_asked_for_and_looks_further_only_when_told(looper):
+    parser = parser_for(looper)
+    base = ["doctor", PROMPT, "--device", "cpu", "--max-new-tokens", "8", "--why-loop"]
+    out = extend_doctor(looper, parser.parse_args(base), {})
+    lines = human_lines(out)
+    assert lines[0].startswith("why the loop: Your run's 8 generated tokens hold no loop: there is nothing to diagnose")
+    assert lines[1] == (f"  to look further: add --why-loop-tokens {LOOK_FURTHER} (reruns the same prompt and seed "
+                        f"for {LOOK_FURTHER} tokens)") and out["causes"] == [] and out["why_loop"]["reruns"] == 1
+    out = extend_doctor(looper, parser.parse_args(base + ["--why-loop-tokens", "16"]), {})
+    assert out["why_loop"]["looked_further"] and out["why_loop"]["horizon"] == 16
+    assert human_lines(out)[0].startswith("why the loop: Your run's 8 generated tokens hold no loop, so this diagnoses "
+                                          "a longer rerun of the same prompt and seed (16 tokens)")
+    with pytest.raises(InputError, match="above --max-new-tokens \\(8\\), got 8"):
+        extend_doctor(looper, parser.parse_args(base + ["--why-loop-tokens", "8"]), {})
+    with pytest.raises(InputError, match="goes with --why-loop"):
+        extend_doctor(looper, parser.parse_args(base[:-1] + ["--why-loop-tokens", "16"]), {})
 
 
 # ---- views ----------------------------------------------------------------------------------------

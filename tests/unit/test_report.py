@@ -107,8 +107,10 @@ def test_the_reproduce_command_parses_back_to_the_same_run(made, tiny_model_dir)
     assert argv[:4] == ["python3", "-m", "engine", "report"]
     a = build_parser().parse_args(argv[3:])
     assert run_settings(a, ignore_eos=a.ignore_eos) == trace.settings
+    # the report was written to an absolute path: the command names the file, not the folders (issue 33, item 8)
     assert (a.model, a.dtype, a.device, a.layers, a.steps, a.out) == (str(tiny_model_dir), "float32", "cpu", "0,-1",
-                                                                      "0,-1", str(d / "run.html"))
+                                                                      "0,-1", "run.html")
+    assert str(d) not in cmd
     for prompt in ("-x --chat", "--out y.html", "a\nb 'c' \"d\" $HOME `ls`", HOSTILE):
         t = dataclasses.replace(trace, settings=dataclasses.replace(trace.settings, prompt=prompt))
         a = build_parser().parse_args(shlex.split(reproduce_command(t))[3:])
@@ -210,3 +212,16 @@ def test_bad_options_say_what_is_wrong_and_exit_2(capsys, tiny_model_dir, tmp_pa
     last = err.strip().splitlines()[-1]                                  # after the model's loading progress
     assert code == 2 and last.startswith("error: ") and message in last, err
     assert not list(tmp_path.glob("*.html"))
+
+
+def test_attention_maps_label_their_positions_at_12_px():
+    """Issue 33, item 8: the report's attention maps' tick labels were 9 px."""
+    import numpy as np
+
+    from engine.report.data import AttentionMap
+    from engine.report.figures import attention_figure
+    n = 80
+    m = AttentionMap(layer=0, z=np.full((n, n), 1 / n), starts=list(range(n)), block=1, positions=n)
+    lay = attention_figure(m, [f"{p} tok" for p in range(n)], 40)["layout"]
+    for axis in ("xaxis", "yaxis"):
+        assert lay[axis]["tickfont"]["size"] >= 12 and len(lay[axis]["tickvals"]) <= 30

@@ -112,11 +112,11 @@ def test_loops_and_low_precision_tensors_round_trip(tiny_model, tmp_path):
     m16 = cast_model(tiny_model, "bfloat16")
     probe = fault_probe(m16, timing=True).capture("logits")
     res = m16.generate([11, 12, 13], max_new_tokens=4, ignore_eos=True, probe=probe)
-    res = dataclasses.replace(res, token_ids=[1, 2, 3, 1, 2, 3, 1, 2])     # a loop, whatever the model said
+    res = dataclasses.replace(res, token_ids=[1, 2, 3] * 4)     # a loop, whatever the model said
     run = make_trace(RunSettings(prompt="p", stop=("x",), ignore_eos=True), res, probe, m16.name, 1.0)
     back = assert_round_trip(run, tmp_path / "bf16.trace")
     assert back.probe.captures[0].value.dtype == torch.bfloat16
-    assert back.loops == [Loop(0, 3, 2, 8)]
+    assert back.loops == [Loop(0, 3, 4, 12)]
     assert back.settings.stop == ("x",)
     assert back.settings == RunSettings(prompt="p", stop=("x",), ignore_eos=True)   # every setting comes back
 
