@@ -9,7 +9,9 @@ from pathlib import Path
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.family import FAMILIES, Family, family
 from engine.family import variations as var
-from engine.family.variations import ROPE_TYPES, flag as _flag, positive as _positive
+from engine.family.variations import ROPE_TYPES
+from engine.family.variations import flag as _flag
+from engine.family.variations import positive as _positive
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 SUPPORTED_ROPE_TYPES = ROPE_TYPES

@@ -23,17 +23,17 @@ import torch
 import torch.nn.functional as F
 
 from engine.accelerator import Accelerator, choose
+from engine.attention import Mask, Where, explicit, fused
 from engine.config import ModelConfig
 from engine.errors import InputError
 from engine.inspection.attention_stats import inspect_attention
 from engine.inspection.probe import Probe, StopPoint, stop_point
 from engine.inspection.probe_views import FULL, NO_PROBE, NoProbe
 from engine.inspection.stages import hook_names
-from engine.attention import Mask, Where, explicit, fused
-from engine.moe import activation, experts_mlp, route
 from engine.kv_cache import KVCache
+from engine.moe import activation, experts_mlp, route
 from engine.progress import STOP, Stopped
-from engine.rope import apply_rope, rope_tables, rotate, table_for, table_kinds
+from engine.rope import apply_rope, rope_tables, rotate, table_kinds
 from engine.weights import LayerWeights, Weights
 
 if TYPE_CHECKING:

@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.errors import ModelLoadError
 from engine.family import part_shape
 from engine.family.slots import BY_FIELD, FIELDS
-from engine.errors import ModelLoadError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Buffers some older checkpoints carry that are recomputed here, never weights.

@@ -37,6 +37,14 @@ GEMMA_MLP_NORM = {"mlp_norm": _parts(("pre_feedforward_layernorm.weight", "d", "
 LLAMA = {**ATTN_NORM, **QKV, **WO, **MLP_NORM, **GATED_MLP}
 
 
+def _experts(router: str, expert: str, gate: str, up: str, down: str) -> dict[str, tuple[Part, ...]]:
+    """A mixture-of-experts layer's slots: its router, and each expert's gate, up and down (GGUF: stacked)."""
+    return {"router": _parts((router, "router", "ffn_gate_inp.weight")),
+            "experts_gate_up": _parts((f"{expert}{gate}.weight", "egate", "ffn_gate_exps.weight"),
+                                      (f"{expert}{up}.weight", "eup", "ffn_up_exps.weight")),
+            "experts_down": _parts((f"{expert}{down}.weight", "edown", "ffn_down_exps.weight"))}
+
+
 @dataclass(frozen=True)
 class Family:
     """A decoder-only family: what its checkpoint holds and how its block differs from Llama's.
@@ -103,16 +111,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     replace(_llama, model_type="smollm3", architecture="SmolLM3ForCausalLM", gguf_arch="smollm3",
             no_rope_layers=True),
     replace(_llama, model_type="mixtral", architecture="MixtralForCausalLM", windows="all", experts="mixtral",
-            moe_parts={"router": _parts(("block_sparse_moe.gate.weight", "router", "ffn_gate_inp.weight")),
-                       "experts_gate_up": _parts(("block_sparse_moe.experts.{e}.w1.weight", "egate", "ffn_gate_exps.weight"),
-                                                 ("block_sparse_moe.experts.{e}.w3.weight", "eup", "ffn_up_exps.weight")),
-                       "experts_down": _parts(("block_sparse_moe.experts.{e}.w2.weight", "edown", "ffn_down_exps.weight"))}),
+            moe_parts=_experts("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.", "w1", "w3", "w2")),
     replace(_qwen3, model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM", gguf_arch="qwen3moe",
             experts="qwen3_moe",
-            moe_parts={"router": _parts(("mlp.gate.weight", "router", "ffn_gate_inp.weight")),
-                       "experts_gate_up": _parts(("mlp.experts.{e}.gate_proj.weight", "egate", "ffn_gate_exps.weight"),
-                                                 ("mlp.experts.{e}.up_proj.weight", "eup", "ffn_up_exps.weight")),
-                       "experts_down": _parts(("mlp.experts.{e}.down_proj.weight", "edown", "ffn_down_exps.weight"))}),
+            moe_parts=_experts("mlp.gate.weight", "mlp.experts.{e}.", "gate_proj", "up_proj", "down_proj")),
 )}
 # llama.cpp's mixtral files say "llama" (experts are told by their tensors)
 BY_GGUF_ARCH = {f.gguf_arch: f for f in FAMILIES.values() if f.gguf_arch and f.model_type != "mistral"}

@@ -85,7 +85,7 @@ def windows(fam: Family, raw: dict, where: str, layers: int, max_pos: int) -> tu
     if fam.windows is None:
         if flag(raw, "use_sliding_window", where):
             _refuse(where, "use_sliding_window", True, fam, "sliding windows are not declared for this family")
-        if w is not None and not (fam.model_type in ("qwen2", "qwen3", "qwen3_moe", "smollm3")):
+        if w is not None and fam.model_type not in ("qwen2", "qwen3", "qwen3_moe", "smollm3"):
             _refuse(where, "sliding_window", w, fam, "sliding windows are not declared for this family")
         if types and "sliding_attention" in types:
             _refuse(where, "layer_types", "sliding_attention", fam, "sliding windows are not declared for this family")

@@ -15,10 +15,10 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 
 from engine.errors import EngineError, InputError
+from engine.family.slots import GLOBAL_WEIGHTS, SLOTS
 from engine.inspection.plans import HEADS_FIRST, Plan, plan_stage, split_name
 from engine.inspection.probe_views import NONE, LayerProbe
 from engine.inspection.row_stats import PYTORCH, StatsBackend
-from engine.family.slots import GLOBAL_WEIGHTS, SLOTS
 from engine.inspection.stages import LAYER_STAGES
 from engine.inspection.stat_columns import nonfinite
 from engine.inspection.stats import StatRecord, StatsBatcher, StatsBlock

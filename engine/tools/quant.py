@@ -26,13 +26,14 @@ import numpy as np
 import torch
 
 from engine.errors import InputError
+from engine.family.slots import MATRICES as SLOT_MATRICES
+from engine.family.slots import SLOTS
 from engine.generate import GenerationRun
 from engine.inspection.probe import HookContext, Probe, split_name
 from engine.model import Model
 from engine.progress import OnProgress, tell_units
 from engine.settings import RunSettings
 from engine.tools import gguf_blocks
-from engine.family.slots import MATRICES as SLOT_MATRICES, SLOTS
 from engine.variants import derive
 from engine.weights import Weights
 

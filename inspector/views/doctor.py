@@ -11,8 +11,8 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from engine import STAT_NAMES, InputError
-from engine.inspection.nonfinite import NonFinite, stage_profile
 from engine.family.slots import SLOTS
+from engine.inspection.nonfinite import NonFinite, stage_profile
 from engine.inspection.stages import LAYER_STAGES
 from engine.tools.doctor import FP16_MAX, PRESETS, Injection, is_weight
 
