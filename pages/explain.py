@@ -62,6 +62,11 @@ def show_attribution(e) -> None:
     c[1].metric("Sum of contributions", f"{e.total:.6f}")
     c[2].metric("Residual error", f"{e.residual_error:.1e}")
     c[3].metric("Final-norm scale (frozen)", f"{e.norm_scale:.4g}")
+    st.caption(f"Decomposition {e.exactness}.")
+    if e.experts:
+        st.markdown("**Each chosen expert's share** of its layer's MLP part (the expert's gated output at this "
+                    "position, through the layer's norms as frozen above)")
+        table(xv.expert_frame(e), key="explain_experts")
     st.caption(f"logit({plain(repr(e.target_text))}) = {e.logit_a:.4f}, "
                f"logit({plain(repr(e.versus_text))}) = {e.logit_b:.4f}. The "
                "final residual stream is the embedding plus every attention and MLP output; with the final "

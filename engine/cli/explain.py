@@ -85,6 +85,7 @@ def print_explanation(e: Explanation, top: int) -> None:
     print(f"logit(A) - logit(B) = {e.logit_a:.4f} - {e.logit_b:.4f} = {e.logit_diff:.6f}")
     print(f"sum of contributions = {e.total:.6f} (residual error {e.residual_error:.2e}; "
           f"final norm scale frozen at {e.norm_scale:.4g})")
+    print(f"decomposition {e.exactness}")
     print(f"\ntop {top} components (positive = favours A):")
     for name, v in sorted(e.contributions.items(), key=lambda kv: -abs(kv[1]))[:top]:
         print(f"  {name:28s} {v:+10.4f}")

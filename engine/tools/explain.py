@@ -21,6 +21,7 @@ from engine.errors import InputError
 from engine.generate import GenerationRun
 from engine.inspection.probe import Probe
 from engine.sampling import SamplingParams, sampler_chain
+from engine.tools import dla
 from engine.tools.patching import patching_grid
 
 
@@ -106,6 +107,17 @@ class Explanation:
     norm_scale: float              # the frozen final RMSNorm factor 1/sqrt(mean(x^2)+eps) at this position
     sampler: list[SamplerEffect] = field(default_factory=list)
     seconds: float = 0.0
+    experts: dict[str, float] = field(default_factory=dict)   # blocks.{i}.mlp.expert.{e}: chosen experts' shares
+    uncapped_diff: float | None = None   # Gemma 2: the difference before the final soft cap (what the parts sum to)
+
+    @property
+    def exactness(self) -> str:
+        """Whether the parts sum to the logit difference, and if not by how much and why."""
+        if self.uncapped_diff is None:
+            return f"exact: the parts sum to the logit difference (rounding {self.residual_error:.1e})"
+        return (f"not exact: the final soft cap bends the logits after the sum. The parts sum to the uncapped "
+                f"difference {self.uncapped_diff:.4f} (rounding {self.total - self.uncapped_diff:.1e}); the capped "
+                f"difference is {self.logit_diff:.4f}, {self.residual_error:+.4f} from the sum")
 
     @property
     def total(self) -> float:
@@ -134,7 +146,8 @@ class Explanation:
                 "target": {"id": self.target, "text": self.target_text, "logit": self.logit_a},
                 "versus": {"id": self.versus, "text": self.versus_text, "logit": self.logit_b},
                 "logit_diff": self.logit_diff, "sum": self.total, "residual_error": self.residual_error,
-                "norm_scale": self.norm_scale, "contributions": self.contributions,
+                "norm_scale": self.norm_scale, "contributions": self.contributions, "experts": self.experts,
+                "uncapped_diff": self.uncapped_diff, "exactness": self.exactness,
                 "attn_totals": self.attn_totals, "sampler": [e.as_dict() for e in self.sampler],
                 "seconds": self.seconds}
 
@@ -143,21 +156,6 @@ def runner_up(logits: torch.Tensor, a: int) -> int:
     """The highest-logit token other than A."""
     top = torch.topk(logits, 2).indices.tolist()
     return top[1] if top[0] == a else top[0]
-
-
-def _parts(model, probe: Probe, direction: torch.Tensor) -> dict[str, float]:
-    """Each part of the residual stream at the last position, dotted with the logit-difference direction."""
-    cfg = model.config
-    L, H, hd = cfg.num_layers, cfg.num_heads, cfg.head_dim
-    got = {c.name: c.value[-1].to(torch.float64) for c in probe.captures}      # each (...) at position T-1
-    out = {"embed": float(got["embed"] @ direction)}
-    for i in range(L):
-        wo = model.weights.layers[i].wo.detach().to("cpu", torch.float64).view(H, hd, -1)   # (H, hd, d)
-        z = got[f"blocks.{i}.attn.z"]                                                        # (H, hd)
-        heads = torch.einsum("hk,hkd->hd", z, wo) @ direction                                # (H,)
-        out.update({f"blocks.{i}.attn.head.{h}": float(v) for h, v in enumerate(heads)})
-        out[f"blocks.{i}.mlp"] = float(got[f"blocks.{i}.mlp_out"] @ direction)
-    return out
 
 
 def explain_logits(model, ids: list[int], target: int | None = None, versus: int | None = None, *,
@@ -174,23 +172,21 @@ def explain_logits(model, ids: list[int], target: int | None = None, versus: int
             raise InputError(f"{name} token id {tid} is outside the vocabulary [0, {cfg.vocab_size})")
     t0 = time.perf_counter()
     last = cfg.num_layers - 1
-    probe = Probe().capture(["embed", "blocks.*.attn.z", "blocks.*.mlp_out", f"blocks.{last}.resid_post"],
-                            positions=[T - 1])
+    probe = Probe().capture(dla.capture_names(model, last), positions=[T - 1])
     logits = model.forward(torch.tensor(ids), model.new_cache(T), probe, last_only=True)[0].float().cpu()
     a = int(torch.argmax(logits)) if target is None else int(target)
     b = runner_up(logits, a) if versus is None else int(versus)
     if a == b:
         raise InputError("A and B are the same token; pick two different tokens to compare")
-    resid = probe.captured(f"blocks.{last}.resid_post")[0].value[-1].to(torch.float64)      # (d,)
-    scale = float(torch.rsqrt(resid.pow(2).mean() + cfg.rms_norm_eps))
-    w = model.weights
-    cols = w.lm_head[:, [a, b]].detach().to("cpu", torch.float64)                              # (d, 2)
-    direction = scale * w.norm.detach().to("cpu", torch.float64) * (cols[:, 0] - cols[:, 1])   # (d,)
-    parts = _parts(model, probe, direction)
+    got = {c.name: c.value[-1].to(torch.float64) for c in probe.captures}      # each (...) at position T-1
+    direction, scale = dla.direction(model, got[f"blocks.{last}.resid_post"], a, b)
+    parts, experts = dla.parts(model, got, direction)
+    raw = got.get("logits_uncapped")
     effects = sampler_effects(logits, params or SamplingParams(), list(ids), list(generated or []), a, b)
     return Explanation(list(ids), step, a, b, _token(model, a), _token(model, b), float(logits[a]),
                        float(logits[b]), float(logits[a]) - float(logits[b]), parts, cfg.num_layers,
-                       cfg.num_heads, scale, effects, time.perf_counter() - t0)
+                       cfg.num_heads, scale, effects, time.perf_counter() - t0, experts,
+                       None if raw is None else float(raw[a] - raw[b]))
 
 
 def explain_step(model, prompt_ids: list[int], token_ids: list[int], step: int, *, target: int | None = None,

@@ -39,6 +39,16 @@ def contributions_frame(e: Explanation) -> pd.DataFrame:
     return df
 
 
+def expert_frame(e: Explanation) -> pd.DataFrame:
+    """Mixture-of-experts layers: each chosen expert's share of its layer's MLP part of logit(A) - logit(B)."""
+    rows = []
+    for key, v in e.experts.items():
+        _, layer, _, _, expert = key.split(".")
+        rows.append({"layer": int(layer), "expert": int(expert), "share": v,
+                     "layer's MLP part": e.mlp(int(layer))})
+    return pd.DataFrame(rows, columns=["layer", "expert", "share", "layer's MLP part"])
+
+
 def top_components(e: Explanation, n: int = 15) -> pd.DataFrame:
     """The n components with the largest |contribution|, largest first."""
     df = contributions_frame(e)

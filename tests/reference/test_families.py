@@ -3,6 +3,8 @@ logits at every position (prefill, and prefill then one token at a time through 
 greedy tokens, bf16 within a stated tolerance, and the native decode step only where the allow-list admits it."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -96,3 +98,26 @@ def test_window_layers_cache_only_their_window(folders):
     assert [a for a, _ in per_layer] == [WINDOW * row] * 3 + [64 * row]
     assert [u for _, u in per_layer] == [WINDOW * row] * 3 + [len(PROMPT) * row]
     assert cache.bytes_allocated == sum(a for a, _ in per_layer)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3_text", "olmo2", "granite", "mixtral", "qwen3_moe"])
+def test_explain_splits_the_logit_difference_through_each_familys_norms_and_multipliers(folders, name):
+    """Direct logit attribution through post-norms (frozen scales), q/k norms, Granite's multipliers and experts:
+    the parts sum to the forward's own difference (before Gemma 2's final cap, which the explanation reports as
+    not exact, by the gap it shows); each chosen expert's share adds up to its layer's MLP part."""
+    from engine.tools.explain import explain_logits
+    model = load_model(folders[name], device="cpu", dtype="float32")
+    e = explain_logits(model, PROMPT[:16])
+    scale = abs(e.logit_a) + abs(e.logit_b)
+    if model.config.final_softcap:
+        assert abs(e.total - e.uncapped_diff) <= 1e-4 * scale
+        assert e.uncapped_diff != pytest.approx(e.logit_diff, abs=1e-3)     # the cap bent them, and it says so
+        assert e.exactness.startswith("not exact") and f"{e.residual_error:+.4f}" in e.exactness
+    else:
+        assert abs(e.residual_error) <= 1e-4 * scale and e.exactness.startswith("exact")
+    if model.config.num_experts:
+        assert e.experts
+        for layer in {int(k.split(".")[1]) for k in e.experts}:
+            shares = [v for k, v in e.experts.items() if k.startswith(f"blocks.{layer}.")]
+            assert len(shares) == model.config.experts_per_token
+            assert math.fsum(shares) == pytest.approx(e.mlp(layer), rel=1e-6, abs=1e-7)
