@@ -9,7 +9,7 @@ from fnmatch import fnmatchcase
 import streamlit as st
 
 from engine import EngineError, InputError, RunSettings, SamplingParams
-from engine.tools.breakpoints import AbsAbove, EntropyBelow, NonFinite, RepeatedNgram
+from engine.tools.breakpoints import AbsAbove, EntropyBelow, NonFinite, RepeatedNgram, RoutedTo
 from inspector.session.stepper import Debugger
 from inspector.ui.common import current_run, device_slot, get_model, plain, server_limits
 from inspector.ui.frame import ensure_frame
@@ -33,7 +33,7 @@ from inspector.views.tokens import steps_table
 
 ensure_frame()         # opened alone (a fresh server): into app.py's frame, once per script run
 
-KINDS = ["NaN / Inf", "|value| above", "Entropy below", "Repeated n-gram", "Token"]
+KINDS = ["NaN / Inf", "|value| above", "Entropy below", "Repeated n-gram", "Token", "Routed to expert"]
 MAX_FIELD_CHARS = 200         # a stage glob or a token's text: matched against every stage / tokenized
 MAX_NGRAM = 20
 s, ss = st.session_state, session()      # widget values; this session's SessionState
@@ -167,7 +167,7 @@ elif dbg.model_name != model.name:
 # ---- breakpoints -----------------------------------------------------------------------------------
 with st.expander(f"Breakpoints ({len(ss.breakpoints)})", expanded=True):
     c1, c2, c3 = st.columns([2, 3, 1])
-    kind = c1.selectbox("Break on", KINDS, key="dbg_bp_kind")
+    kind = c1.selectbox("Break on", KINDS if model.config.num_experts else KINDS[:-1], key="dbg_bp_kind")
     try:
         if kind == "NaN / Inf":
             bp = NonFinite(glob_input(c2, "dbg_bp_stage"))
@@ -181,6 +181,14 @@ with st.expander(f"Breakpoints ({len(ss.breakpoints)})", expanded=True):
         elif kind == "Repeated n-gram":
             bp = RepeatedNgram(checked(c2.number_input("n", 1, MAX_NGRAM, 3, key="dbg_bp_n"), 1, MAX_NGRAM, "n"),
                                st.toggle("Count n-grams of the prompt too", False, key="dbg_bp_prompt"))
+        elif kind == "Routed to expert":
+            cfg = model.config
+            if not cfg.num_experts:
+                raise InputError(f"{model.name} has no experts: routing breakpoints are for mixtures of experts")
+            layers = [i for i in range(cfg.num_layers) if cfg.layer_moe[i]]
+            layer = c2.selectbox("Layer", layers, key="dbg_bp_moe_layer")
+            bp = RoutedTo(int(layer), checked(c2.number_input("Expert", 0, cfg.num_experts - 1, 0, key="dbg_bp_expert"),
+                                              0, cfg.num_experts - 1, "Expert"))
         else:
             text = checked_text(c2.text_input("Token text (' Paris') or id(s)", key="dbg_bp_token",
                                               max_chars=MAX_FIELD_CHARS), MAX_FIELD_CHARS, "Token text")

@@ -154,6 +154,47 @@ class TokenIs:
         return None
 
 
+@dataclass(frozen=True)
+class RoutedTo:
+    """Mixture of experts: the step's token (the last position of its forward) went to this expert at this layer. It
+    reads the gates the run's probe captured at blocks.{layer}.mlp.experts (ROUTING_CAPTURE: the debugger's probe
+    captures them for a model with experts)."""
+    layer: int
+    expert: int
+
+    def __post_init__(self) -> None:
+        for what, v in (("layer", self.layer), ("expert", self.expert)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InputError(f"a routing breakpoint's {what} must be a whole number >= 0, got {v!r}")
+
+    @property
+    def stage(self) -> str:
+        return f"blocks.{self.layer}.mlp.experts"
+
+    def describe(self) -> str:
+        return f"token routed to expert {self.expert} at layer {self.layer}"
+
+    def check(self, run, step, probe: Probe | None) -> str | None:
+        caps = [] if probe is None else probe.captured(self.stage, step=step.index)
+        if not caps:
+            raise EngineError(f"this breakpoint reads the gates at {self.stage}: the run's probe must capture them "
+                              f"(Probe().capture({ROUTING_CAPTURE!r}))")
+        gates = caps[-1].value[-1]                                             # (E,) at the forward's last position
+        if not 0 <= self.expert < gates.shape[0]:
+            raise InputError(f"expert {self.expert} does not exist: layer {self.layer} has {gates.shape[0]} experts")
+        g = float(gates[self.expert])
+        if g != 0:
+            pos = caps[-1].positions[-1]
+            ids = list(run.prompt_ids) + list(run.token_ids)
+            tok = ids[pos] if pos < len(ids) else None
+            what = f"token {_label(run, tok)} at position {pos}" if tok is not None else f"position {pos}"
+            return f"step {step.index}: {what} went to expert {self.expert} at layer {self.layer} (gate {g:.4f})"
+        return None
+
+
+ROUTING_CAPTURE = "blocks.*.mlp.experts"
+
+
 def check_all(run, step, breakpoints: Sequence[Breakpoint]) -> str | None:
     """Every condition that fires at this step, joined; None when none does."""
     fired = [m for bp in breakpoints if (m := bp.check(run, step, run.probe)) is not None]

@@ -168,7 +168,9 @@ class SharedForwards:
     def forward(self, ids: torch.Tensor, cache: KVCache, probe: Probe | None = None, *, last_only: bool = False,
                 **kwargs) -> torch.Tensor:
         fed = self._fed.get(cache)
-        if probe is not None or any(v is not None for v in kwargs.values()) or not last_only or fed is None:
+        # a cache with window rings keeps no rows by position to copy: those runs compute every step
+        if probe is not None or any(v is not None for v in kwargs.values()) or not last_only or fed is None \
+                or cache.k is None:
             self._fed.pop(cache, None)               # this cache's rows are no longer the memo's to answer
             return self.model.forward(ids, cache, probe, last_only=last_only, **kwargs)
         new = [int(i) for i in ids.tolist()]

@@ -22,7 +22,7 @@ from engine import (
     inspection_probe,
     make_trace,
 )
-from engine.tools.breakpoints import Breakpoint, run_until
+from engine.tools.breakpoints import ROUTING_CAPTURE, Breakpoint, run_until
 
 from .limits import Limits
 from .run import check_settings, track
@@ -35,6 +35,8 @@ class Debugger:
         self.settings = settings
         self.model_name = model.name
         self.probe = inspection_probe(timing=settings.timing)
+        if model.config.num_experts:        # routing breakpoints read each step's gates
+            self.probe.capture(ROUTING_CAPTURE)
         t0 = time.perf_counter()
         self.run = GenerationRun(model, settings.prompt, probe=self.probe, **settings.generation_kwargs())
         self.seconds = time.perf_counter() - t0
