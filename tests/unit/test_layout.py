@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.inspection.stages import hook_names
+from engine.inspection.stages import LAYER_STAGES, hook_names
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +51,7 @@ def _imports(mod: str, path: Path, known: set[str]) -> set[str]:
 
 def test_every_hook_name_is_written_where_its_stage_is_computed():
     text = "\n".join(p.read_text() for p in (ROOT / "engine").rglob("*.py"))
-    stages = {re.sub(r"^blocks\.\d+\.", "", n) for n in hook_names(2)}
+    stages = {re.sub(r"^blocks\.\d+\.", "", n) for n in hook_names(2)} | set(LAYER_STAGES) | {"logits_uncapped"}
     missing = [s for s in sorted(stages) if not re.search(r'\(\s*"' + re.escape(s) + r'"\s*,', text)]
     assert not missing, f"no line in engine/ offers these stages by name: {missing}"
 
