@@ -135,6 +135,28 @@ def softcap_section(step: int, top_n: int) -> None:
 
 
 @st.fragment
+def summary_table(view: dict) -> None:
+    table(view["summary"], "smp_summary",
+          formats={"kept": "localized", "kept_tiny": "localized", "entropy": "%.3f", "entropy_before": "%.3f",
+                   "mass_kept": "%.4f", "chosen_prob": "%.4f"},
+          labels={"kept_tiny": "kept with p < 1e-30", "entropy_before": "entropy before cut",
+                  "chosen_prob": "p(run's token)"})
+    st.caption("*kept*: tokens with a probability above 0 in the end; a setting that cuts nothing (no top-k, top-p "
+               "or min-p) keeps nearly the whole vocabulary, most of it at probabilities no draw will ever hit "
+               "(*kept with p < 1e-30*; only those that underflow to exactly 0 in float32 are not counted).")
+
+
+def chain_section(view: dict, chain_label: str, settings: dict, n_context: int, n_generated: int) -> None:
+    st.subheader(f"The chain, stage by stage ({chain_label}: {smp.describe(settings[chain_label])})")
+    st.caption("penalties → temperature → top-k → top-p → min-p → probs, via engine.sampling.sampler_chain with "
+               f"the {n_context} context ids and {n_generated} generated ids the sampler saw at this step.")
+    c1, c2 = columns([3, 2])
+    with c1:
+        table(view["chain"], "smp_chain_table", formats={"kept": "localized", "entropy": "%.3f"})
+    with c2:
+        chart(view["chain_fig"], key="smp_chain_fig")
+
+
 def body() -> None:
     t0 = time.perf_counter()
     big = projector()
@@ -197,24 +219,8 @@ def body() -> None:
                   "panel per row." if big else ""))
     if first is None:
         chart(view["compare_fig"], key="smp_compare_fig")
-    table(view["summary"], "smp_summary",
-          formats={"kept": "localized", "kept_tiny": "localized", "entropy": "%.3f", "entropy_before": "%.3f",
-                   "mass_kept": "%.4f", "chosen_prob": "%.4f"},
-          labels={"kept_tiny": "kept with p < 1e-30", "entropy_before": "entropy before cut",
-                  "chosen_prob": "p(run's token)"})
-    st.caption("*kept*: tokens with a probability above 0 in the end; a setting that cuts nothing (no top-k, top-p "
-               "or min-p) keeps nearly the whole vocabulary, most of it at probabilities no draw will ever hit "
-               "(*kept with p < 1e-30*; only those that underflow to exactly 0 in float32 are not counted).")
-
-    st.subheader(f"The chain, stage by stage ({chain_label}: {smp.describe(settings[chain_label])})")
-    st.caption("penalties → temperature → top-k → top-p → min-p → probs, via engine.sampling.sampler_chain with "
-               f"the {len(context)} context ids and {len(generated)} generated ids the sampler saw at this step.")
-    c1, c2 = columns([3, 2])
-    with c1:
-        table(view["chain"], "smp_chain_table", formats={"kept": "localized", "entropy": "%.3f"})
-    with c2:
-        chart(view["chain_fig"], key="smp_chain_fig")
-
+    summary_table(view)
+    chain_section(view, chain_label, settings, len(context), len(generated))
     st.subheader("Empirical check")
     empirical_check(view["stats"], n_draws, seed, chain_label, probs,
                     (content_key(run, model), step, "pass", settings[chain_label], n_draws))

@@ -114,7 +114,7 @@ def settings_of(a: argparse.Namespace, **changes) -> RunSettings:
 
 def _progress(what: str):
     """on_progress (engine.progress) printing one line that updates in place; never answers STOP (Ctrl-C)."""
-    line = progress_printer(f"{what} ", 60)
+    line = progress_printer(prefix=f"{what} ", width=60)
 
     def show(p: Progress) -> None:
         line(p.fraction, p.what)

@@ -11,7 +11,7 @@ STEP_PERCENT = 10.0
 QUIET_S = 2.0
 
 
-class ProgressLine:
+class StatusLine:
     """show(fraction, what) prints the progress of one job; prefix: what the job is ("why-loop "), width: the
     message's width on a terminal."""
 
@@ -36,4 +36,4 @@ class ProgressLine:
 
 
 def progress_printer(prefix: str = "", width: int = 70) -> Callable[[float, str], None]:
-    return ProgressLine(prefix, width).show
+    return StatusLine(prefix, width).show

@@ -42,9 +42,6 @@ budget runs out it is the prompt spans that go untried (listed in `skipped`).
 from __future__ import annotations
 
 import dataclasses
-import heapq
-import re
-import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -53,16 +50,17 @@ import torch
 from engine.generate import GenerationRun
 from engine.inspection.loops import Loop, has_loop, tail_loop
 from engine.inspection.probe import Probe
-from engine.kv_cache import KVCache
 from engine.model import Model
 from engine.progress import OnProgress, tell_units
 from engine.settings import RunSettings
+from engine.tools.prompt_spans import prompt_spans
+from engine.tools.shared_forwards import SharedForwards
 from engine.variants import cast_model, without_heads
 
 HORIZON = LOOK_FURTHER = 64     # how far "look further" reruns a run that holds no loop (tokens)
 MAX_RERUNS = 40
 HEAD_KS = (1, 2, 4, 8)
-MAX_SPANS = 6
+
 KIND_ORDER = ("heads", "sampler", "numerics", "prompt")
 # Weakest first; temperature > 0 samples with the seed. no_repeat_ngram is not a rung: banning repeated n-grams
 # of n tokens makes every loop of period p <= (its length - n) impossible by the loop's own definition (an exact
@@ -87,14 +85,11 @@ def fell_back(tokens: Sequence[int], piece: Sequence[int] | None) -> bool:
     doubled = list(piece) * 2
     return any(doubled[i:i + p] == last for i in range(p))
 
-
 def loops_in(tokens: Sequence[int]) -> bool:
     """The loop test every rerun is judged by: engine.inspection.loops.has_loop (the one definition)."""
     return has_loop(tokens)
 
-
 OUTCOMES = ("loop gone", "stopped", "loop kept")     # the rank of a cause's outcome, best first
-
 
 @dataclass
 class Cause:
@@ -113,7 +108,6 @@ class Cause:
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "outcome": self.outcome}
-
 
 @dataclass
 class WhyLoopReport:
@@ -137,58 +131,8 @@ class WhyLoopReport:
                 "copy_heads": self.copy_heads, "reruns": self.reruns, "max_reruns": self.max_reruns,
                 "skipped": self.skipped}
 
-
 class _OutOfReruns(Exception):
     pass
-
-
-class SharedForwards:
-    """The model as the probe-less reruns of one why-loop see it: a forward already computed for the same tokens
-    (the same prompt, then the same tokens drawn) is answered from memory, its logits and its KV cache rows
-    written into the rerun's cache (KVCache.update), instead of being run again. The sampler reruns draw the
-    baseline's tokens until their change first picks another one, so they share the baseline's prefill and
-    every step up to there; a rerun that keeps the loop often runs no forward at all. The answer is the one the
-    forward gave for that same context and cache content: the rerun's tokens and text are those of a fresh run.
-    Anything else (a probe, other arguments) runs the model's forward."""
-
-    def __init__(self, model: Model) -> None:
-        self.model = model
-        self._fed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # cache -> token ids fed so far
-        self._memo: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.computed = self.answered = 0          # forwards run / answered from memory (positions)
-
-    def __getattr__(self, name: str):
-        return getattr(self.model, name)
-
-    def new_cache(self, max_len: int) -> KVCache:
-        cache = self.model.new_cache(max_len)
-        self._fed[cache] = []
-        return cache
-
-    def forward(self, ids: torch.Tensor, cache: KVCache, probe: Probe | None = None, *, last_only: bool = False,
-                **kwargs) -> torch.Tensor:
-        fed = self._fed.get(cache)
-        # a cache with window rings keeps no rows by position to copy: those runs compute every step
-        if probe is not None or any(v is not None for v in kwargs.values()) or not last_only or fed is None \
-                or cache.k is None:
-            self._fed.pop(cache, None)               # this cache's rows are no longer the memo's to answer
-            return self.model.forward(ids, cache, probe, last_only=last_only, **kwargs)
-        new = [int(i) for i in ids.tolist()]
-        key, pos, T = (*fed, *new), cache.get_pos(), len(new)
-        fed.extend(new)
-        if key in self._memo:
-            logits, k, v = self._memo[key]
-            cache.check_room(T)
-            for layer in range(k.shape[0]):
-                cache.update(layer, k[layer], v[layer])
-            cache.advance(T)
-            self.answered += T
-            return logits.clone()
-        logits = self.model.forward(ids, cache, None, last_only=True)
-        self._memo[key] = (logits.clone(), cache.k[:, :, pos:pos + T].clone(), cache.v[:, :, pos:pos + T].clone())
-        self.computed += T
-        return logits
-
 
 class _Reruns:
     """The budget: every generation goes through here, so the count in the report is the true one."""
@@ -224,7 +168,6 @@ class _Reruns:
             return list(run.token_ids), run.text, run.stop_reason
         return list(run.token_ids), run.text + run.detok.flush(), "loop"
 
-
 def copy_head_scores(model: Model, ids: Sequence[int], n_prompt: int, loop: Loop) -> torch.Tensor:
     """(layers, heads): mean attention weight from each looping token (from the loop's second repeat on)
     to its earlier copy, one period back. One forward; each layer's pattern is read and dropped."""
@@ -241,13 +184,11 @@ def copy_head_scores(model: Model, ids: Sequence[int], n_prompt: int, loop: Loop
     model.forward(torch.tensor(ids), model.new_cache(len(ids)), probe, last_only=True)
     return scores
 
-
 def _cause(kind: str, change: str, rerun: tuple[list[int], str, str], **detail) -> Cause:
     tokens, text, stopped = rerun
     looping = stopped == "loop" or loops_in(tokens)        # "loop": stopped early in a loop (_Reruns.generate)
     return Cause(kind, change, not looping and stopped == "max_new_tokens", text, len(tokens),
                  "loop" if looping else stopped, detail)
-
 
 # Each _try_* appends to `causes` as its reruns finish, so what ran before the budget ended is still listed.
 def _try_heads(model, reruns: _Reruns, top: list[dict], causes: list[Cause]) -> None:
@@ -271,14 +212,12 @@ def _try_heads(model, reruns: _Reruns, top: list[dict], causes: list[Cause]) -> 
         if last is not None:
             causes.append(last)
 
-
 def _rungs(name: str, now: float) -> list[float]:
     """The ladder's rungs stronger than the run's own value (a smaller n-gram bans more)."""
     ladder = SAMPLER_LADDERS[name]
     if name == "no_repeat_ngram":
         return [v for v in ladder if now == 0 or v < now]
     return [v for v in ladder if v > now]
-
 
 def _try_sampler(model, reruns: _Reruns, params, causes: list[Cause]) -> None:
     """Per setting, the rungs weakest first until one breaks the loop; one cause per setting (the breaking
@@ -297,7 +236,6 @@ def _try_sampler(model, reruns: _Reruns, params, causes: list[Cause]) -> None:
             if last is not None:
                 causes.append(last)
 
-
 def _try_numerics(model, reruns: _Reruns, causes: list[Cause]) -> None:
     now = str(model.dtype).removeprefix("torch.")
     other = "bfloat16" if model.dtype == torch.float32 else "float32"
@@ -309,63 +247,6 @@ def _try_numerics(model, reruns: _Reruns, causes: list[Cause]) -> None:
         del copy                                   # one extra model at a time
     causes.append(_cause("numerics", f"dtype {now} -> {other}", rerun, dtype=other))
 
-
-_PUNCT_RUN = re.compile(r"[.!?;:,\n]+")
-
-
-def _clause_cuts(prompt: str) -> list[int]:
-    """The ends of `[.!?;:,\n]+(?=\\s|$)` matches, without the regex's backtracking (quadratic on a long run
-    of punctuation not followed by a space). Within one maximal run of those characters a match ends at the
-    last place followed by whitespace or the end: the run's end if that holds there, else its last newline
-    past the run's first character (a newline is whitespace too). Each run gives at most one cut."""
-    cuts, n = [], len(prompt)
-    for m in _PUNCT_RUN.finditer(prompt):
-        a, b = m.span()
-        end = b if b == n or prompt[b].isspace() else prompt.rfind("\n", a + 1, b)
-        if end > a and end < n:
-            cuts.append(end)
-    return cuts
-
-
-def _word_cuts(prompt: str, most: int) -> list[int]:
-    r"""The first `most` starts of `\s+\S` matches: whitespace runs with something after them (the regex
-    itself backtracks quadratically over trailing whitespace)."""
-    if most <= 0:
-        return []
-    n = len(prompt)
-    return [c for c in (m.start() for m in re.finditer(r"\s+", prompt) if m.end() < n)][:most]
-
-
-def prompt_spans(prompt: str, max_spans: int = MAX_SPANS) -> list[tuple[int, int]]:
-    """(start, end) character spans covering the prompt: sentences or clauses (split after . ! ? ; : , and
-    newlines), or words when there is only one; neighbours merged (shortest pair first, the earlier pair on a
-    tie) down to max_spans. O(n log n) in the prompt's length: a heap of neighbouring pairs, a pair made
-    stale by a merge skipped when it comes up."""
-    cuts = _clause_cuts(prompt) or _word_cuts(prompt, max_spans - 1)
-    bounds = [0, *cuts, len(prompt)]
-    spans = [(a, b) for a, b in zip(bounds, bounds[1:]) if prompt[a:b].strip()]
-    if len(spans) <= max_spans:
-        return spans
-    start, end = [a for a, _ in spans], [b for _, b in spans]
-    nxt, prev = list(range(1, len(spans))) + [-1], list(range(-1, len(spans) - 1))
-    alive, count = [True] * len(spans), len(spans)
-    heap = [(end[i + 1] - start[i], start[i], i) for i in range(len(spans) - 1)]
-    heapq.heapify(heap)
-    while count > max_spans:
-        width, _, i = heapq.heappop(heap)
-        j = nxt[i] if alive[i] else -1
-        if j < 0 or end[j] - start[i] != width:        # a pair one of whose spans has grown since
-            continue
-        end[i], alive[j], count = end[j], False, count - 1       # span i takes in span j
-        nxt[i] = nxt[j]
-        if nxt[i] >= 0:
-            prev[nxt[i]] = i
-            heapq.heappush(heap, (end[nxt[i]] - start[i], start[i], i))
-        if prev[i] >= 0:
-            heapq.heappush(heap, (end[i] - start[prev[i]], start[prev[i]], prev[i]))
-    return [(start[i], end[i]) for i in range(len(spans)) if alive[i]]
-
-
 def _try_prompt(model, reruns: _Reruns, prompt: str, causes: list[Cause]) -> None:
     spans = prompt_spans(prompt)
     for n, (a, b) in enumerate(spans if len(spans) > 1 else []):   # leaving out the whole prompt tests nothing
@@ -376,16 +257,13 @@ def _try_prompt(model, reruns: _Reruns, prompt: str, causes: list[Cause]) -> Non
         rerun = reruns.generate(model, label, prompt=rest)
         causes.append(_cause("prompt", label, rerun, span=[a, b], prompt_after=rest))
 
-
 def _planned(prompt: str) -> int:
     """Reruns at most (for the progress bar): baseline, heads, every sampler rung, dtype, prompt spans."""
     sampler = sum(len(v) for v in SAMPLER_LADDERS.values())
     return 1 + len(HEAD_KS) + sampler + 1 + len(prompt_spans(prompt))
 
-
 def _loop_words(lp: Loop) -> str:
     return f"from step {lp.start} with period {lp.period} (×{lp.count})"
-
 
 def _headline(run_tokens: int, run_stop: str, horizon: int, looked_further: bool, loop: Loop | None,
               causes: list[Cause], look_further: int | None) -> str:
@@ -407,7 +285,6 @@ def _headline(run_tokens: int, run_stop: str, horizon: int, looked_further: bool
         return (f"{own} hold no loop, so this diagnoses a longer rerun of the same prompt and seed ({horizon} "
                 f"tokens), which loops {_loop_words(loop)}.{tail}")
     return f"{own} end in a loop {_loop_words(loop)}: the loop diagnosed here.{tail}"
-
 
 def why_loop(model: Model, settings: RunSettings, *, look_further: int | None = None, max_reruns: int = MAX_RERUNS,
              top_heads: int = max(HEAD_KS), on_progress: OnProgress | None = None) -> WhyLoopReport:

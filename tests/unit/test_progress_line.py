@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from engine.cli.progress_line import ProgressLine
+from engine.cli.progress_line import StatusLine
 
 pytestmark = pytest.mark.unit
 
@@ -24,7 +24,7 @@ class Clock:
         return self.t
 
 
-def feed(line: ProgressLine, clock: Clock | None = None, seconds_per_update: float = 0.0) -> None:
+def feed(line: StatusLine, clock: Clock | None = None, seconds_per_update: float = 0.0) -> None:
     for i in range(1, 401):                   # a why-loop-like job: 40 reruns, 10 updates each
         if clock is not None:
             clock.t += seconds_per_update
@@ -33,7 +33,7 @@ def feed(line: ProgressLine, clock: Clock | None = None, seconds_per_update: flo
 
 def test_piped_progress_is_whole_lines_every_ten_percent_and_the_last():
     out = io.StringIO()
-    feed(ProgressLine("why-loop ", stream=out, clock=Clock()))          # instant reruns: by the percentage
+    feed(StatusLine("why-loop ", stream=out, clock=Clock()))          # instant reruns: by the percentage
     text = out.getvalue()
     lines = text.splitlines()
     assert "\r" not in text and text.endswith("\n")
@@ -43,13 +43,13 @@ def test_piped_progress_is_whole_lines_every_ten_percent_and_the_last():
 
 def test_piped_progress_names_each_slow_step():
     out, clock = io.StringIO(), Clock()
-    feed(ProgressLine("why-loop ", stream=out, clock=clock), clock, seconds_per_update=0.3)   # 3 s a rerun
+    feed(StatusLine("why-loop ", stream=out, clock=clock), clock, seconds_per_update=0.3)   # 3 s a rerun
     lines = out.getvalue().splitlines()
     assert [f"rerun {k}:" in " ".join(lines) for k in range(1, 41)] == [True] * 40 and len(lines) == 41
 
 
 def test_a_terminal_gets_one_line_updated_in_place():
     out = Tty()
-    feed(ProgressLine(stream=out))
+    feed(StatusLine(stream=out))
     text = out.getvalue()
     assert text.count("\r") == 400 and text.count("\n") == 1 and text.endswith("\n")

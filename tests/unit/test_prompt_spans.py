@@ -1,4 +1,4 @@
-"""engine.tools.why_loop.prompt_spans: the same spans as the original regex-and-rescan version on every small input,
+"""engine.tools.prompt_spans.prompt_spans: the same spans as the original regex-and-rescan version on every small input,
 and work that grows with the prompt's length, not its square (the original took 11.7 s at 8k clauses, and its
 regexes backtracked quadratically over a long run of commas or of trailing spaces)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engine.tools.why_loop import MAX_SPANS, prompt_spans
+from engine.tools.prompt_spans import MAX_SPANS, prompt_spans
 
 pytestmark = pytest.mark.unit
 
