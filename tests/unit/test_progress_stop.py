@@ -64,7 +64,7 @@ def assert_stops_there(run, stopper: Stopper) -> None:
 
 # ---- the why-loop: one unit = one rerun (a generation) ------------------------------------------------------
 def test_why_loop_reports_each_rerun_and_stops_before_the_next(looper, monkeypatch):  # noqa: F811
-    settings = RunSettings(prompt=PROMPT, chat=False, max_new_tokens=8)
+    settings = RunSettings(prompt=PROMPT, chat=False, max_new_tokens=16)  # a loop: 12+ tokens
     reruns = counting(monkeypatch, why_loop_mod, "GenerationRun")
     whole = Stopper(reruns)
     report = why_loop_mod.why_loop(looper, settings, max_reruns=6, on_progress=whole)
