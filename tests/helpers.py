@@ -68,6 +68,31 @@ def write_model_dir(path: Path, tokenizer_files: Path, cfg: dict | None = None,
     return path
 
 
+def engine_cli(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m engine ARGS` through its entry point (engine.cli.main) in this process: the same exit status,
+    stdout and stderr as the command, without starting Python, torch and the engine again (3-8 s a call on
+    two shared cores). Tests about the process itself (argv bytes, its memory, its start-up) keep subprocess."""
+    import contextlib
+    import io
+    import os
+
+    from engine.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    os.chdir(cwd or ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:                     # argparse's own usage errors (exit status 2)
+                code = e.code
+    finally:
+        os.chdir(here)
+    code = 0 if code is None else code if isinstance(code, int) else 1
+    return subprocess.CompletedProcess([sys.executable, "-m", "engine", *map(str, args)], code, out.getvalue(),
+                                       err.getvalue())
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
