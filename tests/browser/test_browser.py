@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import RUNNING, streamlit_server
+from tests.helpers import RUNNING
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
@@ -25,14 +25,8 @@ def page_titles() -> list[str]:
     return re.findall(r'st\.Page\("pages/\w+\.py", title="([^"]+)"', (ROOT / "app.py").read_text())
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    if not Path(CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (scripts/setup.sh --test installs it)")
-    pytest.importorskip("playwright")
-    env = {k: v for k, v in os.environ.items() if k != "LLM_INSPECTOR_MODEL"}
-    with streamlit_server(env, tmp_path_factory.mktemp("server") / "streamlit.log") as (url, _):
-        yield url
+# `server`, the app on the bundled model, is tests/browser/conftest.py's: one process for this module,
+# test_projector.py and test_projector_sampling.py.
 
 
 def wait_idle(page, timeout_s: float = 240) -> None:

@@ -16,7 +16,6 @@ from tests.browser.test_browser import (
     CHROMIUM,
     go_to,
     page_titles,
-    server,  # noqa: F401  (the served app, a fixture)
     wait_idle,
 )
 from tests.helpers import open_generation_settings
@@ -104,7 +103,7 @@ def stop_a_long_run(page) -> None:
     assert 3 <= n < 400
 
 
-def test_projector_mode_1280x720_every_page_after_a_demo(server):  # noqa: F811
+def test_projector_mode_1280x720_every_page_after_a_demo(server):
     from playwright.sync_api import sync_playwright
 
     shots = Path(os.environ.get("LLM_INSPECTOR_SCREENSHOTS", ROOT / "docs" / "screenshots"))

@@ -10,7 +10,6 @@ from inspector.views.theme import PROJECTOR_FONT, PROJECTOR_TICKS
 from tests.browser.test_browser import (
     ARGS,
     CHROMIUM,
-    server,  # noqa: F401  (the served app, a fixture)
     wait_idle,
 )
 
@@ -51,7 +50,7 @@ def overlapping(boxes: list[dict]) -> list[tuple[str, str]]:
             if a["x0"] < b["x1"] and b["x0"] < a["x1"] and a["y0"] < b["y1"] and b["y0"] < a["y1"]]
 
 
-def test_sampling_after_the_demo_on_a_projector_shows_its_lesson_big_tables_and_readable_labels(server):  # noqa: F811
+def test_sampling_after_the_demo_on_a_projector_shows_its_lesson_big_tables_and_readable_labels(server):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
