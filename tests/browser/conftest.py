@@ -23,3 +23,14 @@ def server(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "LLM_INSPECTOR_MODEL"}
     with streamlit_server(env, tmp_path_factory.mktemp("server") / "streamlit.log") as (url, _):
         yield url
+
+
+@pytest.fixture(scope="session")
+def room_servers(tmp_path_factory, tiny_model_dir):
+    """One redis-server and two app processes sharing it (tests.browser.test_rooms.redis_room_servers), for the
+    WebSocket room tests (test_room_latency, test_room_live_ws): their students only follow, the runs are made in
+    the test process, and each test opens its own room. test_rooms_redis keeps its own pair: it counts the
+    generations of each process."""
+    from tests.browser.test_rooms import redis_room_servers
+    with redis_room_servers(tmp_path_factory.mktemp("room-servers"), tiny_model_dir) as (url, servers):
+        yield url, servers

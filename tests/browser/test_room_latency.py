@@ -26,7 +26,7 @@ from inspector.session.rooms import RoomStore
 from inspector.session.rooms_redis import RedisBackend
 from inspector.session.rooms_state import View
 from inspector.session.run import inspect_run
-from tests.browser.test_rooms import p95, redis_room_servers
+from tests.browser.test_rooms import p95
 
 pytestmark = pytest.mark.browser
 STUDENTS = int(os.environ.get("LLM_INSPECTOR_LATENCY_STUDENTS", "30"))
@@ -106,9 +106,9 @@ def change(store, code, token, students, publish: dict, text: str) -> list[float
 
 
 @pytest.fixture(scope="module")
-def two_servers(tmp_path_factory, tiny_model_dir):
-    with redis_room_servers(tmp_path_factory.mktemp("room-latency"), tiny_model_dir) as (url, servers):
-        yield url, servers
+def two_servers(room_servers):
+    """Redis and two app servers, shared with test_room_live_ws (tests/browser/conftest.py)."""
+    return room_servers
 
 
 def test_thirty_websocket_students_follow_within_a_second(two_servers, tiny_model):
