@@ -190,3 +190,36 @@ def forge(monkeypatch, key: str, value) -> None:
 # "viewer" (.streamlit/config.toml, scripts/serve.sh) Streamlit does not draw it.
 RUNNING = ('[data-testid="stApp"][data-test-script-state="running"], '
            '[data-testid="stApp"][data-test-script-state="rerunRequested"], [data-testid="stStatusWidget"]')
+
+
+class OwnContexts:
+    """A shared Playwright Browser as one test uses it: new_context and new_page as the Browser's, and close()
+    closes only the contexts this test opened; the Chromium process stays for the next test."""
+
+    def __init__(self, browser) -> None:
+        self._browser, self._opened = browser, []
+
+    def new_context(self, **kw):
+        ctx = self._browser.new_context(**kw)
+        self._opened.append(ctx)
+        return ctx
+
+    def new_page(self, **kw):
+        return self.new_context(**kw).new_page()
+
+    def close(self) -> None:
+        while self._opened:
+            try:
+                self._opened.pop().close()
+            except Exception:          # already gone with a crashed page: nothing left to close
+                pass
+
+
+@contextmanager
+def own_contexts(browser):
+    """`with own_contexts(browser) as b:` — b opens contexts and pages in the shared Chromium; all closed at the end."""
+    b = OwnContexts(browser)
+    try:
+        yield b
+    finally:
+        b.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import RUNNING
+from tests.helpers import RUNNING, own_contexts
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
@@ -49,15 +49,12 @@ def go_to(page, title: str) -> None:
     wait_idle(page)
 
 
-def test_every_page_in_chromium(server):
-    from playwright.sync_api import sync_playwright
-
+def test_every_page_in_chromium(server, browser):
     shots = Path(os.environ.get("LLM_INSPECTOR_SCREENSHOTS", ROOT / "out" / "screenshots"))
     shots.mkdir(parents=True, exist_ok=True)
     titles = page_titles()
     assert len(titles) >= 7
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+    with own_contexts(browser) as browser:
         page = browser.new_page(viewport={"width": 1440, "height": 1000})
         page.goto(server)
         page.wait_for_selector('[data-testid="stSidebar"] textarea', timeout=180_000)

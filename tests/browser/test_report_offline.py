@@ -14,9 +14,6 @@ from tests.helpers import engine_cli
 
 pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--no-first-run"]
 MAX_BYTES = 10 * 2**20
 
 
@@ -31,15 +28,10 @@ def make_report(out: Path, *args: str, own_process: bool = True) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def chromium():
-    sync_api = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).is_file():
-        pytest.skip("Debian's chromium is not installed (scripts/setup.sh --test installs it)")
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
-        yield browser
-        browser.close()
+@pytest.fixture
+def chromium(browser):
+    """The browser tier's Chromium (tests/browser/conftest.py); each check opens and closes its own context."""
+    return browser
 
 
 def open_offline(browser, path: Path) -> dict:

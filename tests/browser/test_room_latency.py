@@ -105,7 +105,7 @@ def change(store, code, token, students, publish: dict, text: str) -> list[float
     return [t - t0 for t in seen]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def two_servers(room_servers):
     """Redis and two app servers, shared with test_room_live_ws (tests/browser/conftest.py)."""
     return room_servers

@@ -80,7 +80,7 @@ class Paced:
         self.p.finished(kept, stopped)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def two_servers(room_servers):
     """Redis and two app servers, shared with test_room_latency (tests/browser/conftest.py)."""
     return room_servers
