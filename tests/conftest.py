@@ -102,6 +102,20 @@ def pytest_collection_modifyitems(config, items):
     os.environ.setdefault("LLM_INSPECTOR_CACHE", str(Path.home() / ".cache" / "llm-inspector"))
 
 
+TIMES = os.environ.get("LLM_INSPECTOR_TEST_TIMES")     # a file: each test's tier and seconds, for scripts/test_times.py
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With $LLM_INSPECTOR_TEST_TIMES set, one line per test phase: tier, phase, seconds, outcome, test id."""
+    rep = yield
+    if TIMES:
+        tier = next((t for t in TIERS if item.get_closest_marker(t)), "-")
+        with open(TIMES, "a") as f:
+            f.write(f"{tier}\t{rep.when}\t{rep.duration:.3f}\t{rep.outcome}\t{item.nodeid}\n")
+    return rep
+
+
 @pytest.fixture
 def page(monkeypatch):
     """page(name, run, model, source) -> an AppTest of pages/<name>.py with `run` as the session's run; the
