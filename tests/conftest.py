@@ -26,13 +26,18 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
-def tokenizer_files(tmp_path_factory) -> Path:
-    """tokenizer.json + tokenizer_config.json of the bundled model, built from its GGUF once."""
+def bundled_gguf_reader():
+    """The bundled GGUF file opened once (gguf.GGUFReader maps and indexes the whole file: seconds)."""
     import gguf
+    return gguf.GGUFReader(str(bundled_gguf()))
 
+
+@pytest.fixture(scope="session")
+def tokenizer_files(tmp_path_factory, bundled_gguf_reader) -> Path:
+    """tokenizer.json + tokenizer_config.json of the bundled model, built from its GGUF once."""
     from engine.gguf_tokenizer import write_tokenizer_dir
     out = tmp_path_factory.mktemp("tokenizer")
-    write_tokenizer_dir(gguf.GGUFReader(str(bundled_gguf())), out)
+    write_tokenizer_dir(bundled_gguf_reader, out)
     return out
 
 
