@@ -78,7 +78,7 @@ def engine_cli(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
 
     from engine.cli import main
     out, err = io.StringIO(), io.StringIO()
-    here = os.getcwd()
+    here, threads = os.getcwd(), torch.get_num_threads()       # (bench --threads sets the process's)
     os.chdir(cwd or ROOT)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -88,6 +88,8 @@ def engine_cli(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
                 code = e.code
     finally:
         os.chdir(here)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
     code = 0 if code is None else code if isinstance(code, int) else 1
     return subprocess.CompletedProcess([sys.executable, "-m", "engine", *map(str, args)], code, out.getvalue(),
                                        err.getvalue())
