@@ -129,44 +129,6 @@ def tour(page) -> None:
             page.get_by_text("First divergence", exact=True).wait_for(timeout=TIMEOUT_S * 1000)
 
 
-def tour_together(pages, proc) -> int:
-    """The tour, every tab at each stage at once (a class follows the teacher's instructions together): each tab
-    visits every page and layer and compares, as tour() does; the clicks of a stage go to every tab before any
-    tab is waited for, so one tab's server work and painting overlap the others'. The server's largest RSS seen
-    after each stage is returned."""
-    rss = psutil.Process(proc.pid)
-    peak = rss.memory_info().rss
-    for title in PAGES:
-        for page in pages:
-            page.get_by_role("link", name=title, exact=True).first.click()
-        for page in pages:
-            page.get_by_role("heading").first.wait_for(timeout=TIMEOUT_S * 1000)
-        pages[0].wait_for_timeout(500)
-        for k, page in enumerate(pages):
-            end = time.monotonic() + TIMEOUT_S
-            while page.get_by_text(re.compile("Running|Computing")).count():
-                assert time.monotonic() < end, f"tab {k} was still running {title} after {TIMEOUT_S} s"
-                page.wait_for_timeout(250)
-            assert not exceptions(page), (k, title)
-        peak = max(peak, rss.memory_info().rss)
-        if title == "Attention":
-            for layer in (1, 2, 3):
-                for page in pages:
-                    page.get_by_label("Layer", exact=True).first.click()
-                    page.get_by_role("option", name=f"Layer {layer}", exact=True).click()
-                pages[0].wait_for_timeout(300)
-                for k, page in enumerate(pages):
-                    assert not exceptions(page), (k, layer)
-                peak = max(peak, rss.memory_info().rss)
-        if title == "Compare runs":
-            for page in pages:
-                page.get_by_role("button", name="Compare", exact=True).click()
-            for page in pages:
-                page.get_by_text("First divergence", exact=True).wait_for(timeout=TIMEOUT_S * 1000)
-            peak = max(peak, rss.memory_info().rss)
-    return peak
-
-
 def test_a_room_of_thirty(room, browser, tiny_model):
     url, proc, log, model_dir = room
     from engine import load_model
@@ -192,7 +154,10 @@ def test_a_room_of_thirty(room, browser, tiny_model):
         shown = shown_texts(page)
         assert want[k] in shown, (k, want[k], shown, seen(page))              # its own single-user tokens
         assert not any(w in shown for j, w in enumerate(want) if j != k and w != want[k]), k   # nobody else's
-    peak = max(psutil.Process(proc.pid).memory_info().rss, tour_together([page for _, page in tabs], proc))
+    peak = psutil.Process(proc.pid).memory_info().rss
+    for _, page in tabs:
+        tour(page)
+        peak = max(peak, psutil.Process(proc.pid).memory_info().rss)
     bound = rss0 + SESSIONS * BUDGET_MB * 2**20
     print(f"room of {SESSIONS}: server RSS {rss0 / 2**20:.0f} MiB before, peak {peak / 2**20:.0f} MiB "
           f"(bound {bound / 2**20:.0f} MiB)")
