@@ -99,17 +99,6 @@ def server(tmp_path_factory):
     return SHARED.get("bundled-server", start)
 
 
-@pytest.fixture
-def room_servers(tmp_path_factory, tiny_model_dir):
-    """One redis-server and two app processes sharing it (tests.browser.test_rooms.redis_room_servers), for the
-    WebSocket room tests (test_room_latency, test_room_live_ws): their students only follow, the runs are made in
-    the test process, and each test opens its own room. test_rooms_redis keeps its own pair: it counts the
-    generations of each process."""
-    from tests.browser.test_rooms import redis_room_servers
-    return SHARED.get("room-servers",
-                      lambda: redis_room_servers(tmp_path_factory.mktemp("room-servers"), tiny_model_dir))
-
-
 def _url_only(served):
     from contextlib import contextmanager
 

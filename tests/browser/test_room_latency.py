@@ -26,7 +26,7 @@ from inspector.session.rooms import RoomStore
 from inspector.session.rooms_redis import RedisBackend
 from inspector.session.rooms_state import View
 from inspector.session.run import inspect_run
-from tests.browser.test_rooms import p95
+from tests.browser.test_rooms import p95, redis_room_servers
 
 pytestmark = pytest.mark.browser
 STUDENTS = int(os.environ.get("LLM_INSPECTOR_LATENCY_STUDENTS", "30"))
@@ -105,10 +105,10 @@ def change(store, code, token, students, publish: dict, text: str) -> list[float
     return [t - t0 for t in seen]
 
 
-@pytest.fixture
-def two_servers(room_servers):
-    """Redis and two app servers, shared with test_room_live_ws (tests/browser/conftest.py)."""
-    return room_servers
+@pytest.fixture(scope="module")
+def two_servers(tmp_path_factory, tiny_model_dir):
+    with redis_room_servers(tmp_path_factory.mktemp("room-latency"), tiny_model_dir) as (url, servers):
+        yield url, servers
 
 
 def test_thirty_websocket_students_follow_within_a_second(two_servers, tiny_model):
