@@ -96,7 +96,8 @@ def test_the_first_visitors_see_the_app_and_the_loads_progress(tmp_path, tiny_mo
             first.get_by_text(INTRO).first.wait_for(timeout=60_000)
             first.locator('[data-testid="stSidebar"] textarea').first.wait_for(timeout=60_000)
             first.locator('[data-testid="stSidebar"] [data-testid="stProgress"]').first.wait_for(timeout=60_000)
-            assert first.get_by_role("button", name="A repetition loop").first.is_visible()
+            # (drawn in the same script run as the intro, possibly a moment after it: wait for it, the load still held)
+            first.get_by_role("button", name="A repetition loop").first.wait_for(state="visible", timeout=60_000)
             assert run_button(first).is_disabled()
             tick, percent = sidebar_progress(first)
             assert percent == min(50, tick)            # the wrapper's own fraction: tick N is N %, up to 50 %
