@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -111,15 +112,20 @@ def competing_process(seconds: float):
     """Another process's OpenMP threads on the same cores for the body (a second test run, a server's other work):
     torch's matrix products in a loop with libgomp's default waiting, bounded in time and always stopped."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    code = ("import time, torch\na = torch.randn(512, 512)\nend = time.time() + %f\n"
-            "while time.time() < end:\n    a @ a\n" % seconds)
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    code = ("import time, torch\na = torch.randn(512, 512)\na @ a\nprint('working', flush=True)\n"
+            "end = time.time() + %f\nwhile time.time() < end:\n    a @ a\n" % seconds)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(1.0)                                     # torch loaded, its threads working
+        # until torch is loaded and its threads work (it says so after its first product), at most 120 s
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        said = proc.stdout.readline().strip() if ready else ""
+        assert said == "working", ("the competing process never started its matrix products within 120 s"
+                                   if not ready else f"the competing process ended before working (exit {proc.poll()})")
         yield
     finally:
         proc.kill()
         proc.wait(10)
+        proc.stdout.close()
 
 
 def twenty_sessions(model, *, plain_share: float = 0.0, label: str = "twenty sessions",

@@ -26,13 +26,18 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
-def tokenizer_files(tmp_path_factory) -> Path:
-    """tokenizer.json + tokenizer_config.json of the bundled model, built from its GGUF once."""
+def bundled_gguf_reader():
+    """The bundled GGUF file opened once (gguf.GGUFReader maps and indexes the whole file: seconds)."""
     import gguf
+    return gguf.GGUFReader(str(bundled_gguf()))
 
+
+@pytest.fixture(scope="session")
+def tokenizer_files(tmp_path_factory, bundled_gguf_reader) -> Path:
+    """tokenizer.json + tokenizer_config.json of the bundled model, built from its GGUF once."""
     from engine.gguf_tokenizer import write_tokenizer_dir
     out = tmp_path_factory.mktemp("tokenizer")
-    write_tokenizer_dir(gguf.GGUFReader(str(bundled_gguf())), out)
+    write_tokenizer_dir(bundled_gguf_reader, out)
     return out
 
 
@@ -100,6 +105,20 @@ def pytest_collection_modifyitems(config, items):
             if "cuda" in item.keywords:
                 item.add_marker(skip)
     os.environ.setdefault("LLM_INSPECTOR_CACHE", str(Path.home() / ".cache" / "llm-inspector"))
+
+
+TIMES = os.environ.get("LLM_INSPECTOR_TEST_TIMES")     # a file: each test's tier and seconds, for scripts/test_times.py
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With $LLM_INSPECTOR_TEST_TIMES set, one line per test phase: tier, phase, seconds, outcome, test id."""
+    rep = yield
+    if TIMES:
+        tier = next((t for t in TIERS if item.get_closest_marker(t)), "-")
+        with open(TIMES, "a") as f:
+            f.write(f"{tier}\t{rep.when}\t{rep.duration:.3f}\t{rep.outcome}\t{item.nodeid}\n")
+    return rep
 
 
 @pytest.fixture

@@ -68,6 +68,33 @@ def write_model_dir(path: Path, tokenizer_files: Path, cfg: dict | None = None,
     return path
 
 
+def engine_cli(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m engine ARGS` through its entry point (engine.cli.main) in this process: the same exit status,
+    stdout and stderr as the command, without starting Python, torch and the engine again (3-8 s a call on
+    two shared cores). Tests about the process itself (argv bytes, its memory, its start-up) keep subprocess."""
+    import contextlib
+    import io
+    import os
+
+    from engine.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    here, threads = os.getcwd(), torch.get_num_threads()       # (bench --threads sets the process's)
+    os.chdir(cwd or ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:                     # argparse's own usage errors (exit status 2)
+                code = e.code
+    finally:
+        os.chdir(here)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+    code = 0 if code is None else code if isinstance(code, int) else 1
+    return subprocess.CompletedProcess([sys.executable, "-m", "engine", *map(str, args)], code, out.getvalue(),
+                                       err.getvalue())
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -165,3 +192,36 @@ def forge(monkeypatch, key: str, value) -> None:
 # "viewer" (.streamlit/config.toml, scripts/serve.sh) Streamlit does not draw it.
 RUNNING = ('[data-testid="stApp"][data-test-script-state="running"], '
            '[data-testid="stApp"][data-test-script-state="rerunRequested"], [data-testid="stStatusWidget"]')
+
+
+class OwnContexts:
+    """A shared Playwright Browser as one test uses it: new_context and new_page as the Browser's, and close()
+    closes only the contexts this test opened; the Chromium process stays for the next test."""
+
+    def __init__(self, browser) -> None:
+        self._browser, self._opened = browser, []
+
+    def new_context(self, **kw):
+        ctx = self._browser.new_context(**kw)
+        self._opened.append(ctx)
+        return ctx
+
+    def new_page(self, **kw):
+        return self.new_context(**kw).new_page()
+
+    def close(self) -> None:
+        while self._opened:
+            try:
+                self._opened.pop().close()
+            except Exception:          # already gone with a crashed page: nothing left to close
+                pass
+
+
+@contextmanager
+def own_contexts(browser):
+    """`with own_contexts(browser) as b:` — b opens contexts and pages in the shared Chromium; all closed at the end."""
+    b = OwnContexts(browser)
+    try:
+        yield b
+    finally:
+        b.close()

@@ -116,6 +116,7 @@ def test_other_pages_read_a_reopened_trace(page, tiny_model, tiny_model_dir, tin
         assert not any("press **Run**" in i.value for i in at.info), name
 
 
+@pytest.mark.model                  # the bundled weights: the model tier, outside the quick loop
 def test_repetition_page_lists_the_loop(page, bundled_model):
     run = inspect_run(bundled_model, RunSettings(prompt=LOOP_PROMPT, chat=False, max_new_tokens=14, timing=False))
     at = page("repetition", run, bundled_model, None).run()

@@ -243,6 +243,7 @@ def test_activations_page(tiny_app, tiny_model, calls, app_file):
     assert calls["generate"] == 1 and not at.exception
 
 
+@pytest.mark.model                  # the bundled weights: the model tier, outside the quick loop
 def test_pages_on_the_bundled_model(monkeypatch, app_file, calls):
     monkeypatch.delenv("LLM_INSPECTOR_MODEL", raising=False)
     at = start(monkeypatch, app_file, prompt="Name a color. 😀", max_new=3)

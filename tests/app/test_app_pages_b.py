@@ -242,6 +242,7 @@ def test_timeline_page_one_row_per_step(tiny_app, tiny_model, pages):
     assert any("perf_counter" in c.value for c in at.caption)
 
 
+@pytest.mark.model                  # the bundled weights: the model tier, outside the quick loop
 def test_pages_on_the_bundled_model(monkeypatch, app_file, pages, forward_calls):
     monkeypatch.delenv("LLM_INSPECTOR_MODEL", raising=False)
     at = start(app_file, None, "Name a color.", max_new=3)

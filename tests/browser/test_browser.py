@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import RUNNING, streamlit_server
+from tests.helpers import RUNNING, own_contexts
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
@@ -25,14 +25,8 @@ def page_titles() -> list[str]:
     return re.findall(r'st\.Page\("pages/\w+\.py", title="([^"]+)"', (ROOT / "app.py").read_text())
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    if not Path(CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (scripts/setup.sh --test installs it)")
-    pytest.importorskip("playwright")
-    env = {k: v for k, v in os.environ.items() if k != "LLM_INSPECTOR_MODEL"}
-    with streamlit_server(env, tmp_path_factory.mktemp("server") / "streamlit.log") as (url, _):
-        yield url
+# `server`, the app on the bundled model, is tests/browser/conftest.py's: one process for this module,
+# test_projector.py and test_projector_sampling.py.
 
 
 def wait_idle(page, timeout_s: float = 240) -> None:
@@ -55,15 +49,12 @@ def go_to(page, title: str) -> None:
     wait_idle(page)
 
 
-def test_every_page_in_chromium(server):
-    from playwright.sync_api import sync_playwright
-
+def test_every_page_in_chromium(server, browser):
     shots = Path(os.environ.get("LLM_INSPECTOR_SCREENSHOTS", ROOT / "out" / "screenshots"))
     shots.mkdir(parents=True, exist_ok=True)
     titles = page_titles()
     assert len(titles) >= 7
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+    with own_contexts(browser) as browser:
         page = browser.new_page(viewport={"width": 1440, "height": 1000})
         page.goto(server)
         page.wait_for_selector('[data-testid="stSidebar"] textarea', timeout=180_000)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser.test_browser import ARGS, CHROMIUM, wait_idle
+from tests.browser.test_browser import wait_idle
 from tests.browser.test_forged_prompt import ForgedSession
-from tests.helpers import free_port, server_process, streamlit_server
+from tests.helpers import free_port, own_contexts, server_process, streamlit_server
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.browser
@@ -71,13 +71,9 @@ CUT = """() => Array.from(document.querySelectorAll('[data-testid="stMain"] [dat
   .map(e => e.textContent)"""
 
 
-def test_overview_metrics_are_whole_and_there_is_no_deploy_button(tmp_path, tiny_model_dir):
-    if not Path(CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (scripts/setup.sh --test installs it)")
-    sync_api = pytest.importorskip("playwright.sync_api")
+def test_overview_metrics_are_whole_and_there_is_no_deploy_button(tmp_path, tiny_model_dir, browser):
     with streamlit_server(tiny_env(tiny_model_dir), tmp_path / "streamlit.log",
-                          "--server.fileWatcherType", "none") as (url, _), sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+                          "--server.fileWatcherType", "none") as (url, _), own_contexts(browser) as browser:
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 1000})
             page.goto(url)

@@ -12,14 +12,11 @@ from pathlib import Path
 import pytest
 
 from tests.browser.test_browser import (
-    ARGS,
-    CHROMIUM,
     go_to,
     page_titles,
-    server,  # noqa: F401  (the served app, a fixture)
     wait_idle,
 )
-from tests.helpers import open_generation_settings
+from tests.helpers import open_generation_settings, own_contexts
 
 ROOT = Path(__file__).resolve().parents[2]
 W, H = 1280, 720
@@ -104,13 +101,10 @@ def stop_a_long_run(page) -> None:
     assert 3 <= n < 400
 
 
-def test_projector_mode_1280x720_every_page_after_a_demo(server):  # noqa: F811
-    from playwright.sync_api import sync_playwright
-
+def test_projector_mode_1280x720_every_page_after_a_demo(server, browser):
     shots = Path(os.environ.get("LLM_INSPECTOR_SCREENSHOTS", ROOT / "docs" / "screenshots"))
     shots.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+    with own_contexts(browser) as browser:
         page = browser.new_page(viewport={"width": W, "height": H})
         page.goto(server + "/?projector=1")
         page.wait_for_selector('[data-testid="stSidebar"] textarea', timeout=180_000)

@@ -7,12 +7,8 @@ from __future__ import annotations
 import pytest
 
 from inspector.views.theme import PROJECTOR_FONT, PROJECTOR_TICKS
-from tests.browser.test_browser import (
-    ARGS,
-    CHROMIUM,
-    server,  # noqa: F401  (the served app, a fixture)
-    wait_idle,
-)
+from tests.browser.test_browser import wait_idle
+from tests.helpers import own_contexts
 
 W, H = 1280, 720
 pytestmark = pytest.mark.browser
@@ -51,11 +47,8 @@ def overlapping(boxes: list[dict]) -> list[tuple[str, str]]:
             if a["x0"] < b["x1"] and b["x0"] < a["x1"] and a["y0"] < b["y1"] and b["y0"] < a["y1"]]
 
 
-def test_sampling_after_the_demo_on_a_projector_shows_its_lesson_big_tables_and_readable_labels(server):  # noqa: F811
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+def test_sampling_after_the_demo_on_a_projector_shows_its_lesson_big_tables_and_readable_labels(server, browser):
+    with own_contexts(browser) as browser:
         page = browser.new_page(viewport={"width": W, "height": H})
         page.goto(server + "/?projector=1")
         page.wait_for_selector('[data-testid="stSidebar"] textarea', timeout=180_000)

@@ -10,30 +10,28 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import engine_cli
+
 pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--no-first-run"]
 MAX_BYTES = 10 * 2**20
 
 
-def make_report(out: Path, *args: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "engine", "report", *args, "--out", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+def make_report(out: Path, *args: str, own_process: bool = True) -> dict:
+    """`python -m engine report ARGS --out OUT` in its own process, or through its entry point in this one."""
+    if own_process:
+        r = subprocess.run([sys.executable, "-m", "engine", "report", *args, "--out", str(out)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+    else:
+        r = engine_cli("report", *args, "--out", str(out))
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def chromium():
-    sync_api = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).is_file():
-        pytest.skip("Debian's chromium is not installed (scripts/setup.sh --test installs it)")
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
-        yield browser
-        browser.close()
+@pytest.fixture
+def chromium(browser):
+    """The browser tier's Chromium (tests/browser/conftest.py); each check opens and closes its own context."""
+    return browser
 
 
 def open_offline(browser, path: Path) -> dict:
@@ -83,7 +81,7 @@ def test_the_default_report_opens_offline_with_every_chart(chromium, tmp_path):
 def test_a_hostile_prompt_runs_nothing_and_loads_nothing(chromium, tmp_path):
     out = tmp_path / "hostile.html"
     prompt = "</script><img src=x onerror=alert(1)><script>alert(2)</script> & <a href=http://example.com>x</a>"
-    make_report(out, prompt, "--max-new-tokens", "4", "--layers", "0", "--steps", "0")
+    make_report(out, prompt, "--max-new-tokens", "4", "--layers", "0", "--steps", "0", own_process=False)
     seen = open_offline(chromium, out)
     assert seen["blocked"] == [] and seen["errors"] == [] and seen["dialogs"] == []
     assert seen["charts"] == seen["rendered"] and prompt in seen["text"]

@@ -24,6 +24,7 @@ def hf(tiny_model):
     return hf_load(tiny_model)
 
 
+@pytest.mark.reference             # against transformers' prefill: the reference tier
 def test_prefill_keys_are_medians_of_the_rounds_ratios(tiny_model, hf):
     out = prefill_vs_transformers(tiny_model, hf, (512, 2048), rounds=3)
     for n in (512, 2048):
@@ -32,6 +33,7 @@ def test_prefill_keys_are_medians_of_the_rounds_ratios(tiny_model, hf):
         assert out[f"a_over_c_prefill_{n}"] == pytest.approx(statistics.median(c / a for a, c in times))
 
 
+@pytest.mark.reference             # against transformers' prefill: the reference tier
 def test_both_prefills_compute_the_same_next_token_distribution(tiny_model, hf):
     ids = torch.randint(100, 40000, (600,), generator=torch.Generator().manual_seed(5)).tolist()  # two chunks
     _, step = engine_prefill(tiny_model, ids)
@@ -58,6 +60,7 @@ def test_app_run_ratio_is_the_median_of_app_over_plain(tiny_model):
     assert "app_run_ratio" not in said[0] and "2,048-token prompt" in said[0]
 
 
+@pytest.mark.reference             # against transformers' prefill: the reference tier
 def test_bench_json_prints_the_keys(tiny_model, capsys):
     a = argparse.Namespace(prompt_tokens=16, new_tokens=4, repeats=1, json=True, app=True, app_lengths=(32,),
                            prefill_lengths=(512, 2048), app_run_tokens=256)

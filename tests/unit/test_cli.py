@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import csv
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import engine_cli
 
 
-def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """The command through its entry point in this process (the real `python -m engine` process is run by
+    tests/app/test_bad_input_models.py, tests/model/test_hostile_cli.py and tests/browser/test_report_offline.py)."""
+    return engine_cli(*args)
 
 
 @pytest.mark.model
@@ -24,14 +23,14 @@ def test_generate_streams_and_reports_speed(bundled_model):
     assert "tok/s" in r.stderr and "stop: eos" in r.stderr
 
 
-@pytest.mark.model                  # a separate process loads the model: slower than the unit loop
+@pytest.mark.model                  # the command loads the model itself: slower than the unit loop
 def test_hooks_lists_every_stage(tiny_model_dir, tiny_model):
     r = cli("hooks", "--model", str(tiny_model_dir))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == tiny_model.hook_names()
 
 
-@pytest.mark.model                  # a separate process loads the model: slower than the unit loop
+@pytest.mark.model                  # the command loads the model itself: slower than the unit loop
 def test_stats_csv(tiny_model_dir, tiny_model, tmp_path):
     out = tmp_path / "s.csv"
     r = cli("stats", "hello world", "--model", str(tiny_model_dir), "--csv", str(out))
@@ -46,7 +45,7 @@ def test_stats_csv(tiny_model_dir, tiny_model, tmp_path):
     assert "blocks.1.resid_post" in r.stdout
 
 
-@pytest.mark.model                  # a separate process loads the model: slower than the unit loop
+@pytest.mark.model                  # the command loads the model itself: slower than the unit loop
 def test_errors_exit_2_with_message(tiny_model_dir):
     r = cli("generate", "   ", "--model", str(tiny_model_dir))
     assert r.returncode == 2 and "error: the prompt is empty" in r.stderr

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,15 +13,15 @@ from engine.generate import nonfinite_stop
 from engine.inspection.nonfinite import lead_up, locate_nonfinite
 from engine.tools.doctor import FP16_MAX, PRESETS, Injection, fault_probe, precision_compare, run_doctor
 from engine.variants import cast_model
+from tests.helpers import engine_cli
 
-ROOT = Path(__file__).resolve().parents[2]
 IDS = [504, 3575, 282, 4649, 314, 7042, 30, 2683]
 FOX = "The quick brown fox jumps over the lazy dog"
 
 
-def cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m engine ARGS` through its entry point in this process (tests.helpers.engine_cli)."""
+    return engine_cli(*args)
 
 
 def test_parse_injections():
@@ -142,7 +140,7 @@ def test_precision_compare(tiny_model, bundled_model):
     assert by["logits"] < 0.02 and rep.top1_agreement >= 0.9
 
 
-@pytest.mark.model                  # a separate process loads the model: slower than the unit loop
+@pytest.mark.model                  # the command loads the model itself: slower than the unit loop
 def test_cli_doctor_json_tiny(tiny_model_dir):
     r = cli("doctor", "one two three four five", "--model", str(tiny_model_dir), "--max-new-tokens", "5",
             "--ignore-eos", "--inject", "nan@blocks.1.mlp.act:7", "--json")
@@ -163,7 +161,7 @@ def test_cli_doctor_json_tiny(tiny_model_dir):
     assert r.returncode == 2 and "unknown stage" in r.stderr
 
 
-@pytest.mark.model                  # a separate process loads the model: slower than the unit loop
+@pytest.mark.model                  # the command loads the model itself: slower than the unit loop
 def test_cli_doctor_json_bundled_loop_then_nan():
     """Greedy repeat over 13 tokens, then a NaN planted at position 22 (fed at step 13, the last step)."""
     r = cli("doctor", "I like apples. I like apples. I like", "--max-new-tokens", "14", "--inject",
@@ -182,7 +180,7 @@ def test_cli_doctor_json_bundled_loop_then_nan():
     assert (out["nonfinite_logits"]["step"], out["nonfinite_logits"]["position"]) == (13, 22)
 
 
-@pytest.mark.model                  # a separate process loads the model: slower than the unit loop
+@pytest.mark.model                  # the command loads the model itself: slower than the unit loop
 def test_cli_doctor_fp16_overflow_preset():
     r = cli("doctor", FOX, "--preset", "fp16-overflow", "--max-new-tokens", "1", "--json")
     assert r.returncode == 0, r.stderr
@@ -193,7 +191,7 @@ def test_cli_doctor_fp16_overflow_preset():
     assert nf["stats"]["absmax"] == "Infinity"                           # strict JSON
 
 
-@pytest.mark.model                  # a separate process loads the model: slower than the unit loop
+@pytest.mark.model                  # the command loads the model itself: slower than the unit loop
 def test_cli_nan_logits_stop_reason_in_doctor_json_and_trace_file(tiny_model_dir, tmp_path):
     """NaN logits at the prefill used to be sampled (argmax picks token 0, <|endoftext|>) and reported as "eos"
     with nothing generated; now every surface says "non-finite logits" and names step 0."""

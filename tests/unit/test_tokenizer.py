@@ -19,7 +19,6 @@ from engine.gguf_tokenizer import (  # noqa: E402
     BYTE_TO_CHAR,
     UnsupportedTokenizerError,
     tokenizer_files_from_gguf,
-    write_tokenizer_dir,
 )
 from engine.tokenizer import Tokenizer, TokenizerError, UnknownTokenError  # noqa: E402
 
@@ -39,15 +38,15 @@ def _bundled_gguf() -> Path:
 
 
 @pytest.fixture(scope="module")
-def gguf_reader():
-    return gguf.GGUFReader(str(_bundled_gguf()))  # ~3 s: it maps the whole file
+def gguf_reader(bundled_gguf_reader):
+    assert Path(bundled_gguf_reader.data.filename) == _bundled_gguf()     # the session's reader (~3 s to open)
+    return bundled_gguf_reader
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory, gguf_reader) -> Path:
-    out = tmp_path_factory.mktemp("smollm2_tokenizer")
-    write_tokenizer_dir(gguf_reader, out)
-    return out
+def tok_dir(tokenizer_files) -> Path:
+    """The session's tokenizer files (write_tokenizer_dir on the bundled GGUF; test_gguf_config checks them)."""
+    return tokenizer_files
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,6 @@ import dataclasses
 import json
 import math
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from engine.inspection.trace import from_bytes, load_trace, save_trace, to_bytes
 from engine.tools.doctor import fault_probe
 from engine.variants import cast_model
 from inspector.session.run import inspect_run
+from tests.helpers import engine_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -149,13 +148,12 @@ def test_bad_files_are_errors(data, msg):
         from_bytes(data)
 
 
-@pytest.mark.model                  # a separate process loads the model: slower than the unit loop
+@pytest.mark.model                  # the command loads the model itself: slower than the unit loop
 def test_cli_trace(tiny_model_dir, tiny_model, tmp_path):
     out = tmp_path / "cli.trace"
-    r = subprocess.run([sys.executable, "-m", "engine", "trace", "count: one two", "--model", str(tiny_model_dir),
-                        "--max-new-tokens", "3", "--temperature", "0.8", "--seed", "5", "--ignore-eos",
-                        "--inject", "nan@blocks.1.attn.z:2", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = engine_cli("trace", "count: one two", "--model", str(tiny_model_dir), "--max-new-tokens", "3",
+                   "--temperature", "0.8", "--seed", "5", "--ignore-eos", "--inject", "nan@blocks.1.attn.z:2",
+                   "--out", str(out))
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["out"] == str(out) and info["generated_tokens"] <= 3
@@ -165,9 +163,8 @@ def test_cli_trace(tiny_model_dir, tiny_model, tmp_path):
     assert t.settings.seed == 5 and t.settings.params.temperature == 0.8 and t.settings.chat is False
     assert t.probe.marks and {c.name for c in t.probe.captures} == {"logits"}
     assert {r.step for r in t.probe.stat_records()} == set(range(len(t.result.steps)))
-    clean = subprocess.run([sys.executable, "-m", "engine", "trace", "count: one two", "--model", str(tiny_model_dir),
-                            "--max-new-tokens", "3", "--seed", "5", "--out", str(tmp_path / "c.trace")],
-                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    clean = engine_cli("trace", "count: one two", "--model", str(tiny_model_dir), "--max-new-tokens", "3",
+                       "--seed", "5", "--out", str(tmp_path / "c.trace"))
     assert clean.returncode == 0, clean.stderr
     t = load_trace(tmp_path / "c.trace")
     assert t.result.token_ids == tiny_model.generate("count: one two", max_new_tokens=3, seed=5).token_ids

@@ -1,0 +1,39 @@
+"""The README's test-time table from one run of the suite:
+
+    LLM_INSPECTOR_TEST_TIMES=/tmp/times.tsv python3 -m pytest -q --durations=0
+    python3 scripts/test_times.py /tmp/times.tsv [--top 25]
+
+Each tier's tests and seconds (setup + call + teardown of its tests; a shared server or model is counted in the
+first test that asks for it), then the slowest tests. The tier is the test's marker (tests/conftest.py)."""
+from __future__ import annotations
+
+import argparse
+import collections
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("times", help="the file $LLM_INSPECTOR_TEST_TIMES named during the run")
+    ap.add_argument("--top", type=int, default=25)
+    a = ap.parse_args()
+    seconds: dict[str, float] = collections.defaultdict(float)
+    tier_of: dict[str, str] = {}
+    for line in open(a.times, encoding="utf-8"):
+        tier, _when, took, _outcome, nodeid = line.rstrip("\n").split("\t", 4)
+        seconds[nodeid] += float(took)
+        tier_of[nodeid] = tier
+    per_tier: dict[str, list[float]] = collections.defaultdict(list)
+    for nodeid, s in seconds.items():
+        per_tier[tier_of[nodeid]].append(s)
+    print("| tier | tests | seconds | minutes |\n|---|---:|---:|---:|")
+    for tier, xs in sorted(per_tier.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| {tier} | {len(xs)} | {sum(xs):.0f} | {sum(xs) / 60:.1f} |")
+    total = sum(seconds.values())
+    print(f"| all | {len(seconds)} | {total:.0f} | {total / 60:.1f} |\n")
+    print("| # | seconds | tier | test |\n|---:|---:|---|---|")
+    for k, (nodeid, s) in enumerate(sorted(seconds.items(), key=lambda kv: -kv[1])[:a.top], 1):
+        print(f"| {k} | {s:.1f} | {tier_of[nodeid]} | `{nodeid}` |")
+
+
+if __name__ == "__main__":
+    main()
