@@ -90,8 +90,9 @@ preset = st.selectbox("Preset", [*PRESETS, "custom"], key="nd_preset", format_fu
 if preset == "custom":
     c1, c2, c3, c4 = st.columns(4)
     kind = c1.selectbox("Fault", ["nan", "inf", "zero", "scale"], key="nd_kind")
-    target = c2.selectbox("Stage or weight", dv.target_choices(), key="nd_target",
-                          index=dv.target_choices().index("mlp.act"))
+    choices = dv.target_choices(model.config)
+    target = c2.selectbox("Stage or weight", choices, key="nd_target",
+                          index=choices.index("mlp.act" if "mlp.act" in choices else "mlp_out"))
     last = model.config.num_layers - 1
     layer = checked(c3.number_input("Layer", 0, last, 0, key="nd_layer"), 0, last, "Layer")
     pos = checked(c4.number_input("Position (−1: every; weights: element)", -1, MAX_POSITION, 0, key="nd_pos"), -1,

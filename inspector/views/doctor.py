@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 from engine import STAT_NAMES, InputError
 from engine.family.slots import SLOTS
 from engine.inspection.nonfinite import NonFinite, stage_profile
-from engine.inspection.stages import LAYER_STAGES
+from engine.inspection.stages import LAYER_STAGES, layer_stages
 from engine.tools.doctor import FP16_MAX, PRESETS, Injection, is_weight
 
 from .theme import colorscale
@@ -25,9 +25,17 @@ WEIGHTS = tuple(s.probe for s in SLOTS)    # every block weight a fault can be p
 
 
 # ---- injections -------------------------------------------------------------------------------------
-def target_choices() -> list[str]:
-    """Stage and weight names (layer-relative) a custom injection can aim at."""
-    return [*GLOBAL_STAGES[:1], *LAYER_STAGES, *GLOBAL_STAGES[1:], *(f"weight: {w}" for w in WEIGHTS)]
+def target_choices(cfg=None) -> list[str]:
+    """Stage and weight names (layer-relative) a custom injection can aim at: with a model's config, those its
+    family's layers have (engine.inspection.stages.layer_stages, its weight slots)."""
+    if cfg is None:
+        stages, weights = LAYER_STAGES, WEIGHTS
+    else:
+        have = {s for i in range(cfg.num_layers) for s in layer_stages(cfg, i)}
+        stages = [s for s in LAYER_STAGES if s in have]
+        slots = {f for i in range(cfg.num_layers) for f in cfg.family.slots(cfg.layer_moe[i], cfg.attention_bias)}
+        weights = [s.probe for s in SLOTS if s.field in slots]
+    return [*GLOBAL_STAGES[:1], *stages, *GLOBAL_STAGES[1:], *(f"weight: {w}" for w in weights)]
 
 
 def injection_spec(kind: str, target: str, layer: int, position: int | None, factor: float = 1.0) -> str:
