@@ -1,7 +1,14 @@
 """Import a GGUF file into a Hugging Face style directory (config.json, model.safetensors, tokenizer files).
 
-Tensors are dequantised with the `gguf` package. llama.cpp's converter permutes the rows of the q and k
-projections (its RoPE rotates adjacent pairs; HF's rotates halves), so they are permuted back here.
+The file's family is its general.architecture (engine.family.family_for_gguf; llama files with stacked experts are
+mixtral), and its tensor names come from that family's declared parts (engine.family.declared), so there is no
+second list of names here. config.json is rebuilt from the metadata keys llama.cpp's converter writes for the
+family, and from what llama.cpp hard-codes instead (each said where). What cannot be mapped faithfully (phi3
+longrope's factor tensors, rope scaling other than linear or llama3's factors) is refused, naming it.
+
+Tensors are dequantised with the `gguf` package. llama.cpp's LlamaModel converter (llama, granite, smollm3,
+mixtral) permutes the rows of the q and k projections (its RoPE rotates adjacent pairs; HF's rotates halves), so
+they are permuted back here; its Gemma converters store norms as 1 + w, so w is written back.
 The directory is written to a temporary name and renamed into place, so an interrupted import never
 leaves a half-written model behind.
 """
@@ -20,37 +27,47 @@ import torch
 from safetensors.torch import save_file
 
 from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.family import FAMILIES, Family, family_for_gguf
 
 IMPORT_VERSION = 1
 Progress = Callable[[float, str], None]
-SUPPORTED_ARCHS = {"llama": "llama", "qwen2": "qwen2"}
 
-LAYER_MAP = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 GLOBAL_MAP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
-SKIPPED = {"rope_freqs.weight"}  # llama3 rope factors: recomputed from config.rope_scaling
+SKIPPED = {"rope_freqs.weight"}  # llama3 rope factors: read back into config.rope_scaling (_llama3_scaling)
+REFUSED = {"rope_factors_long.weight": "phi3 longrope's rope_factors_long/short tensors",
+           "rope_factors_short.weight": "phi3 longrope's rope_factors_long/short tensors"}
+# llama.cpp's gemma2 and gemma3 take the 27B models' query scale from hidden / heads (query_pre_attn_scalar 144), every
+# other size's from head_dim (llama-model.cpp, f_attention_scale); the 27B models are told by their layer count.
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
-def hf_name(gguf_name: str) -> str:
+def family_of(reader) -> Family:
+    """The declared family of a GGUF file: its general.architecture, and for "llama" its tensors (llama.cpp's
+    converter writes mixtral as llama with stacked experts)."""
+    arch = _field(reader, "general.architecture")
+    fam = family_for_gguf(arch)
+    if arch == "llama":
+        experts = any(t.name.endswith(".ffn_gate_exps.weight") for t in reader.tensors)
+        fam = FAMILIES["mixtral" if experts else "llama"]
+    return fam
+
+
+def layer_map(fam: Family) -> dict[str, str]:
+    """GGUF name under blk.{i}. -> Hugging Face name under model.layers.{i}. ("{e}": one per expert, the GGUF
+    tensor stacks them), from the family's declared parts."""
+    return {g: hf for parts in (*fam.parts.values(), *fam.moe_parts.values()) for hf, _, g in parts}
+
+
+def hf_name(gguf_name: str, fam: Family | None = None) -> str:
     if gguf_name in GLOBAL_MAP:
         return GLOBAL_MAP[gguf_name]
+    names = layer_map(fam or FAMILIES["llama"])
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_MAP:
-        return f"model.layers.{parts[1]}.{LAYER_MAP[parts[2]]}"
-    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name for "
+                                f"{(fam or FAMILIES['llama']).model_type}")
 
 
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -64,53 +81,183 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
+def _f32(v) -> float:
+    """A float32 metadata value as the shortest decimal that reads back to it (the value the model was given:
+    1e-05, not 9.9999997e-06)."""
+    return float(str(np.float32(v)))
+
+
 def config_from_gguf(reader) -> dict:
-    arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise UnsupportedModelError(f"GGUF general.architecture={arch!r} is not supported; "
-                                    f"supported: {', '.join(SUPPORTED_ARCHS)}")
+    """config.json for a GGUF file, from the metadata keys llama.cpp's converter writes for its family."""
+    fam = family_of(reader)
+    arch = fam.gguf_arch if fam.model_type != "mixtral" else "llama"
+
+    def get(key: str, default=None):
+        return _field(reader, f"{arch}.{key}", default)
 
     def need(key: str):
-        v = _field(reader, f"{arch}.{key}")
+        v = get(key)
         if v is None:
             raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
         return v
 
-    heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
-    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    heads, hidden = int(need("attention.head_count")), int(need("embedding_length"))
+    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     names = {t.name for t in reader.tensors}
     cfg = {
-        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
-        "model_type": SUPPORTED_ARCHS[arch],
+        "architectures": [fam.architecture],
+        "model_type": fam.model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, f"{arch}.rope.dimension_count", hidden // heads)),
-        "rms_norm_eps": float(np.float32(need("attention.layer_norm_rms_epsilon"))),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": _head_dim(fam, get, hidden, heads),
+        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in names,
-        "hidden_act": "silu",
+        "hidden_act": {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[fam.activation],
         "attention_bias": "blk.0.attn_q.bias" in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
-    # rms_norm_eps is stored as float32 in GGUF (9.9999997e-06); report the value it was trained with.
-    cfg["rms_norm_eps"] = float(f"{cfg['rms_norm_eps']:.6g}")
-    if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
-        raise UnsupportedModelError(f"GGUF rope scaling {_field(reader, f'{arch}.rope.scaling.type')!r} "
-                                    "is not supported by the importer")
+    for name, why in REFUSED.items():
+        if name in names:
+            raise UnsupportedModelError(f"GGUF tensor {name}: {why} cannot be mapped to a config the engine reads")
+    rot = get("rope.dimension_count")
+    if rot is not None and int(rot) != cfg["head_dim"]:
+        if not fam.rotary_fraction:
+            raise UnsupportedModelError(f"GGUF {arch}.rope.dimension_count={rot} differs from head_dim="
+                                        f"{cfg['head_dim']}: a partial rotary is declared for phi3 only")
+        cfg["partial_rotary_factor"] = int(rot) / cfg["head_dim"]
+    cfg |= _rope_scaling(reader, fam, get, cfg) | _block_variations(fam, get, cfg, names)
     return cfg
 
 
+def _head_dim(fam: Family, get, hidden: int, heads: int) -> int:
+    """attention.key_length where written (a head_dim in the HF config); otherwise llama.cpp's default, hidden /
+    heads, except that older llama files give it as rope.dimension_count only (phi3's is its rotary part)."""
+    if get("attention.key_length") is not None:
+        return int(get("attention.key_length"))
+    rot = get("rope.dimension_count")
+    return int(rot) if rot is not None and not fam.rotary_fraction else hidden // heads
+
+
+def _rope_scaling(reader, fam: Family, get, cfg: dict) -> dict:
+    kind = get("rope.scaling.type")
+    if kind not in (None, "none", "linear"):
+        raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported by the importer")
+    out = {}
+    if kind == "linear":      # gemma3 writes it for its global layers only, as transformers applies it
+        out["rope_scaling"] = {"rope_type": "linear", "factor": _f32(get("rope.scaling.factor", 1.0))}
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        if out or "llama3" not in fam.rope_types:
+            raise UnsupportedModelError("GGUF tensor rope_freqs.weight: per-frequency rope factors are read back "
+                                        f"as llama3 scaling only, not for {fam.model_type} or with {kind} scaling")
+        rot = int(cfg["head_dim"] * cfg.get("partial_rotary_factor", 1.0))
+        scaling = _llama3_scaling(np.asarray(freqs.data, np.float64).ravel(), cfg["rope_theta"], rot)
+        out |= {"rope_scaling": scaling} if scaling else {}
+    return out
+
+
+def _llama3_scaling(factors: np.ndarray, theta: float, dim: int) -> dict | None:
+    """The llama3 rope_scaling whose factors llama.cpp's converter wrote as rope_freqs.weight (its LlamaModel:
+    1 above the high-frequency wavelength, `factor` past the low one, smoothed between). Only the ratios of
+    original_max_position_embeddings to low/high_freq_factor matter, so low_freq_factor is read as 1; with fewer
+    than two smoothed frequencies high_freq_factor is taken as 4 (Meta's). Refused unless the factors recompute."""
+    factor = float(factors.max())
+    if len(factors) and np.all(factors == 1):
+        return None
+    wavelen = 2 * np.pi * theta ** (np.arange(0, dim, 2) / dim)
+    if len(factors) != len(wavelen) or factor < 1:
+        raise UnsupportedModelError(f"GGUF tensor rope_freqs.weight: {len(factors)} factors for {len(wavelen)} "
+                                    "rotary frequencies")
+    mid = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    smooth = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)
+    high = 4.0
+    if mid.sum() >= 2:       # smooth = (orig / wavelen - low) / (high - low): a line in 1 / wavelen
+        slope, icpt = np.polyfit(1 / wavelen[mid], smooth, 1)
+        high = float(f"{1 - 1 / icpt:.6g}")
+    orig = int(round(float(np.mean(wavelen[mid] * ((high - 1) * smooth + 1))))) if mid.any() else None
+    if orig is None:        # no smoothed frequency: any band between the last 1 and the first `factor` fits
+        orig = int(np.ceil(wavelen[factors < factor * (1 - 1e-6)].max() * high)) if (factors < factor).any() else 1
+    scaling = {"rope_type": "llama3", "factor": _f32(factor), "low_freq_factor": 1.0, "high_freq_factor": high,
+               "original_max_position_embeddings": orig}
+    if not np.allclose(_llama3_factors(scaling, wavelen), factors, rtol=1e-5, atol=0):
+        raise UnsupportedModelError("GGUF tensor rope_freqs.weight: its factors are not llama3 rope scaling")
+    return scaling
+
+
+def _llama3_factors(s: dict, wavelen: np.ndarray) -> np.ndarray:
+    orig, low, high, factor = (s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"],
+                               s["factor"])
+    smooth = (orig / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor, mid))
+
+
+def _block_variations(fam: Family, get, cfg: dict, names: set) -> dict:
+    """The family's variations: written by llama.cpp as metadata, or hard-coded by it (said where)."""
+    layers, out = cfg["num_hidden_layers"], {}
+    window = get("attention.sliding_window")
+    if fam.windows and window:        # phi3 writes 0 for "no window"
+        out["sliding_window"] = int(window)
+    if fam.windows == "layer_types" and window:
+        pattern = get("attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            sliding = [bool(p) for p in pattern]
+        else:   # llama-model.cpp: gemma2 set_swa_pattern(2), gemma3 set_swa_pattern(6): every n-th layer is global
+            n = int(pattern or (6 if fam.local_rope else 2))
+            sliding = [bool((i + 1) % n) for i in range(layers)]
+        out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    if fam.local_rope:      # llama-model.cpp, gemma3: rope_freq_base_train_swa = 10000
+        out["rope_local_base_freq"] = 10000.0
+    if fam.query_scale:     # llama-model.cpp, gemma2/gemma3: f_attention_scale (GEMMA_27B_LAYERS)
+        big = layers == GEMMA_27B_LAYERS.get(fam.gguf_arch)
+        out["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"]
+    if fam.softcaps and fam.gguf_arch == "gemma2":     # llama.cpp's gemma3 computes no soft caps
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if get(key) is not None:
+                out[key] = _f32(get(key))
+    if fam.multipliers:     # granite: absent keys are llama.cpp's defaults (attention scale 1 / sqrt(head_dim))
+        for key, hf, default in (("embedding_scale", "embedding_multiplier", 1.0),
+                                 ("residual_scale", "residual_multiplier", 1.0),
+                                 ("attention.scale", "attention_multiplier", cfg["head_dim"] ** -0.5),
+                                 ("logit_scale", "logits_scaling", 1.0)):
+            v = get(key)
+            out[hf] = _f32(v) if v else default
+    if fam.no_rope_layers:  # llama-model.cpp, smollm3: n_no_rope_layer_step = 4 (every 4th layer has no RoPE)
+        out["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(layers)]
+    if fam.experts:
+        out |= _experts_config(fam, get, layers, names)
+    return out
+
+
+def _experts_config(fam: Family, get, layers: int, names: set) -> dict:
+    gating = get("expert_gating_func")
+    if gating not in (None, 1):        # 1: softmax, the only gating mixtral and qwen3moe use
+        raise UnsupportedModelError(f"GGUF expert_gating_func={gating!r} is not supported (softmax only)")
+    n, k = int(get("expert_count") or 0), int(get("expert_used_count") or 0)
+    if fam.experts == "mixtral":
+        return {"num_local_experts": n, "num_experts_per_tok": k}
+    # qwen3moe: llama.cpp renormalises the top-k weights (norm_w = true in its graph) unless the file says
+    # otherwise; a layer without a router (ffn_gate_inp) holds a dense MLP (transformers' mlp_only_layers).
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    return {"num_experts": n, "num_experts_per_tok": k, "decoder_sparse_step": 1, "mlp_only_layers": dense,
+            "moe_intermediate_size": int(get("expert_feed_forward_length")),
+            "norm_topk_prob": bool(get("expert_weights_norm", True))}
+
+
 def dequantized_tensors(reader, cfg: dict, progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor under its Hugging Face name: q/k rows unpermuted where llama.cpp permuted them, Gemma's stored
+    (1 + w) norms back to w, stacked experts split one per expert."""
     from gguf.quants import dequantize
 
+    fam = FAMILIES[cfg["model_type"]]
     out: dict[str, torch.Tensor] = {}
     tensors = [t for t in reader.tensors if t.name not in SKIPPED]
     for n, t in enumerate(tensors):
@@ -121,12 +268,16 @@ def dequantized_tensors(reader, cfg: dict, progress: Progress | None = None) -> 
                                         f"cannot be dequantised here ({type(e).__name__})") from None
         shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims innermost first
         arr = arr.reshape(shape)
-        if t.name.endswith("attn_q.weight") or t.name.endswith("attn_q.bias"):
+        if fam.gguf_permutes_qk and (t.name.endswith("attn_q.weight") or t.name.endswith("attn_q.bias")):
             arr = unpermute(arr, cfg["num_attention_heads"])
-        elif t.name.endswith("attn_k.weight") or t.name.endswith("attn_k.bias"):
+        elif fam.gguf_permutes_qk and (t.name.endswith("attn_k.weight") or t.name.endswith("attn_k.bias")):
             arr = unpermute(arr, cfg["num_key_value_heads"])
-        arr = np.ascontiguousarray(arr)
-        out[hf_name(t.name)] = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+        if fam.norm_offset and t.name.endswith("norm.weight"):     # llama.cpp's Gemma converters store 1 + w
+            arr = arr - np.float32(fam.norm_offset)
+        name = hf_name(t.name, fam)
+        for key, a in ([(name, arr)] if "{e}" not in name else [(name.format(e=e), a) for e, a in enumerate(arr)]):
+            a = np.ascontiguousarray(a)
+            out[key] = torch.from_numpy(a if a.flags.writeable else a.copy())
         if progress and n % 8 == 0:
             progress(0.9 * (n + 1) / len(tensors), f"dequantising {t.name}")
     return out

@@ -1,0 +1,87 @@
+"""GGUF import of every family llama.cpp names: a tiny transformers checkpoint written as llama.cpp's converter would
+(tests/reference/gguf_writer.py), imported by engine.gguf_import, reads back equal to the folder it came from: every
+tensor, and the engine's logits."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine import load_model
+from engine.errors import UnsupportedModelError
+from engine.family import FAMILIES
+from engine.gguf_import import import_gguf
+from tests.reference.family_models import CASES, build
+from tests.reference.gguf_writer import write_gguf
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.reference
+PROMPT = [int(t) for t in torch.randint(3, 49000, (24,), generator=torch.Generator().manual_seed(11))]
+# The cases of every family with a gguf_arch (mixtral is written as llama), without longrope.
+GGUF_CASES = ["llama3", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "mixtral",
+              "qwen3_moe"]
+# What llama.cpp hard-codes rather than stores, so a file can only say it one way: the case set that way.
+LLAMA_CPP_FIXED = {
+    "gemma2": dict(query_pre_attn_scalar=16),         # = head_dim (key_length), below the 27B model's 46 layers
+    "gemma3_text": dict(num_hidden_layers=6,          # every 6th layer global (set_swa_pattern(6))
+                        layer_types=["sliding_attention"] * 5 + ["full_attention"]),
+    "smollm3": dict(no_rope_layers=[1, 1, 1, 0]),     # every 4th layer without RoPE (n_no_rope_layer_step = 4)
+}
+
+
+def _build(name: str, out, tokenizer_files):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(CASES, name, dict(CASES[name], **LLAMA_CPP_FIXED.get(name, {})))
+        return build(name, out, tokenizer_files)
+
+
+@pytest.fixture(scope="module")
+def bundled_reader():
+    from engine.sources import bundled_gguf
+    return gguf.GGUFReader(str(bundled_gguf()))
+
+
+@pytest.mark.parametrize("name", GGUF_CASES)
+def test_gguf_of_each_family_imports_equal_to_its_folder(tmp_path, tokenizer_files, bundled_reader, name):
+    folder = _build(name, tmp_path / "hf", tokenizer_files)
+    path = write_gguf(folder, tmp_path / f"{name}.gguf", bundled_reader)
+    fam = FAMILIES[CASES[name]["model_type"]]
+    assert gguf.GGUFReader(str(path)).fields["general.architecture"].contents() == fam.gguf_arch
+    imported = import_gguf(path, tmp_path / "imported")
+    cfg = json.loads((imported / "config.json").read_text())
+    assert cfg["model_type"] == fam.model_type
+    want, got = load_file(str(folder / "model.safetensors")), load_file(str(imported / "model.safetensors"))
+    assert set(got) == set(want)
+    off = fam.norm_offset
+    for key, w in want.items():
+        w, g = w.float(), got[key].float()
+        if off and key.endswith("norm.weight"):
+            # llama.cpp stores Gemma's norms as 1 + w in float32, which drops w's lowest bits: equal as the engine
+            # uses them, (1 + w) (the (1 + w) - 1 of the import is exact, and adding 1 back gives 1 + w again)
+            w, g = w + off, g + off
+        assert torch.equal(g, w), key
+    ours = load_model(folder, device="cpu", dtype="float32")
+    theirs = load_model(imported, device="cpu", dtype="float32")
+    assert theirs.config == ours.config
+    assert torch.equal(theirs.logits(PROMPT), ours.logits(PROMPT))
+
+
+def test_phi3_longrope_factors_are_refused(tmp_path, tokenizer_files, bundled_reader):
+    """llama.cpp keeps longrope's per-frequency factors as tensors (rope_factors_long/short); the engine's config
+    reads them from config.json only, so such a file is refused, naming them, not imported without them."""
+    folder = build("phi3-longrope", tmp_path / "hf", tokenizer_files)
+    path = write_gguf(folder, tmp_path / "phi3.gguf", bundled_reader)
+    with pytest.raises(UnsupportedModelError, match="rope_factors_long"):
+        import_gguf(path, tmp_path / "imported")
+    assert not (tmp_path / "imported").exists()
+
+
+def test_unknown_rope_scaling_is_refused(tmp_path, tokenizer_files, bundled_reader):
+    folder = build("qwen2", tmp_path / "hf", tokenizer_files)
+    path = write_gguf(folder, tmp_path / "q.gguf", bundled_reader,
+                      kv={"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0})
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        import_gguf(path, tmp_path / "imported")
