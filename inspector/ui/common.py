@@ -12,7 +12,6 @@ from contextvars import ContextVar
 
 import streamlit as st
 import torch
-from streamlit import runtime
 from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
 from engine import EngineError, Model, Trace
@@ -26,6 +25,7 @@ from inspector.session.limits import LimitError, Limits, LimitsConfigError, chec
 from inspector.session.memo import memo
 from inspector.session.models import LOAD_RETRY_S, LoadState, model_choices, model_load
 from inspector.session.on_demand import about, estimate, progress_text, record_rate
+from inspector.ui import st_internals
 from inspector.ui.state import session
 
 CLIENT_COOKIE = "_streamlit_xsrf"    # set once per browser by Streamlit (XSRF protection): shared by its tabs
@@ -51,7 +51,7 @@ def admission_key() -> str | None:
     browser = browser_key()
     if browser is not None:
         return browser
-    return COOKIELESS if runtime.exists() else None
+    return COOKIELESS if st_internals.serving() else None
 
 
 def client_key() -> str | None:

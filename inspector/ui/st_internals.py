@@ -59,8 +59,16 @@ def missing() -> tuple[str, ...]:
 
 
 def _runtime():
+    """The running server's Runtime, or None (AppTest installs a mock with Runtime's spec, which passes isinstance:
+    no server there)."""
     from streamlit.runtime import Runtime
-    return Runtime.instance() if Runtime.exists() else None     # a runtime exists only inside a running server
+    r = Runtime.instance() if Runtime.exists() else None
+    return r if type(r) is Runtime else None
+
+
+def serving() -> bool:
+    """Whether this process is a running Streamlit server (not AppTest, not a bare script)."""
+    return _runtime() is not None
 
 
 def available() -> bool:
