@@ -118,18 +118,19 @@ def test_other_pages_read_a_reopened_trace(page, tiny_model, tiny_model_dir, tin
 
 @pytest.mark.model                  # the bundled weights: the model tier, outside the quick loop
 def test_repetition_page_lists_the_loop(page, bundled_model):
-    run = inspect_run(bundled_model, RunSettings(prompt=LOOP_PROMPT, chat=False, max_new_tokens=14, timing=False))
+    # 20 tokens: three copies of a 6-token piece, running to the end (a loop: engine.inspection.loops)
+    run = inspect_run(bundled_model, RunSettings(prompt=LOOP_PROMPT, chat=False, max_new_tokens=20, timing=False))
     at = page("repetition", run, bundled_model, None).run()
     assert not at.exception, at.exception
     loops = frame(at, "start", "period", "count", "repeated text")
-    assert loops[["start", "period", "count", "end"]].values.tolist() == [[1, 6, 2, 14]]
+    assert loops[["start", "period", "count", "end"]].values.tolist() == [[1, 6, 3, 20]]
     assert loops["repeated text"].iloc[0] == ".·I'm·a·big·apple"
     html = "".join(h.proto.body for h in at.get("html"))
-    assert html.count('class="loop"') == 13 and "period 6" in html
+    assert html.count('class="loop"') == 19 and "period 6" in html
     curves = json.loads([c for c in at.get("plotly_chart") if c.key == "rep_curves"][0].proto.spec)
     assert curves["data"][0]["name"] == "model prob"
     attn = frame(at, "position", "copy", "weight → copy")
-    assert attn["position"].tolist() == list(range(run.n_prompt + 7, run.n_prompt + 14))
+    assert attn["position"].tolist() == list(range(run.n_prompt + 7, run.n_prompt + 20))
     assert (attn["copy"] == attn["position"] - 6).all()
     at.multiselect(key="rep_variants").set_value(["frequency penalty 0.5"]).run()
     at.button(key="rep_compare").click().run()

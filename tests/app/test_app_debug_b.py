@@ -90,7 +90,8 @@ def test_debugger_steps_breaks_changes_settings_and_publishes(at, tiny_model):
     at.selectbox(key="dbg_bp_kind").set_value("Token").run()
     at.text_input(key="dbg_bp_token").set_value(str(ref[4])).run()
     click(at, "dbg_bp_add")
-    assert any("token id in" in m.value for m in at.markdown)
+    named = rf"\(id {ref[4]}\)"     # the breakpoint names the token by its text and id (Markdown-escaped)
+    assert any(m.value.startswith("`0` token ") and named in m.value for m in at.markdown)   # breakpoint 0
     click(at, "dbg_continue")
     run = session_of(at.session_state).run
     assert run.result.token_ids == ref[:5] and session_of(at.session_state).selected_step == 4
@@ -99,7 +100,7 @@ def test_debugger_steps_breaks_changes_settings_and_publishes(at, tiny_model):
     at.slider(key="dbg_temperature").set_value(1.0)
     at.number_input(key="dbg_top_k").set_value(3)
     click(at, "dbg_bp_rm_0")
-    assert not any("token id in" in m.value for m in at.markdown)
+    assert not any(m.value.startswith("`0` ") for m in at.markdown)
     click(at, "dbg_run_end")
     run = session_of(at.session_state).run
     assert run.result.stop_reason == "max_new_tokens" and len(run.result.token_ids) == MAX_NEW
