@@ -138,8 +138,7 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
     problems = [] if follows else generation_problems() + (["The prompt is too long"] if too_long else [])
     for problem in problems[:len(problems) - too_long]:     # the box may sit in a collapsed expander: said here
         st.error(f"{problem}. Run starts nothing until it is corrected (Generation settings).")
-    run_slot = st.empty()
-    clicked = run_slot.button("Run", type="primary", key="sb_run",
+    clicked = st.button("Run", type="primary", key="sb_run",
                               disabled=model is None or live is not None or follows,
                               use_container_width=True) and not follows
     demo = None
@@ -154,8 +153,6 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
         getattr(st, kind)(text)
     if live is None and model is not None and (clicked or demo) and not problems:
         live = start_run(model, limits, demo)
-        if live is not None:        # Run was drawn enabled before the click started it: greyed out now, above Stop
-            run_slot.button("Run", type="primary", key="sb_run_going", disabled=True, use_container_width=True)
     elif live is None and model is not None:
         estimate_caption(model, limits)
     return live
