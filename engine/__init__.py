@@ -7,7 +7,9 @@ the run record) and nothing else of the engine: no tool (engine.tools), no repor
 (engine.bench), no CLI (engine.cli). Tools build on the core's public API only."""
 from engine.errors import EngineError, InputError, ModelLoadError, UnsupportedModelError
 from engine.generate import Candidate, GenerationResult, GenerationRun, Step, generate
-from engine.inspection.probe import Capture, HookContext, Probe, inspection_probe, plant, scale, zero_heads
+from engine.inspection.interventions import HookContext, plant, scale, zero_heads
+from engine.inspection.probe import Probe, inspection_probe
+from engine.inspection.recording import Capture, Recording
 from engine.inspection.stat_columns import STAT_NAMES
 from engine.inspection.stats import StatRecord, StatsBlock
 from engine.inspection.trace import Trace, load_trace, make_trace, save_trace
@@ -19,7 +21,7 @@ from engine.settings import RunSettings
 
 __all__ = [
     "EngineError", "InputError", "ModelLoadError", "UnsupportedModelError", "Candidate", "GenerationResult",
-    "GenerationRun", "Step", "generate", "KVCache", "load_model", "Model", "Capture", "HookContext", "Probe",
-    "plant", "scale", "zero_heads", "inspection_probe", "SamplingParams", "RunSettings", "STAT_NAMES",
+    "GenerationRun", "Step", "generate", "KVCache", "load_model", "Model", "Capture", "Recording", "HookContext",
+    "Probe", "plant", "scale", "zero_heads", "inspection_probe", "SamplingParams", "RunSettings", "STAT_NAMES",
     "StatRecord", "StatsBlock", "Trace", "load_trace", "make_trace", "save_trace",
 ]

@@ -22,6 +22,7 @@ import torch
 
 from engine.errors import InputError
 from engine.inspection.probe import Probe
+from engine.inspection.recording import Recording
 from engine.inspection.stat_columns import Col
 from engine.sampling import SamplingParams, draw, entropy, sampler_chain
 from engine.settings import check_stop
@@ -110,7 +111,7 @@ class GenerationResult:
     seed: int
     timings: dict[str, float]          # tokenize, prefill, decode (total), per_token_decode
     cache: dict[str, int]              # bytes_allocated, bytes_used, bytes_per_token
-    probe: Probe | None = field(default=None, repr=False)
+    recording: Recording | None = field(default=None, repr=False)   # what the run's probe saw
 
     @property
     def all_ids(self) -> list[int]:
@@ -330,7 +331,8 @@ class GenerationRun:
         return GenerationResult(self.prompt_ids, list(self.token_ids), self.text, list(self.steps),
                                 self.stop_reason or "running", self.params, self.seed, timings,
                                 {"bytes_allocated": c.bytes_allocated, "bytes_used": c.bytes_used,
-                                 "bytes_per_token": c.bytes_per_token}, self.probe)
+                                 "bytes_per_token": c.bytes_per_token},
+                                None if self.probe is None else self.probe.recording)
 
 
 def nonfinite_stop(result: GenerationResult) -> dict | None:
@@ -343,7 +345,7 @@ def nonfinite_stop(result: GenerationResult) -> dict | None:
         return None
     step, position = len(result.steps), len(result.all_ids) - 1
     nan = inf = None
-    for rec in (result.probe.stat_records("logits") if result.probe is not None else []):
+    for rec in (result.recording.stat_records("logits") if result.recording is not None else []):
         if rec.step == step and rec.pos0 <= position < rec.pos0 + rec.values.shape[0]:
             row = rec.values[position - rec.pos0]
             nan, inf = int(row[Col.NAN]), int(row[Col.INF])

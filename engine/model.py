@@ -27,9 +27,10 @@ from engine.attention import Mask, Where, explicit, fused
 from engine.config import ModelConfig
 from engine.errors import InputError
 from engine.inspection.attention_stats import inspect_attention
-from engine.inspection.probe import Probe, StopPoint, stop_point
+from engine.inspection.probe import Probe
 from engine.inspection.probe_views import FULL, NO_PROBE, NoProbe
 from engine.inspection.stages import hook_names
+from engine.inspection.stop_points import StopPoint, stop_point
 from engine.kv_cache import KVCache
 from engine.moe import activation, experts_mlp, route
 from engine.progress import STOP, Stopped

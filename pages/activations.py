@@ -33,7 +33,7 @@ LENS_AUTO = 512      # positions from here on compute the lens only when asked (
 
 st.header("Activations")
 run = require_run()
-blocks, key = run.probe.stats, run_key(run)
+blocks, key = run.recording.stats, run_key(run)
 cache = session().memo("act_cache")
 summary = memo(cache, (key, "summary"), lambda: layer_summary(blocks), max_entries=16)
 stages = layer_stages(blocks)

@@ -150,7 +150,7 @@ if dbg is not None and (do_step or do_cont or do_end):
                 dbg.run.on_token = None
                 live.empty()
         except EngineError as e:
-            bad = dbg.probe.first_nonfinite()
+            bad = dbg.probe.recording.first_nonfinite()
             st.error(f"The engine stopped: {e}" + (f" (first NaN/Inf: {bad[0].name} at step {bad[0].step}, "
                                                    f"position {bad[1]})" if bad else ""))
         publish(dbg)

@@ -31,9 +31,9 @@ def low_precision_copy(model, key: tuple, dtype: str):
     return shared_copy(model, dtype)
 
 
-def show_nonfinite(nf, probe, key: str, fp16: bool, specs=()) -> None:
+def show_nonfinite(nf, recording, key: str, fp16: bool, specs=()) -> None:
     st.error(dv.nonfinite_headline(nf))
-    prof = dv.profile_frame(probe, nf.step, nf.position)
+    prof = dv.profile_frame(recording, nf.step, nf.position)
     found = dv.fault_outcome(specs, nf, prof, fp16=fp16)
     if found:
         st.markdown(found)
@@ -68,13 +68,14 @@ lesson("nan_doctor")          # after a demo that opens this page: its lesson on
 res = run.result
 
 st.subheader("This run")
-nf = locate_nonfinite(run.probe)
+nf = locate_nonfinite(run.recording)
 show_stop(res)
 if nf is None:
-    st.success(f"Every stage stayed finite at every step of this run ({sum(len(b.names) for b in run.probe.stats):,} "
+    checked = sum(len(b.names) for b in run.recording.stats)
+    st.success(f"Every stage stayed finite at every step of this run ({checked:,} "
                "stage records checked).")
 else:
-    show_nonfinite(nf, run.probe, "nd_run", fp16=True, specs=run.extra.get("injections") or ())
+    show_nonfinite(nf, run.recording, "nd_run", fp16=True, specs=run.extra.get("injections") or ())
 
 model = get_model()
 if model is None or model.name != run.model_name:
@@ -149,7 +150,7 @@ if report is not None:
     if report.first_nonfinite is None:
         st.success("The fault produced no NaN or Inf: every stage stayed finite.")
     else:
-        show_nonfinite(report.first_nonfinite, report.probe, "nd_fault", fp16=report.dtype == "float16",
+        show_nonfinite(report.first_nonfinite, report.probe.recording, "nd_fault", fp16=report.dtype == "float16",
                        specs=report.injections)
     st.code(report.result.text or "(nothing)", language=None, wrap_lines=True)
 

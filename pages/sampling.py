@@ -87,7 +87,7 @@ def derive(step: int, settings: dict, chain_label: str, n_draws: int, seed: int,
     a projector (part of the key). Keys start with the run's content key: dropping the run drops them
     (keep_run); a room's run shares them with every student's session (inspector.session.memo), figures
     included; a run of one's own keeps the chains and draws, not figures."""
-    logits, (context, generated) = smp.step_logits(run.probe, step), smp.step_context(result, step)
+    logits, (context, generated) = smp.step_logits(run.recording, step), smp.step_context(result, step)
     store, rk = view_store(run, cache), content_key(run, model)
     stages = {label: memo(store, (rk, step, "chain", p), lambda p=p: sampler_chain(logits, p, context, generated),
                           max_entries=32) for label, p in settings.items()}

@@ -42,10 +42,10 @@ st.dataframe(steps, hide_index=True, key="tl_steps",
 
 st.subheader("Per layer")
 st.caption(tl.timing_note(device_type))
-if not run.probe.marks:
+if not run.recording.marks:
     st.info("This run recorded no timing marks (the probe's timing was off).")
     st.stop()
-durations = tl.layer_durations(run.probe.marks)
+durations = tl.layer_durations(run.recording.marks)
 with_prefill = st.toggle("Include the prefill (step 0) in the heatmap", value=len(result.steps) == 1,
                          key="tl_heat_prefill")
 chart(tl.layer_heatmap(durations, include_prefill=with_prefill), key="tl_heatmap")

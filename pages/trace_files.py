@@ -64,7 +64,7 @@ else:
         files[run_key(run)] = to_bytes(run)
     data = files[run_key(run)]
     st.caption(f"{plain(run.model_name)} · {run.n_prompt} prompt + {len(run.result.token_ids)} generated tokens · "
-               f"{len(run.probe.stats)} statistics blocks · {len(run.probe.captures)} captures · "
+               f"{len(run.recording.stats)} statistics blocks · {len(run.recording.captures)} captures · "
                f"{len(data) / 2**20:.2f} MiB")
     st.download_button("Download trace", data=data, file_name=f"run-{int(run.created)}.trace",
                        mime="application/octet-stream", key="tf_download")

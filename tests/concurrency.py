@@ -164,7 +164,7 @@ def twenty_sessions(model, *, plain_share: float = 0.0, label: str = "twenty ses
     for i in plain:
         result, probe = together[i]
         assert result.token_ids == alone_plain[i].token_ids and result.text == alone_plain[i].text, f"session {i}"
-        assert {blk.step for blk in probe.stats} == set(range(len(result.steps)))
+        assert {blk.step for blk in probe.recording.stats} == set(range(len(result.steps)))
     for i in inspected:
         a, b = alone[i], together[i]
         assert b.result.token_ids == a.result.token_ids, f"session {i}"
@@ -172,13 +172,13 @@ def twenty_sessions(model, *, plain_share: float = 0.0, label: str = "twenty ses
         assert "".join(streamed[i]) == "".join(s.text for s in b.result.steps)   # its own stream, in order
         assert b.result.stop_reason == a.result.stop_reason
         assert [s.token_id for s in b.result.steps] == b.result.token_ids
-        la, lb = a.probe.captured("logits"), b.probe.captured("logits")
+        la, lb = a.recording.captured("logits"), b.recording.captured("logits")
         assert len(lb) == len(b.result.steps) and [c.step for c in lb] == list(range(len(lb)))
         for x, y in zip(la, lb):
             torch.testing.assert_close(y.value, x.value, rtol=1e-4, atol=1e-4)
-        assert {blk.step for blk in b.probe.stats} == set(range(len(b.result.steps)))
+        assert {blk.step for blk in b.recording.stats} == set(range(len(b.result.steps)))
     # every run had its own probe, trace and cache
-    assert len({id(together[i].probe) for i in inspected}) == len(inspected)
+    assert len({id(together[i].recording) for i in inspected}) == len(inspected)
     assert len({id(together[i].result.steps) for i in inspected}) == len(inspected)
     state = admission.state()
     assert state.peak_running <= limits.max_concurrent_runs and state.running == state.waiting == 0

@@ -90,7 +90,8 @@ def app_run_ratio(model, n: int = 2048, new_tokens: int = 32, rounds: int = 3, s
         times.append((a, p))
         ta, tp = trace.result.timings, plain.timings
         parts.append((ta["prefill"] / tp["prefill"], ta["decode"] / max(tp["decode"], 1e-9)))
-        same = same and trace.result.token_ids == plain.token_ids and len(trace.probe.captured("logits")) == new_tokens
+        same = same and trace.result.token_ids == plain.token_ids \
+            and len(trace.recording.captured("logits")) == new_tokens
         del trace
     out = {f"app_run_ratio_{n}": statistics.median(a / p for a, p in times),
            f"app_run_{n}_app_s": min(a for a, _ in times), f"app_run_{n}_plain_s": min(p for _, p in times),

@@ -19,15 +19,16 @@ import torch
 from engine.bench.app_run import app_run_ratio
 from engine.generate import GenerationRun
 from engine.heap import trim
-from engine.inspection.attention_stats import release_workspace, workspace_elements
+from engine.inspection.attention_blocks import release_workspace, workspace_elements
 from engine.inspection.probe import Probe, inspection_probe
 from engine.model import Model
 
 
 def retained_bytes(probe: Probe) -> int:
-    """Bytes a run keeps after it ends: statistics blocks and captured tensors."""
-    total = sum(b.values.numel() * b.values.element_size() for b in probe.stats)
-    return total + sum(c.value.numel() * c.value.element_size() for c in probe.captures
+    """Bytes a run keeps after it ends: its recording's statistics blocks and captured tensors."""
+    rec = probe.recording
+    total = sum(b.values.numel() * b.values.element_size() for b in rec.stats)
+    return total + sum(c.value.numel() * c.value.element_size() for c in rec.captures
                        if isinstance(c.value, torch.Tensor))
 
 

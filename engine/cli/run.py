@@ -49,7 +49,7 @@ def cmd_stats(a: argparse.Namespace) -> int:
     ids = prompt_ids(model, a.prompt, chat=a.chat, system=a.system, allow_special=a.allow_special)
     probe = Probe().record_stats(a.stages)
     model.logits(ids, probe)
-    rows = [[r.name, "" if r.layer is None else r.layer, *aggregate(r.values)] for r in probe.stat_records()]
+    rows = [[r.name, "" if r.layer is None else r.layer, *aggregate(r.values)] for r in probe.recording.stat_records()]
     header = ["stage", "layer", *STAT_NAMES]
     if a.csv:
         with open(a.csv, "w", newline="") as f:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.inspection.probe import Probe, split_name
+from engine.inspection.plans import split_name
+from engine.inspection.recording import Recording
 from engine.inspection.stat_columns import STAT_NAMES
 
 
@@ -32,23 +33,23 @@ def _stats_dict(row: torch.Tensor) -> dict[str, float]:
     return {k: float(v) for k, v in zip(STAT_NAMES, row.tolist())}
 
 
-def locate_nonfinite(probe: Probe) -> NonFinite | None:
+def locate_nonfinite(recording: Recording) -> NonFinite | None:
     """The first stage (forward order, earliest step) holding a NaN or Inf, and where."""
-    if (hit := probe.first_nonfinite()) is None:
+    if (hit := recording.first_nonfinite()) is None:
         return None
     rec, pos = hit
     return NonFinite(rec.step, rec.name, rec.layer, pos, _stats_dict(rec.values[pos - rec.pos0]))
 
 
-def stage_profile(probe: Probe, step: int, position: int) -> list[dict]:
+def stage_profile(recording: Recording, step: int, position: int) -> list[dict]:
     """Every stage's statistics at one position of one step, in forward order (rows: step, stage, layer, *STATS)."""
     return [{"step": b.step, "stage": name, "layer": layer, **dict(zip(STAT_NAMES, row))}
-            for b in probe.stats if b.step == step and b.pos0 <= position < b.pos0 + b.values.shape[1]
+            for b in recording.stats if b.step == step and b.pos0 <= position < b.pos0 + b.values.shape[1]
             for name, layer, row in zip(b.names, b.layers, b.values[:, position - b.pos0].tolist())]
 
 
-def lead_up(probe: Probe, nf: NonFinite, k: int = 10) -> list[dict]:
+def lead_up(recording: Recording, nf: NonFinite, k: int = 10) -> list[dict]:
     """The k stages before the first non-finite one (same step and position) and that stage itself."""
-    rows = stage_profile(probe, nf.step, nf.position)
+    rows = stage_profile(recording, nf.step, nf.position)
     i = next(j for j, r in enumerate(rows) if r["stage"] == nf.stage)
     return rows[max(0, i - k): i + 1]

@@ -1,7 +1,9 @@
 """Probe: the per-run set of hooks. Capture tensors, record statistics, or replace a stage's tensor.
 
-A probe is created for one run and passed to each forward call; nothing is ever attached to the shared
-model. Stages are chosen by exact name or glob pattern ("blocks.*.attn.pattern"). Every stage tensor has
+A probe is a run's configuration (what to watch, what to replace) and the machinery the forward offers its
+stages to; what it sees goes into its Recording (engine.inspection.recording: `probe.recording`), the part a
+run record keeps. A probe is created for one run and passed to each forward call; nothing is ever attached to
+the shared model. Stages are chosen by exact name or glob pattern ("blocks.*.attn.pattern"). Every stage tensor has
 its positions first ([T, ...]) except attn.scores / attn.pattern ([heads, T, S]); sampler stages are
 [vocab] for the one position being sampled.
 """
@@ -9,42 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable
 
 import torch
 
-from engine.errors import EngineError, InputError
+from engine.errors import EngineError
 from engine.family.slots import GLOBAL_WEIGHTS, SLOTS
-from engine.inspection.plans import HEADS_FIRST, Plan, plan_stage, split_name
+from engine.inspection.interventions import HookContext, HookFn
+from engine.inspection.plans import Plan, plan_stage, split_name
 from engine.inspection.probe_views import NONE, LayerProbe
+from engine.inspection.recording import Capture, Recording, Watched
 from engine.inspection.row_stats import PYTORCH, StatsBackend
-from engine.inspection.stages import LAYER_STAGES
-from engine.inspection.stat_columns import nonfinite
-from engine.inspection.stats import StatRecord, StatsBatcher, StatsBlock
+from engine.inspection.stat_sources import Given
+from engine.inspection.stats import StatsBatcher
 
 WEIGHT_SLOTS = {s.probe: s.field for s in SLOTS}     # a block's weights by name (engine.family.slots)
-
-
-@dataclass(frozen=True)
-class HookContext:
-    """What a replace function is told about the tensor it receives."""
-    name: str
-    layer: int | None
-    step: int
-    pos0: int          # absolute position of the first row (dim 0, or dim 1 for scores/pattern)
-
-
-HookFn = Callable[[torch.Tensor, HookContext], "torch.Tensor | None"]
-
-
-@dataclass
-class Capture:
-    step: int
-    name: str
-    layer: int | None
-    positions: list[int]     # absolute positions of the rows kept
-    value: Any               # tensor on the CPU (or a str / int for tokenizer and detokenizer stages)
 
 
 def _as_set(xs: Iterable[int] | None) -> frozenset | None:
@@ -62,38 +43,29 @@ class Probe:
         self._batcher = StatsBatcher()
         self.stats_backend = PYTORCH           # the model's, from begin_call
         self._layer_views: dict[int, LayerProbe] = {}
-        self._active = False
+        self.active = False                    # inside a forward call (hooks are call-scoped)
         self.timing = timing
         self.step = 0
         self.pos0 = 0
-        self.captures: list[Capture] = []
-        self.stats: list[StatsBlock] = []
-        self.marks: list[tuple[int, str, float]] = []   # (step, label, seconds since call start)
+        self.recording = Recording()           # what this probe sees (engine.inspection.recording)
         self._cuda_marks: list[tuple[int, str, Any]] = []
         self._t0: Any = None
         self._weight_overrides: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         self._weight_cache: dict[str, torch.Tensor] = {}
         self.norm_eps: float | None = None   # run-only RMSNorm epsilon (fault injection: eps 0 on a zero input)
+        self.recording.watched = self.watched()
 
     # ---- configuration (before the run) -------------------------------------------------------
     def capture(self, patterns: str | list[str], *, layers: Iterable[int] | None = None,
                 positions: Iterable[int] | None = None) -> "Probe":
         """Keep full tensors of matching stages (optionally only some layers / absolute positions)."""
         self._capture_specs.append((_patterns(patterns), _as_set(layers), _as_set(positions)))
-        self._plans.clear()
-        self._block_rows.clear()
-        self._fused.clear()
-        self._layer_views.clear()
-        return self
+        return self._replanned()
 
     def record_stats(self, patterns: str | list[str] = "*") -> "Probe":
         """Per-position min/max/mean/std/absmax/NaN/Inf of matching stages at every step."""
         self._stats_specs.extend(_patterns(patterns))
-        self._plans.clear()
-        self._block_rows.clear()
-        self._fused.clear()
-        self._layer_views.clear()
-        return self
+        return self._replanned()
 
     def override_weight(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Probe":
         """For this run only, use fn(copy of weight) instead of a weight (fault injection, ablation).
@@ -132,19 +104,30 @@ class Probe:
     def replace(self, patterns: str | list[str], fn: HookFn, *, layers: Iterable[int] | None = None) -> "Probe":
         """fn(tensor, HookContext) returns the tensor the forward continues with (or None: unchanged)."""
         self._replace_specs.append((_patterns(patterns), fn, _as_set(layers)))
+        return self._replanned()
+
+    def _replanned(self) -> "Probe":
         self._plans.clear()
         self._block_rows.clear()
         self._fused.clear()
         self._layer_views.clear()
+        self.recording.watched = self.watched()
         return self
 
-    @property
-    def active(self) -> bool:
-        """Inside a forward call (hooks are call-scoped)."""
-        return self._active
+    def watched(self) -> Watched:
+        """What this probe watches, as data (what a run record keeps of its configuration)."""
+        return Watched(self.timing, tuple(self._stats_specs),
+                       tuple((tuple(pats), layers, positions) for pats, layers, positions in self._capture_specs),
+                       self.norm_eps)
+
+    def interventions(self) -> list[str]:
+        """What this probe changes, by name (replace patterns, overridden weights): the code itself is not kept."""
+        return ([f"replace {'|'.join(pats)}" for pats, _, _ in self._replace_specs]
+                + [f"weight {name}" for name in self._weight_overrides])
 
     @property
     def stats_batcher(self) -> StatsBatcher:
+        """The batcher of this probe's statistics: the one door every stage's statistics enter by (add)."""
         return self._batcher
 
     @property
@@ -176,12 +159,12 @@ class Probe:
             return None
         return sorted(set().union(*(positions or () for _, positions in caps)))
 
-    def offer_stats(self, name: str, values: torch.Tensor) -> None:
-        """Statistics (T, 7) of a stage computed without materialising it (attention scores / pattern, in
-        blocks); they take the stage's place in forward order, as if its tensor had been offered."""
-        p = self.plan(name)
-        if p.stats:
-            self._batcher.add_values(name, p.layer, values)
+    def offer_stats(self, names: list[str], source) -> None:
+        """Statistics of consecutive stages computed without materialising them (attention scores / pattern):
+        a source (engine.inspection.stats.Given, or still to be combined: attention_partials.PendingAttention)
+        giving exactly these stages, each of which this probe records statistics of. They take the stages'
+        place in forward order, as if their tensors had been offered."""
+        self._batcher.add(names, [self.plan(n).layer for n in names], source)
 
     def served_by(self, names: list[str]) -> bool:
         """Whether a forward that offers exactly these stages whole, as statistics, with its logits and per-layer
@@ -200,15 +183,15 @@ class Probe:
         logits (captured where asked), and with timing its marks (label, seconds since `start`, a perf_counter
         reading taken just before it ran)."""
         if values is not None:
-            self.offer_block(names, layers, values)
+            self._offer_block(names, layers, values)
         for _, positions in self.plan("logits").capture:
-            self.captures.append(self._capture("logits", None, logits, positions, False))
+            self.recording.captures.append(self._capture("logits", None, logits, positions, False))
         if marks is not None and self.timing and self._t0 != "cuda":
             base = start - self._t0
-            self.marks.append((self.step, "start", base))
-            self.marks.extend((self.step, label, base + t) for label, t in marks)
+            self.recording.marks.append((self.step, "start", base))
+            self.recording.marks.extend((self.step, label, base + t) for label, t in marks)
 
-    def offer_block(self, names: list[str], layers: list, values: torch.Tensor) -> None:
+    def _offer_block(self, names: list[str], layers: list, values: torch.Tensor) -> None:
         """Statistics (G, T, 7) of whole stages (the native decode step) in forward order; keeps those asked for."""
         sel = self._block_rows.get(id(names))
         if sel is None or sel[0] is not names:
@@ -217,12 +200,7 @@ class Probe:
             sel = self._block_rows[id(names)] = (names, [names[g] for g in keep], [layers[g] for g in keep], index)
         _, kept, kept_layers, index = sel
         if kept:
-            self._batcher.add_block(kept, kept_layers, values if index is None else values[index])
-
-    def offer_pending(self, names: tuple[str, ...], pending) -> None:
-        """Statistics of several stages still to be combined (engine.inspection.attention_stats.PendingAttention), in
-        the stages' place in forward order; resolved at the batcher's flush."""
-        self._batcher.add_pending(names, self.plan(names[0]).layer, pending)
+            self._batcher.add(kept, kept_layers, Given(values if index is None else values[index]))
 
     def offer_rows(self, name: str, x: torch.Tensor, positions: list[int]) -> None:
         """Rows of a heads-first stage at the given absolute positions, (heads, len(positions), S), for
@@ -231,8 +209,8 @@ class Probe:
         for _, wanted in p.capture:
             keep = [i for i, pos in enumerate(positions) if pos in wanted]
             value = x.index_select(1, torch.tensor(keep, dtype=torch.long, device=x.device))
-            self.captures.append(Capture(self.step, name, p.layer, [positions[i] for i in keep],
-                                         value.detach().to("cpu", copy=True)))
+            self.recording.captures.append(Capture(self.step, name, p.layer, [positions[i] for i in keep],
+                                                   value.detach().to("cpu", copy=True)))
 
     def layer(self, i: int) -> "LayerProbe":
         """The view block i offers its stages through: "attn.q" arrives here as "blocks.{i}.attn.q"."""
@@ -242,7 +220,7 @@ class Probe:
         return view
 
     def __call__(self, name: str, x: Any) -> Any:
-        if not self._active:
+        if not self.active:
             raise EngineError(f"probe offered stage {name!r} outside a forward call (hooks are call-scoped)")
         p = self._plans.get(name)
         if p is None:
@@ -263,7 +241,7 @@ class Probe:
             t = x.transpose(0, 1) if heads_first else x
             self._batcher.add(name, layer, t, p.masked)
         for _, positions in p.capture:
-            self.captures.append(self._capture(name, layer, x, positions, heads_first))
+            self.recording.captures.append(self._capture(name, layer, x, positions, heads_first))
         return x
 
     def _capture(self, name, layer, x, positions, heads_first) -> Capture:
@@ -286,13 +264,14 @@ class Probe:
             ev.record()
             self._cuda_marks.append((self.step, label, ev))
         else:
-            self.marks.append((self.step, label, time.perf_counter() - self._t0))
+            self.recording.marks.append((self.step, label, time.perf_counter() - self._t0))
 
     def begin_call(self, pos0: int, device: torch.device, stats: StatsBackend = PYTORCH) -> None:
         """A forward call starts at absolute position pos0; stats: the model's statistics backend
         (engine.accelerator, chosen when the model was built)."""
-        self._active = True
+        self.active = True
         self.pos0 = pos0
+        self.recording.watched = self.watched()
         self.stats_backend = self._batcher.backend = stats
         if self.timing:
             self._t0 = "cuda" if device.type == "cuda" else time.perf_counter()
@@ -300,35 +279,19 @@ class Probe:
     def move_to(self, pos0: int) -> None:
         """Later stages of this call start at absolute position pos0 (statistics so far keep theirs)."""
         if pos0 != self.pos0:
-            self.stats.extend(self._batcher.take(self.step, self.pos0))
+            self.recording.stats.extend(self._batcher.take(self.step, self.pos0))
             self.pos0 = pos0
 
     def end_call(self) -> None:
-        self._active = False
-        self.stats.extend(self._batcher.take(self.step, self.pos0))
+        self.active = False
+        rec = self.recording
+        rec.stats.extend(self._batcher.take(self.step, self.pos0))
+        rec.step, rec.pos0 = self.step, self.pos0
         if self._cuda_marks:
             torch.cuda.synchronize()
             first = self._cuda_marks[0][2]
-            self.marks.extend((s, lbl, first.elapsed_time(ev) / 1e3) for s, lbl, ev in self._cuda_marks)
+            rec.marks.extend((s, lbl, first.elapsed_time(ev) / 1e3) for s, lbl, ev in self._cuda_marks)
             self._cuda_marks = []
-
-    # ---- results -------------------------------------------------------------------------------
-    def captured(self, name: str, step: int | None = None) -> list[Capture]:
-        return [c for c in self.captures if c.name == name and (step is None or c.step == step)]
-
-    def stat_records(self, name: str | None = None) -> list[StatRecord]:
-        """Statistics as one record per (call, stage), in forward order; optionally of one stage only."""
-        return [StatRecord(b.step, n, layer, b.pos0, b.values[g]) for b in self.stats
-                for g, (n, layer) in enumerate(zip(b.names, b.layers)) if name is None or n == name]
-
-    def first_nonfinite(self) -> tuple[StatRecord, int] | None:
-        """The first stage (in forward order) holding a NaN or Inf, and the absolute position where it is."""
-        for b in self.stats:
-            bad = nonfinite(b.values)                                             # (G, T)
-            if bool(bad.any()):
-                g, t = (int(v) for v in bad.nonzero()[0])
-                return StatRecord(b.step, b.names[g], b.layers[g], b.pos0, b.values[g]), b.pos0 + t
-        return None
 
 
 def inspection_probe(*, timing: bool = True) -> Probe:
@@ -337,64 +300,8 @@ def inspection_probe(*, timing: bool = True) -> Probe:
     return Probe(timing=timing).record_stats("*").capture("logits")
 
 
-# ---- where a forward stops (Model.forward's stop_after) -----------------------------------------------
-ATTN_HALF = frozenset(LAYER_STAGES[:LAYER_STAGES.index("resid_mid") + 1])   # a block's stages up to resid_mid
-
-
-class StopPoint(NamedTuple):
-    """A forward that ends early runs `blocks` whole blocks, then the attention half of the next (attn_half)
-    or the final norm (final_norm, after every block)."""
-    blocks: int
-    attn_half: bool = False
-    final_norm: bool = False
-
-
-def stop_point(stop_after: str | int, num_layers: int) -> StopPoint | None:
-    """Where a forward given stop_after (a stage of the forward, or a block index: after its resid_post) ends;
-    None for "logits" (it does not). A stage ends its half-block. InputError for anything else."""
-    layer, stage = split_name(stop_after) if isinstance(stop_after, str) else (None, None)
-    if type(stop_after) is int and 0 <= stop_after < num_layers:
-        return StopPoint(stop_after + 1)
-    if stop_after in ("embed", "final_norm", "logits"):
-        return {"embed": StopPoint(0), "final_norm": StopPoint(num_layers, final_norm=True)}.get(stop_after)
-    if layer is not None and layer < num_layers and stage in LAYER_STAGES:
-        return StopPoint(layer, attn_half=True) if stage in ATTN_HALF else StopPoint(layer + 1)
-    raise InputError(f"stop_after {stop_after!r} is neither a stage of the forward (embed, blocks.{{i}}.<stage>, "
-                     f"final_norm, logits) nor a block index i, with i in [0, {num_layers})")
-
-
 def _patterns(p: str | list[str]) -> list[str]:
     pats = [p] if isinstance(p, str) else list(p)
     if not pats or not all(isinstance(x, str) and x for x in pats):
         raise EngineError(f"hook pattern must be a non-empty string or list of strings, got {p!r}")
     return pats
-
-
-# ---- ready-made replace functions (interventions) ------------------------------------------------
-def scale(factor: float) -> HookFn:
-    return lambda x, ctx: x * factor
-
-
-def zero_heads(*heads: int) -> HookFn:
-    """Zero some heads of a [T, heads, hd] stage (q/k/v/z) or of a [heads, T, S] pattern."""
-    def fn(x: torch.Tensor, ctx: HookContext) -> torch.Tensor:
-        y = x.clone()
-        if ctx.name.endswith(HEADS_FIRST):
-            y[list(heads)] = 0
-        else:
-            y[:, list(heads)] = 0
-        return y
-    return fn
-
-
-def plant(value: float, *, position: int | None = None, index: int = 0) -> HookFn:
-    """Set one element (flat feature index) to value: at an absolute position, or at every position."""
-    def fn(x: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
-        rows = x.reshape(x.shape[0], -1)
-        if position is not None and not (ctx.pos0 <= position < ctx.pos0 + rows.shape[0]):
-            return None
-        y = rows.clone()
-        r = slice(None) if position is None else position - ctx.pos0
-        y[r, index] = value
-        return y.reshape(x.shape)
-    return fn

@@ -32,7 +32,7 @@ class LayerProbe:
         quick = self.quick.get(stage)
         if quick is None:
             quick = self._quick(stage)
-        if quick is _SLOW or not self.probe._active:
+        if quick is _SLOW or not self.probe.active:
             return self.probe(self.names[stage], x)
         if quick is not _PASS and isinstance(x, torch.Tensor) and x.is_floating_point():
             add, name, layer, heads_first, masked = quick
@@ -67,11 +67,9 @@ class LayerProbe:
     def capture_positions(self, stage: str) -> list[int] | None:
         return self.probe.capture_positions(self.names[stage])
 
-    def offer_stats(self, stage: str, values: torch.Tensor) -> None:
-        self.probe.offer_stats(self.names[stage], values)
-
-    def offer_pending(self, stages: tuple[str, ...], pending) -> None:
-        self.probe.offer_pending(tuple(self.names[s] for s in stages), pending)
+    def offer_stats(self, stages: list[str], source) -> None:
+        """Statistics of these consecutive stages from a source (see engine.inspection.probe.Probe.offer_stats)."""
+        self.probe.offer_stats([self.names[s] for s in stages], source)
 
     def offer_rows(self, stage: str, x: torch.Tensor, positions: list[int]) -> None:
         self.probe.offer_rows(self.names[stage], x, positions)

@@ -6,10 +6,11 @@ A forward's stage statistics (engine.inspection.stats.StatsBatcher) and attentio
 - `queue(alloc)`: a `StatsQueue` for one batcher (one probe's forward calls), holding what that backend keeps
   between a stage being offered and the flush. alloc(rows) gives (rows, 7) float32 CPU tensors for results
   (StatsBatcher.rows_out, one arena).
-- `attention(p, qh, keys, values, mask, off, want)`: the statistics of one layer's attention scores and pattern
-  (engine.inspection.attention_stats.AttentionView `want`) offered to the probe view p; False when declined.
-  qh (H, T, hd), keys and values (K, S, hd); off: the causal offset (query t sees keys s <= off + t), None for
-  another mask.
+- `attention(qh, keys, values, mask, off, want, alloc)`: the statistics of one layer's attention scores and
+  pattern (engine.inspection.attention_blocks.AttentionView `want`) as a source of statistics for the
+  batcher's one door (engine.inspection.stats: Given, or a PendingAttention resolved at the flush), giving
+  exactly the stages `want` asks statistics of; None when declined. qh (H, T, hd), keys and values (K, S, hd);
+  off: the causal offset (query t sees keys s <= off + t), None for another mask; alloc as for queue.
 
 A `StatsQueue` has `add(entry, x, masked)` (take stage tensor x (T, ...) or (n,) as entry number `entry`:
 the elements it holds toward the batcher's flush bound, or None when this backend does not take x), `cut()`
@@ -25,7 +26,7 @@ backend declines. The backends:
 
 - REFERENCE: the two-pass path for every tensor, the materialised attention blocks for every layer;
 - PYTORCH: the fast PyTorch path (engine.inspection.moment_stats), blocked causal attention combined at the
-  flush (engine.inspection.attention_stats.PendingAttention);
+  flush (engine.inspection.attention_partials.PendingAttention);
 - engine.native.inspect.NATIVE: one native pass (engine/native/inspect.c) for float32 CPU tensors;
 - chain(a, b): a, and b for what a has no kernel for (engine.accelerator: native, then PyTorch).
 
@@ -37,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from engine.inspection.attention_stats import offer_exact, offer_pending
+from engine.inspection.attention_stats import exact_source, pending_source
 from engine.inspection.moment_stats import MomentsQueue
 from engine.inspection.reference_stats import exact_rows
 
@@ -51,9 +52,9 @@ class StatsBackend:
     def queue(self, alloc: Alloc) -> "StatsQueue":
         return StatsQueue()
 
-    def attention(self, p, qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None,
-                  mask: torch.Tensor | None, off: int | None, want) -> bool:
-        return False
+    def attention(self, qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None,
+                  mask: torch.Tensor | None, off: int | None, want, alloc: Alloc):
+        return None
 
 
 class StatsQueue:
@@ -90,8 +91,8 @@ class _Reference(StatsBackend):
     def queue(self, alloc: Alloc) -> StatsQueue:
         return _ReferenceQueue()
 
-    def attention(self, p, qh, keys, values, mask, off, want) -> bool:
-        return offer_exact(p, qh, keys, mask, want)
+    def attention(self, qh, keys, values, mask, off, want, alloc):
+        return exact_source(qh, keys, mask, want)
 
 
 class _PyTorch(StatsBackend):
@@ -100,8 +101,8 @@ class _PyTorch(StatsBackend):
     def queue(self, alloc: Alloc) -> StatsQueue:
         return MomentsQueue()
 
-    def attention(self, p, qh, keys, values, mask, off, want) -> bool:
-        return offer_pending(p, qh, keys, off, want)
+    def attention(self, qh, keys, values, mask, off, want, alloc):
+        return pending_source(qh, keys, off, want)
 
 
 class _ChainQueue(StatsQueue):
@@ -131,8 +132,12 @@ class _Chain(StatsBackend):
     def queue(self, alloc: Alloc) -> StatsQueue:
         return _ChainQueue(tuple(b.queue(alloc) for b in self.backends))
 
-    def attention(self, p, qh, keys, values, mask, off, want) -> bool:
-        return any(b.attention(p, qh, keys, values, mask, off, want) for b in self.backends)
+    def attention(self, qh, keys, values, mask, off, want, alloc):
+        for b in self.backends:
+            source = b.attention(qh, keys, values, mask, off, want, alloc)
+            if source is not None:
+                return source
+        return None
 
 
 def chain(*backends: StatsBackend) -> StatsBackend:

@@ -1,11 +1,14 @@
 """The statistics batcher: stage tensors offered in forward order -> StatsBlocks, one per flush.
 
-It only queues and orders. Each tensor goes to the probe's statistics backend (engine.inspection.row_stats,
-chosen once per model by engine.accelerator) through that backend's queue; statistics already computed (a
-fused step's block, attention statistics given whole or still pending) keep their place beside them. At a
-flush it asks the queue for what it took and gives every stage the backend declined, or that no backend
-took, the reference statistics (engine.inspection.reference_stats): the rule of engine.inspection.row_stats.
-Results go into one (G, T, 7) tensor per flush, in forward order, on the device of the stages.
+It only queues and orders, and everything enters through one door, `add`: each stage takes the next entry
+number there, and its statistics land in that row of the flush's block (nothing is sorted afterwards). A stage
+tensor goes to the probe's statistics backend (engine.inspection.row_stats, chosen once per model by
+engine.accelerator) through that backend's queue; a source of statistics already computed (Given: a fused
+step's block, attention statistics given whole) or still to be combined (attention_partials.PendingAttention)
+takes its stages' entries in the same order. At a flush it asks the queue for what it took, gives every stage
+the backend declined, or that no backend took, the reference statistics (engine.inspection.reference_stats:
+the rule of engine.inspection.row_stats), and resolves the sources, each kind once for all of them. Results go
+into one (G, T, 7) tensor per flush, in forward order, on the device of the stages.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 from engine.inspection.moment_stats import small_tensor
 from engine.inspection.reference_stats import exact_rows
 from engine.inspection.row_stats import PYTORCH, StatsBackend
+from engine.inspection.stat_sources import Given
 
 FLUSH_ELEMENTS = 1 << 23  # flush the queue past this many queued elements, bounding the memory it holds
 FLUSH_ELEMENTS_DEVICE = 1 << 25   # on an accelerator: a flush waits for the device, so fewer of them
@@ -47,13 +51,13 @@ class StatsBatcher:
     def __init__(self, backend: StatsBackend = PYTORCH) -> None:
         self._names: list[str] = []          # every entry since the last flush, in the order offered
         self._layers: list[int | None] = []
-        self._final: list[tuple[int, object]] = []   # (entry, (T, 7) statistics given, or (pending, which))
+        self._sources: list[tuple[int, object]] = []   # (first entry, a source of statistics: Given, pending)
         self._untaken: list[tuple] = []      # (entry, tensor, masked) no backend took: the reference's at the flush
         self._rows = 0
         self._queued = 0
         self._limit = 0
         self._order: tuple = ([], None, None)     # a flush's row order, its device and its index tensor
-        self._pending: list[tuple[list[str], list, torch.Tensor]] = []
+        self._done: list[tuple[list[str], list, torch.Tensor]] = []   # flushed blocks, waiting for take
         self._arena: torch.Tensor | None = None   # (rows, 7) results of native passes (see rows_out)
         self._arena_used = 0
         self._backend = backend
@@ -70,9 +74,15 @@ class StatsBatcher:
             self.flush()
             self._backend, self._queue = backend, backend.queue(self.rows_out)
 
-    def add(self, name: str, layer: int | None, x: torch.Tensor, masked: bool = False) -> None:
-        """Queue x (T, ...) for statistics. masked: -inf entries are mask values, left out of every statistic.
-        x is kept until the flush (any may need the reference statistics)."""
+    def add(self, name, layer, x, masked: bool = False) -> None:
+        """The one door, in forward order. x is either a stage's tensor (T, ...) or (n,) (name: the stage, layer:
+        its block; masked: -inf entries are mask values, left out of every statistic), kept until the flush and
+        reduced by the backend's queue or the reference; or a source of statistics of several consecutive stages
+        (name and layer: their lists), already computed (Given) or still to be combined
+        (engine.inspection.attention_partials.PendingAttention), resolved at the flush. Each stage takes the
+        next entry number; its statistics land in that row of the flush's block."""
+        if not isinstance(x, torch.Tensor):
+            return self._add_source(name, layer, x)
         if x.requires_grad:
             x = x.detach()
         shape = x.shape
@@ -90,49 +100,29 @@ class StatsBatcher:
             held = x.numel()
         if held:
             self._queued += held
-            if self._queued >= (self._limit or self._set_limit(x)):
+            if self._queued >= (self._limit or self._set_limit(x.device)):
                 self.flush()
 
-    def _set_limit(self, x: torch.Tensor) -> int:
-        self._limit = FLUSH_ELEMENTS if x.device.type == "cpu" else FLUSH_ELEMENTS_DEVICE
+    def _add_source(self, names: list[str], layers: list, source) -> None:
+        if self._names and self._rows != source.rows:
+            self.flush()
+        self._rows = source.rows
+        self._sources.append((len(self._names), source))
+        self._names += names
+        self._layers += layers
+        if source.elements:
+            self._queued += source.elements
+            if self._queued >= (self._limit or self._set_limit(source.device)):
+                self.flush()
+
+    def _set_limit(self, device) -> int:
+        self._limit = FLUSH_ELEMENTS if device.type == "cpu" else FLUSH_ELEMENTS_DEVICE
         return self._limit
 
     def forget_moments(self) -> None:
         """A replace hook is about to run: a tensor may change in place, so the backend reads nothing offered
         so far again (what it queued is reduced now, as it was offered)."""
         self._queue.cut()
-
-    def add_values(self, name: str, layer: int | None, values: torch.Tensor) -> None:
-        """Queue statistics already computed, (T, 7) (a stage reduced without being materialised); they keep
-        their place in forward order."""
-        if self._names and self._rows != values.shape[0]:
-            self.flush()
-        self._rows = values.shape[0]
-        self._final.append((len(self._names), values))
-        self._names.append(name)
-        self._layers.append(layer)
-
-    def add_block(self, names: list[str], layers: list, values: torch.Tensor) -> None:
-        """Statistics of several whole stages already computed, (G, T, 7) in forward order (the native decode
-        step): whatever was queued before is flushed first, so the order holds."""
-        self.flush()
-        self._pending.append((list(names), list(layers), values))
-
-    def add_pending(self, names: tuple[str, ...], layer: int | None, pending) -> None:
-        """Queue statistics still to be combined (attention_stats.PendingAttention: pending.wanted says
-        which of names it gives, pending.rows its positions; type(pending).resolve(all of them) sets each
-        one's .values). They are resolved together at the flush and keep their place in forward order."""
-        if self._names and self._rows != pending.rows:
-            self.flush()
-        self._rows = pending.rows
-        for which, (name, wanted) in enumerate(zip(names, pending.wanted)):
-            if wanted:
-                self._final.append((len(self._names), (pending, which)))
-                self._names.append(name)
-                self._layers.append(layer)
-        self._queued += pending.elements
-        if self._queued >= (self._limit or self._set_limit(pending.q)):
-            self.flush()
 
     def rows_out(self, rows: int) -> torch.Tensor:
         """(rows, 7) float32 on the CPU for native results: a view into an arena of at least 64 stages' rows.
@@ -148,7 +138,7 @@ class StatsBatcher:
     def _collect(self, T: int) -> tuple[list[int], torch.Tensor | None, list[tuple]]:
         """What the queue took, with the reference statistics wherever it declined: (entries, (G', T, 7)) of the
         blocks it gives stacked, and the rest added to the final entries (entry, (T, 7))."""
-        final, order, stacked = self._final, [], []
+        final, order, stacked = [], [], []
         for entries, values, declined in self._queue.finish(T):
             for i, x, masked in declined:
                 values[i] = exact_rows(x, masked)
@@ -168,23 +158,28 @@ class StatsBatcher:
             return
         T = self._rows
         order, stats, final = self._collect(T)
-        names, layers = self._names, self._layers
-        final.sort(key=lambda e: e[0])        # results given whole join stages offered later (forward order)
-        self._names, self._layers, self._final = [], [], []
+        names, layers, sources = self._names, self._layers, self._sources
+        self._names, self._layers, self._sources = [], [], []
         self._queued = 0
-        given = _final_values(final) if final else None                                       # (F, T, 7)
+        whole = _whole(sources, len(names)) if not (order or final) else None
+        if whole is not None:                    # one source gave every stage (the native decode step)
+            self._done.append((names, layers, whole))
+            return
+        final += _source_values(sources)
         index = self._index(order, stats.device) if order else None
-        if index is None and given is None:
+        at = [i for i, _ in final]
+        given = torch.stack([v for _, v in final]) if final else None                      # (F, T, 7)
+        if index is None and not final:
             out = stats
-        elif not order and len(final) == len(names):
+        elif not order and at == list(range(len(names))):
             out = given
         else:
             out = torch.empty(len(names), T, 7, device=(stats if order else given).device)
             if order:
                 out[index if index is not None else slice(0, len(order))] = stats
             if final:
-                out[small_tensor([i for i, _ in final], out.device)] = given
-        self._pending.append((names, layers, out))
+                out[small_tensor(at, out.device)] = given
+        self._done.append((names, layers, out))
 
     def _index(self, order: list[int], device) -> torch.Tensor | None:
         """order as an index tensor, or None when it is 0, 1, 2, ... (the same order as the last flush's reuses
@@ -198,13 +193,23 @@ class StatsBatcher:
     def take(self, step: int, pos0: int) -> list[StatsBlock]:
         """Flush and move results to the CPU (one transfer per flush)."""
         self.flush()
-        pending, self._pending = self._pending, []
-        return [StatsBlock(step, pos0, names, layers, out.cpu()) for names, layers, out in pending]
+        done, self._done = self._done, []
+        return [StatsBlock(step, pos0, names, layers, out.cpu()) for names, layers, out in done]
 
 
-def _final_values(final: list[tuple]) -> torch.Tensor:
-    """(g, T, 7) from entries given as statistics or as (pending, which) (resolved here, all together)."""
-    pending = list({id(v[0]): v[0] for _, v in final if isinstance(v, tuple) and v[0].values[v[1]] is None}.values())
-    if pending:
-        type(pending[0]).resolve(pending)
-    return torch.stack([v[0].values[v[1]] if isinstance(v, tuple) else v for _, v in final])
+def _source_values(sources: list[tuple[int, object]]) -> list[tuple[int, torch.Tensor]]:
+    """(entry, (T, 7)) of every stage the sources give, each kind of source resolved once, all together."""
+    kinds: dict[type, list] = {}
+    for _, src in sources:
+        kinds.setdefault(type(src), []).append(src)
+    for kind, group in kinds.items():
+        kind.resolve(group)
+    return [(first + g, v) for first, src in sources for g, v in enumerate(src.stage_values())]
+
+
+def _whole(sources: list[tuple[int, object]], n: int) -> torch.Tensor | None:
+    """The (n, T, 7) tensor of a flush that one Given source fills entirely, else None."""
+    if len(sources) != 1 or type(sources[0][1]) is not Given:
+        return None
+    values = sources[0][1].values
+    return values if isinstance(values, torch.Tensor) and values.shape[0] == n else None

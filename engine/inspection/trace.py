@@ -1,14 +1,16 @@
-"""Trace: the one record of a run (its settings, the engine's result, the probe with everything it kept),
+"""Trace: the one record of a run (its settings, the engine's result, the probe's Recording: everything it saw),
 and trace files: one run in one safetensors file, reopened as the same type without unpickling anything.
 
-Layout: every tensor the run's probe kept is a safetensors tensor (`stats.{i}.values` (G, T, 7),
+Layout: every tensor the run's probe recorded is a safetensors tensor (`stats.{i}.values` (G, T, 7),
 `stats.{i}.names` / `stats.{i}.layers` int32 (G,), `capture.{i}`); everything else (settings, tokens,
 per-step sampling records, timings, cache memory, timing marks, loops, the first non-finite value) is one
 JSON document stored as the string metadata entry "llm_inspector_trace". Reading parses JSON and raw
 tensor bytes only (safetensors), so a trace from anywhere is safe to open.
 
-What a probe cannot carry across: replace functions and weight overrides (code, not data). Their patterns
-and weight names are kept in `Trace.interventions`, and the loaded probe has none.
+A trace keeps no probe: a probe is configuration and code (replace functions, weight overrides), its
+Recording the data (engine.inspection.recording). What was watched is data (Recording.watched) and travels;
+the replace patterns and weight names are kept in `Trace.interventions`. The JSON document's "probe" entry
+holds the Recording (the name is the file format's, kept for traces written before the two were apart).
 """
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ from safetensors.torch import save as st_save
 from engine.generate import Candidate, GenerationResult, Step
 from engine.inspection.loops import Loop, find_loops
 from engine.inspection.nonfinite import locate_nonfinite
-from engine.inspection.probe import Capture, Probe, split_name
+from engine.inspection.plans import split_name
+from engine.inspection.probe import Probe
+from engine.inspection.recording import Capture, Recording, Watched
 from engine.inspection.stats import StatsBlock
 from engine.inspection.trace_check import (
     META_KEY,
@@ -51,7 +55,7 @@ class Trace:
     """One run: what the app keeps per session, what the CLI writes, what a trace file reopens as."""
     settings: RunSettings
     result: GenerationResult
-    probe: Probe | None
+    recording: Recording | None      # what the run's probe saw (None: run without one)
     model_name: str
     seconds: float
     created: float = field(default_factory=time.time)
@@ -73,12 +77,12 @@ class Trace:
 def make_trace(settings: RunSettings, result: GenerationResult, probe: Probe | None, model_name: str,
                seconds: float, *, created: float | None = None, extra: dict | None = None,
                notes: list[str] | None = None) -> Trace:
-    """A Trace of one generation; loops and the first non-finite value are computed here."""
-    probe = probe if probe is not None else result.probe
-    nf = locate_nonfinite(probe) if probe is not None else None
-    inter = [f"replace {'|'.join(pats)}" for pats, _, _ in probe._replace_specs] if probe else []
-    inter += [f"weight {name}" for name in (probe._weight_overrides if probe else {})]
-    return Trace(settings, result, probe, model_name, float(seconds),
+    """A Trace of one generation (probe: the run's, for its recording and interventions; None: the result's
+    recording); loops and the first non-finite value are computed here."""
+    rec = probe.recording if probe is not None else result.recording
+    nf = locate_nonfinite(rec) if rec is not None else None
+    inter = probe.interventions() if probe is not None else []
+    return Trace(settings, result, rec, model_name, float(seconds),
                  time.time() if created is None else float(created), find_loops(result.token_ids),
                  None if nf is None else nf.as_dict(), inter, dict(extra or {}), list(notes or []))
 
@@ -89,7 +93,7 @@ def _sets(x) -> list[int] | None:
 
 
 def to_bytes(trace: Trace) -> bytes:
-    r, p = trace.result, trace.probe
+    r, p = trace.result, trace.recording
     tensors: dict[str, torch.Tensor] = {}
     names: dict[str, int] = {}
     blocks = []
@@ -106,14 +110,16 @@ def to_bytes(trace: Trace) -> bytes:
             tensors[f"capture.{i}"] = c.value.detach().cpu().contiguous()
         caps.append({"step": c.step, "name": c.name, "layer": c.layer, "positions": c.positions,
                      "tensor": is_t, "value": None if is_t else c.value})
-    result = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name not in ("steps", "params", "probe")}
+    result = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)
+              if f.name not in ("steps", "params", "recording")}
     result["steps"] = [dataclasses.asdict(s) for s in r.steps]
     result["params"] = dataclasses.asdict(r.params)
+    w = p.watched if p is not None else None
     probe = None if p is None else {
-        "timing": p.timing, "step": p.step, "pos0": p.pos0, "norm_eps": p.norm_eps, "stat_names": list(names),
+        "timing": w.timing, "step": p.step, "pos0": p.pos0, "norm_eps": w.norm_eps, "stat_names": list(names),
         "stats": blocks, "captures": caps, "marks": [list(m) for m in p.marks],
-        "capture_specs": [[pats, _sets(layers), _sets(pos)] for pats, layers, pos in p._capture_specs],
-        "stats_specs": list(p._stats_specs)}
+        "capture_specs": [[list(pats), _sets(layers), _sets(pos)] for pats, layers, pos in w.capture_specs],
+        "stats_specs": list(w.stats_specs)}
     meta = {"format": FORMAT, "version": VERSION, "settings": trace.settings.as_dict(), "result": result,
             "probe": probe,
             "model_name": trace.model_name, "seconds": trace.seconds, "created": trace.created,
@@ -159,28 +165,25 @@ def _meta(data: bytes, bounds: TraceBounds) -> tuple[dict, dict]:
     return meta, header
 
 
-def _probe(m: dict | None, t: dict[str, torch.Tensor]) -> Probe | None:
+def _recording(m: dict | None, t: dict[str, torch.Tensor]) -> Recording | None:
     if m is None:
         return None
-    p = Probe(timing=m["timing"])
-    p.step, p.pos0, p.norm_eps = m["step"], m["pos0"], m["norm_eps"]
-    p._capture_specs = [(pats, None if ly is None else frozenset(ly), None if ps is None else frozenset(ps))
-                        for pats, ly, ps in m["capture_specs"]]
-    p._stats_specs = list(m["stats_specs"])
+    watched = Watched(m["timing"], tuple(m["stats_specs"]),
+                      tuple((tuple(pats), None if ly is None else frozenset(ly), None if ps is None else frozenset(ps))
+                            for pats, ly, ps in m["capture_specs"]), m["norm_eps"])
     names, layers = m["stat_names"], [split_name(n)[0] for n in m["stat_names"]]
-    p.stats = []
+    stats = []
     for i, b in enumerate(m["stats"]):
         idx, lay = t[f"stats.{i}.names"].tolist(), t[f"stats.{i}.layers"].tolist()
         need(all(0 <= j < len(names) for j in idx), f"statistics block {i} names a stage that is not listed")
         need(all((None if x < 0 else x) == layers[j] for j, x in zip(idx, lay)),
              f"statistics block {i}: a layer index disagrees with its stage name")
-        p.stats.append(StatsBlock(b["step"], b["pos0"], [names[j] for j in idx], [layers[j] for j in idx],
-                                  t[f"stats.{i}.values"]))
-    p.captures = [Capture(c["step"], c["name"], c["layer"], c["positions"],
-                          t[f"capture.{i}"] if c["tensor"] else c["value"])
-                  for i, c in enumerate(m["captures"])]
-    p.marks = [tuple(x) for x in m["marks"]]
-    return p
+        stats.append(StatsBlock(b["step"], b["pos0"], [names[j] for j in idx], [layers[j] for j in idx],
+                                t[f"stats.{i}.values"]))
+    captures = [Capture(c["step"], c["name"], c["layer"], c["positions"],
+                        t[f"capture.{i}"] if c["tensor"] else c["value"])
+                for i, c in enumerate(m["captures"])]
+    return Recording(stats, captures, [tuple(x) for x in m["marks"]], watched, m["step"], m["pos0"])
 
 
 def from_bytes(data: bytes, bounds: TraceBounds | None = None) -> Trace:
@@ -194,7 +197,7 @@ def from_bytes(data: bytes, bounds: TraceBounds | None = None) -> Trace:
         tensors = st_load(data)
     except Exception as e:          # safetensors raises its own error types for bad offsets and the like
         raise TraceError(f"damaged trace file: its tensors cannot be read ({type(e).__name__})") from None
-    probe = _probe(meta["probe"], tensors)
+    rec = _recording(meta["probe"], tensors)
     r = meta["result"]
     try:
         steps = [Step(**{**s, "top": [Candidate(**c) for c in s["top"]]}) for s in r["steps"]]
@@ -202,9 +205,9 @@ def from_bytes(data: bytes, bounds: TraceBounds | None = None) -> Trace:
     except TypeError as e:
         raise TraceError(f"damaged trace file: {e}") from None
     result = GenerationResult(r["prompt_ids"], r["token_ids"], r["text"], steps, r["stop_reason"], params,
-                              r["seed"], r["timings"], r["cache"], probe)
-    nf = locate_nonfinite(probe) if probe is not None else None
-    return Trace(settings, result, probe, meta["model_name"], meta["seconds"], meta["created"],
+                              r["seed"], r["timings"], r["cache"], rec)
+    nf = locate_nonfinite(rec) if rec is not None else None
+    return Trace(settings, result, rec, meta["model_name"], meta["seconds"], meta["created"],
                  find_loops(result.token_ids), None if nf is None else nf.as_dict(), meta.get("interventions", []),
                  meta["extra"], list(meta.get("notes", [])))
 
@@ -237,5 +240,5 @@ def summary(trace: Trace) -> dict[str, Any]:
     r = trace.result
     return {"model": trace.model_name, "prompt_tokens": len(r.prompt_ids), "generated_tokens": len(r.token_ids),
             "stop_reason": r.stop_reason, "loops": len(trace.loops), "first_nonfinite": trace.first_nonfinite,
-            "stat_blocks": len(trace.probe.stats) if trace.probe else 0,
-            "captures": len(trace.probe.captures) if trace.probe else 0, "cache": r.cache}
+            "stat_blocks": len(trace.recording.stats) if trace.recording else 0,
+            "captures": len(trace.recording.captures) if trace.recording else 0, "cache": r.cache}

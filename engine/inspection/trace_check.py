@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 
 from engine.errors import EngineError
-from engine.inspection.probe import split_name
+from engine.inspection.plans import split_name
 from engine.inspection.stages import LAYER_STAGES, SAMPLER_STAGES
 from engine.sampling import SamplingParams
 from engine.settings import MAX_STOP_CHARS, MAX_STOP_STRINGS, RunSettings

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.inspection.row_stats import Alloc, StatsBackend, StatsQueue
+from engine.inspection.stat_sources import Given
 from engine.native import build
 
 
@@ -77,23 +78,15 @@ def attention_stats(qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return None if bad else (out_s, out_p)
 
 
-def offer_attention_stats(p, qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None, mask,
-                          off: int | None, want) -> bool:
-    """attention_stats of a causal layer (off: engine.inspection.attention_stats.causal_offset, None for another mask)
-    offered to the probe view p as the stages' statistics (want: an AttentionView). True: done, and q, keys
-    and values proved finite; False: not done here."""
+def attention_source(qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None, off: int | None, want,
+                     alloc: Alloc = _empty) -> Given | None:
+    """attention_stats of a causal layer (off: engine.inspection.attention_blocks.causal_offset, None for another
+    mask) as a source of the stages' statistics (want: an AttentionView), results in alloc's tensors. None: not
+    done here; otherwise q, keys and values proved finite."""
     if off is None or values is None:
-        return False
-    batcher = getattr(getattr(p, "probe", None), "stats_batcher", None)
-    got = attention_stats(qh, keys, values, off, want.scores_stats, want.pattern_stats,
-                          _empty if batcher is None else batcher.rows_out)
-    if got is None:
-        return False
-    if got[0] is not None:
-        p.offer_stats("attn.scores", got[0])
-    if got[1] is not None:
-        p.offer_stats("attn.pattern", got[1])
-    return True
+        return None
+    got = attention_stats(qh, keys, values, off, want.scores_stats, want.pattern_stats, alloc)
+    return None if got is None else Given([v for v in got if v is not None])
 
 
 BACKEND_BYTES = 8 << 20   # tensors are queued until the storage the queue keeps alive reaches this, for one native
@@ -153,8 +146,8 @@ class _Native(StatsBackend):
     def queue(self, alloc: Alloc) -> StatsQueue:
         return _NativeQueue(alloc)
 
-    def attention(self, p, qh, keys, values, mask, off, want) -> bool:
-        return offer_attention_stats(p, qh, keys, values, mask, off, want)
+    def attention(self, qh, keys, values, mask, off, want, alloc):
+        return attention_source(qh, keys, values, off, want, alloc)
 
 
 NATIVE: StatsBackend = _Native()

@@ -16,7 +16,8 @@ import torch
 
 from engine.errors import InputError
 from engine.generate import nonfinite_stop
-from engine.inspection.probe import Probe, split_name
+from engine.inspection.plans import split_name
+from engine.inspection.probe import Probe
 from engine.inspection.stat_columns import Col, nonfinite, pool
 from engine.inspection.trace import Trace
 from engine.progress import LayerProgress
@@ -122,7 +123,7 @@ def findings(trace: Trace) -> dict:
     """The first NaN/Inf (stage, layer, position, step), whether the logits went non-finite, the non-finite
     (step, position, stage) cells (the first MAX_CELLS_LISTED, and how many in all), and the loops."""
     cells, total = [], 0
-    for b in (trace.probe.stats if trace.probe is not None else []):
+    for b in (trace.recording.stats if trace.recording is not None else []):
         bad = nonfinite(b.values)                                                   # (G, T)
         hits = bad.nonzero().tolist()
         total += len(hits)
@@ -142,7 +143,7 @@ def layer_stats(trace: Trace) -> list[dict]:
     """One row per stage (per layer, and embed / final_norm / logits / sampler.*), its statistics pooled over
     every position of every step (engine.inspection.stat_columns.pool): positions, mean, std, rms, absmax, min,
     max, nan, inf (as the Activations page's table); None where nothing finite is left."""
-    p = pool((b.names, b.values) for b in (trace.probe.stats if trace.probe is not None else []))
+    p = pool((b.names, b.values) for b in (trace.recording.stats if trace.recording is not None else []))
     cols = {k: x.tolist() for k, x in p.cols.items()}
     rows = []
     for g, name in enumerate(p.names):
@@ -155,7 +156,7 @@ def layer_stats(trace: Trace) -> list[dict]:
 
 # ---- sampling distributions -----------------------------------------------------------------------
 def _step_logits(trace: Trace, step: int) -> torch.Tensor | None:
-    caps = trace.probe.captured("logits", step=step) if trace.probe is not None else []
+    caps = trace.recording.captured("logits", step=step) if trace.recording is not None else []
     return caps[0].value[-1].float() if caps and isinstance(caps[0].value, torch.Tensor) else None
 
 

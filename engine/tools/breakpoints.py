@@ -35,7 +35,7 @@ def step_stats(probe: Probe | None, index: int, pattern: str = "*") -> Iterator[
     if probe is None:
         raise EngineError("this breakpoint reads stage statistics: give the run a probe that records them "
                           "(Probe().record_stats('*'))")
-    for b in probe.stats:
+    for b in probe.recording.stats:
         if b.step != index:
             continue
         for g, name in enumerate(b.names):
@@ -175,7 +175,7 @@ class RoutedTo:
         return f"token routed to expert {self.expert} at layer {self.layer}"
 
     def check(self, run, step, probe: Probe | None) -> str | None:
-        caps = [] if probe is None else probe.captured(self.stage, step=step.index)
+        caps = [] if probe is None else probe.recording.captured(self.stage, step=step.index)
         if not caps:
             raise EngineError(f"this breakpoint reads the gates at {self.stage}: the run's probe must capture them "
                               f"(Probe().capture({ROUTING_CAPTURE!r}))")

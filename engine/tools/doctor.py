@@ -23,8 +23,10 @@ import torch
 
 from engine.errors import EngineError, InputError
 from engine.generate import GenerationResult, GenerationRun, nonfinite_stop
+from engine.inspection.interventions import HookContext
 from engine.inspection.nonfinite import NonFinite, lead_up, locate_nonfinite
-from engine.inspection.probe import GLOBAL_WEIGHTS, HEADS_FIRST, WEIGHT_SLOTS, HookContext, Probe, split_name
+from engine.inspection.plans import HEADS_FIRST, split_name
+from engine.inspection.probe import GLOBAL_WEIGHTS, WEIGHT_SLOTS, Probe
 from engine.inspection.stat_columns import nonfinite
 from engine.model import Model
 from engine.progress import OnProgress, tell_units
@@ -188,20 +190,20 @@ def run_doctor(model: Model, prompt, *, injections=(), norm_eps: float | None = 
         try:
             run.step()
         except (RuntimeError, EngineError) as e:    # no valid distribution to draw from, and the like
-            if probe.first_nonfinite() is None:
+            if probe.recording.first_nonfinite() is None:
                 raise
             error, stop = f"{type(e).__name__}: {e}", "error"
             break
-        new, seen = probe.stats[seen:], len(probe.stats)
+        new, seen = probe.recording.stats[seen:], len(probe.recording.stats)
         if stop_at_nonfinite and not run.done and any(bool(nonfinite(b.values).any()) for b in new):
             stop = "nonfinite"
             break
     result = run.result()
     if stop is not None:
         result = dataclasses.replace(result, stop_reason=stop)
-    nf = locate_nonfinite(probe)
+    nf = locate_nonfinite(probe.recording)
     return DoctorReport(result, probe, specs, norm_eps, str(model.dtype).removeprefix("torch."), nf,
-                        [] if nf is None else lead_up(probe, nf, lead_up_k), error)
+                        [] if nf is None else lead_up(probe.recording, nf, lead_up_k), error)
 
 
 # ---- precision comparison -----------------------------------------------------------------------
@@ -248,7 +250,7 @@ def precision_compare(ref: Model, low: Model, ids, *, threshold: float | None = 
         return model.forward(torch.as_tensor(ids, dtype=torch.long), model.new_cache(max(1, len(ids))), probe,
                              on_layer=on_layer if on_progress is not None else None).float().cpu()
     ref_logits = logits(ref, cap := Probe().capture(names), 0)
-    want = {c.name: c.value for c in cap.captures}
+    want = {c.name: c.value for c in cap.recording.captures}
     rows: list[dict] = []
 
     def compare(x: torch.Tensor, ctx: HookContext) -> None:              # reads, never replaces

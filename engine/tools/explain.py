@@ -178,7 +178,7 @@ def explain_logits(model, ids: list[int], target: int | None = None, versus: int
     b = runner_up(logits, a) if versus is None else int(versus)
     if a == b:
         raise InputError("A and B are the same token; pick two different tokens to compare")
-    got = {c.name: c.value[-1].to(torch.float64) for c in probe.captures}      # each (...) at position T-1
+    got = {c.name: c.value[-1].to(torch.float64) for c in probe.recording.captures}      # each (...) at position T-1
     direction, scale = dla.direction(model, got[f"blocks.{last}.resid_post"], a, b)
     parts, experts = dla.parts(model, got, direction)
     raw = got.get("logits_uncapped")

@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 
 from engine.errors import InputError
-from engine.inspection.probe import Probe, zero_heads
+from engine.inspection.interventions import zero_heads
+from engine.inspection.probe import Probe
 from engine.progress import OnProgress, tell_units
 
 SITES = ("resid_post", "attn_out", "mlp_out")
@@ -45,7 +46,7 @@ def base_run(model, ids: list[int], extra: tuple[str, ...] = ()) -> Base:
     L = model.config.num_layers
     probe = Probe().capture(["embed", "blocks.*.resid_post", "blocks.*.attn.k_rot", "blocks.*.attn.v", *extra])
     logits = model.logits(ids, probe)[-1]                                       # (V,)
-    got = {c.name: c.value.to(model.device) for c in probe.captures}
+    got = {c.name: c.value.to(model.device) for c in probe.recording.captures}
     resid_pre = [got["embed"]] + [got[f"blocks.{i}.resid_post"] for i in range(L - 1)]
     keys = [got[f"blocks.{i}.attn.k_rot"].transpose(0, 1) for i in range(L)]  # (K, T, hd)
     values = [got[f"blocks.{i}.attn.v"].transpose(0, 1) for i in range(L)]
@@ -163,7 +164,7 @@ def restored_prob(model, clean_ids: list[int], corrupt_ids: list[int], target: i
     the given positions: two plain forwards with a capture and a replace hook."""
     cap = Probe().capture(stage)
     model.logits(clean_ids, cap)
-    clean = cap.captures[0].value.to(model.device)                              # (T, ...)
+    clean = cap.recording.captures[0].value.to(model.device)                              # (T, ...)
 
     def restore(x, ctx):
         y = x.clone()

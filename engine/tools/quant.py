@@ -29,7 +29,9 @@ from engine.errors import InputError
 from engine.family.slots import MATRICES as SLOT_MATRICES
 from engine.family.slots import SLOTS
 from engine.generate import GenerationRun
-from engine.inspection.probe import HookContext, Probe, split_name
+from engine.inspection.interventions import HookContext
+from engine.inspection.plans import split_name
+from engine.inspection.probe import Probe
 from engine.model import Model
 from engine.progress import OnProgress, tell_units
 from engine.settings import RunSettings
@@ -178,7 +180,7 @@ def compare_formats(model: Model, ids: list[int], n_prompt: int, formats, *, thr
     names = stage_names(model)
     cap = Probe().capture(names)
     ref_logits = model.logits(ids, cap)
-    ref_stages = {c.name: c.value.float() for c in cap.captures}
+    ref_stages = {c.name: c.value.float() for c in cap.recording.captures}
     del cap
     steps = slice(n_prompt - 1, len(ids) - 1)
     ref_lp = torch.log_softmax(ref_logits[steps].double(), -1)                 # (steps, V)

@@ -24,7 +24,8 @@ import torch
 
 from engine.errors import InputError
 from engine.generate import PREFILL_CHUNK, GenerationRun
-from engine.inspection.probe import HookContext, Probe
+from engine.inspection.interventions import HookContext
+from engine.inspection.probe import Probe
 from engine.model import Model
 from engine.settings import RunSettings
 from engine.tools.doctor import Injection
@@ -160,7 +161,7 @@ def fp32_reference(ref: Model, low_dtype: torch.dtype, settings: RunSettings, n_
     if watch.stage is not None:
         out.nonfinite = watch.stage
         return out
-    logits = torch.cat([c.value.reshape(1, -1) for c in probe.captures if c.name == "logits"]).float().cpu()
+    logits = torch.cat([c.value.reshape(1, -1) for c in probe.recording.captures if c.name == "logits"]).float().cpu()
     out.logits, out.margins = logits, [tie_margin(x, low_dtype) for x in logits.max(-1).values.tolist()]
     return out
 

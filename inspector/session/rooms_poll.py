@@ -40,7 +40,7 @@ def model_probs(run, step: int, params: SamplingParams) -> torch.Tensor | None:
     """The sampling distribution (V,) at `step` under params, from the run's captured logits; None when the run
     kept no logits for that step."""
     try:
-        logits = step_logits(run.probe, step)
+        logits = step_logits(run.recording, step)
     except (KeyError, AttributeError, IndexError):
         return None
     context, generated = step_context(run.result, step)

@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 import torch
 
 from engine import Probe
-from engine.inspection.probe import split_name
+from engine.inspection.plans import split_name
 from engine.inspection.stat_columns import Col, nonfinite, pool
 from engine.progress import LayerProgress
 
@@ -177,7 +177,7 @@ def logit_lens(model, ids: Sequence[int], pos: int, k: int = 10, *, on_progress=
     T, tell = len(ids_t), LayerProgress(on_progress, len(ids_t), model.config.num_layers)
     model.forward(ids_t, model.new_cache(T), probe, last_only=True, on_layer=tell.on_layer(0, T))
     tell.chunk_done(0, T)
-    caps = sorted((c for c in probe.captures if c.name.endswith(".resid_post")), key=lambda c: c.layer)
+    caps = sorted((c for c in probe.recording.captures if c.name.endswith(".resid_post")), key=lambda c: c.layer)
     resid = torch.cat([c.value for c in caps])                                 # (L, d)
     probs = torch.softmax(model.unembed(resid), dim=-1)                         # (L, V)
     top = torch.topk(probs, k, dim=-1)

@@ -39,7 +39,7 @@ def attention_pattern(model, ids: Sequence[int], layer: int, *, on_progress=None
     T, tell = len(ids_t), LayerProgress(on_progress, len(ids_t), layer + 1)
     model.forward(ids_t, model.new_cache(T), probe, stop_after=name, on_layer=tell.on_layer(0, T))
     tell.chunk_done(0, T)
-    (cap,) = probe.captured(name)
+    (cap,) = probe.recording.captured(name)
     return cap.value.float()                                                  # (H, T, T)
 
 

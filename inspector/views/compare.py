@@ -146,7 +146,7 @@ def capture_step(model: Model, ids: Sequence[int], n_prompt: int, cfg: RunConfig
         probe.step = len(ids) - n_prompt
         logits = model.logits(ids, probe)[-1]
     out = {}
-    for c in probe.captures:
+    for c in probe.recording.captures:
         if c.positions == [pos] and c.name not in out:
             row = c.value[:, 0] if c.name.endswith(("attn.scores", "attn.pattern")) else c.value[0]
             out[c.name] = row.float()

@@ -88,9 +88,9 @@ def fault_outcome(specs, nf: NonFinite | None, prof: pd.DataFrame | None, fp16: 
     return f"The first NaN/Inf appeared at stage `{nf.stage}`, not at a planted stage ({', '.join(targets)})."
 
 
-def profile_frame(probe, step: int, position: int) -> pd.DataFrame:
+def profile_frame(recording, step: int, position: int) -> pd.DataFrame:
     """Every stage's statistics at one position of one step, forward order (the lead-up and what follows)."""
-    df = pd.DataFrame(stage_profile(probe, step, position), columns=["step", "stage", "layer", *STAT_NAMES])
+    df = pd.DataFrame(stage_profile(recording, step, position), columns=["step", "stage", "layer", *STAT_NAMES])
     df["order"] = range(len(df))
     df["finite"] = (df["nan"] + df["inf"]) == 0
     return df

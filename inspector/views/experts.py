@@ -54,7 +54,7 @@ def expert_routing(model, ids: Sequence[int], *, on_progress=None) -> Routing:
     tell.chunk_done(0, T)
 
     def stack(stage: str) -> torch.Tensor:
-        return torch.stack([probe.captured(f"blocks.{i}.mlp.{stage}")[0].value.float() for i in layers])
+        return torch.stack([probe.recording.captured(f"blocks.{i}.mlp.{stage}")[0].value.float() for i in layers])
     return Routing(tuple(layers), stack("router"), stack("experts"))
 
 

@@ -22,9 +22,9 @@ PRESETS = (dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=40, min
            dict(temperature=1.5, top_p=0.95), dict(temperature=0.3))
 
 
-def step_logits(probe, step: int) -> torch.Tensor:
-    """The logits the run sampled from at a step: (V,) float32, from the probe's 'logits' captures."""
-    caps = probe.captured("logits", step=step)
+def step_logits(recording, step: int) -> torch.Tensor:
+    """The logits the run sampled from at a step: (V,) float32, from its recording's 'logits' captures."""
+    caps = recording.captured("logits", step=step)
     if not caps:
         raise KeyError(f"no logits captured at step {step}")
     return caps[0].value[-1].float()
@@ -355,5 +355,5 @@ def redraw_seconds_for_run(model, record, step: int | None = None, n_draws: int 
     step = len(result.steps) - 1 if step is None else step
     context, generated = step_context(result, step)
     tok = model.tokenizer
-    return redraw_seconds(step_logits(record.probe, step), default_settings(result.params), context, generated,
+    return redraw_seconds(step_logits(record.recording, step), default_settings(result.params), context, generated,
                           lambda i: tok.decode([i]), n_draws=n_draws, repeats=repeats, threads=threads)

@@ -23,7 +23,7 @@ def capped_logits(model, ids: Sequence[int], pos: int) -> tuple[torch.Tensor, to
     probe = Probe().capture(["logits_uncapped", "logits"])
     ids_t = torch.as_tensor([int(i) for i in ids[:pos + 1]], dtype=torch.long)
     model.forward(ids_t, model.new_cache(len(ids_t)), probe, last_only=True)
-    return tuple(probe.captured(name)[0].value[-1].float() for name in ("logits_uncapped", "logits"))
+    return tuple(probe.recording.captured(name)[0].value[-1].float() for name in ("logits_uncapped", "logits"))
 
 
 def softcap_table(uncapped: torch.Tensor, capped: torch.Tensor, k: int,

@@ -96,7 +96,8 @@ def test_trace_page_saves_and_opens_a_run(page, tiny_model, tiny_model_dir, tiny
     assert "first non-finite: `blocks.0.mlp.gate` layer 0, position 2, step 0" in markdowns(at)
     at.button(key="tf_open").click().run()
     opened = session_of(at.session_state).run
-    assert opened.ids == bad.ids and opened.settings == bad.settings and len(opened.probe.stats) == len(probe.stats)
+    assert opened.ids == bad.ids and opened.settings == bad.settings
+    assert len(opened.recording.stats) == len(probe.recording.stats)
     doc = page("nan_doctor", opened, tiny_model, str(tiny_model_dir)).run()
     assert "stage **`blocks.0.mlp.gate`**, layer **0**, position **2**, step **0**" in markdowns(doc)
     at.file_uploader[0].set_value(("junk.trace", b"\x00" * 40, "application/octet-stream")).run()

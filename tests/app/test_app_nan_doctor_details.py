@@ -101,7 +101,7 @@ def test_fp16_overflow_says_the_mlp_output_overflows(page, bundled_model, tmp_pa
     magnitudes at position 0; only mlp_out's passes 65,504, and that is what the page and the preset say."""
     ref = fault_probe(bundled_model, PRESETS["fp16-overflow"].injections)
     bundled_model.logits(bundled_model.tokenizer.encode(FOX), ref)
-    absmax = {r.name: float(r.values[0, 4]) for r in ref.stat_records() if r.name.startswith("blocks.11.mlp")}
+    absmax = {r.name: float(r.values[0, 4]) for r in ref.recording.stat_records() if r.name.startswith("blocks.11.mlp")}
     assert absmax["blocks.11.mlp.act"] < FP16_MAX < absmax["blocks.11.mlp_out"]
     desc = PRESETS["fp16-overflow"].description
     assert "MLP's output" in desc and "activation still fits float16" in desc

@@ -105,7 +105,7 @@ def arr(v) -> np.ndarray:
 
 
 def captured_logits(run, step: int) -> np.ndarray:
-    (cap,) = run.probe.captured("logits", step=step)
+    (cap,) = run.recording.captured("logits", step=step)
     return cap.value[-1].double().numpy()
 
 

@@ -134,7 +134,7 @@ def test_sampling_page_shows_the_logits_before_and_after_the_final_cap(page, gem
     tbl = find_df(at, "uncapped", "capped", "bent")
     assert np.allclose(tbl["capped"], cap * np.tanh(tbl["uncapped"] / cap), atol=1e-5)
     # the capped logits are the ones the run sampled from at this step
-    (logits,) = run.probe.captured("logits", step=step)
+    (logits,) = run.recording.captured("logits", step=step)
     assert np.allclose(tbl["capped"], logits.value[-1].double().numpy()[tbl["token_id"]], atol=1e-4)
     assert (tbl["bent"] > 0).all() and tbl["uncapped"].is_monotonic_decreasing
     fig = chart(at, "smp_softcap_fig")

@@ -34,6 +34,6 @@ def test_chat_answer_on_gpu(gpu_model):
 def test_stats_and_cuda_timing_on_gpu(gpu_model):
     probe = Probe(timing=True).record_stats("*")
     gpu_model.generate("Hello", max_new_tokens=4, ignore_eos=True, probe=probe)
-    assert probe.first_nonfinite() is None and len(probe.stats) > 0
-    assert all(t >= 0 for _, _, t in probe.marks)
+    assert probe.recording.first_nonfinite() is None and len(probe.recording.stats) > 0
+    assert all(t >= 0 for _, _, t in probe.recording.marks)
     assert gpu_model.live_hooks == 0

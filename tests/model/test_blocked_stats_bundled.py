@@ -39,9 +39,9 @@ def test_blocked_attention_statistics_equal_the_materialised_ones(bundled_model,
     for chunk in (ids[:260], ids[260:]):                 # a prefill, then a chunk over the cache before it
         for probe, cache in zip((stats, full), caches):
             bundled_model.forward(torch.tensor(chunk), cache, probe, last_only=True)
-    records = stats.stat_records()
-    assert len(records) == len(full.captures) == 2 * 2 * bundled_model.config.num_layers
-    for rec, cap in zip(records, full.captures):
+    records = stats.recording.stat_records()
+    assert len(records) == len(full.recording.captures) == 2 * 2 * bundled_model.config.num_layers
+    for rec, cap in zip(records, full.recording.captures):
         assert (rec.name, rec.pos0) == (cap.name, cap.positions[0])
         assert_close_rows(rec.values, materialised_stats(cap.value, cap.name.endswith("scores")), rec.name)
 
@@ -53,6 +53,6 @@ def test_full_inspection_changes_neither_logits_nor_greedy_tokens(bundled_model,
     probe = inspection_probe()
     b = bundled_model.generate(ids[:40], max_new_tokens=24, ignore_eos=True, probe=probe)
     assert a.token_ids == b.token_ids
-    names = {r.name for r in probe.stat_records()}
+    names = {r.name for r in probe.recording.stat_records()}
     assert set(bundled_model.hook_names()) - {"tokenizer", "detokenizer"} <= names
-    assert probe.first_nonfinite() is None
+    assert probe.recording.first_nonfinite() is None

@@ -8,8 +8,9 @@ import pytest
 
 from engine import RunSettings
 from engine.generate import GenerationRun
+from engine.inspection.interventions import zero_heads
 from engine.inspection.loops import tail_loop
-from engine.inspection.probe import Probe, zero_heads
+from engine.inspection.probe import Probe
 from engine.tools.why_loop import HEAD_KS, HORIZON, copy_head_scores
 from engine.variants import without_heads
 

@@ -44,7 +44,7 @@ def test_statistics_at_300_positions_equal_the_pytorch_forward(bundled_model):
         model.forward(torch.tensor(ids), cache, last_only=True)
         for t in (5, 900, 33):
             model.forward(torch.tensor([t]), cache, probe)
-        out.append({(b.pos0, n): b.values[g] for b in probe.stats for g, n in enumerate(b.names)})
+        out.append({(b.pos0, n): b.values[g] for b in probe.recording.stats for g, n in enumerate(b.names)})
     a, b = out
     assert a.keys() == b.keys() and len(a) == 3 * (1 + 17 * 30 + 2)
     for k in a:   # relative to each row's scale (a mean near zero is compared to its row's spread)

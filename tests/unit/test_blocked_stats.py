@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine import Probe, plant
-from engine.inspection.attention_stats import AttentionView, attention_view, release_workspace, workspace_elements
+from engine.inspection.attention_blocks import AttentionView, release_workspace, workspace_elements
+from engine.inspection.attention_stats import attention_view
 from engine.inspection.reference_stats import dense_stats
 from tests.helpers import reference_stats
 
@@ -124,9 +125,9 @@ def test_model_statistics_only_probe_equals_materialised(tiny_model):
     for chunk in (IDS[:9], IDS[9:12], IDS[12:13], IDS[13:]):      # a prefill, a chunk after it, two decode steps
         tiny_model.forward(torch.tensor(chunk), cache_a, stats)
         tiny_model.forward(torch.tensor(chunk), cache_b, full)
-    records = stats.stat_records()
-    assert len(records) == len(full.captures) == 4 * 2 * tiny_model.config.num_layers
-    for rec, cap in zip(records, full.captures):
+    records = stats.recording.stat_records()
+    assert len(records) == len(full.recording.captures) == 4 * 2 * tiny_model.config.num_layers
+    for rec, cap in zip(records, full.recording.captures):
         assert (rec.name, rec.pos0) == (cap.name, cap.positions[0])
         ref = reference_stats(cap.value.transpose(0, 1), masked=cap.name.endswith("scores"))
         assert_stats_close(rec.values, ref)
@@ -138,9 +139,9 @@ def test_model_rows_capture_equals_the_full_capture(tiny_model):
     assert rows.need("blocks.0.attn.pattern") == 2 and full.need("blocks.0.attn.pattern") == 3
     tiny_model.logits(IDS, rows)
     tiny_model.logits(IDS, full)
-    by_name = {c.name: c for c in full.captures}
-    assert len(rows.captures) == len(full.captures) + 1
-    for c in rows.captures:
+    by_name = {c.name: c for c in full.recording.captures}
+    assert len(rows.recording.captures) == len(full.recording.captures) + 1
+    for c in rows.recording.captures:
         ref = by_name[c.name]
         assert c.positions == ([6] if c.value.shape[1] == 1 else [0, 6, 13])
         torch.testing.assert_close(c.value, ref.value[:, c.positions], rtol=1e-5, atol=1e-6)
@@ -160,7 +161,7 @@ def test_fused_path_keeps_non_finite_values_in_the_rows_that_read_them(tiny_mode
     for probe in (Probe().record_stats(ATTN), Probe().capture(ATTN)):
         probe.replace(f"blocks.0.{stage}", plant(NAN, position=position, index=index)).capture("blocks.0.attn.z")
         tiny_model.logits(IDS, probe)
-        zs.append(probe.captured("blocks.0.attn.z")[0].value)
+        zs.append(probe.recording.captured("blocks.0.attn.z")[0].value)
     assert torch.equal(zs[0].isnan(), zs[1].isnan())
     assert not zs[0][:position].isnan().any() and zs[0][position].isnan().any()
     torch.testing.assert_close(zs[0], zs[1], equal_nan=True)
@@ -171,7 +172,7 @@ def test_a_statistics_probe_sees_every_stage_at_every_step(tiny_model):
     tiny_model.generate(IDS[:5], max_new_tokens=3, ignore_eos=True, probe=probe)
     names = set(tiny_model.hook_names()) - {"tokenizer", "detokenizer"}
     for step in range(3):
-        assert {r.name for r in probe.stat_records() if r.step == step} == names
+        assert {r.name for r in probe.recording.stat_records() if r.step == step} == names
 
 
 def test_statistics_in_a_gradient_forward(tiny_model):
@@ -186,5 +187,5 @@ def test_statistics_in_a_gradient_forward(tiny_model):
     out = tiny_model.forward(torch.tensor(IDS), tiny_model.new_cache(len(IDS)), probe, grad=True)
     out[-1].max().backward()
     assert leaf["x"].grad is not None and float(leaf["x"].grad.abs().sum()) > 0
-    assert len(probe.stat_records("blocks.1.attn.pattern")) == 1
-    assert probe.first_nonfinite() is None
+    assert len(probe.recording.stat_records("blocks.1.attn.pattern")) == 1
+    assert probe.recording.first_nonfinite() is None

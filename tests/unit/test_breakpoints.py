@@ -78,7 +78,7 @@ def test_nan_breakpoint_fires_where_the_planted_value_first_applies(tiny_model):
     # step 3 is the forward of position n + 2: its logits are NaN, so it draws no token and the run stops there
     assert steps[-1].index == 2 and len(run.steps) == 3 and run.stop_reason == "non-finite logits"
     assert fired.startswith("step 3: blocks.0.mlp.act holds 1 NaN") and f"position {n + 2}" in fired
-    assert not any(bool(b.values[:, :, 5:].sum()) for b in probe.stats if b.step < 3)
+    assert not any(bool(b.values[:, :, 5:].sum()) for b in probe.recording.stats if b.step < 3)
     # restricted to later stages it names the first of those
     run = new_run(tiny_model, inspection_probe().replace("blocks.0.mlp.act", plant(float("nan"), position=n + 2)))
     steps, fired = run_until(run, [NonFinite("blocks.1.*")])
@@ -146,7 +146,7 @@ def test_new_params_after_a_break_govern_the_later_tokens(tiny_model):
                          params=SamplingParams(temperature=0.8, top_k=3)).run()
     assert run.token_ids[3:] == cont.token_ids
     for s in rest:                                       # each token among the step's top 3, sampled not argmax'd
-        (cap,) = run.probe.captured("logits", step=s.index)
+        (cap,) = run.probe.recording.captured("logits", step=s.index)
         top3 = torch.topk(cap.value[-1], 3)
         assert s.token_id in top3.indices.tolist() and s.kept == 3
         p = torch.softmax(top3.values / 0.8, 0)[top3.indices.tolist().index(s.token_id)]
@@ -179,11 +179,12 @@ def test_debugger_steps_publishes_and_logs_params(tiny_model):
     dbg.run_to_end()
     rec = dbg.record()
     assert dbg.done and len(rec.result.steps) == 6 and rec.result.params.temperature == 0.9
-    assert rec.settings.params.temperature == 0.9 and rec.settings.prompt == PROMPT and rec.probe is dbg.probe
+    assert rec.settings.params.temperature == 0.9 and rec.settings.prompt == PROMPT
+    assert rec.recording is dbg.probe.recording
     assert rec.model_name == tiny_model.name and dbg.published is rec
     assert dbg.record().created > rec.created                  # every snapshot is a new run for the pages' memos
     assert dbg.params_at(1).temperature == 0.0 and dbg.params_at(2).temperature == 0.9
-    assert {c.step for c in rec.probe.captured("logits")} == set(range(6))
+    assert {c.step for c in rec.recording.captured("logits")} == set(range(6))
     table = candidates_table(rec.result.steps[0], tiny_model.tokenizer)
     assert table["chosen"].sum() == 1 and table["model_prob"].is_monotonic_decreasing
 

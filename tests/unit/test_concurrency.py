@@ -34,7 +34,7 @@ def test_runs_are_released_when_their_holders_go(tiny_model):
     records = [inspect_run(tiny_model, RunSettings(prompt="hello", max_new_tokens=2, seed=i)) for i in range(5)]
     assert live_runs() == base + 5
     refs = [weakref.ref(r) for r in records]
-    probes = [weakref.ref(r.probe) for r in records]
+    probes = [weakref.ref(r.recording) for r in records]
     del records
     gc.collect()
     assert all(r() is None for r in refs + probes)                  # nothing in inspector kept one

@@ -53,7 +53,7 @@ def test_planted_value_is_reported_exactly(tiny_model, stage, layer, position, k
     assert rep.lead_up[-1]["stage"] == stage and all(r["nan"] + r["inf"] == 0 for r in rep.lead_up[:-1])
     # when the fault reached the last position's logits (the recorded statistics say so), the engine refused
     # to sample from them; otherwise the doctor stopped at the step that went non-finite. Never a fake "eos".
-    logits_bad = any(r.values[:, 5:7].sum() > 0 for r in rep.probe.stat_records("logits"))
+    logits_bad = any(r.values[:, 5:7].sum() > 0 for r in rep.probe.recording.stat_records("logits"))
     assert rep.result.stop_reason == ("non-finite logits" if logits_bad else "nonfinite")
     assert (nonfinite_stop(rep.result) is not None) == logits_bad
     assert len(rep.result.token_ids) == (0 if logits_bad else 1)      # step 0 draws only from finite logits
@@ -81,9 +81,9 @@ def test_weight_scale_zero_and_sampler_injections(tiny_model):
     probe = fault_probe(tiny_model, ["scale=1e38@blocks.0.mlp.up:2", "zero@blocks.1.attn_out:1"]).capture(
         "blocks.1.attn_out")
     tiny_model.logits(IDS, probe)
-    out = probe.captured("blocks.1.attn_out")[0].value
+    out = probe.recording.captured("blocks.1.attn_out")[0].value
     assert float(out[1].abs().max()) == 0 and float(out[0].abs().max()) > 0
-    nf = locate_nonfinite(probe)
+    nf = locate_nonfinite(probe.recording)
     assert (nf.stage, nf.position) in {("blocks.0.mlp.up", 2), ("blocks.0.mlp.act", 2)}
     rep = run_doctor(tiny_model, IDS, injections=["nan@sampler.top_p:8"], max_new_tokens=2,
                      params=SamplingParams(temperature=0.7))
@@ -103,7 +103,7 @@ def test_nan_preset_on_the_bundled_model(bundled_model):
     rep = run_doctor(bundled_model, FOX, injections=PRESETS["nan-activation"].injections, max_new_tokens=1)
     nf = rep.first_nonfinite
     assert (nf.step, nf.stage, nf.layer, nf.position) == (0, "blocks.17.mlp.act", 17, 3)
-    assert [r["stage"] for r in lead_up(rep.probe, nf, 2)] == ["blocks.17.mlp.gate", "blocks.17.mlp.up",
+    assert [r["stage"] for r in lead_up(rep.probe.recording, nf, 2)] == ["blocks.17.mlp.gate", "blocks.17.mlp.up",
                                                                "blocks.17.mlp.act"]
 
 
@@ -119,9 +119,10 @@ def test_fp16_overflow_preset(bundled_model):
     assert nf is not None and nf.stats["inf"] >= 1
     ref = fault_probe(bundled_model, p.injections)
     bundled_model.logits(bundled_model.tokenizer.encode(FOX), ref)
-    over = next((r, int(r.values[:, 4].argmax())) for r in ref.stat_records() if float(r.values[:, 4].max()) > FP16_MAX)
+    over = next((r, int(r.values[:, 4].argmax())) for r in ref.recording.stat_records()
+                if float(r.values[:, 4].max()) > FP16_MAX)
     assert (nf.stage, nf.position) == (over[0].name, over[1]) == ("blocks.11.mlp_out", 0)
-    assert float(lead_up(rep.probe, nf, 1)[0]["absmax"]) < FP16_MAX        # mlp.act itself still fits
+    assert float(lead_up(rep.probe.recording, nf, 1)[0]["absmax"]) < FP16_MAX        # mlp.act itself still fits
     assert run_doctor(m16, FOX, max_new_tokens=1).first_nonfinite is None
 
 

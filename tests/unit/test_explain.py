@@ -48,11 +48,11 @@ def test_heads_split_each_layers_attention_output_exactly(tiny_model):
     probe = Probe().capture(["blocks.*.attn_out", "blocks.1.resid_post"], positions=[len(ids) - 1])
     tiny_model.logits(ids, probe)
     w, eps = tiny_model.weights, tiny_model.config.rms_norm_eps
-    resid = probe.captured("blocks.1.resid_post")[0].value[-1].double()
+    resid = probe.recording.captured("blocks.1.resid_post")[0].value[-1].double()
     scale = 1 / math.sqrt(float(resid.pow(2).mean()) + eps)
     direction = scale * w.norm.double() * (w.lm_head[:, e.target] - w.lm_head[:, e.versus]).double()
     for i in range(2):
-        attn_out = probe.captured(f"blocks.{i}.attn_out")[0].value[-1].double()
+        attn_out = probe.recording.captured(f"blocks.{i}.attn_out")[0].value[-1].double()
         assert e.attn(i) == pytest.approx(float(attn_out @ direction), abs=1e-5)
     assert e.norm_scale == pytest.approx(scale, rel=1e-12)
 

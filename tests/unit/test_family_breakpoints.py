@@ -23,7 +23,7 @@ def test_routing_breakpoint_fires_for_the_router_top_k_only(moe):
     probe = Probe().capture([ROUTING_CAPTURE, "blocks.0.mlp_norm"])
     run = GenerationRun(moe, [5, 900, 1200, 77], max_new_tokens=2, probe=probe)
     step = run.step()
-    h = probe.captured("blocks.0.mlp_norm", step=0)[-1].value[-1].double()                # (d,)
+    h = probe.recording.captured("blocks.0.mlp_norm", step=0)[-1].value[-1].double()                # (d,)
     logits = h @ moe.weights.layers[0].router.double()                                    # (E,)
     chosen = set(torch.topk(logits, moe.config.experts_per_token).indices.tolist())       # softmax keeps the order
     for e in range(moe.config.num_experts):

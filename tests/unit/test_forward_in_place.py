@@ -16,7 +16,8 @@ def test_the_unprobed_forward_gives_the_probed_forwards_numbers_bit_for_bit(tiny
     probed = tiny_model.forward(ids, probed_cache, probe)
     assert torch.equal(plain, probed)
     assert torch.equal(plain_cache.k, probed_cache.k) and torch.equal(plain_cache.v, probed_cache.v)
-    last = [c.value for c in probe.captures if c.name == f"blocks.{tiny_model.config.num_layers - 1}.resid_post"][0]
+    last_name = f"blocks.{tiny_model.config.num_layers - 1}.resid_post"
+    last = [c.value for c in probe.recording.captures if c.name == last_name][0]
     stream = tiny_model.forward(ids, tiny_model.new_cache(len(ids)), stop_after=tiny_model.config.num_layers - 1)
     assert torch.equal(last.reshape(stream.shape), stream)      # the stream itself, as the probe saw it
 

@@ -44,7 +44,7 @@ def run(model, stop_after=None, **kw):
     probe = Probe().capture("*")
     cache = model.new_cache(len(IDS))
     out = model.forward(IDS, cache, probe, stop_after=stop_after, **kw)
-    return out, [(c.name, c.value) for c in probe.captures], cache
+    return out, [(c.name, c.value) for c in probe.recording.captures], cache
 
 
 @pytest.mark.parametrize("stop_after, offered_last, blocks", [
@@ -96,7 +96,7 @@ def test_chunks_after_a_stop_read_the_cache_rows_the_stop_wrote(model4):
     cache, parts = model4.new_cache(len(IDS)), Probe().capture(name)
     model4.forward(IDS[:5], cache, parts, stop_after=name)
     model4.forward(IDS[5:], cache, parts, stop_after=name)
-    (w,), (a, b) = whole.captured(name), parts.captured(name)
+    (w,), (a, b) = whole.recording.captured(name), parts.recording.captured(name)
     assert cache.get_pos() == len(IDS) and b.positions == list(range(5, len(IDS)))
     assert torch.allclose(a.value, w.value[:, :5, :5], atol=1e-6) and torch.allclose(b.value, w.value[:, 5:], atol=1e-6)
 
@@ -121,7 +121,7 @@ def test_an_on_layer_answer_stop_ends_the_forward_before_that_block(model4, bloc
     with pytest.raises(Stopped):
         model4.forward(IDS, cache, probe, on_layer=lambda i: STOP if i == 2 else None)
     assert len(block_calls) - before == 2 and cache.get_pos() == 0
-    assert sorted({c.name for c in probe.captures}) == ["blocks.0.resid_post", "blocks.1.resid_post"]
+    assert sorted({c.name for c in probe.recording.captures}) == ["blocks.0.resid_post", "blocks.1.resid_post"]
     assert model4.live_hooks == 0                                         # the probe was detached all the same
 
 
@@ -129,7 +129,7 @@ def streams(model) -> list[torch.Tensor]:
     """The full forward's residual stream entering each block, and leaving the last: (T, d) each."""
     probe = Probe().capture(["embed", "blocks.*.resid_post"])
     model.forward(IDS, model.new_cache(len(IDS)), probe)
-    return [c.value for c in probe.captures]
+    return [c.value for c in probe.recording.captures]
 
 
 @pytest.mark.parametrize("start, end", [(0, LAYERS), (1, 3), (2, 3), (3, LAYERS), (2, 2)])
@@ -160,7 +160,7 @@ def test_a_span_applies_the_probe_hooks_of_its_blocks(model4):
     patched = Probe().capture("blocks.3.resid_post").replace("blocks.2.attn.z", lambda x, ctx: torch.zeros_like(x))
     model4.forward(IDS, model4.new_cache(len(IDS)), patched)
     out = model4.run_blocks(s[2], model4.new_cache(len(IDS)), 2, LAYERS, zero, positions=torch.arange(len(IDS)))
-    assert torch.equal(out, patched.captured("blocks.3.resid_post")[0].value)
+    assert torch.equal(out, patched.recording.captured("blocks.3.resid_post")[0].value)
     assert not torch.equal(out, s[LAYERS]) and model4.live_hooks == 0
 
 

@@ -44,7 +44,7 @@ def test_steps_record_choice_probability_entropy(tiny_model):
     probe = Probe().capture("logits")
     r = tiny_model.generate("one two", max_new_tokens=4, seed=2, ignore_eos=True, probe=probe,
                             params=SamplingParams(temperature=0.7, top_k=5))
-    for step, cap in zip(r.steps, probe.captured("logits")):
+    for step, cap in zip(r.steps, probe.recording.captured("logits")):
         raw = torch.softmax(cap.value[0].float(), -1)
         assert abs(step.model_prob - float(raw[step.token_id])) < 1e-6
         assert abs(step.entropy - float(-(raw * raw.clamp_min(1e-30).log()).sum())) < 1e-3
@@ -59,8 +59,9 @@ def test_sampler_stages_visible_and_replaceable(tiny_model):
     r = tiny_model.generate("abc", max_new_tokens=3, seed=0, ignore_eos=True, probe=probe,
                             params=SamplingParams(temperature=1.0))
     assert r.token_ids == [42, 42, 42]
-    assert [c.name for c in probe.captures[:6]] == ["sampler.penalties", "sampler.temperature", "sampler.top_k",
-                                                    "sampler.top_p", "sampler.min_p", "sampler.probs"]
+    assert [c.name for c in probe.recording.captures[:6]] == ["sampler.penalties", "sampler.temperature",
+                                                              "sampler.top_k", "sampler.top_p", "sampler.min_p",
+                                                              "sampler.probs"]
 
 
 def test_step_by_step_equals_run(tiny_model):
@@ -106,7 +107,7 @@ def test_nonfinite_logits_stop_the_run_without_a_draw(tiny_model, value, kind, t
     n = len(r.prompt_ids)
     assert r.stop_reason == "non-finite logits" and len(r.token_ids) == len(r.steps) == 2
     assert nonfinite_stop(r) == {"step": 2, "position": n + 1, "nan": int(kind == "nan"), "inf": int(kind == "inf")}
-    assert [c.step for c in probe.captured("sampler.probs")] == [0, 1]          # the sampler never saw step 2
+    assert [c.step for c in probe.recording.captured("sampler.probs")] == [0, 1]          # the sampler never saw step 2
     clean = tiny_model.generate("one two", max_new_tokens=2, seed=3, ignore_eos=True,
                                 params=SamplingParams(temperature=temperature))
     assert r.token_ids == clean.token_ids and nonfinite_stop(clean) is None
@@ -145,11 +146,11 @@ def test_chunked_prefill_matches_one_forward_and_reports_progress(tiny_model, mo
     want = [(a, b, layer, (k + 1, 3)) for k, (a, b) in enumerate([(0, 4), (4, 8), (8, 10)]) for layer in range(L + 1)]
     assert heard == want and Progress(8, 10, 10, L, L).fraction == 1.0
     assert r.token_ids == whole.token_ids
-    (a,), (b,) = whole_probe.captured("logits", step=0), probe.captured("logits", step=0)
+    (a,), (b,) = whole_probe.recording.captured("logits", step=0), probe.recording.captured("logits", step=0)
     assert a.positions == b.positions == [9] and torch.allclose(a.value, b.value, atol=1e-4)
     # the same statistics, (stage, position) for (stage, position), as one forward over the prompt records
     def cells(p):
-        return sorted((n, blk.pos0 + t) for blk in p.stats if blk.step == 0 for n in blk.names
+        return sorted((n, blk.pos0 + t) for blk in p.recording.stats if blk.step == 0 for n in blk.names
                       for t in range(blk.values.shape[1]))
     assert cells(probe) == cells(whole_probe) and {c[1] for c in cells(probe)} == set(range(11))
     assert tiny_model.live_hooks == 0

@@ -18,7 +18,7 @@ IDS = [504, 3575, 282, 4649, 314, 7042, 30, 2683, 359, 253]
 def test_every_stage_is_offered(tiny_model):
     probe = Probe().capture("*")
     tiny_model.generate(IDS[:4], max_new_tokens=2, ignore_eos=True, probe=probe)
-    offered = {c.name for c in probe.captures}
+    offered = {c.name for c in probe.recording.captures}
     assert offered == set(tiny_model.hook_names())
     assert len(tiny_model.hook_names()) == 2 + 2 * len(LAYER_STAGES) + 2 + 6 + 1
 
@@ -27,15 +27,15 @@ def test_capture_values_are_the_computation(tiny_model):
     cfg, w = tiny_model.config, tiny_model.weights
     probe = Probe().capture(["embed", "blocks.0.attn_norm", "blocks.0.attn.pattern", "blocks.0.attn.q"])
     tiny_model.logits(IDS, probe)
-    embed = probe.captured("embed")[0].value
+    embed = probe.recording.captured("embed")[0].value
     assert torch.equal(embed, w.embed[IDS])
-    norm = probe.captured("blocks.0.attn_norm")[0].value
+    norm = probe.recording.captured("blocks.0.attn_norm")[0].value
     by_hand = embed / (embed.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps).sqrt() * w.layers[0].attn_norm
     assert torch.allclose(norm, by_hand, atol=1e-5)
-    q = probe.captured("blocks.0.attn.q")[0].value
+    q = probe.recording.captured("blocks.0.attn.q")[0].value
     assert q.shape == (len(IDS), cfg.num_heads, cfg.head_dim)
     assert torch.allclose(q.reshape(len(IDS), -1), norm @ w.layers[0].wqkv[:, :cfg.num_heads * cfg.head_dim], atol=1e-5)
-    pat = probe.captured("blocks.0.attn.pattern")[0].value
+    pat = probe.recording.captured("blocks.0.attn.pattern")[0].value
     assert pat.shape == (cfg.num_heads, len(IDS), len(IDS))
     assert torch.allclose(pat.sum(-1), torch.ones(cfg.num_heads, len(IDS)), atol=1e-5)
     assert float(pat.triu(1).abs().max()) == 0.0      # causal: nothing attends to the future
@@ -44,20 +44,20 @@ def test_capture_values_are_the_computation(tiny_model):
 def test_capture_filters_layers_and_positions(tiny_model):
     probe = Probe().capture("blocks.*.resid_post", layers=[1], positions=[2, 5])
     tiny_model.logits(IDS, probe)
-    (c,) = probe.captures
+    (c,) = probe.recording.captures
     assert (c.name, c.layer, c.positions) == ("blocks.1.resid_post", 1, [2, 5])
     full = Probe().capture("blocks.1.resid_post")
     tiny_model.logits(IDS, full)
-    assert torch.equal(c.value, full.captures[0].value[[2, 5]])
+    assert torch.equal(c.value, full.recording.captures[0].value[[2, 5]])
 
 
 def test_stats_equal_reference_on_captured_tensors(tiny_model):
     probe = Probe().capture("*").record_stats("*")
     tiny_model.generate(IDS, max_new_tokens=3, seed=1, ignore_eos=True, probe=probe,
                         params=SamplingParams(temperature=0.9, top_k=20))
-    records = probe.stat_records()
+    records = probe.recording.stat_records()
     assert len(records) > 3 * 2 * len(LAYER_STAGES)
-    caps = {(c.step, c.name): c.value for c in probe.captures}
+    caps = {(c.step, c.name): c.value for c in probe.recording.captures}
     for r in records:
         x = caps[(r.step, r.name)]
         if r.name.endswith(("attn.scores", "attn.pattern")):
@@ -66,7 +66,7 @@ def test_stats_equal_reference_on_captured_tensors(tiny_model):
         ref = reference_stats(x.unsqueeze(0) if x.dim() == 1 else x, masked=masked)
         assert torch.allclose(r.values, ref, rtol=1e-4, atol=1e-5, equal_nan=True), r.name
     # the sampler's top-k cut (-inf) is a mask, not a fault
-    assert probe.first_nonfinite() is None
+    assert probe.recording.first_nonfinite() is None
 
 
 def test_stats_do_not_change_results(tiny_model):
@@ -82,13 +82,13 @@ def test_replace_interventions(tiny_model):
     assert not torch.allclose(changed, base)
     probe = Probe().replace("blocks.1.attn.z", zero_heads(0, 1)).capture("blocks.1.attn.z")
     tiny_model.logits(IDS, probe)
-    z = probe.captures[0].value
+    z = probe.recording.captures[0].value
     assert float(z[:, :2].abs().max()) == 0 and float(z[:, 2:].abs().max()) > 0
     # zeroing every head of the last layer's mlp output == removing it from the residual
     probe = Probe().replace("blocks.1.mlp_out", lambda x, ctx: torch.zeros_like(x)).capture(
         ["blocks.1.resid_mid", "blocks.1.resid_post"])
     tiny_model.logits(IDS, probe)
-    assert torch.equal(probe.captures[0].value, probe.captures[1].value)
+    assert torch.equal(probe.recording.captures[0].value, probe.recording.captures[1].value)
 
 
 def test_replace_with_wrong_shape_is_an_error(tiny_model):
@@ -102,10 +102,10 @@ def test_replace_with_wrong_shape_is_an_error(tiny_model):
 def test_planted_nan_found_exactly_and_seen_downstream(tiny_model, stage, layer, position):
     probe = Probe().record_stats("*").replace(stage, plant(float("nan"), position=position, index=3))
     tiny_model.logits(IDS, probe)
-    rec, pos = probe.first_nonfinite()
+    rec, pos = probe.recording.first_nonfinite()
     assert (rec.name, rec.layer, pos) == (stage, layer, position)
-    names = [r.name for r in probe.stat_records()]
-    bad = {r.name for r in probe.stat_records() if float(r.values[:, 5].sum() + r.values[:, 6].sum()) > 0}
+    names = [r.name for r in probe.recording.stat_records()]
+    bad = {r.name for r in probe.recording.stat_records() if float(r.values[:, 5].sum() + r.values[:, 6].sum()) > 0}
     start = names.index(stage)
     # nothing before the plant is non-finite; the planted stage and every later stage that reads it is
     assert not bad & set(names[:start])
@@ -121,9 +121,9 @@ def test_planted_nan_on_bundled_model_layer_17(bundled_model):
     ids = bundled_model.tokenizer.encode("The quick brown fox jumps over the lazy dog")
     probe = Probe().record_stats("*").replace("blocks.17.mlp.act", plant(float("nan"), position=5))
     bundled_model.logits(ids, probe)
-    rec, pos = probe.first_nonfinite()
+    rec, pos = probe.recording.first_nonfinite()
     assert (rec.name, rec.layer, pos) == ("blocks.17.mlp.act", 17, 5)
-    by_name = {r.name: r.values for r in probe.stat_records()}
+    by_name = {r.name: r.values for r in probe.recording.stat_records()}
     # every later stage of layer 17 and every stage of later layers sees the NaN at position 5 (or later)
     for name, v in by_name.items():
         layer = int(name.split(".")[1]) if name.startswith("blocks.") else None
@@ -154,9 +154,9 @@ def test_no_hook_outlives_its_call(tiny_model):
 def test_timing_marks_cover_every_layer(tiny_model):
     probe = Probe(timing=True)
     tiny_model.generate(IDS[:3], max_new_tokens=2, ignore_eos=True, probe=probe)
-    labels = [lbl for step, lbl, t in probe.marks if step == 1]
+    labels = [lbl for step, lbl, t in probe.recording.marks if step == 1]
     assert labels == ["start", "embed", "blocks.0", "blocks.1", "logits"]
-    times = [t for step, lbl, t in probe.marks if step == 1]
+    times = [t for step, lbl, t in probe.recording.marks if step == 1]
     assert times == sorted(times)
 
 
@@ -173,7 +173,7 @@ def test_weight_override_is_run_only(tiny_model):
         return w
     probe = Probe().record_stats("*").override_weight("blocks.1.mlp.w_down", poison)
     tiny_model.logits(IDS, probe)
-    rec, pos = probe.first_nonfinite()
+    rec, pos = probe.recording.first_nonfinite()
     assert (rec.name, rec.layer, pos) == ("blocks.1.mlp_out", 1, 0)
     assert torch.equal(tiny_model.weights.layers[1].w_down, before)       # the shared model is untouched
     assert torch.isfinite(tiny_model.logits(IDS)).all()
@@ -185,11 +185,11 @@ def test_rms_eps_zero_on_zero_input_gives_nan(tiny_model):
     probe = Probe().record_stats("*").replace("embed", plant(0.0, position=2, index=slice(None)))
     probe.norm_eps = 0.0
     tiny_model.logits(IDS, probe)
-    rec, pos = probe.first_nonfinite()
+    rec, pos = probe.recording.first_nonfinite()
     assert (rec.name, rec.layer, pos) == ("blocks.0.attn_norm", 0, 2)
     ok = Probe().record_stats("*").replace("embed", plant(0.0, position=2, index=slice(None)))
     tiny_model.logits(IDS, ok)                                             # with the model's eps: finite
-    assert ok.first_nonfinite() is None
+    assert ok.recording.first_nonfinite() is None
 
 
 def test_last_only_logits_belong_to_the_last_position(tiny_model):
@@ -197,7 +197,7 @@ def test_last_only_logits_belong_to_the_last_position(tiny_model):
         "logits", plant(float("nan"), position=len(IDS) - 1))
     cache = tiny_model.new_cache(len(IDS))
     tiny_model.forward(torch.tensor(IDS), cache, probe, last_only=True)
-    assert probe.captured("logits")[0].positions == [len(IDS) - 1]
-    rec, pos = probe.first_nonfinite()
+    assert probe.recording.captured("logits")[0].positions == [len(IDS) - 1]
+    rec, pos = probe.recording.first_nonfinite()
     assert (rec.name, pos) == ("logits", len(IDS) - 1)
-    assert [r.pos0 for r in probe.stat_records("embed")] == [0]
+    assert [r.pos0 for r in probe.recording.stat_records("embed")] == [0]

@@ -94,7 +94,7 @@ def chosen(monkeypatch):
 def test_report_from_trace_takes_the_model_and_dtype_from_the_command_line_only(tiny_model, tmp_path, capsys,
                                                                                  chosen):
     run = inspect_run(tiny_model, RunSettings(prompt="Hi there", chat=False, max_new_tokens=2))
-    planted = make_trace(run.settings, run.result, run.probe, tiny_model.name, 0.1,
+    planted = make_trace(run.settings, run.result, None, tiny_model.name, 0.1,
                          extra={"model_source": "/srv/shared/planted-model", "dtype": "bfloat16", "device": "cuda"})
     path = tmp_path / "planted.trace"
     path.write_bytes(to_bytes(planted))

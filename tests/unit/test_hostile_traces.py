@@ -267,7 +267,7 @@ def good(tiny_model) -> bytes:
 
 def test_the_good_file_opens(good, tiny_model):
     back = from_bytes(good, TraceBounds(vocab_size=tiny_model.config.vocab_size, num_layers=2))
-    assert back.result.token_ids and back.probe.stats
+    assert back.result.token_ids and back.recording.stats
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import STAT_NAMES, Probe, StatsBlock
-from engine.inspection.probe import plant
+from engine.inspection.interventions import plant
 from inspector.views.activations import (
     layer_stages,
     layer_summary,
@@ -116,11 +116,11 @@ def test_a_planted_nan_is_found_where_the_probe_says(tiny_model):
     ids = tiny_model.tokenizer.encode("one two three four five")
     p = Probe().record_stats("*").replace("blocks.1.mlp.act", plant(NAN, position=3, index=5))
     tiny_model.logits(ids, p)
-    bad = nonfinite_cells(p.stats)
-    rec, pos = p.first_nonfinite()
+    bad = nonfinite_cells(p.recording.stats)
+    rec, pos = p.recording.first_nonfinite()
     assert (bad.iloc[0]["name"], bad.iloc[0]["position"]) == (rec.name, pos) == ("blocks.1.mlp.act", 3)
     assert (bad.iloc[0]["nan"], bad.iloc[0]["inf"]) == (1, 0)
-    s = layer_summary(p.stats).set_index("name")
+    s = layer_summary(p.recording.stats).set_index("name")
     assert s.loc["blocks.1.mlp.act", "nan"] == 1 and s.loc["blocks.0.mlp.act", "nan"] == 0
     assert len(s) == len([n for n in tiny_model.hook_names() if n not in ("tokenizer", "detokenizer")
                           and not n.startswith("sampler.")])
@@ -137,7 +137,7 @@ def test_logit_lens_reads_every_layer(tiny_model):
     # reference: every layer's resid_post from a full capture, unembedded by hand
     p = Probe().capture("blocks.*.resid_post")
     final = tiny_model.logits(ids[:pos + 1], p)[-1]
-    for c in p.captures:
+    for c in p.recording.captures:
         probs = torch.softmax(tiny_model.unembed(c.value[-1]), -1)
         top = torch.topk(probs, k)
         got = lens[lens["layer"] == c.layer]

@@ -161,7 +161,7 @@ def ids(tiny_model):
 def full_patterns(tiny_model, ids):
     p = Probe().capture("blocks.*.attn.pattern")
     tiny_model.logits(ids, p)
-    return {c.layer: c.value for c in p.captures}
+    return {c.layer: c.value for c in p.recording.captures}
 
 
 def test_attention_pattern_is_the_engines_and_stops_after_its_layer(tiny_model, ids, full_patterns, monkeypatch):

@@ -170,16 +170,16 @@ def test_replay_matches_the_run(tiny_model):
                                               params=SamplingParams(temperature=0.9, top_p=0.8,
                                                                     repetition_penalty=1.3)))
     result = run.result
-    assert len(run.probe.captured("logits")) == len(result.steps)
+    assert len(run.recording.captured("logits")) == len(result.steps)
     for step in result.steps:
-        logits = smp.step_logits(run.probe, step.index)
+        logits = smp.step_logits(run.recording, step.index)
         assert logits.shape == (tiny_model.config.vocab_size,)
         context, generated = smp.step_context(result, step.index)
         _, summary = smp.compare(logits, {"run": result.params}, context, generated, str, chosen=step.token_id)
         assert int(summary["kept"].iloc[0]) == step.kept
         assert summary["chosen_prob"].iloc[0] == pytest.approx(step.prob, rel=1e-5)
     with pytest.raises(KeyError):
-        smp.step_logits(run.probe, len(result.steps))
+        smp.step_logits(run.recording, len(result.steps))
 
 
 def test_describe():
@@ -191,7 +191,7 @@ def test_describe():
 def test_redraw_is_fast_on_the_bundled_vocab(bundled_model):
     """Three settings + the chain + 1,000 draws over 49,152 logits, figures included, well under 0.3 s."""
     run = inspect_run(bundled_model, RunSettings(prompt="The capital of France is", chat=False, max_new_tokens=2))
-    logits = smp.step_logits(run.probe, 1)
+    logits = smp.step_logits(run.recording, 1)
     assert logits.shape == (49152,)
     context, generated = smp.step_context(run.result, 1)
     settings = {"A": SamplingParams(temperature=0.7, top_p=0.9), "B": SamplingParams(temperature=1.0, top_k=40),

@@ -98,7 +98,7 @@ def test_timing_note_names_the_clock():
 def test_real_run_per_layer(tiny_model):
     run = inspect_run(tiny_model, RunSettings(prompt="Timing the layers", chat=False, max_new_tokens=4, timing=True))
     result = run.result
-    d = tl.layer_durations(run.probe.marks)
+    d = tl.layer_durations(run.recording.marks)
     n_layers = tiny_model.config.num_layers
     assert len(d) == len(result.steps) * (n_layers + 2)
     assert (d["seconds"] >= 0).all()
@@ -106,7 +106,7 @@ def test_real_run_per_layer(tiny_model):
         mine = d[d["step"] == step.index]
         assert list(mine["stage"]) == ["embed", *(f"blocks.{i}" for i in range(n_layers)), "logits"]
         # the stages of one forward add up to its last mark, which fits inside the step's forward time
-        marks = [(lbl, t) for s, lbl, t in run.probe.marks if s == step.index]
+        marks = [(lbl, t) for s, lbl, t in run.recording.marks if s == step.index]
         i = [lbl for lbl, _ in marks].index("embed")
         start, last = marks[i - 1][1], marks[i + n_layers + 1][1]
         assert marks[i - 1][0] == "start" and marks[i + n_layers + 1][0] == "logits"
@@ -115,4 +115,4 @@ def test_real_run_per_layer(tiny_model):
     assert tl.layer_matrix(d).shape == (len(result.steps), n_layers)
     assert len(tl.step_table(result)) == len(result.steps)
     untimed = inspect_run(tiny_model, RunSettings(prompt="No timing", chat=False, max_new_tokens=2, timing=False))
-    assert tl.layer_durations(untimed.probe.marks).empty
+    assert tl.layer_durations(untimed.recording.marks).empty

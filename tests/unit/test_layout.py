@@ -331,3 +331,52 @@ def test_the_frame_work_around_runs_once_per_script_run():
             assert len(top) == len(calls) == 1, f"{path}: ensure_frame() at top level {len(top)}, in all {len(calls)}"
         else:
             assert not calls, f"{path} calls ensure_frame(): pages do, once each"
+
+
+# the probe (configuration and hooks), its recording (results) and the statistics batcher, apart
+_KEPT_APART = {"engine.inspection.probe": "Probe", "engine.inspection.probe_views": "LayerProbe",
+               "engine.inspection.recording": "Recording", "engine.inspection.stats": "StatsBatcher"}
+BATCHER_API = {"add", "flush", "take", "rows_out", "forget_moments", "backend"}
+
+
+def _private_fields(mods: dict[str, Path]) -> dict[str, str]:
+    """Private attributes (self._x) of the classes kept apart, by name -> their module."""
+    out = {}
+    for mod, cls in _KEPT_APART.items():
+        tree = ast.parse(mods[mod].read_text())
+        node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+        out.update({n.attr: mod for n in ast.walk(node) if isinstance(n, ast.Attribute) and n.attr.startswith("_")
+                    and not n.attr.startswith("__") and isinstance(n.value, ast.Name) and n.value.id == "self"})
+    return out
+
+
+def test_no_module_touches_the_private_fields_of_the_probe_its_recording_or_the_batcher():
+    """A trace file reopens a run through Recording's constructor, and no other module reads or writes a probe's,
+    a recording's or the batcher's private fields (a test may read one, to see a cache at work, never write)."""
+    mods = _sources(*PACKAGES, "tests")
+    private = _private_fields(mods)
+    bad = []
+    for mod, path in mods.items():
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Attribute) and private.get(n.attr, mod) != mod \
+                    and not (isinstance(n.value, ast.Name) and n.value.id == "self") \
+                    and not (mod.startswith("tests.") and isinstance(n.ctx, ast.Load)):
+                bad.append(f"{mod}:{n.lineno} {ast.unparse(n)}")
+    assert not bad, bad
+
+
+def test_statistics_enter_the_batcher_by_one_door():
+    """StatsBatcher.add is the one way in (stage tensors and sources of statistics alike), and what other
+    modules use of a batcher is its public API."""
+    mods = _sources(*PACKAGES)
+    tree = ast.parse(mods["engine.inspection.stats"].read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StatsBatcher")
+    public = {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")}
+    assert public == BATCHER_API, public ^ BATCHER_API
+    used = []
+    for mod, path in mods.items():
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) \
+                    and n.value.attr in ("stats_batcher", "_batcher") and n.attr not in BATCHER_API:
+                used.append(f"{mod}:{n.lineno} {ast.unparse(n)}")
+    assert not used, used

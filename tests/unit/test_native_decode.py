@@ -39,7 +39,7 @@ def _run(model, probe=None, native=True, cache_len=32):
 
 
 def _by_stage(probe) -> dict:
-    return {(b.step, b.pos0, n): b.values[g] for b in probe.stats for g, n in enumerate(b.names)}
+    return {(b.step, b.pos0, n): b.values[g] for b in probe.recording.stats for g, n in enumerate(b.names)}
 
 
 def test_panels_hold_the_matrix():
@@ -124,7 +124,7 @@ def test_statistics_equal_dense_statistics_of_captured_stages(tiny_model):
     _run(tiny_model, cap, native=False)
     got = _by_stage(stats)
     pos, compared = len(PROMPT) + 2, 0
-    for c in cap.captures:
+    for c in cap.recording.captures:
         if c.positions != [pos]:
             continue
         t = c.value.transpose(0, 1) if c.name.endswith(("scores", "pattern")) else c.value
@@ -173,7 +173,7 @@ def test_the_apps_probe_decodes_natively_with_the_same_logits_statistics_and_mar
     b, _ = _run(tiny_model, slow, native=False)
     assert len(calls) == len(STEPS)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    caps = [[c.value for c in p.captured("logits")] for p in (fast, slow)]
+    caps = [[c.value for c in p.recording.captured("logits")] for p in (fast, slow)]
     assert len(caps[0]) == len(caps[1]) == 1 + len(STEPS)
     for x, y in zip(*caps):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
@@ -184,9 +184,9 @@ def test_the_apps_probe_decodes_natively_with_the_same_logits_statistics_and_mar
     L = tiny_model.config.num_layers
     want = ["start", "embed", *(f"blocks.{i}" for i in range(L)), "logits"]
     for p in (fast, slow):                 # one call per forward here: the prefill's, then each decode step's
-        starts = [i for i, (_, label, _) in enumerate(p.marks) if label == "start"]
+        starts = [i for i, (_, label, _) in enumerate(p.recording.marks) if label == "start"]
         assert len(starts) == 1 + len(STEPS)
-        last = [(label, t) for _, label, t in p.marks[starts[-1]:]]
+        last = [(label, t) for _, label, t in p.recording.marks[starts[-1]:]]
         assert [label for label, _ in last] == want
         assert all(t1 <= t2 for (_, t1), (_, t2) in zip(last, last[1:]))      # each stage ends after the last
 

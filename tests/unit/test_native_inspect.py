@@ -97,8 +97,8 @@ def test_a_forward_s_statistics_equal_the_pytorch_path(tiny_model, monkeypatch):
     assert tiny_model.accelerator.stats is NATIVE_STATS or build.load()[0] is None
     plain = Probe().record_stats("*")
     tiny_model.with_accelerator(PLAIN).logits(ids, plain)          # the public switch: the PyTorch paths
-    a = {(r.pos0, r.name): r.values for r in native.stat_records()}
-    b = {(r.pos0, r.name): r.values for r in plain.stat_records()}
+    a = {(r.pos0, r.name): r.values for r in native.recording.stat_records()}
+    b = {(r.pos0, r.name): r.values for r in plain.recording.stat_records()}
     assert a.keys() == b.keys() and len(a) == 2 + 17 * tiny_model.config.num_layers + 1
     for k in a:
         close(a[k], b[k])

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine import InputError, SamplingParams
-from engine.inspection.probe import Probe, scale
+from engine.inspection.interventions import scale
+from engine.inspection.probe import Probe
 from engine.variants import cast_model, precision_plan
 
 pytestmark = pytest.mark.unit

@@ -70,7 +70,7 @@ def test_the_numbers_in_the_report_are_the_traces(made):
         chosen = next(c for c in d["candidates"] if c["id"] == s.token_id)
         assert chosen["sampling_prob"] == pytest.approx(s.prob, abs=1e-6)     # replayed by the same sampler chain
         assert d["kept_by_stage"]["probs"] == s.kept
-    want = layer_summary(trace.probe.stats)                                   # the Activations page's table
+    want = layer_summary(trace.recording.stats)                                   # the Activations page's table
     got = {(row["stage"], row["layer"]): row for row in data["layer_stats"]}
     assert len(got) == len(data["layer_stats"]) == len(want)
     for _, w in want.iterrows():

@@ -8,6 +8,7 @@ from engine import Probe
 from engine.accelerator import stats_backend
 from engine.inspection.reference_stats import dense_stats
 from engine.inspection.row_stats import PYTORCH
+from engine.inspection.stat_sources import Given
 from engine.inspection.stats import StatsBatcher
 from tests.helpers import reference_stats
 
@@ -60,7 +61,7 @@ def test_large_small_and_precomputed_stages_keep_forward_order(backend):
     b = StatsBatcher(backend)
     for i, x in enumerate(xs[:2]):
         b.add(f"s{i}", i, x)
-    b.add_values("given", None, fixed)
+    b.add(["given"], [None], Given([fixed]))
     for i, x in enumerate(xs[2:], 2):
         b.add(f"s{i}", i, x, masked=i == 3)
     (block,) = b.take(step=0, pos0=3)
@@ -113,5 +114,6 @@ def test_a_replace_hook_that_changes_a_view_in_place_is_seen(tiny_model):
         ["blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v"])
     tiny_model.logits(ids, probe)
     for name in ("blocks.0.attn.q", "blocks.0.attn.k", "blocks.0.attn.v"):
-        (rec,) = probe.stat_records(name)
-        assert torch.allclose(rec.values, reference_stats(probe.captured(name)[0].value), rtol=1e-5, atol=1e-5), name
+        (rec,) = probe.recording.stat_records(name)
+        want = reference_stats(probe.recording.captured(name)[0].value)
+        assert torch.allclose(rec.values, want, rtol=1e-5, atol=1e-5), name

@@ -92,7 +92,7 @@ def test_whole_forwards_with_each_backend_give_the_reference_statistics(tiny_mod
         cache = model.new_cache(len(IDS))
         for chunk in (IDS[:9], IDS[9:13], IDS[13:]):
             model.forward(torch.tensor(chunk), cache, probe)
-        return {(r.pos0, r.name): r.values for r in probe.stat_records()}
+        return {(r.pos0, r.name): r.values for r in probe.recording.stat_records()}
     for nan in (False, True):
         got, ref = run(backend, nan), run(REFERENCE, nan)
         assert list(got) == list(ref)

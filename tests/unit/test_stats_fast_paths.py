@@ -7,7 +7,9 @@ import torch
 
 from engine import Probe, plant
 from engine.inspection import moment_stats
-from engine.inspection.attention_stats import AttentionView, PendingAttention, _pending, attention_view
+from engine.inspection.attention_blocks import AttentionView
+from engine.inspection.attention_partials import PendingAttention, pending_attention
+from engine.inspection.attention_stats import attention_view
 from engine.inspection.moment_stats import moments as real_moments
 from engine.inspection.stats import StatsBatcher
 from tests.helpers import reference_stats
@@ -35,11 +37,11 @@ def test_attention_statistics_resolved_at_the_flush_equal_the_materialised_ones(
     for chunk in (IDS[:9], IDS[9:13], IDS[13:]):
         for probe, cache in zip((stats, full), caches):
             tiny_model.forward(torch.tensor(chunk), cache, probe)
-    records = [r for r in stats.stat_records() if r.name.endswith(("attn.scores", "attn.pattern"))]
-    assert [(r.name, r.pos0) for r in records] == [(c.name, c.positions[0]) for c in full.captures]
-    for rec, cap in zip(records, full.captures):
+    records = [r for r in stats.recording.stat_records() if r.name.endswith(("attn.scores", "attn.pattern"))]
+    assert [(r.name, r.pos0) for r in records] == [(c.name, c.positions[0]) for c in full.recording.captures]
+    for rec, cap in zip(records, full.recording.captures):
         close(rec.values, reference_stats(cap.value.transpose(0, 1), masked=cap.name.endswith("scores")))
-    names = [r.name for r in stats.stat_records() if r.step == 0 and r.pos0 == 0]
+    names = [r.name for r in stats.recording.stat_records() if r.step == 0 and r.pos0 == 0]
     i = names.index("blocks.0.attn.scores")
     assert names[i - 1:i + 3] == ["blocks.0.attn.k_rot", "blocks.0.attn.scores", "blocks.0.attn.pattern",
                                   "blocks.0.attn.z"]
@@ -53,7 +55,7 @@ def test_a_nan_query_sends_its_rows_to_the_exact_path_at_the_flush(tiny_model):
         probe.replace("blocks.1.attn.q_rot", plant(NAN, position=6, index=3))
         tiny_model.logits(IDS, probe)
         got.append(probe)
-    records, caps = got[0].stat_records(), got[1].captures
+    records, caps = got[0].recording.stat_records(), got[1].recording.captures
     assert len(records) == len(caps) == 4
     for rec, cap in zip(records, caps):
         ref = reference_stats(cap.value.transpose(0, 1), masked=cap.name.endswith("scores"))
@@ -69,7 +71,7 @@ def test_pending_layers_resolve_together_like_one_at_a_time():
     layers = [(torch.randn(H, T, hd, generator=g), torch.randn(K, T + 5, hd, generator=g)) for _ in range(3)]
     layers[1][1][0, 7, 2] = INF                                          # one layer needs the exact path
     mask = torch.arange(T + 5)[None, :] <= (5 + torch.arange(T))[:, None]   # a chunk after 5 cached positions
-    pending = [_pending(q, k, 5, want) for q, k in layers]
+    pending = [pending_attention(q, k, 5, want) for q, k in layers]
     PendingAttention.resolve(pending)
     for (q, k), pa in zip(layers, pending):
         one = attention_view(q, k, mask, 5, want)

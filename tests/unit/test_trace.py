@@ -14,6 +14,7 @@ from safetensors.torch import save as st_save
 
 from engine import EngineError, RunSettings, SamplingParams, Trace, make_trace
 from engine.inspection.loops import Loop
+from engine.inspection.recording import Recording
 from engine.inspection.trace import from_bytes, load_trace, save_trace, to_bytes
 from engine.tools.doctor import fault_probe
 from engine.variants import cast_model
@@ -33,7 +34,7 @@ def same(a, b) -> bool:
         return a == b or (math.isnan(a) and math.isnan(b))
     if dataclasses.is_dataclass(a) and not isinstance(a, type):
         return type(a) is type(b) and all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
-                                          if f.name != "probe")
+                                          if f.name != "recording")
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
@@ -41,9 +42,9 @@ def same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def assert_probe_equal(p, q):
-    assert (p.timing, p.step, p.pos0, p.norm_eps) == (q.timing, q.step, q.pos0, q.norm_eps)
-    assert p._capture_specs == q._capture_specs and p._stats_specs == q._stats_specs
+def assert_recording_equal(p, q):
+    assert (p.step, p.pos0) == (q.step, q.pos0)
+    assert p.watched == q.watched                     # timing, norm_eps, statistics and capture patterns
     assert same(p.marks, q.marks) and len(p.marks) > 0
     assert len(p.stats) == len(q.stats) > 0
     for a, b in zip(p.stats, q.stats):
@@ -60,11 +61,11 @@ def assert_round_trip(run, path):
     back = load_trace(path)
     t = run
     for f in dataclasses.fields(t):
-        if f.name not in ("result", "probe"):
+        if f.name not in ("result", "recording"):
             assert same(getattr(t, f.name), getattr(back, f.name)), f.name
     assert same(run.result, back.result)                 # every field of the result, steps, candidates, params
-    assert back.result.probe is back.probe
-    assert_probe_equal(run.probe, back.probe)
+    assert back.result.recording is back.recording
+    assert_recording_equal(run.recording, back.recording)
     assert path.read_bytes() == to_bytes(back)           # written again: byte for byte the same file
     return back
 
@@ -92,8 +93,9 @@ def test_nonfinite_run_with_every_capture_kind_round_trips(tiny_model, tmp_path)
     nf = back.first_nonfinite
     assert (nf["stage"], nf["layer"], nf["position"]) == ("blocks.1.attn.q", 1, 1)
     assert back.interventions == ["replace blocks.1.mlp.act", "replace blocks.1.attn.q"]
-    assert back.probe._replace_specs == []                                # code is never stored
-    kinds = {type(c.value).__name__ for c in back.probe.captures}
+    assert type(back.recording) is Recording and not hasattr(back, "probe")    # data only: code is never stored
+    assert back.recording.watched.norm_eps == 1e-3 and back.recording.watched.timing
+    kinds = {type(c.value).__name__ for c in back.recording.captures}
     assert kinds == {"Tensor", "str"}
     assert back.result.stop_reason == "max_new_tokens" and len(back.result.steps) == 3
 
@@ -104,7 +106,7 @@ def test_a_run_stopped_by_non_finite_logits_round_trips(tiny_model, tmp_path):
     run = make_trace(RunSettings(prompt="x", chat=False), res, probe, tiny_model.name, 0.25)
     back = assert_round_trip(run, tmp_path / "nan-logits.trace")
     assert back.result.stop_reason == "non-finite logits" and back.result.token_ids == []
-    assert any(math.isnan(v) for b in back.probe.stats for v in b.values[:, :, 2].flatten().tolist())
+    assert any(math.isnan(v) for b in back.recording.stats for v in b.values[:, :, 2].flatten().tolist())
 
 
 def test_loops_and_low_precision_tensors_round_trip(tiny_model, tmp_path):
@@ -114,7 +116,7 @@ def test_loops_and_low_precision_tensors_round_trip(tiny_model, tmp_path):
     res = dataclasses.replace(res, token_ids=[1, 2, 3] * 4)     # a loop, whatever the model said
     run = make_trace(RunSettings(prompt="p", stop=("x",), ignore_eos=True), res, probe, m16.name, 1.0)
     back = assert_round_trip(run, tmp_path / "bf16.trace")
-    assert back.probe.captures[0].value.dtype == torch.bfloat16
+    assert back.recording.captures[0].value.dtype == torch.bfloat16
     assert back.loops == [Loop(0, 3, 4, 12)]
     assert back.settings.stop == ("x",)
     assert back.settings == RunSettings(prompt="p", stop=("x",), ignore_eos=True)   # every setting comes back
@@ -128,8 +130,8 @@ def test_file_is_safetensors_with_json_metadata(tiny_model, tmp_path):
     meta = json.loads(header["__metadata__"]["llm_inspector_trace"])
     assert meta["format"] == "llm-inspector-trace" and meta["version"] == 1
     assert {k for k in header if k != "__metadata__"} == {
-        *(f"stats.{i}.{x}" for i in range(len(run.probe.stats)) for x in ("values", "names", "layers")),
-        *(f"capture.{i}" for i in range(len(run.probe.captures)))}
+        *(f"stats.{i}.{x}" for i in range(len(run.recording.stats)) for x in ("values", "names", "layers")),
+        *(f"capture.{i}" for i in range(len(run.recording.captures)))}
     src = (ROOT / "engine" / "inspection" / "trace.py").read_text()
     assert "pickle" not in src.replace("unpickl", "") and "torch.load" not in src
 
@@ -161,8 +163,8 @@ def test_cli_trace(tiny_model_dir, tiny_model, tmp_path):
     assert t.first_nonfinite["stage"] == "blocks.1.attn.z" and t.first_nonfinite["position"] == 2
     assert t.extra["injections"] == ["nan@blocks.1.attn.z:2"] and t.extra["dtype"] == "float32"
     assert t.settings.seed == 5 and t.settings.params.temperature == 0.8 and t.settings.chat is False
-    assert t.probe.marks and {c.name for c in t.probe.captures} == {"logits"}
-    assert {r.step for r in t.probe.stat_records()} == set(range(len(t.result.steps)))
+    assert t.recording.marks and {c.name for c in t.recording.captures} == {"logits"}
+    assert {r.step for r in t.recording.stat_records()} == set(range(len(t.result.steps)))
     clean = engine_cli("trace", "count: one two", "--model", str(tiny_model_dir), "--max-new-tokens", "3",
                        "--seed", "5", "--out", str(tmp_path / "c.trace"))
     assert clean.returncode == 0, clean.stderr

@@ -9,7 +9,8 @@ import torch
 
 from engine.accelerator import PLAIN
 from engine.errors import InputError
-from engine.inspection.probe import Probe, zero_heads
+from engine.inspection.interventions import zero_heads
+from engine.inspection.probe import Probe
 from engine.variants import without_heads
 
 PROMPT = [1, 400, 2000, 31, 77, 1234, 9000, 15]
