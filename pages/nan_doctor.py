@@ -71,8 +71,8 @@ st.subheader("This run")
 nf = locate_nonfinite(run.recording)
 show_stop(res)
 if nf is None:
-    checked = sum(len(b.names) for b in run.recording.stats)
-    st.success(f"Every stage stayed finite at every step of this run ({checked:,} "
+    n_records = sum(len(b.names) for b in run.recording.stats)
+    st.success(f"Every stage stayed finite at every step of this run ({n_records:,} "
                "stage records checked).")
 else:
     show_nonfinite(nf, run.recording, "nd_run", fp16=True, specs=run.extra.get("injections") or ())
