@@ -198,8 +198,7 @@ def _prompt_tokens(model: Model, settings: RunSettings, limits: Limits) -> int |
     over the server's length limit is never tokenized (a browser can send megabytes whatever max_chars says)."""
     if not isinstance(settings.prompt, str) or len(settings.prompt) > limits.max_prompt_chars:
         return None
-    memo = session().prompt_tokens
-    key = (model.name, settings.prompt, settings.chat, settings.allow_special)
+    memo, key = session().prompt_tokens, _tokens_key(model, settings)
     if key not in memo:
         memo.clear()
         try:
@@ -208,6 +207,10 @@ def _prompt_tokens(model: Model, settings: RunSettings, limits: Limits) -> int |
         except EngineError:
             memo[key] = None
     return memo[key]
+
+
+def _tokens_key(model: Model, settings: RunSettings) -> tuple:
+    return model.name, settings.prompt, settings.chat, settings.allow_special
 
 
 def _estimate(model: Model, settings: RunSettings, limits: Limits) -> Estimate | None:
@@ -229,17 +232,20 @@ def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
         st.error(f"Invalid generation setting: {e}")
         return None
     try:
-        checked, _ = check_settings(model, settings, limits)
+        checked = check_settings(model, settings, limits)     # the one check and tokenisation of this Run
     except EngineError as e:
         st.error(str(e))
         return None
-    est = _estimate(model, checked, limits)
+    n_prompt = len(checked.prompt_ids)
+    session().prompt_tokens.clear()
+    session().prompt_tokens[_tokens_key(model, settings)] = n_prompt     # the estimate after the run: not again
+    est = rates(model).forecast(n_prompt, checked.settings.max_new_tokens)
     turn = page_turn()
-    live = LiveRun(settings, model.name, est.n_prompt if est else 0, None if est is None else est.total, demo=demo,
+    live = LiveRun(settings, model.name, n_prompt, None if est is None else est.total, demo=demo,
                    client=client_key(), previous_click=turn.locked,
                    observer=room_live.publisher(settings.prompt, settings.max_new_tokens))   # a teacher's room
     session().live = live
-    return live.start(model, limits, prepare=common.with_script_context)
+    return live.start(model, limits, prepare=common.with_script_context, checked=checked)
 
 
 def watch(live: LiveRun, limits: Limits, on_tick=None) -> None:
