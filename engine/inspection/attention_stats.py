@@ -17,9 +17,8 @@ over heads (min of mins, sums of sums; the second moment about the row's own mea
 statistics take it) for all layers at once at the probe's flush (PendingAttention). Rows whose scores hold a
 NaN or Inf (found once per flush), and masks that are not causal, take the exact path (the block materialised,
 engine.inspection.reference_stats.dense_stats). Each equals the materialised statistics to fp32 rounding.
-offer_pending is the PyTorch statistics backend's attention method, offer_exact the reference's
-(engine.inspection.row_stats; the native backend's runs in engine/native/inspect.c).
-"""
+offer_pending is the PyTorch statistics backend's attention method, offer_exact the reference's (row_stats; the
+native backend's runs in engine/native/inspect.c)."""
 from __future__ import annotations
 
 import math
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.inspection.reference_stats import CANCELLATION, dense_stats
+from engine.inspection.stages import ATTENTION_MAPS
 
 BLOCK_ELEMENTS = 1 << 19      # score elements per query block (2 MiB fp32): the working set is two of these
 MIN_ROWS = 16                 # ... but at least this many query rows (long contexts: fewer, larger ops)
@@ -113,7 +113,7 @@ def offer_pending(p, qh: torch.Tensor, keys: torch.Tensor, off: int | None, want
         return False
     with torch.no_grad():
         pending = _pending(qh.detach(), keys.detach(), off, want)
-    p.offer_pending(("attn.scores", "attn.pattern"), pending)
+    p.offer_pending(ATTENTION_MAPS, pending)
     return True
 
 
