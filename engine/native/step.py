@@ -4,8 +4,10 @@ A model takes it only when everything it computes is on the allow-list of what d
 family in NATIVE_FAMILIES whose config has every variation at Llama's value (no q/k norms, post-norms, multipliers,
 soft caps, windows, rotary fraction, layers without RoPE, experts), no biases, no precision plan, every weight a
 contiguous float32 matrix, on the CPU in float32. A call then takes it when it is one token and its probe is none
-or asks for statistics and timing only (no captures, replacements, weight overrides or run-only epsilon). Anything
-else, or a library that could not be built, runs the PyTorch forward, which stays the reference: tests hold the
+or asks only for what one pass of decode.c gives (Probe.served_by): statistics of any stages, per-layer timing marks,
+and a capture of the logits (the app's inspected run asks for exactly these) -- no capture of any other stage, no
+replacement, weight override or run-only epsilon. Anything else, or a library that could not be built, runs the
+PyTorch forward, which stays the reference: tests hold the
 two to each other and to transformers.
 
 The native step reads its own copy of the weight matrices, laid out as panels of eight rows (see decode.c):
