@@ -1,6 +1,7 @@
 """The layout promises of README 'Layout': a stage's hook name is written where the stage is computed, the
-engine imports nothing from the app, no import circles, views stay free of state and run the model only where README says, files and functions stay small,
-tools run the model through its public forward, and every long job reports through one progress protocol."""
+engine imports nothing from the app, no import circles, views keep no state and run the model only where README
+says, files and functions stay small, tools run the model through its public forward, and every long job reports
+through one progress protocol."""
 from __future__ import annotations
 
 import ast
