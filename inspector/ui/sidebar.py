@@ -153,8 +153,8 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
         getattr(st, kind)(text)
     if live is None and model is not None and (clicked or demo) and not problems:
         live = start_run(model, limits, demo)
-    elif live is None and model is not None:
-        estimate_caption(model, limits)
+    elif live is None and model is not None and not problems:
+        estimate_caption(model, limits)          # the widgets were checked above (problems): not again
     return live
 
 
@@ -181,9 +181,10 @@ def _whole_number(value, key: str, what: str, lo: int, hi: int) -> list[str]:
     return []
 
 
-def settings_from_sidebar() -> RunSettings:
-    """The sidebar's prompt and settings; InputError names the first setting outside its range."""
-    problems = generation_problems()
+def settings_from_sidebar(*, checked: bool = False) -> RunSettings:
+    """The sidebar's prompt and settings; InputError names the first setting outside its range (checked=True: the
+    caller has just found no problem in this script run, generation_problems, and they are not looked for again)."""
+    problems = [] if checked else generation_problems()
     if problems:
         raise InputError(problems[0])
     s = st.session_state
@@ -220,14 +221,14 @@ def _estimate(model: Model, settings: RunSettings, limits: Limits) -> Estimate |
 
 def estimate_caption(model: Model, limits: Limits) -> None:
     with suppress(TypeError, ValueError, InputError):       # a setting out of range: said above Run instead
-        if (est := _estimate(model, settings_from_sidebar(), limits)) is not None:
+        if (est := _estimate(model, settings_from_sidebar(checked=True), limits)) is not None:
             st.caption(est.caption())
 
 
 def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
     """Check the settings here (a bad prompt is a message at once), then generate in the background."""
     try:
-        settings = settings_from_sidebar()
+        settings = settings_from_sidebar(checked=True)     # prompt_and_run starts a run only without problems
     except (TypeError, ValueError, InputError) as e:
         st.error(f"Invalid generation setting: {e}")
         return None
