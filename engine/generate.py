@@ -172,8 +172,9 @@ class GenerationRun:
         tokens as with the cache up to rounding, at the cost of a full forward per token (Compare runs).
 
         on_token(step) after each token and on_progress(Progress) during the prefill may return STOP to end
-        the run. An on_token callable with an `on_progress` attribute brings that too (callers that can only
-        pass on_token, such as the app's inspected run, hear the prefill this way)."""
+        the run. prompt_or_ids: text (tokenised here, as chat / system / allow_special say) or the prompt's token
+        ids as the model sees them (taken as they are: a caller that already tokenised, such as the app's checked
+        run, never tokenises twice)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63:
@@ -184,7 +185,7 @@ class GenerationRun:
         self.use_cache = use_cache
         self.stop = [s for s in check_stop(stop) if s]
         self.model, self.probe, self.on_token, self.seed = model, probe, on_token, seed
-        self.on_progress = on_progress or getattr(on_token, "on_progress", None)
+        self.on_progress = on_progress
         t0 = time.perf_counter()
         self.prompt_ids = prompt_ids(model, prompt_or_ids, chat=chat, system=system, allow_special=allow_special)
         self.timings = {"tokenize": time.perf_counter() - t0, "prefill": 0.0, "decode": 0.0}

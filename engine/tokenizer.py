@@ -196,6 +196,11 @@ class Tokenizer:
         enc = backend.encode(_check_text(text), add_special_tokens=False)
         return list(enc.ids), [(int(s), int(e)) for s, e in enc.offsets]
 
+    def special_texts(self, text: str) -> list[str]:
+        """The special tokens' texts written in `text`, in order (what encode(text, allow_special=True) would read as
+        control tokens), found without tokenizing."""
+        return self._special_re.findall(_check_text(text))
+
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 

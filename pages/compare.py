@@ -5,7 +5,6 @@ display."""
 import streamlit as st
 
 from engine import EngineError, Probe, RunSettings, SamplingParams
-from engine.generate import prompt_ids
 from inspector.session.limits import LimitError
 from inspector.session.models import model_choices, shared_model
 from inspector.session.run import check_settings
@@ -125,11 +124,9 @@ def model_for(dtype: str):
 def checked_ids(cfg_a, cfg_b) -> list[int]:
     """The prompt's ids after the same server-side checks as a Run (the widgets' bounds are not a guard), and
     the comparison's own bounds: recomputing without a cache and attention maps cost O(positions²)."""
-    settings, _ = check_settings(model, RunSettings(prompt=prompt, chat=bool(base.chat), system=base.system,
-                                                    allow_special=bool(base.allow_special), max_new_tokens=max_new,
-                                                    params=cfg_a.params, seed=seed), limits)
-    ids = prompt_ids(model, settings.prompt, chat=settings.chat, system=settings.system,
-                     allow_special=settings.allow_special)
+    ids = list(check_settings(model, RunSettings(prompt=prompt, chat=bool(base.chat), system=base.system,
+                                                 allow_special=bool(base.allow_special), max_new_tokens=max_new,
+                                                 params=cfg_a.params, seed=seed), limits).prompt_ids)
     n = len(ids) + max_new
     if not (cfg_a.cache and cfg_b.cache) and n * max_new > MAX_RECOMPUTED_POSITIONS:
         raise LimitError(f"KV cache off recomputes every position at every step: {len(ids):,} prompt tokens and "

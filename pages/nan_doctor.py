@@ -123,7 +123,7 @@ if st.button("Run with the fault", key="nd_inject", type="primary") or autorun o
     text = st.empty()
 
     def fault_run(tell):    # the one progress protocol: a unit per token, a Stop lands between two tokens
-        s, _ = check_settings(model, run.settings, limits)        # a reopened trace's prompt is checked too
+        s = check_settings(model, run.settings, limits).settings        # a reopened trace's prompt is checked too
         same = dtype in (None, str(model.dtype).removeprefix("torch."))
         tell_units(tell, 0, int(max_new), "the prompt" if same else f"a {dtype} copy of the weights (once per server)")
         pieces: list[str] = []

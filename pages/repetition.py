@@ -88,7 +88,7 @@ if st.button("Generate with each setting", key="rep_compare", disabled=not chose
     text = st.empty()
 
     def compare(tell):      # the one progress protocol: a unit per token of each setting's generation
-        settings, _ = check_settings(model, run.settings, server_limits(show_error=False))
+        settings = check_settings(model, run.settings, server_limits(show_error=False)).settings
         return rv.compare_penalties(model, settings, {c: rv.PENALTY_VARIANTS[c] for c in chosen},
                                     baseline=(res.token_ids, res.text), on_progress=tell,
                                     on_text=lambda label, t: text.caption(f"{label}: {rv.visible(t)[-240:]}"))

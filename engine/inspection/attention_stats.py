@@ -38,9 +38,8 @@ from engine.inspection.attention_blocks import (
     query_blocks,
 )
 from engine.inspection.attention_partials import finish_partials, pending_attention, run_blocks
+from engine.inspection.stages import ATTENTION_MAPS
 from engine.inspection.stat_sources import Given
-
-STAGES = ("attn.scores", "attn.pattern")
 
 
 def inspect_attention(p, qh: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, values=None) -> None:
@@ -71,7 +70,7 @@ def inspect_attention(p, qh: torch.Tensor, keys: torch.Tensor, mask: torch.Tenso
 
 def wanted_stages(want: AttentionView) -> list[str]:
     """The stages whose statistics want asks for, in forward order."""
-    return [s for s, w in zip(STAGES, (want.scores_stats, want.pattern_stats)) if w]
+    return [s for s, w in zip(ATTENTION_MAPS, (want.scores_stats, want.pattern_stats)) if w]
 
 
 def pending_source(qh: torch.Tensor, keys: torch.Tensor, off: int | None, want: AttentionView):

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from engine.inspection.plans import HEADS_FIRST
+from engine.inspection.stages import ATTENTION_MAPS
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ def zero_heads(*heads: int) -> HookFn:
     """Zero some heads of a [T, heads, hd] stage (q/k/v/z) or of a [heads, T, S] pattern."""
     def fn(x: torch.Tensor, ctx: HookContext) -> torch.Tensor:
         y = x.clone()
-        if ctx.name.endswith(HEADS_FIRST):
+        if ctx.name.endswith(ATTENTION_MAPS):
             y[list(heads)] = 0
         else:
             y[:, list(heads)] = 0

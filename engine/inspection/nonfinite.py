@@ -13,7 +13,7 @@ from engine.inspection.stat_columns import STAT_NAMES
 
 
 @dataclass
-class NonFinite:
+class FirstNonFinite:
     step: int
     stage: str                 # the hook name, e.g. "blocks.17.mlp.act"
     layer: int | None
@@ -33,12 +33,12 @@ def _stats_dict(row: torch.Tensor) -> dict[str, float]:
     return {k: float(v) for k, v in zip(STAT_NAMES, row.tolist())}
 
 
-def locate_nonfinite(recording: Recording) -> NonFinite | None:
+def locate_nonfinite(recording: Recording) -> FirstNonFinite | None:
     """The first stage (forward order, earliest step) holding a NaN or Inf, and where."""
     if (hit := recording.first_nonfinite()) is None:
         return None
     rec, pos = hit
-    return NonFinite(rec.step, rec.name, rec.layer, pos, _stats_dict(rec.values[pos - rec.pos0]))
+    return FirstNonFinite(rec.step, rec.name, rec.layer, pos, _stats_dict(rec.values[pos - rec.pos0]))
 
 
 def stage_profile(recording: Recording, step: int, position: int) -> list[dict]:
@@ -48,7 +48,7 @@ def stage_profile(recording: Recording, step: int, position: int) -> list[dict]:
             for name, layer, row in zip(b.names, b.layers, b.values[:, position - b.pos0].tolist())]
 
 
-def lead_up(recording: Recording, nf: NonFinite, k: int = 10) -> list[dict]:
+def lead_up(recording: Recording, nf: FirstNonFinite, k: int = 10) -> list[dict]:
     """The k stages before the first non-finite one (same step and position) and that stage itself."""
     rows = stage_profile(recording, nf.step, nf.position)
     i = next(j for j, r in enumerate(rows) if r["stage"] == nf.stage)

@@ -13,8 +13,8 @@ from fnmatch import fnmatchcase as _fnmatchcase
 from typing import Callable
 
 from engine.inspection.probe_views import FULL, NONE, ROWS, STATS
+from engine.inspection.stages import ATTENTION_MAPS
 
-HEADS_FIRST = ("attn.scores", "attn.pattern")
 _LAYER = re.compile(r"blocks\.(\d+)\.(.+)")
 _SHARED: dict[tuple, "Plan"] = {}
 SHARED_MAX = 1 << 14
@@ -74,7 +74,7 @@ def plan_stage(name: str, stats_specs: list[str], capture_specs: list[tuple], re
 
 def _new(name: str, stats_specs, capture_specs, replace_specs) -> Plan:
     layer, stage = split_name(name)
-    p = Plan(layer=layer, heads_first=stage in HEADS_FIRST,
+    p = Plan(layer=layer, heads_first=stage in ATTENTION_MAPS,
              masked=stage == "attn.scores" or name.startswith("sampler."))
     for pats, layers, positions in capture_specs:
         if matches(name, pats) and (layers is None or layer in layers):

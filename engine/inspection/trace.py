@@ -60,7 +60,7 @@ class Trace:
     seconds: float
     created: float = field(default_factory=time.time)
     loops: list[Loop] = field(default_factory=list)
-    first_nonfinite: dict | None = None      # step, stage, layer, position (nonfinite.NonFinite.as_dict())
+    first_nonfinite: dict | None = None      # step, stage, layer, position (nonfinite.FirstNonFinite.as_dict())
     interventions: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # JSON-able notes (injections, model dtype, ...)
     notes: list[str] = field(default_factory=list)   # what the app changed or wants the user to know

@@ -22,11 +22,10 @@ from dataclasses import dataclass
 
 from engine.errors import EngineError
 from engine.inspection.plans import split_name
-from engine.inspection.stages import LAYER_STAGES, SAMPLER_STAGES
+from engine.inspection.stages import GLOBAL_STAGES, LAYER_STAGES
 from engine.sampling import SamplingParams
 from engine.settings import MAX_STOP_CHARS, MAX_STOP_STRINGS, RunSettings
 
-GLOBAL_STAGES = ("tokenizer", "embed", "final_norm", "logits_uncapped", "logits", "detokenizer", *SAMPLER_STAGES)
 STOP_REASONS = ("eos", "stop_string", "max_new_tokens", "context", "running", "nonfinite", "error",
                 "non-finite logits", "stopped")
 META_KEY = "llm_inspector_trace"          # the safetensors metadata entry that holds the trace's JSON

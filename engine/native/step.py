@@ -4,8 +4,10 @@ A model takes it only when everything it computes is on the allow-list of what d
 family in NATIVE_FAMILIES whose config has every variation at Llama's value (no q/k norms, post-norms, multipliers,
 soft caps, windows, rotary fraction, layers without RoPE, experts), no biases, no precision plan, every weight a
 contiguous float32 matrix, on the CPU in float32. A call then takes it when it is one token and its probe is none
-or asks for statistics and timing only (no captures, replacements, weight overrides or run-only epsilon). Anything
-else, or a library that could not be built, runs the PyTorch forward, which stays the reference: tests hold the
+or asks only for what one pass of decode.c gives (Probe.served_by): statistics of any stages, per-layer timing marks,
+and a capture of the logits (the app's inspected run asks for exactly these) -- no capture of any other stage, no
+replacement, weight override or run-only epsilon. Anything else, or a library that could not be built, runs the
+PyTorch forward, which stays the reference: tests hold the
 two to each other and to transformers.
 
 The native step reads its own copy of the weight matrices, laid out as panels of eight rows (see decode.c):
@@ -24,7 +26,7 @@ import threading
 import torch
 
 from engine.family.slots import MATRICES as SLOT_MATRICES
-from engine.inspection.stages import PLAIN_STAGES, hook_names
+from engine.inspection.stages import PLAIN_STAGES, forward_stages
 from engine.native import build
 
 _P = ctypes.c_void_p
@@ -78,13 +80,10 @@ def panels(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
-class Step(ctypes.Structure):
+class StepArgs(ctypes.Structure):
     _fields_ = _FIELDS
 
 
-def stage_names(num_layers: int) -> list[str]:
-    """The stages a decode forward offers, in its order: what the native step's statistics rows are."""
-    return [n for n in hook_names(num_layers) if n not in ("tokenizer", "detokenizer") and not n.startswith("sampler.")]
 
 
 
@@ -93,7 +92,7 @@ class NativeDecoder:
 
     def __init__(self, model, lib: ctypes.CDLL) -> None:
         self.lib, self.model = lib, model
-        self.names = stage_names(model.config.num_layers)
+        self.names = forward_stages(model.config.num_layers)    # its statistics rows, in order
         self.layers = [None] + [i for i in range(model.config.num_layers) for _ in PLAIN_STAGES] + [None, None]
         self.mark_labels = ["embed", *(f"blocks.{i}" for i in range(model.config.num_layers)), "logits"]
         self._packed = False
@@ -103,7 +102,7 @@ class NativeDecoder:
         """The panel copy of the weight matrices, made at the first decode step (not at load: a model that never
         decodes natively never pays for it)."""
         w = self.model.weights
-        self._keep = []      # ctypes arrays the Step points into
+        self._keep = []      # ctypes arrays the StepArgs point into
         mats = [getattr(lw, f) for lw in w.layers for f in MATRICES] + [w.lm_head]
         self.panels = torch.empty(sum(m.numel() for m in mats))
         views, at = [], 0
@@ -181,7 +180,7 @@ class NativeDecoder:
         marks = torch.empty(c.num_layers + 2, dtype=torch.float64) if timing else None
         nth = torch.get_num_threads()     # read once: the work buffer is sized for the threads the call uses
         work = self._work(cache, nth)
-        s = Step(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+        s = StepArgs(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                  c.vocab_size, cache.max_len, pos, nth, eps, c.head_dim ** -0.5, x.data_ptr(),
                  self.layer_ptrs["attn_norm"], self.layer_ptrs["wqkv"], self.layer_ptrs["wo"],
                  self.layer_ptrs["mlp_norm"], self.layer_ptrs["w_gate_up"], self.layer_ptrs["w_down"],

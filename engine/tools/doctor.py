@@ -24,9 +24,10 @@ import torch
 from engine.errors import EngineError, InputError
 from engine.generate import GenerationResult, GenerationRun, nonfinite_stop
 from engine.inspection.interventions import HookContext
-from engine.inspection.nonfinite import NonFinite, lead_up, locate_nonfinite
-from engine.inspection.plans import HEADS_FIRST, split_name
+from engine.inspection.nonfinite import FirstNonFinite, lead_up, locate_nonfinite
+from engine.inspection.plans import split_name
 from engine.inspection.probe import GLOBAL_WEIGHTS, WEIGHT_SLOTS, Probe
+from engine.inspection.stages import ATTENTION_MAPS, forward_stages
 from engine.inspection.stat_columns import nonfinite
 from engine.model import Model
 from engine.progress import OnProgress, tell_units
@@ -120,7 +121,7 @@ class Injection:
 
     def _stage_fn(self):
         def fn(x: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
-            heads_first = ctx.name.endswith(HEADS_FIRST)
+            heads_first = ctx.name.endswith(ATTENTION_MAPS)
             y = x.transpose(0, 1) if heads_first else x                 # positions first
             if y.dim() == 1:                                             # sampler stages: one position
                 y = y.unsqueeze(0)
@@ -158,7 +159,7 @@ class DoctorReport:
     injections: list[str]
     norm_eps: float | None
     dtype: str
-    first_nonfinite: NonFinite | None
+    first_nonfinite: FirstNonFinite | None
     lead_up: list[dict] = field(default_factory=list)
     error: str | None = None
 
@@ -209,7 +210,6 @@ def run_doctor(model: Model, prompt, *, injections=(), norm_eps: float | None = 
 # ---- precision comparison -----------------------------------------------------------------------
 UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}
 DEFAULT_STAGES = ("embed", "blocks.*", "final_norm", "logits")
-SKIP = ("attn.scores", "attn.pattern")     # materialising them would change the reference's attention kernel
 
 
 @dataclass
@@ -237,8 +237,7 @@ def precision_compare(ref: Model, low: Model, ids, *, threshold: float | None = 
     ids = [int(i) for i in ids]
     threshold = 8 * UNIT_ROUNDOFF.get(low.dtype, 2.0 ** -11) if threshold is None else threshold
     pats = [stages] if isinstance(stages, str) else list(stages)
-    names = [n for n in ref.hook_names() if any(fnmatchcase(n, p) for p in pats)
-             and not n.endswith(SKIP) and n not in ("tokenizer", "detokenizer") and not n.startswith("sampler.")]
+    names = [n for n in forward_stages(ref.config, maps=False) if any(fnmatchcase(n, p) for p in pats)]
     layers = ref.config.num_layers
 
     def logits(model: Model, probe: Probe, k: int) -> torch.Tensor:                 # k: forwards before this one

@@ -18,11 +18,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from engine.errors import InputError
-from engine.generate import GenerationRun
 from engine.inspection.probe import Probe
 from engine.sampling import SamplingParams, sampler_chain
 from engine.tools import dla
-from engine.tools.patching import patching_grid
 
 
 def _num(x: float) -> float | None:
@@ -207,32 +205,3 @@ def single_token(model, text: str, what: str = "target") -> int:
         pieces = ", ".join(repr(model.tokenizer.decode([i])) for i in ids) or "none"
         raise InputError(f"the {what} {text!r} is {len(ids)} tokens ({pieces}); give the text of exactly one token")
     return ids[0]
-
-
-# ---- timing for the lead --------------------------------------------------------------------------------
-def _timed(fn) -> tuple[object, float, float]:
-    """fn() with its wall seconds and this process's CPU seconds (on a shared machine the wall time
-    includes waiting for other processes; CPU seconds over the thread count is the uncontended estimate)."""
-    w, c = time.perf_counter(), time.process_time()
-    out = fn()
-    return out, time.perf_counter() - w, time.process_time() - c
-
-
-def bench_explain(model, *, prompt: str = "Write a short story about a lighthouse keeper.",
-                  clean: str = "The Eiffel Tower is located in the beautiful old city of",
-                  corrupt: str = "The Colosseum is located in the beautiful old city of") -> dict:
-    """Seconds for "why A not B" at the last step of a 64-token greedy run, and for the full patching grid
-    (every layer x position x site, no skipped positions, plus every head) of a 12-token prompt; each as
-    wall seconds and CPU seconds, with one plain forward of the prompt for scale."""
-    r = GenerationRun(model, prompt, max_new_tokens=64, ignore_eos=True).run()
-    explain_step(model, r.prompt_ids, r.token_ids, 0)                        # warm-up
-    e, why, why_cpu = _timed(lambda: explain_step(model, r.prompt_ids, r.token_ids, len(r.token_ids) - 1))
-    c, k = model.tokenizer.encode(clean), model.tokenizer.encode(corrupt)
-    target = int(torch.argmax(model.logits(c)[-1]))
-    g, grid, grid_cpu = _timed(lambda: patching_grid(model, c, k, target, skip_unchanged=False))
-    _, one, one_cpu = _timed(lambda: model.logits(c))
-    return {"why_context_tokens": len(e.ids), "why_seconds": why, "why_cpu_seconds": why_cpu,
-            "why_residual_error": e.residual_error, "grid_tokens": len(c), "grid_runs": g.runs,
-            "grid_seconds": grid, "grid_cpu_seconds": grid_cpu, "grid_parts": g.seconds,
-            "one_forward_seconds": one, "one_forward_cpu_seconds": one_cpu,
-            "naive_grid_estimate_seconds": one * g.runs, "threads": torch.get_num_threads()}

@@ -32,6 +32,7 @@ from engine.generate import GenerationRun
 from engine.inspection.interventions import HookContext
 from engine.inspection.plans import split_name
 from engine.inspection.probe import Probe
+from engine.inspection.stages import forward_stages
 from engine.model import Model
 from engine.progress import OnProgress, tell_units
 from engine.settings import RunSettings
@@ -42,7 +43,6 @@ from engine.weights import Weights
 FORMATS = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
 MATRICES = SLOT_MATRICES + tuple(s.field for s in SLOTS if s.kind == "experts")   # every product's weights
 THRESHOLD = 0.05
-SKIP = ("attn.scores", "attn.pattern")     # materialising them would change the reference's attention kernel
 
 
 def _qtype(fmt: str):
@@ -138,11 +138,6 @@ class QuantReport:
             dataclasses.replace(r, first_layer_over=first_layer_over(r.per_stage, threshold)) for r in self.formats])
 
 
-def stage_names(model: Model) -> list[str]:
-    return [n for n in model.hook_names() if n not in ("tokenizer", "detokenizer")
-            and not n.startswith("sampler.") and not n.endswith(SKIP)]
-
-
 def _compare(ref_stages: dict[str, torch.Tensor], quant: Model, ids: list[int]) -> tuple[list[dict], torch.Tensor]:
     """One forward of quant over ids, each stage compared with the reference's as it passes (then dropped).
     Returns the per-stage rows and quant's logits (T, V) float32."""
@@ -177,7 +172,7 @@ def compare_formats(model: Model, ids: list[int], n_prompt: int, formats, *, thr
     fmts = check_formats(formats)
     total = 1 + 2 * len(fmts)
     tell_units(on_progress, 0, total, "the float32 reference forward")
-    names = stage_names(model)
+    names = forward_stages(model.config, maps=False)   # the maps would change the reference's attention kernel
     cap = Probe().capture(names)
     ref_logits = model.logits(ids, cap)
     ref_stages = {c.name: c.value.float() for c in cap.recording.captures}

@@ -26,6 +26,7 @@ from engine.errors import InputError
 from engine.generate import PREFILL_CHUNK, GenerationRun
 from engine.inspection.interventions import HookContext
 from engine.inspection.probe import Probe
+from engine.inspection.stages import forward_stages
 from engine.model import Model
 from engine.settings import RunSettings
 from engine.tools.doctor import Injection
@@ -36,7 +37,6 @@ MAX_NEW_TOKENS = 8            # float16 matmuls on a CPU are slow: each rerun ru
 # 0.0625; bfloat16: 0.5). On the bundled model, 64 steps over 4 prompts, a float16 run moved fp32's top-2 gap
 # by at most 2.8 such spacings (0.044 logits) and a bfloat16 run by at most 3.4 (0.42).
 TIE_ULPS = 4
-UNWATCHED = ("attn.scores", "attn.pattern")   # -inf masks are not faults; hooking them forces slow attention
 
 
 def tie_margin(top_logit: float, dtype: torch.dtype) -> float:
@@ -88,9 +88,7 @@ def fault_only_probe(model: Model, injections, norm_eps: float | None, *, watch:
         (Injection.parse(inj) if isinstance(inj, str) else inj).apply(probe, model)
     probe.norm_eps = norm_eps
     if watch:
-        names = [n for n in model.hook_names() if n not in ("tokenizer", "detokenizer")
-                 and not n.startswith("sampler.") and not n.endswith(UNWATCHED)]
-        probe.replace(names, watch)
+        probe.replace(forward_stages(model.config, maps=False), watch)   # the maps' -inf masks are no fault
     return probe
 
 

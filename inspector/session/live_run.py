@@ -28,7 +28,7 @@ from engine.heap import trim
 from .admission import ServerBusyError
 from .estimate import FULL_TERMS, Estimate, estimate, fit_prefill, flop_shape
 from .limits import Limits
-from .run import inspect_run
+from .run import Checked, inspect_run
 
 PER_CLIENT_REFUSAL = "You already have "
 log = logging.getLogger("llm_inspector")     # how admission's refusal for one browser's runs begins
@@ -57,12 +57,12 @@ def own_refusal(e: BaseException, previous_click: Callable[[], bool] | None) -> 
 
 
 class _Listener:
-    """What the engine calls back (as on_token, with on_progress): records, and answers STOP once asked."""
+    """What the engine calls back (on_token and on_progress): records, and answers STOP once asked."""
 
     def __init__(self, live: "LiveRun") -> None:
         self.live = live
 
-    def __call__(self, step: Step):
+    def on_token(self, step: Step):
         live = self.live
         live.admitted()
         live.pieces.append(step.text)
@@ -108,24 +108,28 @@ class LiveRun:
     error: BaseException | None = None
     thread: threading.Thread | None = None
 
-    def start(self, model: Model, limits: Limits,
-              prepare: Callable[[threading.Thread], None] | None = None) -> "LiveRun":
+    def start(self, model: Model, limits: Limits, prepare: Callable[[threading.Thread], None] | None = None, *,
+              checked: Checked | None = None) -> "LiveRun":
         """Generate in a new thread; `prepare` sees the thread before it starts (the app gives it the starting
         script's run context, so that the admission queue knows which browser asks, inspector.ui.common.client_key);
-        the thread never draws. The model reaches it through a closure, so this object never holds the model
-        (the session's memory budget counts what session state holds)."""
+        the thread never draws. checked: these settings as check_settings checked them against these limits (the
+        run then neither checks nor tokenises again); without it the run checks them itself. The model reaches the
+        thread through a closure, so this object never holds the model (the session's memory budget counts what
+        session state holds)."""
         self.shape = rates(model).shape(model.config)
-        self.thread = threading.Thread(target=lambda: self._work(model, limits), daemon=True,
+        request = self.settings if checked is None else checked
+        self.thread = threading.Thread(target=lambda: self._work(model, limits, request), daemon=True,
                                        name=f"llm-inspector-run-{id(self):x}")
         if prepare is not None:
             prepare(self.thread)
         self.thread.start()
         return self
 
-    def _work(self, model: Model, limits: Limits) -> None:
+    def _work(self, model: Model, limits: Limits, request: RunSettings | Checked) -> None:
+        listener = _Listener(self)
         try:
-            self.record = inspect_run(model, self.settings, on_token=_Listener(self), limits=limits,
-                                      on_queue=self._on_queue, client=self.client)
+            self.record = inspect_run(model, request, on_token=listener.on_token, on_progress=listener.on_progress,
+                                      limits=limits, on_queue=self._on_queue, client=self.client)
             rates(model).add(self.record)
         except BaseException as e:             # shown by the script; the thread itself never raises
             self.error = own_refusal(e, self.previous_click)
@@ -208,11 +212,6 @@ class Rates:
             pre, dec = list(self.prefills), list(self.per_token)
         return estimate(pre, dec, n_prompt, max_new)
 
-    def estimate(self, n_prompt: int, max_new: int) -> tuple[float, float] | None:
-        """(prefill seconds, seconds for max_new tokens) or None before anything was measured."""
-        est = self.forecast(n_prompt, max_new)
-        return None if est is None else (est.prefill, est.decode)
-
     def shape(self, config: ModelConfig) -> tuple[float, float]:
         """(c1, c2): how a prefill's work grows with its positions, for weighing its progress: measured here
         once three prompt lengths were, else from the model's arithmetic."""
@@ -221,12 +220,6 @@ class Rates:
         if fit is not None and fit.lengths >= FULL_TERMS and fit.c1 + fit.c2 > 0:
             return fit.c1, fit.c2
         return flop_shape(config)
-
-
-def prefill_fit(samples: list[tuple[int, float]], n: int) -> float:
-    """Seconds for an n-position prefill from measured (positions, seconds) (inspector.session.estimate)."""
-    fit = fit_prefill(samples)
-    return 0.0 if fit is None else fit.seconds(n)
 
 
 _rates: dict[tuple, Rates] = {}

@@ -18,6 +18,7 @@ from typing import Callable
 
 from engine import Model, RunSettings, Step, Trace, inspection_probe, make_trace
 from engine.generate import prompt_ids
+from engine.progress import OnProgress
 
 from .admission import Admission, shared_admission
 from .limits import LimitError, Limits, check_text, env_name
@@ -44,9 +45,20 @@ def generations() -> int:
     return _generated
 
 
-def check_settings(model: Model, settings: RunSettings, limits: Limits) -> tuple[RunSettings, list[str]]:
-    """Settings safe to hand to the engine, and notes for the user; PromptError / LimitError / InputError
-    (each an engine InputError naming what is wrong) before any device work or queueing."""
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """A request checked against the server's limits (check_settings makes it, once per Run): the settings safe to
+    hand to the engine, notes for the user, and the prompt's token ids as the model sees them (tokenised once:
+    the estimate counts them and the generation starts from them)."""
+    settings: RunSettings
+    notes: tuple[str, ...]
+    prompt_ids: tuple[int, ...]
+    tokenize_s: float                  # what tokenising took (the run's timings report it as its tokenize time)
+
+
+def check_settings(model: Model, settings: RunSettings, limits: Limits) -> Checked:
+    """The request checked once, before any device work or queueing; PromptError / LimitError / InputError (each an
+    engine InputError naming what is wrong)."""
     prompt, notes = check_text(settings.prompt, limits, "prompt")
     system = settings.system
     if system is not None:
@@ -57,18 +69,19 @@ def check_settings(model: Model, settings: RunSettings, limits: Limits) -> tuple
         raise LimitError(f"{n_new:,} new tokens asked for; this server generates at most {limits.max_new_tokens:,} "
                          f"per run ({env_name('max_new_tokens')})")
     settings = dataclasses.replace(settings, prompt=prompt, system=system)
+    t0 = time.perf_counter()
     ids = prompt_ids(model, prompt, chat=settings.chat, system=system, allow_special=settings.allow_special)
+    tokenize_s = time.perf_counter() - t0
     if len(ids) > limits.max_prompt_tokens:
         raise LimitError(f"the prompt is {len(ids):,} tokens long (as the model sees it); this server accepts at "
                          f"most {limits.max_prompt_tokens:,} ({env_name('max_prompt_tokens')})")
     if not settings.allow_special:
-        tok = model.tokenizer
-        special = sorted({tok.token_text(i) for i in tok.encode(prompt, allow_special=True) if tok.is_special(i)})
+        special = sorted(set(model.tokenizer.special_texts(prompt)))
         if special:
             notes.append(f"The prompt contains special-token text ({', '.join(special[:5])}); it was read as plain "
                          "text. Turn on 'Special-token text in the prompt acts as control tokens' to use it as "
                          "control tokens.")
-    return settings, notes
+    return Checked(settings, tuple(notes), tuple(ids), tokenize_s)
 
 
 def _count_generation() -> None:
@@ -77,19 +90,25 @@ def _count_generation() -> None:
         _generated += 1
 
 
-def inspect_run(model: Model, settings: RunSettings, on_token: Callable[[Step], None] | None = None, *,
-                limits: Limits | None = None, on_queue: Callable[[int], None] | None = None,
-                admission: Admission | None = None, client: str | None = None) -> Trace:
-    """Check the request, wait for a device slot (on_queue(position) while waiting), generate with full
-    inspection. Limits default to the environment's, admission to the process-wide queue; client (who asks, for
-    the queue's per-browser turns) to what the app's resolver says in this thread."""
+def inspect_run(model: Model, request: RunSettings | Checked, on_token: Callable[[Step], object] | None = None, *,
+                on_progress: OnProgress | None = None, limits: Limits | None = None,
+                on_queue: Callable[[int], None] | None = None, admission: Admission | None = None,
+                client: str | None = None) -> Trace:
+    """Check the request (unless check_settings already did: a Checked), wait for a device slot (on_queue(position)
+    while waiting), generate with full inspection from the checked prompt ids (on_token(step) after each token,
+    on_progress(Progress) during the prefill; either may answer STOP). Limits default to the environment's,
+    admission to the process-wide queue; client (who asks, for the queue's per-browser turns) to what the app's
+    resolver says in this thread."""
     limits = limits or Limits.from_env()
-    settings, notes = check_settings(model, settings, limits)
+    checked = request if isinstance(request, Checked) else check_settings(model, request, limits)
+    settings = checked.settings
     admission = admission or shared_admission(limits)
     with admission.slot(on_wait=on_queue, timeout=limits.queue_timeout_s, client=client):
         probe = inspection_probe(timing=settings.timing)
         _count_generation()
         t0 = time.perf_counter()
-        result = model.generate(settings.prompt, probe=probe, on_token=on_token, **settings.generation_kwargs())
+        result = model.generate(list(checked.prompt_ids), probe=probe, on_token=on_token, on_progress=on_progress,
+                                **settings.generation_kwargs())
         seconds = time.perf_counter() - t0
-    return track(make_trace(settings, result, probe, model.name, seconds, notes=notes))
+    result.timings["tokenize"] = checked.tokenize_s          # tokenised once, by the check, not by the engine again
+    return track(make_trace(settings, result, probe, model.name, seconds, notes=list(checked.notes)))

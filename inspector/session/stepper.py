@@ -31,14 +31,16 @@ from .run import check_settings, track
 class Debugger:
     def __init__(self, model: Model, settings: RunSettings, breakpoints: list[Breakpoint] | None = None, *,
                  limits: Limits | None = None) -> None:
-        settings, self.notes = check_settings(model, settings, limits or Limits.from_env())   # as inspect_run does
-        self.settings = settings
+        checked = check_settings(model, settings, limits or Limits.from_env())   # as inspect_run does
+        self.settings = settings = checked.settings
+        self.notes = list(checked.notes)
         self.model_name = model.name
         self.probe = inspection_probe(timing=settings.timing)
         if model.config.num_experts:        # routing breakpoints read each step's gates
             self.probe.capture(ROUTING_CAPTURE)
         t0 = time.perf_counter()
-        self.run = GenerationRun(model, settings.prompt, probe=self.probe, **settings.generation_kwargs())
+        self.run = GenerationRun(model, list(checked.prompt_ids), probe=self.probe, **settings.generation_kwargs())
+        self.run.timings["tokenize"] = checked.tokenize_s     # tokenised once, by the check
         self.seconds = time.perf_counter() - t0
         self.breakpoints: list[Breakpoint] = list(breakpoints or [])
         self.params_log: list[tuple[int, SamplingParams]] = [(0, self.run.params)]   # (first step, params)

@@ -43,7 +43,7 @@ def _checked_settings(run, model):
     check_settings: the prompt's characters and tokens, new tokens, stop strings), or None after the message.
     A reopened trace's settings are whatever its file holds: a section that reruns them checks them first."""
     try:
-        return check_settings(model, run.settings, server_limits(show_error=False))[0]
+        return check_settings(model, run.settings, server_limits(show_error=False)).settings
     except InputError as e:
         st.error(f"This run's settings cannot be generated again on this server: {plain(e)}")
         return None

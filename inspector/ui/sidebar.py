@@ -153,8 +153,8 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
         getattr(st, kind)(text)
     if live is None and model is not None and (clicked or demo) and not problems:
         live = start_run(model, limits, demo)
-    elif live is None and model is not None:
-        estimate_caption(model, limits)
+    elif live is None and model is not None and not problems:
+        estimate_caption(model, limits)          # the widgets were checked above (problems): not again
     return live
 
 
@@ -181,9 +181,10 @@ def _whole_number(value, key: str, what: str, lo: int, hi: int) -> list[str]:
     return []
 
 
-def settings_from_sidebar() -> RunSettings:
-    """The sidebar's prompt and settings; InputError names the first setting outside its range."""
-    problems = generation_problems()
+def settings_from_sidebar(*, checked: bool = False) -> RunSettings:
+    """The sidebar's prompt and settings; InputError names the first setting outside its range (checked=True: the
+    caller has just found no problem in this script run, generation_problems, and they are not looked for again)."""
+    problems = [] if checked else generation_problems()
     if problems:
         raise InputError(problems[0])
     s = st.session_state
@@ -198,8 +199,7 @@ def _prompt_tokens(model: Model, settings: RunSettings, limits: Limits) -> int |
     over the server's length limit is never tokenized (a browser can send megabytes whatever max_chars says)."""
     if not isinstance(settings.prompt, str) or len(settings.prompt) > limits.max_prompt_chars:
         return None
-    memo = session().prompt_tokens
-    key = (model.name, settings.prompt, settings.chat, settings.allow_special)
+    memo, key = session().prompt_tokens, _tokens_key(model, settings)
     if key not in memo:
         memo.clear()
         try:
@@ -210,6 +210,10 @@ def _prompt_tokens(model: Model, settings: RunSettings, limits: Limits) -> int |
     return memo[key]
 
 
+def _tokens_key(model: Model, settings: RunSettings) -> tuple:
+    return model.name, settings.prompt, settings.chat, settings.allow_special
+
+
 def _estimate(model: Model, settings: RunSettings, limits: Limits) -> Estimate | None:
     n = _prompt_tokens(model, settings, limits)
     return None if n is None else rates(model).forecast(n, settings.max_new_tokens)
@@ -217,29 +221,32 @@ def _estimate(model: Model, settings: RunSettings, limits: Limits) -> Estimate |
 
 def estimate_caption(model: Model, limits: Limits) -> None:
     with suppress(TypeError, ValueError, InputError):       # a setting out of range: said above Run instead
-        if (est := _estimate(model, settings_from_sidebar(), limits)) is not None:
+        if (est := _estimate(model, settings_from_sidebar(checked=True), limits)) is not None:
             st.caption(est.caption())
 
 
 def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
     """Check the settings here (a bad prompt is a message at once), then generate in the background."""
     try:
-        settings = settings_from_sidebar()
+        settings = settings_from_sidebar(checked=True)     # prompt_and_run starts a run only without problems
     except (TypeError, ValueError, InputError) as e:
         st.error(f"Invalid generation setting: {e}")
         return None
     try:
-        checked, _ = check_settings(model, settings, limits)
+        checked = check_settings(model, settings, limits)     # the one check and tokenisation of this Run
     except EngineError as e:
         st.error(str(e))
         return None
-    est = _estimate(model, checked, limits)
+    n_prompt = len(checked.prompt_ids)
+    session().prompt_tokens.clear()
+    session().prompt_tokens[_tokens_key(model, settings)] = n_prompt     # the estimate after the run: not again
+    est = rates(model).forecast(n_prompt, checked.settings.max_new_tokens)
     turn = page_turn()
-    live = LiveRun(settings, model.name, est.n_prompt if est else 0, None if est is None else est.total, demo=demo,
+    live = LiveRun(settings, model.name, n_prompt, None if est is None else est.total, demo=demo,
                    client=client_key(), previous_click=turn.locked,
                    observer=room_live.publisher(settings.prompt, settings.max_new_tokens))   # a teacher's room
     session().live = live
-    return live.start(model, limits, prepare=common.with_script_context)
+    return live.start(model, limits, prepare=common.with_script_context, checked=checked)
 
 
 def watch(live: LiveRun, limits: Limits, on_tick=None) -> None:

@@ -17,11 +17,10 @@ import plotly.graph_objects as go
 import torch
 
 from engine import GenerationResult, GenerationRun, InputError, Model, Probe, SamplingParams, Step, scale, zero_heads
+from engine.inspection.stages import ATTENTION_MAPS, HEAD_STAGES, forward_stages
 from engine.sampling import sampler_chain
 
 TokenText = Callable[[int], str]
-HEAD_STAGES = ("attn.q", "attn.k", "attn.v", "attn.q_rot", "attn.k_rot", "attn.z", "attn.pattern", "attn.scores")
-SKIP = ("tokenizer", "detokenizer", "logits")           # not tensors here / taken from the forward's output
 DIFF_COLUMNS = ["stage", "layer", "rel_error", "max_abs_diff", "differing", "norm_a", "norm_b"]
 
 
@@ -131,8 +130,8 @@ def capture_step(model: Model, ids: Sequence[int], n_prompt: int, cfg: RunConfig
     if not n_prompt <= len(ids):
         raise InputError(f"need the {n_prompt} prompt ids and the shared tokens, got {len(ids)} ids")
     pos = len(ids) - 1
-    names = [n for n in model.hook_names() if not n.startswith(SKIP) and not n.startswith("sampler.")
-             and (attention_maps or not n.endswith(("attn.scores", "attn.pattern")))]
+    names = [n for n in forward_stages(model.config, maps=attention_maps)
+             if not n.startswith("logits")]                    # the logits: taken from the forward's output
     probe = Probe().capture(names, positions=[pos])
     if cfg.intervention is not None:
         cfg.intervention.apply(model, probe)
@@ -148,7 +147,7 @@ def capture_step(model: Model, ids: Sequence[int], n_prompt: int, cfg: RunConfig
     out = {}
     for c in probe.recording.captures:
         if c.positions == [pos] and c.name not in out:
-            row = c.value[:, 0] if c.name.endswith(("attn.scores", "attn.pattern")) else c.value[0]
+            row = c.value[:, 0] if c.name.endswith(ATTENTION_MAPS) else c.value[0]
             out[c.name] = row.float()
     out["logits"] = logits
     out.update(sampler_chain(logits, cfg.params, ids, ids[n_prompt:]))

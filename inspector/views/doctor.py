@@ -12,13 +12,12 @@ import plotly.graph_objects as go
 
 from engine import STAT_NAMES, InputError
 from engine.family.slots import SLOTS
-from engine.inspection.nonfinite import NonFinite, stage_profile
-from engine.inspection.stages import LAYER_STAGES, layer_stages
+from engine.inspection.nonfinite import FirstNonFinite, stage_profile
+from engine.inspection.stages import GLOBAL_STAGES, LAYER_STAGES, global_stages, layer_stages
 from engine.tools.doctor import FP16_MAX, PRESETS, Injection, is_weight
 
 from .theme import colorscale
 
-GLOBAL_STAGES = ("embed", "final_norm", "logits")
 VALUE_STATS = ("min", "max", "mean", "std", "absmax")
 WINDOW = 12        # stages shown each side of the first non-finite one: one readable column per stage
 WEIGHTS = tuple(s.probe for s in SLOTS)    # every block weight a fault can be planted in (engine.family.slots)
@@ -35,7 +34,8 @@ def target_choices(cfg=None) -> list[str]:
         stages = [s for s in LAYER_STAGES if s in have]
         slots = {f for i in range(cfg.num_layers) for f in cfg.family.slots(cfg.layer_moe[i], cfg.attention_bias)}
         weights = [s.probe for s in SLOTS if s.field in slots]
-    return [*GLOBAL_STAGES[:1], *stages, *GLOBAL_STAGES[1:], *(f"weight: {w}" for w in weights)]
+    before, after = global_stages(cfg)
+    return [*before, *stages, *after, *(f"weight: {w}" for w in weights)]
 
 
 def injection_spec(kind: str, target: str, layer: int, position: int | None, factor: float = 1.0) -> str:
@@ -51,7 +51,7 @@ def preset_label(name: str) -> str:
 
 
 # ---- the first non-finite value -------------------------------------------------------------------
-def nonfinite_headline(nf: NonFinite) -> str:
+def nonfinite_headline(nf: FirstNonFinite) -> str:
     what = ", ".join(f"{int(nf.stats[k])} {'NaN' if k == 'nan' else 'Inf'}" for k in ("nan", "inf") if nf.stats[k])
     where = "the prompt's prefill" if nf.step == 0 else f"decode step {nf.step}"
     layer = "" if nf.layer is None else f", layer **{nf.layer}**"
@@ -59,7 +59,7 @@ def nonfinite_headline(nf: NonFinite) -> str:
             f"({where}): {what} at that position.")
 
 
-def fault_outcome(specs, nf: NonFinite | None, prof: pd.DataFrame | None, fp16: bool = False) -> str | None:
+def fault_outcome(specs, nf: FirstNonFinite | None, prof: pd.DataFrame | None, fp16: bool = False) -> str | None:
     """What a fault run found, said against what was planted: the first NaN/Inf can appear stages after the
     planted one (a ×4 activation that fits float16 whose down projection overflows), and the page must not
     suggest the planted stage itself went non-finite when it did not."""

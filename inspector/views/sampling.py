@@ -11,11 +11,11 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from engine.inspection.stages import SAMPLER_STAGES
 from engine.sampling import SamplingParams, sampler_chain
 
 TokenText = Callable[[int], str]
-STAGES = ("sampler.penalties", "sampler.temperature", "sampler.top_k", "sampler.top_p", "sampler.min_p",
-          "sampler.probs")
+STAGES = SAMPLER_STAGES          # the chain's stages, in order (engine.inspection.stages)
 KEPT, CUT, CHOSEN = "#3b6fb6", "#c7d2e0", "#e4572e"
 # The sampling page's settings B, C, D, E (A is the run's own); also what the benchmark compares.
 PRESETS = (dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, top_k=40, min_p=0.05),

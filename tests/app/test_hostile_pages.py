@@ -79,8 +79,8 @@ def encode_calls(monkeypatch, tok) -> list[int]:
             texts = [arg] if isinstance(arg, str) else [m["content"] for m in arg]
             seen.extend(len(t) for t in texts)
             return _real(arg, *a, **k)
-        monkeypatch.setattr(tok, name, spy)
-    return seen
+        monkeypatch.setitem(vars(tok), name, spy)   # undone by deleting it: setattr's undo would leave the bound
+    return seen                                     # method on the instance, hiding later patches of the class
 
 
 def test_the_tokens_page_tokenizes_at_most_the_servers_prompt_limit_of_a_files_prompt(page, tiny_model,

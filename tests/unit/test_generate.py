@@ -165,7 +165,9 @@ def test_stop_during_the_prefill(tiny_model, monkeypatch):
     assert r.stop_reason == "stopped" and r.steps == [] and tiny_model.live_hooks == 0
 
 
-def test_a_listener_passed_as_on_token_hears_the_prefill(tiny_model):
+def test_on_progress_is_a_parameter_heard_before_the_tokens(tiny_model):
+    """The prefill's progress comes through on_progress, the tokens through on_token; an on_token that happens to
+    carry an on_progress attribute is not taken as a progress listener (there is one way to pass it)."""
     heard = []
 
     class Listener:
@@ -174,6 +176,10 @@ def test_a_listener_passed_as_on_token_hears_the_prefill(tiny_model):
 
         def on_progress(self, p):
             heard.append(("layer", p.layer))
-    tiny_model.generate("hi", max_new_tokens=2, ignore_eos=True, on_token=Listener())
+    listener = Listener()
+    tiny_model.generate("hi", max_new_tokens=2, ignore_eos=True, on_token=listener, on_progress=listener.on_progress)
     L = tiny_model.config.num_layers
     assert heard == [("layer", i) for i in range(L + 1)] + [("token", 0), ("token", 1)]
+    heard.clear()
+    tiny_model.generate("hi", max_new_tokens=2, ignore_eos=True, on_token=listener)
+    assert heard == [("token", 0), ("token", 1)]

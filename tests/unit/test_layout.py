@@ -1,6 +1,7 @@
 """The layout promises of README 'Layout': a stage's hook name is written where the stage is computed, the
-engine imports nothing from the app, no import circles, pure views stay pure, files and functions stay small,
-tools run the model through its public forward, and every long job reports through one progress protocol."""
+engine imports nothing from the app, no import circles, views keep no state and run the model only where README
+says, files and functions stay small, tools run the model through its public forward, and every long job reports
+through one progress protocol."""
 from __future__ import annotations
 
 import ast
@@ -83,6 +84,37 @@ def test_pure_views_use_no_streamlit_threads_or_environment():
         text = path.read_text()
         for banned in ("streamlit", "threading", "os.environ", "getenv"):
             assert banned not in text, f"{mod} uses {banned}"
+
+
+# What runs the model: its forward and the calls around it, and the generation loop.
+MODEL_CALLS = {"forward", "generate", "logits", "unembed", "run_blocks", "new_cache", "GenerationRun"}
+
+
+def model_runners(sources: dict[str, str]) -> set[str]:
+    """module.function (module relative to its folder; a method as module.Class.method) of every function that runs
+    the model: calls one of MODEL_CALLS."""
+    found = set()
+    for mod, text in sources.items():
+        for node in ast.parse(text).body:
+            fns = [(node.name, node)] if isinstance(node, ast.FunctionDef) else [
+                (f"{node.name}.{f.name}", f) for f in node.body if isinstance(f, ast.FunctionDef)] \
+                if isinstance(node, ast.ClassDef) else []
+            for name, fn in fns:
+                if any(isinstance(c, ast.Call) and _named(c.func) in MODEL_CALLS for c in ast.walk(fn)):
+                    found.add(f"{mod}.{name}")
+    return found
+
+
+def test_views_run_the_model_only_in_the_computations_the_readme_names():
+    """README 'Layout' lists the views' on-demand computations (each one forward or generation on the model it is
+    handed); no other view function runs the model."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("      views/"):readme.index("      session/")]
+    named = set(re.findall(r"\b([a-z_]+\.[a-z_]+)\b", block.split("device_slot):")[1].split("(tests/")[0]))
+    views = {p.stem: p.read_text() for p in sorted((ROOT / "inspector/views").glob("*.py"))}
+    assert model_runners(views) == named
+    assert model_runners({"old": "def lens(model, ids):\n    return model.forward(ids, model.new_cache(3))\n"
+                                 "def table(df):\n    return df\n"}) == {"old.lens"}
 
 
 def test_no_file_over_400_lines_and_no_function_over_80_outside_tests():

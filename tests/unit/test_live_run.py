@@ -12,8 +12,9 @@ import pytest
 from engine import RunSettings
 from engine.model import Model
 from inspector.session.admission import shared_admission
+from inspector.session.estimate import fit_prefill
 from inspector.session.limits import Limits
-from inspector.session.live_run import Cancelled, LiveRun, Rates, prefill_fit
+from inspector.session.live_run import Cancelled, LiveRun, Rates
 
 
 def slow(monkeypatch, seconds: float) -> None:
@@ -97,18 +98,19 @@ def test_the_prefill_is_heard_by_chunk_and_layer(tiny_model, monkeypatch):
 def test_prefill_fit_recovers_a_linear_plus_quadratic_cost():
     a, b = 2e-3, 5e-7
     samples = [(n, a * n + b * n * n) for n in (100, 400, 1600)]
-    assert prefill_fit(samples, 3750) == pytest.approx(a * 3750 + b * 3750 ** 2, rel=1e-9)
-    assert prefill_fit([(100, 0.5)], 400) == pytest.approx(2.0)              # one length: proportional
-    assert prefill_fit([(100, 1.0), (200, 2.0)], 300) == pytest.approx(3.0)   # linear data stays linear
+    assert fit_prefill(samples).seconds(3750) == pytest.approx(a * 3750 + b * 3750 ** 2, rel=1e-9)
+    assert fit_prefill([(100, 0.5)]).seconds(400) == pytest.approx(2.0)              # one length: proportional
+    assert fit_prefill([(100, 1.0), (200, 2.0)]).seconds(300) == pytest.approx(3.0)   # linear data stays linear
 
 
 def test_rates_estimate_from_kept_runs(tiny_model):
     from inspector.session.run import inspect_run
     rec = inspect_run(tiny_model, RunSettings(prompt="hello there", max_new_tokens=5, ignore_eos=True))
     r = Rates()
-    assert r.estimate(10, 5) is None
+    assert r.forecast(10, 5) is None
     r.add(rec)
-    pre, dec = r.estimate(len(rec.result.prompt_ids), 5)
+    est = r.forecast(len(rec.result.prompt_ids), 5)
+    pre, dec = est.prefill, est.decode
     assert pre == pytest.approx(rec.result.timings["prefill"]) and dec == pytest.approx(rec.result.timings["decode"])
 
 

@@ -11,8 +11,9 @@ from engine import load_model
 from engine.accelerator import PLAIN
 from engine.inspection.probe import Probe, inspection_probe
 from engine.inspection.reference_stats import dense_stats
+from engine.inspection.stages import forward_stages
 from engine.native import build
-from engine.native.step import NativeDecoder, panels, stage_names
+from engine.native.step import NativeDecoder, panels
 from engine.variants import precision_plan
 
 pytestmark = pytest.mark.unit
@@ -110,7 +111,7 @@ def test_statistics_of_every_stage_equal_the_pytorch_path(tiny_model):
     assert sa.keys() == sb.keys()
     decode = [k for k in sa if k[1] >= len(PROMPT)]
     names = {k[2] for k in decode}
-    assert names == set(stage_names(tiny_model.config.num_layers))      # every stage a decode forward offers
+    assert names == set(forward_stages(tiny_model.config.num_layers))      # every stage a decode forward offers
     for k in decode:
         torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 

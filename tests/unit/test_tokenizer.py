@@ -205,6 +205,9 @@ def test_special_token_text(tok, ref, text):
     assert not any(tok.is_special(i) for i in as_text)
     assert as_text == ref.encode(text, add_special_tokens=False, split_special_tokens=True)
     assert tok.decode(as_text) == tok.decode(as_control) == text
+    # special_texts finds, without tokenizing, the special tokens transformers reads as control tokens
+    assert tok.special_texts(text) == [t for i in as_control if tok.is_special(i) for t in [tok.token_text(i)]]
+    assert tok.special_texts(text.replace("<", "< ")) == []
 
 
 def test_decode_skip_special(tok):
