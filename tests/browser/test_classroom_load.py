@@ -1,6 +1,6 @@
 """A room on one server: 30 browser sessions (each its own Playwright context, so its own cookies) run a
 1,024-token prompt and then open Attention at 3 layers, Compare, the NaN doctor and Repetition, a step at a time in
-every tab together, as a class follows its teacher (one tab after another took most of the test's 13 min). The server's
+every tab together, as a class follows its teacher (it went one tab after another before). The server's
 memory stays under weights + sessions × budget, no session sees another's text, each session's tokens equal
 its single-user run, and one browser with 10 tabs delays the other students by at most one run's time.
 A 4-layer random model keeps this inside CI's time on 2 cores; the paths are the ones the bundled model takes."""
