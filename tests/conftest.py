@@ -13,6 +13,11 @@ from pathlib import Path
 # twenty-session test took 56-87 s instead of 3-7 s beside another test run).
 TORCH_BEFORE_POLICY = "torch" in sys.modules     # True would mean libgomp never saw the setting
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Under pytest-xdist (-n N) each worker gets its share of the cores for torch's and the native step's threads:
+# N workers of all-core thread pools each would fight over the cores (on two cores: the unit tier slower).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
+                                                     // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -93,6 +98,7 @@ def app_file(tmp_path_factory) -> Path:
 TIERS = ("unit", "reference", "model", "app", "browser", "cuda")
 
 
+@pytest.hookimpl(tryfirst=True)        # before pytest-xdist reads the groups below
 def pytest_collection_modifyitems(config, items):
     """Each test's tier is its folder's (tests/<tier>/), unless the test names another with a marker."""
     for item in items:
@@ -105,6 +111,17 @@ def pytest_collection_modifyitems(config, items):
             if "cuda" in item.keywords:
                 item.add_marker(skip)
     os.environ.setdefault("LLM_INSPECTOR_CACHE", str(Path.home() / ".cache" / "llm-inspector"))
+    for item in items:      # for pytest-xdist's --dist loadgroup: a module stays on one worker (its module fixtures
+        # are made once), the browser tier on one worker, in order (its shared Chromium and server, its timings)
+        group = "browser" if item.get_closest_marker("browser") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def plain_id(item) -> str:
+    """The test's id without the "@group" suffix pytest-xdist's --dist loadgroup appends."""
+    group = item.get_closest_marker("xdist_group")
+    name = (group.args or [group.kwargs.get("name", "")])[0] if group else ""
+    return item.nodeid.removesuffix(f"@{name}") if name else item.nodeid
 
 
 TIMES = os.environ.get("LLM_INSPECTOR_TEST_TIMES")     # a file: each test's tier and seconds, for scripts/test_times.py
@@ -117,7 +134,7 @@ def pytest_runtest_makereport(item, call):
     if TIMES:
         tier = next((t for t in TIERS if item.get_closest_marker(t)), "-")
         with open(TIMES, "a") as f:
-            f.write(f"{tier}\t{rep.when}\t{rep.duration:.3f}\t{rep.outcome}\t{item.nodeid}\n")
+            f.write(f"{tier}\t{rep.when}\t{rep.duration:.3f}\t{rep.outcome}\t{plain_id(item)}\n")
     return rep
 
 

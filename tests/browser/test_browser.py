@@ -44,8 +44,12 @@ def wait_idle(page, timeout_s: float = 240) -> None:
 
 def go_to(page, title: str) -> None:
     """Open a page through the sidebar's list of pages."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     page.locator('[data-testid="stSidebar"]').get_by_role("link", name=title, exact=True).first.click()
-    page.wait_for_timeout(800)
+    try:            # the page's script has started (at most 800 ms: a script that ended unseen in between is idle)
+        page.locator(RUNNING).first.wait_for(state="attached", timeout=800)
+    except PlaywrightTimeout:
+        pass
     wait_idle(page)
 
 

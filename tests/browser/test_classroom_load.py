@@ -1,5 +1,6 @@
 """A room on one server: 30 browser sessions (each its own Playwright context, so its own cookies) run a
-1,024-token prompt and then open Attention at 3 layers, Compare, the NaN doctor and Repetition. The server's
+1,024-token prompt and then open Attention at 3 layers, Compare, the NaN doctor and Repetition, a step at a time in
+every tab together, as a class follows its teacher (it went one tab after another before). The server's
 memory stays under weights + sessions × budget, no session sees another's text, each session's tokens equal
 its single-user run, and one browser with 10 tabs delays the other students by at most one run's time.
 A 4-layer random model keeps this inside CI's time on 2 cores; the paths are the ones the bundled model takes."""
@@ -129,6 +130,62 @@ def tour(page) -> None:
             page.get_by_text("First divergence", exact=True).wait_for(timeout=TIMEOUT_S * 1000)
 
 
+def settle(page, what: str) -> None:
+    """Wait until the tab shows a page heading and neither Streamlit's running state nor the app's 'Running' /
+    'Computing' notes (a deadline that names what the tab was doing)."""
+    page.get_by_role("heading").first.wait_for(timeout=TIMEOUT_S * 1000)
+    end = time.monotonic() + TIMEOUT_S
+    idle(page)
+    while page.get_by_text(re.compile("Running|Computing")).count():
+        assert time.monotonic() < end, f"{what}: still running or computing after {TIMEOUT_S} s; {seen(page)}"
+        page.wait_for_timeout(250)
+
+
+def tour_all(pages, on_settled) -> None:
+    """The tour of tour(), a step at a time in every tab at once (a class follows the teacher together): each
+    step is started in every tab, then awaited in each; on_settled() after each tab's step (the memory peak)."""
+    for title in PAGES:
+        for page in pages:
+            page.get_by_role("link", name=title, exact=True).first.click()
+        page.wait_for_timeout(500)                    # the last tab's script has started
+        for k, page in enumerate(pages):
+            settle(page, f"tab {k}, {title}")
+            assert not exceptions(page), (k, title)
+            on_settled()
+        if title == "Attention":
+            for layer in (1, 2, 3):
+                for page in pages:
+                    page.get_by_label("Layer", exact=True).first.click()
+                    page.get_by_role("option", name=f"Layer {layer}", exact=True).click()
+                page.wait_for_timeout(300)
+                for k, page in enumerate(pages):
+                    settle(page, f"tab {k}, Attention layer {layer}")
+                    assert not exceptions(page), (k, layer)
+                    on_settled()
+        if title == "Compare runs":
+            for page in pages:
+                page.get_by_role("button", name="Compare", exact=True).click()
+            for k, page in enumerate(pages):
+                page.get_by_text("First divergence", exact=True).wait_for(timeout=TIMEOUT_S * 1000)
+                on_settled()
+
+
+def run_in_all(pages, prompts) -> None:
+    """run_in() in every tab, a step at a time across the tabs: each tab's setting and prompt are sent before
+    the previous tab's rerun has ended (the server answers them together), and each is checked as in run_in."""
+    for page in pages:
+        _set_max_new(page, NEW)
+    for page in pages:
+        idle(page)
+    boxes = [page.get_by_role("textbox", name="Prompt", exact=True) for page in pages]
+    for box, prompt in zip(boxes, prompts):
+        box.fill(prompt)
+        box.press("Control+Enter")
+    for page, box, prompt in zip(pages, boxes, prompts):
+        idle(page)
+        assert box.input_value() == prompt
+
+
 def test_a_room_of_thirty(room, browser, tiny_model):
     url, proc, log, model_dir = room
     from engine import load_model
@@ -143,24 +200,26 @@ def test_a_room_of_thirty(room, browser, tiny_model):
     tour(teacher[1])
     idle(teacher[1])
     rss0 = psutil.Process(proc.pid).memory_info().rss
+    t0 = time.monotonic()
     tabs = [_open(browser, url, wait=False) for _ in range(SESSIONS)]
     for _, page in tabs:
         _ready(page)
-    for (_, page), p in zip(tabs, prompts):
-        run_in(page, p)
+    run_in_all([page for _, page in tabs], prompts)
     press_run_in(tabs)
+    t_runs = time.monotonic()
     want = [w.strip("\n") for w in want]
     for k, (_, page) in enumerate(tabs):
         shown = shown_texts(page)
         assert want[k] in shown, (k, want[k], shown, seen(page))              # its own single-user tokens
         assert not any(w in shown for j, w in enumerate(want) if j != k and w != want[k]), k   # nobody else's
-    peak = psutil.Process(proc.pid).memory_info().rss
-    for _, page in tabs:
-        tour(page)
-        peak = max(peak, psutil.Process(proc.pid).memory_info().rss)
+    peaks = [psutil.Process(proc.pid).memory_info().rss]
+    tour_all([page for _, page in tabs], lambda: peaks.append(psutil.Process(proc.pid).memory_info().rss))
+    peak = max(peaks)
+    t_end = time.monotonic()
     bound = rss0 + SESSIONS * BUDGET_MB * 2**20
     print(f"room of {SESSIONS}: server RSS {rss0 / 2**20:.0f} MiB before, peak {peak / 2**20:.0f} MiB "
-          f"(bound {bound / 2**20:.0f} MiB)")
+          f"(bound {bound / 2**20:.0f} MiB); {t_runs - t0:.0f} s to open the tabs and run, "
+          f"{t_end - t_runs:.0f} s to check the texts and tour")
     assert peak < bound
     for ctx, _ in tabs + [teacher]:
         ctx.close()

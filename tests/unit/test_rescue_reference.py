@@ -13,15 +13,19 @@ pytestmark = pytest.mark.unit
 FAULT = ("scale=1e3@blocks.1.mlp_out",)
 
 
-def test_the_reference_is_the_runs_own_logits_from_one_forward_a_step(tiny_model, monkeypatch):
+def test_the_reference_is_the_runs_own_logits_from_one_forward_a_step(tiny_model):
     calls = []
     forward = type(tiny_model).forward
-    monkeypatch.setattr(tiny_model, "forward", lambda *a, **k: (calls.append(1), forward(tiny_model, *a, **k))[1])
-    ref = fp32_reference(tiny_model, torch.float16, RunSettings(prompt="one two three", chat=False), 5,
-                         injections=FAULT)
+    # Not monkeypatch: its undo would leave a bound Model.forward in the session's shared instance's __dict__,
+    # and a later test patching Model.forward (the app's queue-wait test) would no longer reach this model.
+    tiny_model.forward = lambda *a, **k: (calls.append(1), forward(tiny_model, *a, **k))[1]
+    try:
+        ref = fp32_reference(tiny_model, torch.float16, RunSettings(prompt="one two three", chat=False), 5,
+                             injections=FAULT)
+    finally:
+        del tiny_model.forward                                  # the class's method again
     assert ref.nonfinite is None and len(ref.tokens) == 5 and ref.logits.shape == (5, tiny_model.config.vocab_size)
     assert len(calls) == 5                                      # the prefill and 4 decode steps, once each
-    monkeypatch.undo()
     again = replay(tiny_model, ref.prompt_ids, ref.fed, fault_only_probe(tiny_model, FAULT, None, watch=Watch()))
     assert torch.equal(ref.logits, again)
     assert ref.logits.argmax(-1).tolist() == ref.tokens         # greedy: row i is the step that drew token i
