@@ -9,12 +9,12 @@ bigger and higher-contrast (inspector.ui.widgets.chart). Rooms (inspector.ui.roo
 by students'."""
 import os
 
-# OpenMP threads that wait sleep instead of spinning (read once, when torch loads libgomp, so before the engine
-# is imported). libgomp's default spins ~300,000 times at every barrier; on a machine whose cores are also busy
-# with other runs, sessions or processes, a spinning thread burns the core its partner needs: the twenty-session
-# test took 56-87 s that way against 3-7 s sleeping, a 32-token decode 9-11 s against 1.7 s (docs/CLASSROOM.md,
-# "Many runs at once"). OMP_WAIT_POLICY=ACTIVE before starting brings the spinning back.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import runpy  # noqa: E402
+
+# The thread policy (OpenMP threads that wait sleep) is engine/threads.py's, one for every entry point; it must be in
+# force before torch loads libgomp. Run from its file: importing the engine package would load torch here, before the
+# page can say it is starting.
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine", "threads.py"))
 
 import sys  # noqa: E402
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import runpy
 import sys
 from pathlib import Path
 
-# As in app.py: OpenMP threads sleep at barriers instead of spinning, set before torch loads libgomp. With
-# libgomp's default spin, the suite's runs crawled whenever anything else used the cores (issue 22: the
-# twenty-session test took 56-87 s instead of 3-7 s beside another test run).
+# The engine's thread policy (engine/threads.py: OpenMP threads sleep at barriers instead of spinning), in force
+# before torch loads libgomp, as in app.py and `python -m engine`. With libgomp's default spin, the suite's runs
+# crawled whenever anything else used the cores (issue 22: the twenty-session test took 56-87 s instead of 3-7 s).
 TORCH_BEFORE_POLICY = "torch" in sys.modules     # True would mean libgomp never saw the setting
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+runpy.run_path(str(Path(__file__).resolve().parent.parent / "engine" / "threads.py"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

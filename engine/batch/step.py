@@ -52,7 +52,23 @@ def step_together(runs: list[GenerationRun], *, exact: bool = False) -> list[Out
 def _batch(runs: list[GenerationRun], into: list) -> None:
     """One forward over the runs' rows, then each run samples from its own logits row."""
     out, members = into
+    try:
+        logits, seconds = forward_together(runs)
+    except Exception as e:      # the batch's forward failed (memory): every run of it hears why; no cache advanced
+        for n in members:
+            out[n] = e
+        return
+    for b, (n, run) in enumerate(zip(members, runs)):
+        out[n] = _guarded(run.step, logits[b], seconds=seconds)
+
+
+def forward_together(runs: list[GenerationRun]) -> tuple[torch.Tensor, float]:
+    """The forward half of a batched step: runs (each alone_reason None, one model) -> (logits (B, V), seconds).
+    Each run's cache is advanced and its probe told its row; run b then finishes its step with
+    runs[b].step(logits[b], seconds=seconds), in any thread (engine.batch.barrier: the run's own)."""
     model = runs[0].model
+    if any(r.model is not model for r in runs):
+        raise ValueError("runs of one batched step must share one model")
     positions = [run.cache.get_pos() for run in runs]
     for run in runs:
         run.cache.check_room(1)
@@ -60,22 +76,15 @@ def _batch(runs: list[GenerationRun], into: list) -> None:
             run.probe.step = len(run.steps)
     ids = torch.tensor([run.decode_input() for run in runs])
     t0 = time.perf_counter()
-    try:
-        logits = model.forward_rows(ids, torch.tensor(positions), Rows(model, [r.cache for r in runs], positions),
-                                    FanProbe([r.probe for r in runs], positions))
-    except Exception as e:      # the batch's forward failed (memory): every run of it hears why; no cache advanced
-        for n in members:
-            out[n] = e
-        return
-    seconds = time.perf_counter() - t0
+    logits = model.forward_rows(ids, torch.tensor(positions), Rows(model, [r.cache for r in runs], positions),
+                                FanProbe([r.probe for r in runs], positions))
     for run in runs:
         run.cache.advance(1)
-    for b, (n, run) in enumerate(zip(members, runs)):
-        out[n] = _guarded(run.step, logits[b], seconds=seconds)
+    return logits, time.perf_counter() - t0
 
 
 def _guarded(fn, *args, **kwargs) -> Outcome:
     try:
         return fn(*args, **kwargs)
-    except Exception as e:      # handed to the run's own thread (inspector.session.batch_runs) to raise there
+    except Exception as e:      # the caller hands it to the run it belongs to
         return e

@@ -17,7 +17,8 @@ import weakref
 from typing import Callable
 
 from engine import Model, RunSettings, Step, Trace, inspection_probe, make_trace
-from engine.generate import prompt_ids
+from engine.batch import shared_barrier
+from engine.generate import GenerationRun, prompt_ids
 
 from .admission import Admission, shared_admission
 from .limits import LimitError, Limits, check_text, env_name
@@ -90,6 +91,7 @@ def inspect_run(model: Model, settings: RunSettings, on_token: Callable[[Step], 
         probe = inspection_probe(timing=settings.timing)
         _count_generation()
         t0 = time.perf_counter()
-        result = model.generate(settings.prompt, probe=probe, on_token=on_token, **settings.generation_kwargs())
+        run = GenerationRun(model, settings.prompt, probe=probe, on_token=on_token, **settings.generation_kwargs())
+        result = shared_barrier(limits.max_batch_rows).drive(run)     # decode steps batched with other runs
         seconds = time.perf_counter() - t0
     return track(make_trace(settings, result, probe, model.name, seconds, notes=notes))
