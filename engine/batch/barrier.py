@@ -75,14 +75,13 @@ class StepBarrier:
         with self._cond:
             self._pending.append(req)
             self._cond.notify_all()
-            while not req.done:
-                if not self._leading:
-                    batch = self._lead()
+        while True:             # follow, or lead a step (which may be full before this run's turn: then again)
+            with self._cond:
+                while not req.done and self._leading:
+                    self._cond.wait()
+                if req.done:
                     break
-                self._cond.wait()
-            else:
-                batch = None
-        if batch is not None:
+                batch = self._lead()
             self._serve(batch)
         if req.error is not None:
             raise req.error

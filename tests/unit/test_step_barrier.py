@@ -118,3 +118,17 @@ def test_bench_class_measures_a_class_that_batched(tiny_model):
     assert shared_barrier().steps > before         # the class's decode steps went through the batched forward
     assert out["class_3_s"] > 0 and out["class_last_over_alone_3"] > 0 and out["class_tokens_per_s_3"] > 0
     assert out["lone_app_over_cli_decode"] > 0 and out["cli_beside_busy_over_alone"] > 0
+
+
+def test_a_class_larger_than_one_step_is_served_in_turns(tiny_model):
+    """Six runs, at most two rows a step: every run is in exactly one step at a time and ends as alone."""
+    model = tiny_model.with_accelerator(PLAIN)
+    alone = [_run(model, n) for n in range(6)]
+    for r in alone:
+        r.run()
+    barrier = StepBarrier(max_rows=2, window_s=0.2)
+    results = _drive_all(barrier, [_run(model, n) for n in range(6)])
+    assert barrier.steps > 0 and barrier.rows / barrier.steps <= 2
+    for a, r in zip(alone, results):
+        assert r.token_ids == a.token_ids
+        _close(a.result(), r, exact=False)
