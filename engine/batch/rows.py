@@ -21,17 +21,46 @@ class Rows:
         self.where = [Where(model.config, model.rope, torch.tensor([p], device=model.device)) for p in positions]
 
     def attend(self, i: int, qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p) -> torch.Tensor:
-        """Layer i: qh (H, B, hd), k, v (B, K, hd) -> z (H, B, hd), row b through run b's cache and probe."""
-        cfg, out = self.cfg, []
+        """Layer i: qh (H, B, hd), k, v (B, K, hd) -> z (H, B, hd), row b against run b's cache, its scores and
+        pattern (H, 1, S_b) offered to run b's probe. A global layer without a soft cap takes every row in one padded
+        product (a row's keys padded to the longest with -inf scores: the same dot products, a softmax and a
+        pattern @ V whose sums also run over the pad's zeros); a window layer or a soft cap row by row, as alone."""
+        cfg, B = self.cfg, len(self.caches)
+        got = []
         for b, cache in enumerate(self.caches):
             first, _ = cache.key_positions(i, 1)
             keys, values = cache.update(i, k[b:b + 1].transpose(0, 1), v[b:b + 1].transpose(0, 1))    # (K, S, hd)
-            keys, values = keys.to(qh.dtype), values.to(qh.dtype)
-            mask = self.where[b].mask(cfg.layer_window[i], first, keys.shape[1])
-            out.append(explicit(qh[:, b:b + 1], keys, values, p.part(b), None if mask is None else mask.allowed,
-                                cfg.attn_scale, cfg.attn_softcap, first))
-        return torch.cat(out, dim=1)
+            got.append((first, keys.to(qh.dtype), values.to(qh.dtype)))
+        if cfg.layer_window[i] is not None or cfg.attn_softcap is not None or B == 1:
+            return torch.cat([self._one(b, i, qh[:, b:b + 1], *got[b], p.part(b)) for b in range(B)], dim=1)
+        return self._padded(qh, got, p)
 
+    def _one(self, b: int, i: int, qh, first: int, keys, values, p) -> torch.Tensor:
+        """Row b alone, exactly as its run's one-token forward computes it."""
+        mask = self.where[b].mask(self.cfg.layer_window[i], first, keys.shape[1])
+        return explicit(qh, keys, values, p, None if mask is None else mask.allowed, self.cfg.attn_scale,
+                        self.cfg.attn_softcap, first)
+
+    def _padded(self, qh: torch.Tensor, got: list, p) -> torch.Tensor:
+        H, B, hd = qh.shape
+        K, lengths = got[0][1].shape[0], [g[1].shape[1] for g in got]
+        S = max(lengths)
+        keys = qh.new_zeros(B, K, S, hd)
+        values = qh.new_zeros(B, K, S, hd)
+        for b, (_, kb, vb) in enumerate(got):
+            keys[b, :, :lengths[b]] = kb
+            values[b, :, :lengths[b]] = vb
+        q = qh.transpose(0, 1).reshape(B, K, H // K, hd)                                 # (B, K, G, hd)
+        scores = (q @ keys.transpose(-1, -2)).view(B, H, S) * self.cfg.attn_scale        # (B, H, S)
+        pad = torch.arange(S, device=qh.device)[None, :] >= torch.tensor(lengths, device=qh.device)[:, None]
+        scores = scores.masked_fill(pad[:, None, :], float("-inf"))
+        pattern = torch.softmax(scores.float(), dim=-1).to(qh.dtype)
+        for b, n in enumerate(lengths):
+            part = p.part(b)
+            part("attn.scores", scores[b, :, None, :n])
+            part("attn.pattern", pattern[b, :, None, :n])       # offered only: nothing here replaces them
+        z = pattern.view(B, K, H // K, S) @ values                                       # (B, K, G, hd)
+        return z.reshape(B, H, hd).transpose(0, 1)
 
 class FanLayer:
     """Block i of a FanProbe: "attn.q" of row b goes to run b's probe as blocks.{i}.attn.q."""
