@@ -7,14 +7,14 @@ progress under the sidebar's title; the script then waits for the load and draws
 Projector mode (the sidebar's toggle, or ?projector=1 in the URL) makes the type bigger here and every chart
 bigger and higher-contrast (inspector.ui.widgets.chart). Rooms (inspector.ui.room): a teacher's screen, followed
 by students'."""
+import importlib.util  # noqa: E402
 import os
+import runpy  # noqa: E402
 
-# OpenMP threads that wait sleep instead of spinning (read once, when torch loads libgomp, so before the engine
-# is imported). libgomp's default spins ~300,000 times at every barrier; on a machine whose cores are also busy
-# with other runs, sessions or processes, a spinning thread burns the core its partner needs: the twenty-session
-# test took 56-87 s that way against 3-7 s sleeping, a 32-token decode 9-11 s against 1.7 s (docs/CLASSROOM.md,
-# "Many runs at once"). OMP_WAIT_POLICY=ACTIVE before starting brings the spinning back.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The thread policy (OpenMP threads that wait sleep) is engine/threads.py's, one for every entry point; it must be in
+# force before torch loads libgomp. Run from its file (found without importing the package, which would load torch
+# here, before the page can say it is starting).
+runpy.run_path(os.path.join(importlib.util.find_spec("engine").submodule_search_locations[0], "threads.py"))
 
 import sys  # noqa: E402
 

@@ -5,6 +5,7 @@ gguf_tokenizer), model, kv_cache, rope, tokenizer, sampling, settings, generate,
 native accelerator (engine.native). The core imports engine.inspection (the probe its hooks offer stages to,
 the run record) and nothing else of the engine: no tool (engine.tools), no report (engine.report), no bench
 (engine.bench), no CLI (engine.cli). Tools build on the core's public API only."""
+import engine.threads  # noqa: F401,I001  (first: the thread policy, before torch loads libgomp)
 from engine.errors import EngineError, InputError, ModelLoadError, UnsupportedModelError
 from engine.generate import Candidate, GenerationResult, GenerationRun, Step, generate
 from engine.inspection.interventions import HookContext, plant, scale, zero_heads

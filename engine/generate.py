@@ -207,17 +207,26 @@ class GenerationRun:
     def done(self) -> bool:
         return self.stop_reason is not None
 
-    def step(self) -> Step | None:
+    def decode_input(self) -> int | None:
+        """The one token this run's next step feeds the model when that step is a plain decode step on its cache
+        (engine.batch steps several such runs in one forward); None: done, the prefill, or no cache."""
+        if self.done or not self.steps or not self.use_cache:
+            return None
+        return self.token_ids[-1]
+
+    def step(self, logits: torch.Tensor | None = None, *, seconds: float = 0.0) -> Step | None:
         """Run one forward + sample + detokenize. None once the run has stopped (also when this step's logits
-        held a NaN or Inf: then no token is drawn and the run stops with NONFINITE)."""
+        held a NaN or Inf: then no token is drawn and the run stops with NONFINITE). logits (V,), seconds: this
+        step's forward already done elsewhere for decode_input() (engine.batch: the cache advanced, the probe
+        told) and what it took."""
         if self.done:
             return None
         model, probe, index = self.model, self.probe, len(self.steps)
         if probe is not None:
             probe.step = index
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() - seconds
         try:
-            logits = self._forward(index)
+            logits = self._forward(index) if logits is None else logits.float().cpu()
         except Stopped:
             self.stop_reason = STOPPED
             return None

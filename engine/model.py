@@ -172,15 +172,24 @@ class Model:
         cache.advance(T)
         return logits
 
+    def forward_rows(self, ids: torch.Tensor, positions: torch.Tensor, rows, probe) -> torch.Tensor:
+        """One new token of each of several runs in one forward (engine.batch): ids (B,) at positions (B,), rows the
+        batch's cache (its attend() runs each row's attention against that run's own cache) and probe its fan-out
+        (each run's probe sees its own row). The same embedding, blocks and head as forward, on the PyTorch path
+        (never the native one-token step) -> logits (B, V). Advances no cache (the batch does)."""
+        at = Where(self.config, self.rope, positions.to(self.device), contiguous=False)
+        with torch.inference_mode(), self.attached(probe, int(positions[0])):
+            return self._forward(ids.to(self.device), rows, probe, int(positions[0]), False, at=at)
+
     def _forward(self, ids, cache: KVCache, probe: Probe | NoProbe, pos: int, last_only: bool,
-                 stop: StopPoint | None = None, on_layer=None) -> torch.Tensor:
+                 stop: StopPoint | None = None, on_layer=None, at: Where | None = None) -> torch.Tensor:
         cfg, w = self.config, self.weights
         T = ids.shape[0]
         eps = cfg.rms_norm_eps if probe.norm_eps is None else probe.norm_eps
         embed, norm = probe.weight("embed.weight", w.embed), probe.weight("final_norm.weight", w.norm)
         lm_head = probe.weight("lm_head.weight", w.lm_head)
         step = self.accelerator.decode
-        if step is not None and T == 1 and not torch.is_grad_enabled() and stop is on_layer is None \
+        if step is not None and at is None and T == 1 and not torch.is_grad_enabled() and stop is on_layer is None \
                 and (probe is NO_PROBE or probe.served_by(step.names)):
             # one decode token in one native call; status: a watching probe's step met a NaN or Inf (the
             # PyTorch forward then redoes it: its accounting of non-finite values is the reference)
@@ -190,7 +199,7 @@ class Model:
                 if watched:
                     probe.offer_step(step.names, step.layers, values, logits, marks, start)
                 return logits
-        at = Where(cfg, self.rope, pos + torch.arange(T, device=ids.device))
+        at = at or Where(cfg, self.rope, pos + torch.arange(T, device=ids.device))
         if probe.timing:
             probe.mark("start")
         x = F.embedding(ids, embed)                                             # (T, d)
@@ -297,6 +306,23 @@ class Model:
             else:
                 q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         q, k = p("attn.q_rot", q), p("attn.k_rot", k)
+        if hasattr(cache, "attend"):          # rows of several runs (engine.batch): each against its own cache
+            z = cache.attend(i, q.transpose(0, 1), k, v, p)                     # (H, T, hd)
+        else:
+            z = self._attend(p, q, k, v, cache, i, at)
+        z = p("attn.z", z.transpose(0, 1))                                      # (T, H, hd)
+        out = _mm(z.reshape(T, H * hd), lw.wo)
+        if cfg.residual_scale != 1.0:         # Granite: the branch scaled before it joins the stream
+            out = out * cfg.residual_scale
+        out = p("attn_out", out.to(x.dtype))                                   # (T, d)
+        if lw.attn_post_norm is not None:
+            out = p("attn_post_norm", _norm(out, lw.attn_post_norm, eps).to(x.dtype))
+        return x.add_(out) if own else p("resid_mid", x + out)
+
+    def _attend(self, p, q, k, v, cache, i: int, at: Where) -> torch.Tensor:
+        """Attention of one call's rows against its cache: q (T, H, hd), k, v (T, K, hd) -> z (H, T, hd)."""
+        cfg = self.config
+        T, H, K = q.shape[0], cfg.num_heads, cfg.num_kv_heads
         first, _ = cache.key_positions(i, T) if hasattr(cache, "key_positions") else (0, None)
         keys, values = cache.update(i, k.transpose(0, 1), v.transpose(0, 1))     # (K, S, hd)
         keys, values = keys.to(q.dtype), values.to(q.dtype)      # no-ops unless a precision plan differs
@@ -311,14 +337,7 @@ class Model:
             if need:      # statistics / some rows only: beside the fused kernel (query blocks or native), never whole
                 self._inspect(p, qh, keys, values, mask, first)
             z = fused(qh, keys, values, mask, p.guards_nan, cfg.attn_scale, K != H)   # statistics steer nothing
-        z = p("attn.z", z.transpose(0, 1))                                      # (T, H, hd)
-        out = _mm(z.reshape(T, H * hd), lw.wo)
-        if cfg.residual_scale != 1.0:         # Granite: the branch scaled before it joins the stream
-            out = out * cfg.residual_scale
-        out = p("attn_out", out.to(x.dtype))                                   # (T, d)
-        if lw.attn_post_norm is not None:
-            out = p("attn_post_norm", _norm(out, lw.attn_post_norm, eps).to(x.dtype))
-        return x.add_(out) if own else p("resid_mid", x + out)
+        return z
 
     def _mlp(self, p, lw: LayerWeights, x, eps: float, own: bool) -> torch.Tensor:
         """A block's MLP half (dense, or a router and its experts): resid_mid -> resid_post."""

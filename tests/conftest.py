@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import os
 import re
+import runpy
 import shutil
 import sys
 from pathlib import Path
 
-# As in app.py: OpenMP threads sleep at barriers instead of spinning, set before torch loads libgomp. With
-# libgomp's default spin, the suite's runs crawled whenever anything else used the cores (issue 22: the
-# twenty-session test took 56-87 s instead of 3-7 s beside another test run).
+# The engine's thread policy (engine/threads.py: OpenMP threads sleep at barriers instead of spinning), in force
+# before torch loads libgomp, as in app.py and `python -m engine`. With libgomp's default spin, the suite's runs
+# crawled whenever anything else used the cores (issue 22: the twenty-session test took 56-87 s instead of 3-7 s).
 TORCH_BEFORE_POLICY = "torch" in sys.modules     # True would mean libgomp never saw the setting
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+runpy.run_path(str(Path(__file__).resolve().parent.parent / "engine" / "threads.py"))
 # Under pytest-xdist (-n N) each worker gets its share of the cores for torch's and the native step's threads:
 # N workers of all-core thread pools each would fight over the cores (on two cores: the unit tier slower).
 if os.environ.get("PYTEST_XDIST_WORKER"):

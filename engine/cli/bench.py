@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from engine.bench.class_run import class_bench
 from engine.bench.speed import run_bench
 from engine.bench.tools import TARGETS, run_tools_bench
 from engine.cli.args import load, model_args
@@ -25,6 +26,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                          f"{a.new_tokens}")
     if a.tools:
         return _tools(a)
+    if a.class_:
+        return _class(a)
     a.repeats = 5 if a.repeats is None else a.repeats
     if a.repeats < 1:
         raise InputError(f"--repeats must be >= 1, got {a.repeats}")
@@ -48,6 +51,20 @@ def _tools(a: argparse.Namespace) -> int:
     return 0
 
 
+def _class(a: argparse.Namespace) -> int:
+    rounds = 3 if a.repeats is None else a.repeats
+    if rounds < 1:
+        raise InputError(f"--repeats must be >= 1, got {rounds}")
+    if any(n < 1 for n in a.class_sizes):
+        raise InputError(f"--class-sizes must be >= 1 student each, got {a.class_sizes}")
+    sizes = tuple(dict.fromkeys([1, *a.class_sizes]))
+    out = class_bench(load(a), sizes=sizes, rounds=rounds, say=(lambda *_: None) if a.json else print)
+    if a.json:
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()
+                          if not k.endswith("_rounds")}))
+    return 0
+
+
 def add_commands(sub) -> None:
     b = sub.add_parser("bench", help="prefill/decode speed: engine vs engine+stats vs transformers vs bandwidth")
     model_args(b)
@@ -68,5 +85,10 @@ def add_commands(sub) -> None:
     b.add_argument("--tool", dest="tool_names", action="append", choices=list(TARGETS), default=None,
                    help="with --tools: only this tool (repeatable)")
     b.add_argument("--tools-prompt", default=None, help="with --tools: the prompt (default: a looping one)")
+    b.add_argument("--class", dest="class_", action="store_true",
+                   help="instead: a class pressing Run at once through the app's run path (1, 8, 30 students of "
+                        "32 tokens: the last finish over one alone; engine.bench.class_run)")
+    b.add_argument("--class-sizes", type=int, nargs="+", default=[8, 30], metavar="N",
+                   help="with --class: class sizes beside the lone student")
     b.add_argument("--json", action="store_true", help="print the figures as one JSON object instead of tables")
     b.set_defaults(fn=cmd_bench)

@@ -51,7 +51,8 @@ class Limits:
     max_prompt_tokens: int = 4_096       # tokens of the prompt as the model sees it (chat template included)
     max_new_tokens: int = 1_024          # tokens one run may generate
     max_runs_kept: int = 3               # runs (with everything their probe captured) each session keeps
-    max_concurrent_runs: int = 2         # generations on the device at the same time, all sessions together
+    max_concurrent_runs: int = 32        # generations on the device at the same time, all sessions together
+    max_batch_rows: int = 32             # runs whose decode steps share one forward (1: each alone, exact)
     max_queue: int = 32                  # runs that may wait for a slot; one more gets "server busy"
     queue_timeout_s: float = 600.0       # longest wait in the queue before giving up with "server busy"
     max_models: int = 4                  # (model, device, dtype) combinations loaded at once in this process
@@ -97,7 +98,10 @@ LIMITS = {
     "max_new_tokens": "most tokens one run may generate (also the sidebar's maximum)",
     "max_runs_kept": "runs each browser session keeps, with everything their probe captured; older runs "
                      "and what pages derived from them are dropped",
-    "max_concurrent_runs": "generations running on the device at the same time, over all sessions",
+    "max_concurrent_runs": "generations running on the device at the same time, over all sessions (their decode "
+                           "steps batched: see max_batch_rows)",
+    "max_batch_rows": "runs whose decode steps share one forward (each run's row, cache, probe and sampler its own; "
+                      "1: every run decodes alone, its arithmetic bit for bit that of a run alone)",
     "max_queue": "runs that may wait for a free slot (each user sees their place); one more is told the "
                  "server is busy",
     "queue_timeout_s": "seconds a run may wait in the queue before it gives up with 'server busy'",

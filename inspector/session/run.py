@@ -17,7 +17,8 @@ import weakref
 from typing import Callable
 
 from engine import Model, RunSettings, Step, Trace, inspection_probe, make_trace
-from engine.generate import prompt_ids
+from engine.batch import shared_barrier
+from engine.generate import GenerationRun, prompt_ids
 from engine.progress import OnProgress
 
 from .admission import Admission, shared_admission
@@ -107,8 +108,9 @@ def inspect_run(model: Model, request: RunSettings | Checked, on_token: Callable
         probe = inspection_probe(timing=settings.timing)
         _count_generation()
         t0 = time.perf_counter()
-        result = model.generate(list(checked.prompt_ids), probe=probe, on_token=on_token, on_progress=on_progress,
-                                **settings.generation_kwargs())
+        run = GenerationRun(model, list(checked.prompt_ids), probe=probe, on_token=on_token, on_progress=on_progress,
+                            **settings.generation_kwargs())
+        result = shared_barrier(limits.max_batch_rows).drive(run)     # decode steps batched with other runs
         seconds = time.perf_counter() - t0
     result.timings["tokenize"] = checked.tokenize_s          # tokenised once, by the check, not by the engine again
     return track(make_trace(settings, result, probe, model.name, seconds, notes=list(checked.notes)))

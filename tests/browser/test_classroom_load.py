@@ -165,7 +165,7 @@ def tour_all(pages, on_settled) -> None:
         if title == "Compare runs":
             for page in pages:
                 page.get_by_role("button", name="Compare", exact=True).click()
-            for k, page in enumerate(pages):
+            for page in pages:
                 page.get_by_text("First divergence", exact=True).wait_for(timeout=TIMEOUT_S * 1000)
                 on_settled()
 

@@ -182,7 +182,7 @@ def test_shared_admission_and_slot_follow_the_environment(monkeypatch):
         assert adm.state().running == 1
     monkeypatch.delenv("LLM_INSPECTOR_MAX_CONCURRENT_RUNS")
     monkeypatch.delenv("LLM_INSPECTOR_MAX_QUEUE")
-    assert (shared_admission().max_concurrent, shared_admission().max_queue) == (2, 32)
+    assert (shared_admission().max_concurrent, shared_admission().max_queue) == (32, 32)     # Limits' defaults
 
 
 def _until(cond, timeout: float = 10.0) -> None:

@@ -1,0 +1,90 @@
+"""step_together: the next step of several runs, the decode steps of runs on one model in one forward.
+
+Arithmetic: row b's attention, sampling and statistics are computed exactly as its run alone computes them on the
+PyTorch path; the layers' matmuls run over B rows, where a BLAS kernel may sum in another order than for one row,
+so a batched row can differ from the same run alone in the last bits (tests/unit/test_batch_decode.py measures it
+per stage). exact=True steps every run alone: its own arithmetic (and a CPU's native one-token step), no batching."""
+from __future__ import annotations
+
+import time
+from typing import Union
+
+import torch
+
+from engine.batch.rows import FanProbe, Rows
+from engine.generate import GenerationRun, Step
+
+Outcome = Union[Step, None, BaseException]
+
+_NO_STAGES: list[str] = []     # Probe.served_by([]): no replace hook, weight override or run-only epsilon
+
+
+def alone_reason(run: GenerationRun) -> str | None:
+    """Why this run's next step cannot join a batch (None: it can)."""
+    if run.decode_input() is None:
+        return "its next step is no one-token decode step on its cache (the prefill, the end, or no cache)"
+    if run.probe is not None and not run.probe.served_by(_NO_STAGES):
+        return "its probe changes the forward (a replace hook, a weight override or a run-only epsilon)"
+    if run.model.config.rope_scaling.rope_type == "longrope":
+        return "longrope picks its rotary table by the call's length"
+    return None
+
+
+def step_together(runs: list[GenerationRun], *, exact: bool = False) -> list[Outcome]:
+    """Each run's next step, in order: its Step, None (it had ended or ends here without a token), or the exception
+    its step raised (the others' steps go on). Runs whose next step is a decode step on the same model share one
+    forward (two or more of them); the rest step alone. exact: every run alone."""
+    groups: dict[int, list[int]] = {}
+    for n, run in enumerate(runs):
+        if not exact and alone_reason(run) is None:
+            groups.setdefault(id(run.model), []).append(n)
+    out: list[Outcome] = [None] * len(runs)
+    batched = {n for g in groups.values() if len(g) > 1 for n in g}
+    for members in groups.values():
+        if len(members) > 1:
+            _batch([runs[n] for n in members], [out, members])
+    for n, run in enumerate(runs):
+        if n not in batched:
+            out[n] = _guarded(run.step)
+    return out
+
+
+def _batch(runs: list[GenerationRun], into: list) -> None:
+    """One forward over the runs' rows, then each run samples from its own logits row."""
+    out, members = into
+    try:
+        logits, seconds = forward_together(runs)
+    except Exception as e:      # the batch's forward failed (memory): every run of it hears why; no cache advanced
+        for n in members:
+            out[n] = e
+        return
+    for b, (n, run) in enumerate(zip(members, runs)):
+        out[n] = _guarded(run.step, logits[b], seconds=seconds)
+
+
+def forward_together(runs: list[GenerationRun]) -> tuple[torch.Tensor, float]:
+    """The forward half of a batched step: runs (each alone_reason None, one model) -> (logits (B, V), seconds).
+    Each run's cache is advanced and its probe told its row; run b then finishes its step with
+    runs[b].step(logits[b], seconds=seconds), in any thread (engine.batch.barrier: the run's own)."""
+    model = runs[0].model
+    if any(r.model is not model for r in runs):
+        raise ValueError("runs of one batched step must share one model")
+    positions = [run.cache.get_pos() for run in runs]
+    for run in runs:
+        run.cache.check_room(1)
+        if run.probe is not None:
+            run.probe.step = len(run.steps)
+    ids = torch.tensor([run.decode_input() for run in runs])
+    t0 = time.perf_counter()
+    logits = model.forward_rows(ids, torch.tensor(positions), Rows(model, [r.cache for r in runs], positions),
+                                FanProbe([r.probe for r in runs], positions))
+    for run in runs:
+        run.cache.advance(1)
+    return logits, time.perf_counter() - t0
+
+
+def _guarded(fn, *args, **kwargs) -> Outcome:
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:      # the caller hands it to the run it belongs to
+        return e

@@ -1,0 +1,57 @@
+"""Eight students (each a Playwright context of its own: its own cookies, its own browser) press Run within a second
+on one server whose decode steps batch across runs (engine.batch, the default MAX_CONCURRENT_RUNS and
+MAX_BATCH_ROWS): nobody waits in the queue, each tab shows its own text, equal to its single-user run with the
+batch off (MAX_BATCH_ROWS=1: each run alone), and nobody else's. (That each run's probe statistics equal the run
+alone within engine.batch's rounding is tests/unit/test_step_barrier.py's, through the same inspect_run.)"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine import RunSettings
+from inspector.session.limits import Limits
+from inspector.session.run import inspect_run
+from tests.browser.test_classroom_load import arrivals, press_run_in, run_in, shown_texts
+from tests.browser.test_load_server import _open, _ready
+from tests.helpers import streamlit_server, tiny_config, write_model_dir
+
+pytestmark = pytest.mark.browser
+STUDENTS, NEW = 8, 4
+QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "Name three sea animals.",
+             "What is 12 times 7?", "Write a poem about autumn leaves.",
+             "Explain photosynthesis briefly.", "Who wrote Hamlet?", "Count to five."]
+
+
+@pytest.fixture(scope="module")
+def klass(tmp_path_factory, tokenizer_files):
+    d = write_model_dir(tmp_path_factory.mktemp("klass") / "klass-llama", tokenizer_files,
+                        tiny_config(num_hidden_layers=4))
+    log = tmp_path_factory.mktemp("klass-log") / "streamlit.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_INSPECTOR_MAX_")}
+    env.update(LLM_INSPECTOR_MODEL=str(d), LLM_INSPECTOR_MODEL_ROOTS="", LLM_INSPECTOR_HUB_CACHE="off")
+    with streamlit_server(env, log, "--server.fileWatcherType", "none") as (url, proc):
+        yield url, proc, log, d
+
+
+def test_eight_students_press_run_at_once(klass, browser):
+    url, proc, log, model_dir = klass
+    from engine import load_model
+    model = load_model(model_dir, device="cpu", dtype="float32")
+    alone = Limits(max_batch_rows=1)
+    want = [inspect_run(model, RunSettings(prompt=q, max_new_tokens=NEW), limits=alone).result.text.strip("\n")
+            for q in QUESTIONS]
+    tabs = [_open(browser, url, wait=False) for _ in range(STUDENTS)]
+    for _, page in tabs:
+        _ready(page)
+    for (_, page), q in zip(tabs, QUESTIONS):
+        run_in(page, q)
+    press_run_in(tabs)
+    assert arrivals(tabs) == [0] * STUDENTS           # nobody queued: all eight generated at once
+    for k, (_, page) in enumerate(tabs):
+        shown = shown_texts(page)
+        assert want[k] in shown, (k, want[k], shown)                                   # its own single-user text
+        assert not any(w in shown for j, w in enumerate(want) if j != k and w != want[k]), k   # nobody else's
+    for ctx, _ in tabs:
+        ctx.close()
+    assert proc.poll() is None and "Traceback" not in log.read_text()

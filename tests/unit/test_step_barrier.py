@@ -1,0 +1,134 @@
+"""The step barrier (engine.batch.barrier): runs driven in their own threads batch their decode steps and
+each ends as it would alone (tokens; statistics within engine.batch's rounding), a Stop ends only its own run,
+max_rows=1 is each run alone bit for bit; and the app's run path (inspect_run) goes through it."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine import GenerationRun, RunSettings, SamplingParams
+from engine.accelerator import PLAIN
+from engine.batch import StepBarrier, shared_barrier
+from engine.generate import STOP
+from engine.inspection.probe import inspection_probe
+from inspector.session.admission import Admission
+from inspector.session.limits import Limits
+from inspector.session.run import inspect_run
+
+pytestmark = pytest.mark.unit
+
+PROMPTS = ["hello there", "a longer prompt with some more words in it", "x", "one two three four five six"]
+
+
+def _run(model, n: int, **kw) -> GenerationRun:
+    return GenerationRun(model, PROMPTS[n % 4], seed=n, max_new_tokens=5 + n, ignore_eos=True,
+                         params=SamplingParams(temperature=0.7 + 0.1 * n, top_k=30), probe=inspection_probe(), **kw)
+
+
+def _drive_all(barrier: StepBarrier, runs: list[GenerationRun]) -> list:
+    results: list = [None] * len(runs)
+    gate = threading.Barrier(len(runs))
+
+    def work(n: int) -> None:
+        gate.wait()
+        results[n] = barrier.drive(runs[n])
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(len(runs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def _close(a, b, exact: bool) -> None:
+    ra, rb = a.probe.stat_records(), b.probe.stat_records()
+    assert [(r.step, r.name, r.pos0) for r in ra] == [(r.step, r.name, r.pos0) for r in rb]
+    for x, y in zip(ra, rb):
+        same = torch.equal(x.values.nan_to_num(), y.values.nan_to_num()) if exact else \
+            torch.allclose(x.values, y.values, rtol=1e-4, atol=1e-5, equal_nan=True)
+        assert same, (x.name, x.step)
+
+
+def test_threads_batch_their_steps_and_each_ends_as_alone(tiny_model):
+    model = tiny_model.with_accelerator(PLAIN)
+    alone = [_run(model, n) for n in range(4)]
+    for r in alone:
+        r.run()
+    barrier = StepBarrier(window_s=0.5)
+    results = _drive_all(barrier, [_run(model, n) for n in range(4)])
+    assert barrier.steps > 0 and barrier.rows / barrier.steps > 1.5     # they did step together
+    for a, r in zip(alone, results):
+        assert r.token_ids == a.token_ids and r.stop_reason == "max_new_tokens"
+        _close(a.result(), r, exact=False)
+
+
+def test_one_row_at_a_time_is_each_run_alone_bit_for_bit(tiny_model):
+    alone = [_run(tiny_model, n) for n in range(3)]
+    for r in alone:
+        r.run()
+    barrier = StepBarrier(max_rows=1)
+    results = _drive_all(barrier, [_run(tiny_model, n) for n in range(3)])
+    assert barrier.steps == 0
+    for a, r in zip(alone, results):
+        assert r.token_ids == a.token_ids
+        _close(a.result(), r, exact=True)
+
+
+def test_stop_ends_only_its_own_run(tiny_model):
+    model = tiny_model.with_accelerator(PLAIN)
+    stop_after = {"n": 0}
+
+    def stopper(step):
+        stop_after["n"] += 1
+        return STOP if stop_after["n"] == 2 else None
+    runs = [_run(model, 0, on_token=stopper), _run(model, 1), _run(model, 2)]
+    results = _drive_all(StepBarrier(window_s=0.5), runs)
+    assert results[0].stop_reason == "stopped" and len(results[0].token_ids) == 2
+    assert [len(r.token_ids) for r in results[1:]] == [6, 7]
+
+
+def test_the_apps_run_path_batches_and_matches_alone(tiny_model):
+    settings = [RunSettings(prompt=PROMPTS[n], max_new_tokens=6, seed=n, ignore_eos=True,
+                            params=SamplingParams(temperature=0.8)) for n in range(4)]
+    alone = [inspect_run(tiny_model, s, limits=Limits(max_batch_rows=1), admission=Admission(4, 8))
+             for s in settings]
+    barrier = shared_barrier()
+    before = barrier.steps
+    admission, out = Admission(4, 8), [None] * 4
+    gate = threading.Barrier(4)
+
+    def work(n):
+        gate.wait()
+        out[n] = inspect_run(tiny_model, settings[n], limits=Limits(), admission=admission, client=f"student-{n}")
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert barrier.steps > before
+    assert [t.result.token_ids for t in out] == [t.result.token_ids for t in alone]
+
+
+def test_bench_class_measures_a_class_that_batched(tiny_model):
+    from engine.bench.class_run import class_bench
+    before = shared_barrier().steps
+    out = class_bench(tiny_model, sizes=(1, 3), new_tokens=4, rounds=1, say=lambda *_: None)
+    assert shared_barrier().steps > before         # the class's decode steps went through the batched forward
+    assert out["class_3_s"] > 0 and out["class_last_over_alone_3"] > 0 and out["class_tokens_per_s_3"] > 0
+    assert out["lone_app_over_cli_decode"] > 0 and out["cli_beside_busy_over_alone"] > 0
+
+
+def test_a_class_larger_than_one_step_is_served_in_turns(tiny_model):
+    """Six runs, at most two rows a step: every run is in exactly one step at a time and ends as alone."""
+    model = tiny_model.with_accelerator(PLAIN)
+    alone = [_run(model, n) for n in range(6)]
+    for r in alone:
+        r.run()
+    barrier = StepBarrier(max_rows=2, window_s=0.2)
+    results = _drive_all(barrier, [_run(model, n) for n in range(6)])
+    assert barrier.steps > 0 and barrier.rows / barrier.steps <= 2
+    for a, r in zip(alone, results):
+        assert r.token_ids == a.token_ids
+        _close(a.result(), r, exact=False)
