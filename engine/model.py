@@ -3,12 +3,11 @@ family's variations: q/k norms, post-norms, soft caps, multipliers, sliding wind
 without RoPE, mixtures of experts; engine.family declares them and _block reads the declaration).
 
 The model holds weights only and is shared by every session and thread; a run brings its own KVCache and
-Probe. Every stage is offered to the probe by name. Over several query positions the output of attention
-comes from torch's fused scaled_dot_product_attention; scores and pattern are materialised (H, T, S) only
-when a hook needs them whole (a replace hook, a full capture). Statistics of them, or some of their rows,
-are computed in query blocks beside the fused kernel (engine.inspection.attention_stats). One decode row computes
-scores and pattern anyway (two small grouped matmuls) and offers them as they are.
-"""
+Probe. Every stage is offered to the probe by name. Over several query positions the output of attention comes
+from torch's fused scaled_dot_product_attention; scores and pattern are materialised (H, T, S) only when a hook
+needs them whole (a replace hook, a full capture). Statistics of them, or some of their rows, are computed in
+query blocks beside the fused kernel (engine.inspection.attention_stats). One decode row computes scores and
+pattern anyway (two small grouped matmuls) and offers them as they are."""
 from __future__ import annotations
 
 import copy

@@ -34,13 +34,13 @@ def test_batched_step_on_cuda_matches_alone(gpu_model):
         for o in step_together(together):
             assert not isinstance(o, BaseException), o
     for a, b in zip(alone, together):
-        assert [(s.step, s.name, s.pos0) for s in a.probe.stat_records()] == \
-            [(s.step, s.name, s.pos0) for s in b.probe.stat_records()]
+        assert [(s.step, s.name, s.pos0) for s in a.probe.recording.stat_records()] == \
+            [(s.step, s.name, s.pos0) for s in b.probe.recording.stat_records()]
         n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
         margins = [s.top[0].prob - s.top[1].prob for s in a.steps]
         assert n == len(a.token_ids) or margins[n] < 0.02, (n, margins[n])    # differs only at a near tie
-        last = a.probe.captured("logits")[-1].value.float()
-        got = b.probe.captured("logits")[-1].value.float()
+        last = a.probe.recording.captured("logits")[-1].value.float()
+        got = b.probe.recording.captured("logits")[-1].value.float()
         if n == len(a.token_ids):
             assert float((got - last).norm() / last.norm()) < 0.02
     assert gpu_model.live_hooks == 0

@@ -10,7 +10,8 @@ import torch
 from engine import GenerationRun, SamplingParams
 from engine.accelerator import PLAIN
 from engine.batch import alone_reason, step_together
-from engine.inspection.probe import inspection_probe, scale
+from engine.inspection.interventions import scale
+from engine.inspection.probe import inspection_probe
 
 pytestmark = pytest.mark.unit
 
@@ -32,7 +33,7 @@ def _together(runs, **kw):
 
 
 def _same_records(a, b, exact: bool):
-    ra, rb = a.probe.stat_records(), b.probe.stat_records()
+    ra, rb = a.probe.recording.stat_records(), b.probe.recording.stat_records()
     assert [(r.step, r.name, r.layer, r.pos0, tuple(r.values.shape)) for r in ra] == \
         [(r.step, r.name, r.layer, r.pos0, tuple(r.values.shape)) for r in rb]
     for x, y in zip(ra, rb):
@@ -53,7 +54,8 @@ def test_runs_stepped_together_match_each_alone(tiny_model):
         assert b.token_ids == a.token_ids and b.text == a.text and b.stop_reason == a.stop_reason
         assert b.cache.get_pos() == a.cache.get_pos()
         _same_records(a, b, exact=False)
-        assert [c.positions for c in b.probe.captured("logits")] == [c.positions for c in a.probe.captured("logits")]
+        got, want = b.probe.recording.captured("logits"), a.probe.recording.captured("logits")
+        assert [c.positions for c in got] == [c.positions for c in want]
 
 
 def test_exact_switch_is_each_run_alone_bit_for_bit(tiny_model):

@@ -43,7 +43,7 @@ def _drive_all(barrier: StepBarrier, runs: list[GenerationRun]) -> list:
 
 
 def _close(a, b, exact: bool) -> None:
-    ra, rb = a.probe.stat_records(), b.probe.stat_records()
+    ra, rb = a.recording.stat_records(), b.recording.stat_records()
     assert [(r.step, r.name, r.pos0) for r in ra] == [(r.step, r.name, r.pos0) for r in rb]
     for x, y in zip(ra, rb):
         same = torch.equal(x.values.nan_to_num(), y.values.nan_to_num()) if exact else \
