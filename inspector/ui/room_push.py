@@ -40,8 +40,8 @@ MIN_GAP_S = 0.5       # answer counts rerun a teacher's screen at most this ofte
 # process about 17 ms of CPU (Streamlit's script run around it; measured with ten followers on the 2-core test
 # machine): unbounded, ten followers rerunning at every publish (up to 7 a second each) took more CPU than the
 # teacher's own run and made it 4.6 times slower. So each panel reruns at most every followers / LIVE_RERUNS_S
-# seconds (never more often than POLL_S): 3 followers 0.3 s, 10 followers 1 s, 30 followers 3 s.
-LIVE_RERUNS_S = 10
+# seconds (never more often than POLL_S): 3 followers 0.15 s, 10 followers 0.5 s, 30 followers 1.5 s.
+LIVE_RERUNS_S = 20
 OFFLINE = "offline"   # the signature of a room whose store does not answer
 log = logging.getLogger("llm_inspector")
 

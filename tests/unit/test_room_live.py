@@ -194,7 +194,7 @@ def test_live_panels_of_many_followers_share_a_rerun_budget(monkeypatch):
     for k in range(n):
         w.watch(f"s{k}", "follow", code, signature("follow", store.state(code), live=live.seq))
         w.watch_live(f"s{k}", code, store.live_version(code), f"frag-{k}")
-    gap = n / push.LIVE_RERUNS_S                                           # 3 s for 30 followers
+    gap = n / push.LIVE_RERUNS_S                                           # 1.5 s for 30 followers
     per_tick: list[int] = []
     for t in range(40):                                                     # 4 s of ticks, a publish at each
         store.publish_live(code, token, Live(live.seq, "Tell me", 64, "decode", 1.0, t + 1, "x" * (t + 1)))
