@@ -88,6 +88,13 @@ def _phase(live: Live) -> str:
 def teacher_prompt(height: int) -> None:
     """In a following student's sidebar, in place of their own prompt box: the prompt and settings of the
     teacher's run on screen (read-only; the student's own prompt comes back when they explore on their own)."""
+    live = _live_now()
+    if live is not None:          # the teacher's run generating now (its first in the room, or a new one)
+        st.session_state[TEACHER_PROMPT] = live.prompt
+        st.text_area("Prompt (the teacher's run, generating)", key=TEACHER_PROMPT, height=height, disabled=True)
+        st.caption("The teacher's run is generating: it grows above the page, token by token, and the whole run "
+                   "follows when it ends.")
+        return
     run = current_run()
     st.session_state[TEACHER_PROMPT] = run.settings.prompt if run is not None else ""
     st.text_area("Prompt (the teacher's run)", key=TEACHER_PROMPT, height=height, disabled=True)
@@ -98,3 +105,15 @@ def teacher_prompt(height: int) -> None:
     st.caption(f"The teacher's settings: chat format {'on' if s.chat else 'off'} · up to {s.max_new_tokens:,} new "
                f"tokens · {plain(describe(s.params))} · seed {s.seed}"
                + (f" · stop strings {plain(', '.join(map(repr, s.stop)))}" if s.stop else ""))
+
+
+def _live_now() -> Live | None:
+    """The teacher's run generating now in this student's room (the one this screen shows live), or None."""
+    r = room()
+    if r is None or r.live is None:
+        return None
+    try:
+        _, live = shared_store().live(r.code)
+    except ROOM_ERRORS:
+        return None
+    return live if live is not None and live.seq == r.live else None

@@ -21,8 +21,7 @@ from inspector.session.rooms import RoomStore
 from inspector.session.rooms_redis import RedisBackend
 from inspector.session.rooms_state import View
 from inspector.session.run import inspect_run
-from tests.browser.test_rooms import SERVER_ARGS, server_env
-from tests.helpers import streamlit_server
+from tests.browser.test_rooms import SERVER_ARGS, room_server, server_env
 from tests.redis_server import redis_server
 
 pytestmark = pytest.mark.browser
@@ -77,7 +76,7 @@ def test_scripted_sessions_cannot_grow_the_server_past_its_stated_bound(tmp_path
         env = {**server_env(tiny_model_dir, LLM_INSPECTOR_ROOMS=url), "LLM_INSPECTOR_MAX_NEW_TOKENS": str(NEW_TOKENS),
                "LLM_INSPECTOR_MAX_SESSION_MB": str(BUDGET_MB), "LLM_INSPECTOR_MAX_SESSIONS": str(MAX_SESSIONS),
                "LLM_INSPECTOR_MAX_RUNS_KEPT": "1"}
-        with streamlit_server(env, tmp_path / "server.log", *SERVER_ARGS) as (base, proc):
+        with room_server(env, tmp_path / "server.log", *SERVER_ARGS) as (base, proc):
             store = RoomStore(RedisBackend.from_url(url, timeout=10))
             code, token = store.create()
             store.publish(code, token, run=data, view=View())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from ast import literal_eval
 from contextlib import contextmanager
@@ -18,7 +19,7 @@ import psutil
 import pytest
 
 from inspector.session.rooms_poll import answer_token
-from tests.helpers import RUNNING, streamlit_server
+from tests.helpers import RUNNING, free_port, server_process
 from tests.redis_server import redis_server
 
 pytestmark = pytest.mark.browser
@@ -45,11 +46,21 @@ def server_env(model_dir, **extra) -> dict:
                 LLM_INSPECTOR_HUB_CACHE="off", OMP_NUM_THREADS="1", **extra)
 
 
-# runner.postScriptGC off: Streamlit's full gc.collect() after every script run took 120 ms of CPU here (torch,
-# Streamlit, the model: ~260,000 objects), 1.2 s for ten students following one change. docs/CLASSROOM.md
-# recommends the same setting for a room's server.
-SERVER_ARGS = ("--server.fileWatcherType", "none", "--server.disconnectedSessionTTL", "5",
-               "--runner.postScriptGC", "false")
+# Streamlit's garbage collection after every script run stays on (runner.postScriptGC, as a teacher's server has
+# it): the servers start as scripts/serve.sh starts them, through inspector.ui.serve, which freezes the imported
+# modules out of the collection (a full gc.collect() walked ~260,000 objects, 120 ms, before).
+SERVER_ARGS = ("--server.fileWatcherType", "none", "--server.disconnectedSessionTTL", "5")
+
+
+@contextmanager
+def room_server(env: dict, log: Path, *args: str):
+    """The app on a free 127.0.0.1 port, started as scripts/serve.sh starts it (python -m inspector.ui.serve run
+    app.py); yields (url, process) once healthy; always stopped."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "inspector.ui.serve", "run", "app.py", "--server.headless", "true",
+           "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false", *args]
+    with server_process(cmd, ROOT, env, log, port) as served:
+        yield served
 
 
 @contextmanager
@@ -57,15 +68,15 @@ def redis_room_servers(logs, model_dir):
     """One real redis-server and two app processes sharing it: (redis url, [(url, process, log), ...])."""
     with redis_server() as url:
         env = server_env(model_dir, LLM_INSPECTOR_ROOMS=url)
-        with streamlit_server(env, logs / "a.log", *SERVER_ARGS) as (a, proc_a), \
-                streamlit_server(env, logs / "b.log", *SERVER_ARGS) as (b, proc_b):
+        with room_server(env, logs / "a.log", *SERVER_ARGS) as (a, proc_a), \
+                room_server(env, logs / "b.log", *SERVER_ARGS) as (b, proc_b):
             yield url, [(a, proc_a, logs / "a.log"), (b, proc_b, logs / "b.log")]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
     log = tmp_path_factory.mktemp("rooms") / "streamlit.log"
-    with streamlit_server(server_env(tiny_model_dir), log, *SERVER_ARGS) as (url, proc):
+    with room_server(server_env(tiny_model_dir), log, *SERVER_ARGS) as (url, proc):
         yield url, proc, log
 
 

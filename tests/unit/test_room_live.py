@@ -178,6 +178,44 @@ def test_the_watcher_reruns_only_the_live_panel_when_the_live_run_moves(monkeypa
     assert reruns == [("s1", None), ("s1", "frag-1"), ("s1", None)]
 
 
+def test_live_panels_of_many_followers_share_a_rerun_budget(monkeypatch):
+    """Each live panel rerun costs its process ~17 ms of CPU: with n followers in a process each panel reruns at
+    most every n / LIVE_RERUNS_S seconds (POLL_S at least), so ten followers cannot take the teacher's CPU."""
+    import inspector.ui.room_push as push
+    store = RoomStore(MemoryBackend())
+    monkeypatch.setattr(push, "shared_store", lambda: store)
+    clock = [1000.0]
+    monkeypatch.setattr(push.time, "monotonic", lambda: clock[0])
+    code, token = store.create()
+    live = store.start_live(code, token, "Tell me", 64)
+    reruns: list[tuple] = []
+    w = Watcher(rerun=lambda sid, fragment=None: reruns.append((sid, fragment)) or True)
+    n = 30
+    for k in range(n):
+        w.watch(f"s{k}", "follow", code, signature("follow", store.state(code), live=live.seq))
+        w.watch_live(f"s{k}", code, store.live_version(code), f"frag-{k}")
+    gap = n / push.LIVE_RERUNS_S                                           # 1.5 s for 30 followers
+    per_tick: list[int] = []
+    for t in range(40):                                                     # 4 s of ticks, a publish at each
+        store.publish_live(code, token, Live(live.seq, "Tell me", 64, "decode", 1.0, t + 1, "x" * (t + 1)))
+        before = len(reruns)
+        w.tick()
+        per_tick.append(len(reruns) - before)
+        clock[0] += push.POLL_S
+    assert all(f is not None for _, f in reruns)                           # live panels only, no full reruns
+    assert per_tick[0] == n and sum(per_tick) <= n * (1 + 4 / gap) + 1    # one each, then one per gap
+    assert sum(per_tick) / 4.0 <= push.LIVE_RERUNS_S * 1.5
+    few = Watcher(rerun=lambda sid, fragment=None: reruns.append((sid, fragment)) or True)
+    few.watch("a", "follow", code, signature("follow", store.state(code), live=live.seq))
+    few.watch_live("a", code, store.live_version(code), "frag-a")
+    count = len(reruns)
+    for t in range(10):                                                     # one follower: at every publish
+        store.publish_live(code, token, Live(live.seq, "Tell me", 64, "decode", 1.0, 50 + t, "y"))
+        few.tick()
+        clock[0] += push.POLL_S
+    assert len(reruns) - count == 10
+
+
 def test_a_live_run_tells_its_observer_and_an_observer_that_fails_does_not_end_it(tiny_model):
     class Recorder:
         def __init__(self, fail=False):
