@@ -2,12 +2,12 @@
 (prefill by chunk and layer, tokens as they come, an estimate from this server's measured speed, Stop), then
 the model, device, dtype, generation settings, demos and the runs kept.
 
-A run is checked against the server's limits and waits for a device slot; a waiting user sees their place
-in the queue. It generates in a thread of its own (inspector.session.live_run) so that Stop and page changes work
-while it runs. The run (engine.Trace) lives in this session's SessionState only. When the run ends, the
-app is drawn again (Run and the demos enabled). A number outside its range is named above Run, and Run starts
-nothing until it is corrected. One click at a time per session draws its page (own_turn, used by app.py). While
-the model loads (a fresh server's first visitors), the sidebar shows its progress and Run waits (get_model).
+A run is checked against the server's limits and waits for a device slot; a waiting user sees their place in the
+queue. It generates in a thread of its own (inspector.session.live_run) so that Stop and page changes work while it
+runs; Stop takes Run's place meanwhile. The run (engine.Trace) lives in this session's SessionState only. When the
+run ends, the app is drawn again (Run and the demos enabled). A number outside its range is named above Run, and Run
+starts nothing until it is corrected. One click at a time per session draws its page (own_turn, used by app.py).
+While the model loads (a fresh server's first visitors), the sidebar shows its progress and Run waits (get_model).
 """
 from __future__ import annotations
 
@@ -101,8 +101,7 @@ def _projector_url() -> None:
 
 def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) -> tuple[LiveRun | None, object]:
     """Title, model, prompt, Run, the estimate; the live run (started here on a click) for the caller to watch, and
-    the slot of Run: while a run goes, its Stop takes Run's place (one button there, never a Run that looks
-    clickable above Stop)."""
+    Run's slot, where Stop takes its place while a run goes (never a Run that looks clickable above Stop)."""
     st.markdown("**LLM Inspector** · see inside a language model")
     if model is None:            # loading (a demo clicked meanwhile waits for it) or failed
         common.load_box(demo_waits=session().demo is not None)
@@ -254,9 +253,8 @@ def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
 
 
 def watch(live: LiveRun, limits: Limits, on_tick=None, slot=None) -> None:
-    """Show the run until it ends (Stop ends it early), then keep it and draw the app again: Run, the demos and the
-    page were drawn for a running run (Run greyed out when this script run found it going: after Stop, after a
-    page change), and nothing else would redraw them. What the end said is kept for that next run (notices)."""
+    """Show the run until it ends (Stop, in Run's slot, ends it early), then keep it and draw the app again (the page
+    was drawn for a running run). What the end said is kept for that next run (notices)."""
     try:
         stop, note = slot if slot is not None else st.empty(), st.empty()     # gone once the run has ended
         stop.button("Stop", key="sb_stop", on_click=live.stop, use_container_width=True,
@@ -284,10 +282,9 @@ def watch(live: LiveRun, limits: Limits, on_tick=None, slot=None) -> None:
 
 
 def stopped_for_good(settle_s: float = 0.2) -> bool:
-    """Whether this script run's StopException is the toolbar's Stop (or the session's end), not a rerun: with
-    fast reruns (Streamlit's default) a rerun or page change stops the script alike, but gives the session a new
-    ScriptRunner, set just after (hence the settle). Read from Streamlit's internals through
-    inspector.ui.st_internals (False where they are not there: the run goes on, and the next click keeps it)."""
+    """Whether this script run's StopException is the toolbar's Stop (or the session's end), not a rerun: with fast
+    reruns a rerun or page change stops the script alike, but gives the session a new ScriptRunner just after (hence
+    the settle). Through inspector.ui.st_internals (False where its internals are not there: the run goes on)."""
     return st_internals.stopped_for_good(get_script_run_ctx(suppress_warning=True), settle_s)
 
 
