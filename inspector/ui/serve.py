@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import gc
 import importlib
-import os
 import pkgutil
 import sys
 
-# As app.py: waiting OpenMP threads sleep (read once, when torch loads libgomp: before the imports below).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import engine.threads  # noqa: E402,F401,I001  (the one thread policy, before torch loads libgomp: as app.py)
 
 PACKAGES = ("inspector.session", "inspector.views", "inspector.ui")   # what app.py and the pages import
 
