@@ -112,6 +112,7 @@ class GenerationResult:
     timings: dict[str, float]          # tokenize, prefill, decode (total), per_token_decode
     cache: dict[str, int]              # bytes_allocated, bytes_used, bytes_per_token
     recording: Recording | None = field(default=None, repr=False)   # what the run's probe saw
+    batched_steps: int = 0             # decode steps whose forward was shared with other runs' (engine.batch)
 
     @property
     def all_ids(self) -> list[int]:
@@ -196,6 +197,7 @@ class GenerationRun:
         self.eos = set() if ignore_eos else set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
         self.token_ids: list[int] = []
         self.steps: list[Step] = []
+        self.batched_steps = 0       # steps whose logits came from a forward shared with other runs (engine.batch)
         self.text = ""
         self.stop_reason: str | None = None
         if probe is not None:
@@ -226,7 +228,10 @@ class GenerationRun:
             probe.step = index
         t0 = time.perf_counter() - seconds
         try:
-            logits = self._forward(index) if logits is None else logits.float().cpu()
+            if logits is None:
+                logits = self._forward(index)
+            else:
+                logits, self.batched_steps = logits.float().cpu(), self.batched_steps + 1
         except Stopped:
             self.stop_reason = STOPPED
             return None
@@ -342,7 +347,7 @@ class GenerationRun:
                                 self.stop_reason or "running", self.params, self.seed, timings,
                                 {"bytes_allocated": c.bytes_allocated, "bytes_used": c.bytes_used,
                                  "bytes_per_token": c.bytes_per_token},
-                                None if self.probe is None else self.probe.recording)
+                                None if self.probe is None else self.probe.recording, self.batched_steps)
 
 
 def nonfinite_stop(result: GenerationResult) -> dict | None:

@@ -113,4 +113,13 @@ def inspect_run(model: Model, request: RunSettings | Checked, on_token: Callable
         result = shared_barrier(limits.max_batch_rows).drive(run)     # decode steps batched with other runs
         seconds = time.perf_counter() - t0
     result.timings["tokenize"] = checked.tokenize_s          # tokenised once, by the check, not by the engine again
-    return track(make_trace(settings, result, probe, model.name, seconds, notes=list(checked.notes)))
+    notes = list(checked.notes) + ([batched_note(result.batched_steps)] if result.batched_steps else [])
+    return track(make_trace(settings, result, probe, model.name, seconds, notes=notes))
+
+
+def batched_note(steps: int) -> str:
+    """What a run whose decode steps were batched with other runs' says about its arithmetic (engine.batch)."""
+    return (f"{steps} of this run's decode steps shared one forward with other runs' (this server batches the runs "
+            "in flight). Its logits and statistics may differ from the run alone by float rounding (measured: up to "
+            "about 1e-4 in logits, 1e-3 in a stage's statistics), so a near tie could draw another token. A server "
+            f"started with {env_name('max_batch_rows')}=1 gives every run its own arithmetic, bit for bit.")

@@ -95,7 +95,7 @@ def test_the_apps_run_path_batches_and_matches_alone(tiny_model):
     alone = [inspect_run(tiny_model, s, limits=Limits(max_batch_rows=1), admission=Admission(4, 8))
              for s in settings]
     barrier = shared_barrier()
-    before = barrier.steps
+    before, rows_before = barrier.steps, barrier.rows
     admission, out = Admission(4, 8), [None] * 4
     gate = threading.Barrier(4)
 
@@ -109,6 +109,15 @@ def test_the_apps_run_path_batches_and_matches_alone(tiny_model):
         t.join(120)
     assert barrier.steps > before
     assert [t.result.token_ids for t in out] == [t.result.token_ids for t in alone]
+    # each run says whether and how often its forward was shared: the rows the barrier served, run by run
+    assert sum(t.result.batched_steps for t in out) == barrier.rows - rows_before > 0
+    assert all(t.result.batched_steps == 0 and not any("shared one forward" in n for n in t.notes) for t in alone)
+    for t in out:
+        said = [n for n in t.notes if "shared one forward" in n]
+        if t.result.batched_steps:
+            assert len(said) == 1 and said[0].startswith(f"{t.result.batched_steps} of this run's decode steps")
+        else:
+            assert said == []
 
 
 def test_bench_class_measures_a_class_that_batched(tiny_model):
