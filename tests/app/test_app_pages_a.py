@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from engine.generate import GenerationRun
 from engine.model import Model
 from inspector.session.models import model_choices
 from inspector.ui.state import session_of
@@ -31,9 +32,10 @@ def page(app_file: Path, name: str) -> str:
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Counts Model.generate and Model.forward calls (every model instance, the app's shared one too)."""
+    """Counts generations started (GenerationRun: the app's run path drives one through the step barrier) and
+    Model.forward calls (every model instance, the app's shared one too)."""
     n = {"generate": 0, "forward": 0}
-    gen, fwd = Model.generate, Model.forward
+    gen, fwd = GenerationRun.__init__, Model.forward
 
     def generate(self, *a, **kw):
         n["generate"] += 1
@@ -43,7 +45,7 @@ def calls(monkeypatch):
         n["forward"] += 1
         return fwd(self, *a, **kw)
 
-    monkeypatch.setattr(Model, "generate", generate)
+    monkeypatch.setattr(GenerationRun, "__init__", generate)
     monkeypatch.setattr(Model, "forward", forward)
     return n
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from engine.generate import GenerationRun
 from engine.model import Model
 from inspector.session.models import model_choices
 from inspector.ui.state import session_of
@@ -55,12 +56,12 @@ def start(app_file: Path, source: str | None, prompt: str, max_new: int = MAX_NE
 
 @pytest.fixture
 def forward_calls(monkeypatch):
-    """Install (when called) a counting wrapper on Model.forward and Model.generate: every instance,
-    the app's shared model included."""
+    """Install (when called) a counting wrapper on Model.forward and on GenerationRun (a generation started: the
+    app's run path drives one through the step barrier): every instance, the app's shared model included."""
     n = {"forward": 0, "generate": 0}
 
     def install():
-        fwd, gen = Model.forward, Model.generate
+        fwd, gen = Model.forward, GenerationRun.__init__
 
         def forward(self, *a, **kw):
             n["forward"] += 1
@@ -71,7 +72,7 @@ def forward_calls(monkeypatch):
             return gen(self, *a, **kw)
 
         monkeypatch.setattr(Model, "forward", forward)
-        monkeypatch.setattr(Model, "generate", generate)
+        monkeypatch.setattr(GenerationRun, "__init__", generate)
         return n
     return install
 
