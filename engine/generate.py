@@ -112,7 +112,6 @@ class GenerationResult:
     timings: dict[str, float]          # tokenize, prefill, decode (total), per_token_decode
     cache: dict[str, int]              # bytes_allocated, bytes_used, bytes_per_token
     recording: Recording | None = field(default=None, repr=False)   # what the run's probe saw
-    batched_steps: int = 0             # decode steps whose forward was shared with other runs' (engine.batch)
 
     @property
     def all_ids(self) -> list[int]:
@@ -347,7 +346,7 @@ class GenerationRun:
                                 self.stop_reason or "running", self.params, self.seed, timings,
                                 {"bytes_allocated": c.bytes_allocated, "bytes_used": c.bytes_used,
                                  "bytes_per_token": c.bytes_per_token},
-                                None if self.probe is None else self.probe.recording, self.batched_steps)
+                                None if self.probe is None else self.probe.recording)
 
 
 def nonfinite_stop(result: GenerationResult) -> dict | None:

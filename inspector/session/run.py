@@ -113,7 +113,7 @@ def inspect_run(model: Model, request: RunSettings | Checked, on_token: Callable
         result = shared_barrier(limits.max_batch_rows).drive(run)     # decode steps batched with other runs
         seconds = time.perf_counter() - t0
     result.timings["tokenize"] = checked.tokenize_s          # tokenised once, by the check, not by the engine again
-    notes = list(checked.notes) + ([batched_note(result.batched_steps)] if result.batched_steps else [])
+    notes = list(checked.notes) + ([batched_note(run.batched_steps)] if run.batched_steps else [])
     return track(make_trace(settings, result, probe, model.name, seconds, notes=notes))
 
 
