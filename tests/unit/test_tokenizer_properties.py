@@ -103,6 +103,7 @@ def test_stream_of_any_ids_equals_one_shot_decode(tok, ids):
 @given(text=texts, cuts=st.lists(st.integers(0, 40), max_size=4))
 def test_stream_of_encoded_text_holds_back_only_partial_characters(tok, missing_bytes, text, cuts):
     assume(representable(text, missing_bytes))
+    assume("\ufffd" not in text)       # a U+FFFD the text itself holds is its own character, not a held-back one
     ids = tok.encode(text, allow_special=True)
     for c in cuts:                          # a stream cut anywhere ends in U+FFFD only if it ends mid-character
         steps, rest = stream(tok, ids[:c])
