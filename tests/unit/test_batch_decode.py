@@ -43,11 +43,17 @@ def _same_records(a, b, exact: bool):
             assert torch.allclose(x.values, y.values, rtol=1e-4, atol=1e-5, equal_nan=True), x.name
 
 
-def test_runs_stepped_together_match_each_alone(tiny_model):
-    model = tiny_model.with_accelerator(PLAIN)       # alone on the same (PyTorch) path the batch takes
+def _ran_alone(model) -> list:
+    """The reference: each run of SPECS run to its end on its own."""
     alone = _runs(model)
     for r in alone:
         r.run()
+    return alone
+
+
+def test_runs_stepped_together_match_each_alone(tiny_model):
+    model = tiny_model.with_accelerator(PLAIN)       # alone on the same (PyTorch) path the batch takes
+    alone = _ran_alone(model)
     together = _runs(model)
     _together(together)
     for a, b in zip(alone, together):
@@ -59,9 +65,7 @@ def test_runs_stepped_together_match_each_alone(tiny_model):
 
 
 def test_exact_switch_is_each_run_alone_bit_for_bit(tiny_model):
-    alone = _runs(tiny_model)
-    for r in alone:
-        r.run()
+    alone = _ran_alone(tiny_model)
     together = _runs(tiny_model)
     _together(together, exact=True)
     for a, b in zip(alone, together):
@@ -71,9 +75,7 @@ def test_exact_switch_is_each_run_alone_bit_for_bit(tiny_model):
 
 def test_a_run_without_probe_beside_probed_runs(tiny_model):
     model = tiny_model.with_accelerator(PLAIN)
-    alone = _runs(model)
-    for r in alone:
-        r.run()
+    alone = _ran_alone(model)
     together = _runs(model)
     bare = GenerationRun(model, "hello there", max_new_tokens=6, ignore_eos=True)
     _together(together + [bare])
@@ -98,9 +100,7 @@ def test_a_replace_hook_runs_apart_and_keeps_its_arithmetic(tiny_model):
 
 def test_runs_join_and_leave_between_steps(tiny_model):
     model = tiny_model.with_accelerator(PLAIN)
-    alone = _runs(model)
-    for r in alone:
-        r.run()
+    alone = _ran_alone(model)
     runs = _runs(model)
     live = [runs[0], runs[1]]
     for n in range(12):
