@@ -97,6 +97,19 @@ def app_file(tmp_path_factory) -> Path:
 
 
 TIERS = ("unit", "reference", "model", "app", "browser", "cuda")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_ignore_collect(collection_path, config):
+    """A tier's folder that the run's `-m` expression cannot select from is not imported (tests/tier_folders.py):
+    unless a path given on the command line lies in it."""
+    expr = config.option.markexpr
+    if not expr or collection_path.parent != ROOT / "tests" or collection_path.name not in TIERS:
+        return None
+    if any(Path(a.split("::")[0]).resolve().is_relative_to(collection_path) for a in config.args):
+        return None
+    from tests.tier_folders import unselectable
+    return True if unselectable(collection_path, expr, TIERS) else None
 
 
 @pytest.hookimpl(tryfirst=True)        # before pytest-xdist reads the groups below
