@@ -97,6 +97,29 @@ def app_file(tmp_path_factory) -> Path:
 
 
 TIERS = ("unit", "reference", "model", "app", "browser", "cuda")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_finish(session):
+    """What the app's script runs import and what collection imported (torch, Streamlit, the engine, every test
+    module: some 300,000 objects) go to the collector's permanent generation, by the server's own preload
+    (inspector/ui/serve.py): each full collection, Python's own and the one after every AppTest script run
+    (Streamlit's runner.postScriptGC), then walks only what tests made since, instead of 0.3-0.6 s of CPU each,
+    several hundred times a run. Nothing a test makes is frozen: no test has run yet."""
+    from inspector.ui.serve import preload
+    preload()
+
+
+def pytest_ignore_collect(collection_path, config):
+    """A tier's folder that the run's `-m` expression cannot select from is not imported (tests/tier_folders.py):
+    unless a path given on the command line lies in it."""
+    expr = config.option.markexpr
+    if not expr or collection_path.parent != ROOT / "tests" or collection_path.name not in TIERS:
+        return None
+    if any(Path(a.split("::")[0]).resolve().is_relative_to(collection_path) for a in config.args):
+        return None
+    from tests.tier_folders import unselectable
+    return True if unselectable(collection_path, expr, TIERS) else None
 
 
 @pytest.hookimpl(tryfirst=True)        # before pytest-xdist reads the groups below

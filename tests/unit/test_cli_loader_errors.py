@@ -86,8 +86,12 @@ def test_an_odd_head_dim_is_refused_at_load_not_at_the_first_forward(tmp_path, t
     d = write_model_dir(tmp_path / "odd", tokenizer_files, tiny_config(**change))
     with pytest.raises(ModelLoadError, match=r"head_dim.* is odd.*head_dim must be even"):
         load_model(d, device="cpu", dtype="float32")
+
+
+def test_an_even_head_dim_other_than_hidden_over_heads_loads_and_runs(tmp_path, tokenizer_files):
+    """The counterpart of the odd ones above (once, not after each of them)."""
     even = write_model_dir(tmp_path / "even", tokenizer_files, tiny_config(head_dim=14))
-    model = load_model(even, device="cpu", dtype="float32")     # an even head_dim other than hidden / heads
+    model = load_model(even, device="cpu", dtype="float32")
     assert model.config.head_dim == 14
     assert len(model.generate("hello", max_new_tokens=2, ignore_eos=True).token_ids) == 2     # forwards run
 

@@ -30,8 +30,10 @@ if platform.system() != "Linux" or not _compiler():
 
 @pytest.fixture(scope="module")
 def built_cache(tmp_path_factory) -> Path:
-    """One cache with a library built and recorded by build.load(), copied by each test (a build takes seconds)."""
+    """One cache, empty until build.load() built and recorded its library, copied by each test (a build takes
+    seconds)."""
     root = tmp_path_factory.mktemp("native-cache")
+    assert not any(root.iterdir())
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LLM_INSPECTOR_CACHE", str(root))
         mp.delenv("LLM_INSPECTOR_NATIVE", raising=False)
@@ -66,21 +68,15 @@ def _mapped_files() -> set[str]:
             if len(line.split(maxsplit=5)) == 6}
 
 
-def test_a_fresh_cache_is_private_and_records_the_librarys_sha256(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLM_INSPECTOR_CACHE", str(tmp_path / "fresh"))
-    monkeypatch.delenv("LLM_INSPECTOR_NATIVE", raising=False)
-    build.load.cache_clear()
-    try:
-        lib, why = build.load()
-        assert lib is not None, why
-        path = build.library_path()
-    finally:
-        build.load.cache_clear()
-    assert path.parent == tmp_path / "fresh" / "native"
+def test_a_fresh_cache_is_private_and_records_the_librarys_sha256(built_cache, monkeypatch):
+    """What build.load() made of an empty cache folder: the module's one build, in built_cache."""
+    monkeypatch.setenv("LLM_INSPECTOR_CACHE", str(built_cache))
+    path = build.library_path()
+    assert path.parent == built_cache / "native"
     assert path.parent.stat().st_mode & 0o777 == 0o700
     assert path.stat().st_mode & 0o022 == 0 and build.checksum_path(path).stat().st_mode & 0o022 == 0
     assert build.checksum_path(path).read_text().strip() == _sha(path)
-    assert str(path) in _mapped_files()
+    assert str(path) in _mapped_files()                   # the library loaded is the one recorded
 
 
 @pytest.mark.parametrize("planted", ["another library", "the library with bytes appended"])
