@@ -93,10 +93,12 @@ class FanLayer:
             if plan.stats:
                 if entry is None:
                     name = self.names[stage] if self.names else stage
-                    entry = self.fan.shared.add(name, plan.layer, x, plan.masked)
-                self.fan.row(b, name, entry)
+                    entry, wanting = self.fan.shared.add(name, plan.layer, x, plan.masked), []
+                wanting.append(b)
             if plan.capture:
                 p.offer_captures(stage, x[b:b + 1])
+        if entry is not None:
+            self.fan.rows(wanting, name, entry)
         return x
 
     def maps(self, stage: str, x: torch.Tensor, lengths: list[int], pad: torch.Tensor) -> None:
@@ -117,8 +119,10 @@ class FanLayer:
             if entry is None:
                 name = self.names[stage] if self.names else stage
                 masked = x if plan.masked else x.masked_fill(pad[:, None, :], float("-inf"))
-                entry = self.fan.shared.add(name, plan.layer, masked, True)
-            self.fan.row(b, name, entry)
+                entry, wanting = self.fan.shared.add(name, plan.layer, masked, True), []
+            wanting.append(b)
+        if entry is not None:
+            self.fan.rows(wanting, name, entry)
 
     def need(self, stage: str) -> int:
         return max((p.need(stage) for p in self.parts), default=NONE)
@@ -142,13 +146,15 @@ class FanProbe(NoProbe):
     def hook_count(self) -> int:
         return sum(p.hook_count for p in self.parts if p is not NO_PROBE)
 
-    def row(self, b: int, name: str, entry: int) -> None:
-        """Run b's probe records the statistics of shared entry `entry` (stage `name`) next."""
-        src = self._open[b]
-        if src is None:
-            src = self._open[b] = RowSource(self.shared, b)
-        src.names.append(name)
-        src.entries.append(entry)
+    def rows(self, parts: list[int], name: str, entry: int) -> None:
+        """These runs' probes record the statistics of shared entry `entry` (stage `name`) next."""
+        opened = self._open
+        for b in parts:
+            src = opened[b]
+            if src is None:
+                src = opened[b] = RowSource(self.shared, b)
+            src.names.append(name)
+            src.entries.append(entry)
 
     def close(self, b: int) -> None:
         """Hand run b's probe the shared stages it has been told of since the last close (one source)."""
