@@ -1,7 +1,8 @@
 """What Model.forward_rows talks to for a batch of runs: Rows (the batch's cache: each row's keys and values
 written to its own run's KVCache and its attention computed against that cache alone, exactly as the run's own
 one-token forward computes it) and FanProbe (the batch's probe: every stage tensor (B, ...) cut into its rows,
-row b offered to run b's probe, each probe begun at its own run's position)."""
+each probe begun at its own run's position: the statistics of every stage computed once over all rows
+(engine.batch.shared_stats) and row b's handed to run b's probe, captures of row b kept by run b's probe)."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 
 from engine.attention import Where, explicit
+from engine.batch.shared_stats import RowSource, SharedStats
 from engine.inspection.probe_views import NO_PROBE, NONE, NoProbe
 
 
@@ -54,29 +56,73 @@ class Rows:
         scores = (q @ keys.transpose(-1, -2)).view(B, H, S) * self.cfg.attn_scale        # (B, H, S)
         pad = torch.arange(S, device=qh.device)[None, :] >= torch.tensor(lengths, device=qh.device)[:, None]
         scores = scores.masked_fill(pad[:, None, :], float("-inf"))
+        p.maps("attn.scores", scores, lengths, pad)
         pattern = torch.softmax(scores.float(), dim=-1).to(qh.dtype)
-        for b, n in enumerate(lengths):
-            part = p.part(b)
-            part("attn.scores", scores[b, :, None, :n])
-            part("attn.pattern", pattern[b, :, None, :n])       # offered only: nothing here replaces them
+        p.maps("attn.pattern", pattern, lengths, pad)       # offered only: nothing here replaces them
         z = pattern.view(B, K, H // K, S) @ values                                       # (B, K, G, hd)
         return z.reshape(B, H, hd).transpose(0, 1)
 
 class FanLayer:
-    """Block i of a FanProbe: "attn.q" of row b goes to run b's probe as blocks.{i}.attn.q."""
+    """Block i of a FanProbe: a stage's tensor (B, ...) of block i, its statistics computed once for every row that a
+    probe records statistics of (each probe told its row's values, as blocks.{i}.<stage>), row b captured by run
+    b's probe where it captures the stage. No replace hook here (engine.batch.step runs those apart)."""
     guards_nan = True
 
-    def __init__(self, parts: list) -> None:
-        self.parts = parts
+    def __init__(self, fan: "FanProbe", parts: list, names: dict | None = None) -> None:
+        self.fan, self.parts = fan, parts
+        self.names = names               # stage -> full name (a block's: its LayerProbe's); None: the stage's own
 
     def part(self, b: int):
+        """Run b's own view, for a call on its row alone (the statistics shared with it so far handed to it first,
+        so that its records stay in forward order)."""
+        self.fan.close(b)
         return self.parts[b]
 
     def __call__(self, stage: str, x: Any) -> Any:
+        rows = isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() > 1 and x.shape[0] == len(self.parts)
+        entry = None
         for b, p in enumerate(self.parts):
-            if p is not NO_PROBE:
-                p(stage, x[b:b + 1])       # no replace hook here (engine.batch.step runs those apart)
+            if p is NO_PROBE:
+                continue
+            plan = p.plan(stage)
+            if plan.need == NONE:
+                continue
+            if not rows or plan.heads_first:
+                self.part(b)(stage, x[b:b + 1])
+                continue
+            if plan.stats:
+                if entry is None:
+                    name = self.names[stage] if self.names else stage
+                    entry, wanting = self.fan.shared.add(name, plan.layer, x, plan.masked), []
+                wanting.append(b)
+            if plan.capture:
+                p.offer_captures(stage, x[b:b + 1])
+        if entry is not None:
+            self.fan.rows(wanting, name, entry)
         return x
+
+    def maps(self, stage: str, x: torch.Tensor, lengths: list[int], pad: torch.Tensor) -> None:
+        """Attention scores or pattern (B, H, S) of every row, row b's first lengths[b] keys its own (pad (B, S):
+        the rest). Row b alone offers (H, 1, lengths[b]); its statistics are those of its H x lengths[b] entries,
+        so the shared ones leave the pad out as masked entries (-inf: the pattern's zeros there become -inf in a
+        copy). A probe that captures the stage takes its row alone."""
+        entry = None
+        for b, p in enumerate(self.parts):
+            if p is NO_PROBE:
+                continue
+            plan = p.plan(stage)
+            if plan.need == NONE:
+                continue
+            if plan.capture or not plan.stats:
+                self.part(b)(stage, x[b, :, None, :lengths[b]])
+                continue
+            if entry is None:
+                name = self.names[stage] if self.names else stage
+                masked = x if plan.masked else x.masked_fill(pad[:, None, :], float("-inf"))
+                entry, wanting = self.fan.shared.add(name, plan.layer, masked, True), []
+            wanting.append(b)
+        if entry is not None:
+            self.fan.rows(wanting, name, entry)
 
     def need(self, stage: str) -> int:
         return max((p.need(stage) for p in self.parts), default=NONE)
@@ -84,26 +130,49 @@ class FanLayer:
 
 class FanProbe(NoProbe):
     """The batch's probe: parts[b] is run b's probe (or NO_PROBE); positions[b] its run's position. Weights, epsilon
-    and positions are NoProbe's (the batch's own): a probe that would change them runs apart (engine.batch.step)."""
+    and positions are NoProbe's (the batch's own): a probe that would change them runs apart (engine.batch.step).
+    shared: the statistics of the batch's stages (engine.batch.shared_stats); run b's consecutive shared stages are
+    handed to its probe as one source (RowSource) before anything else it is offered, and at the call's end."""
 
     def __init__(self, probes: list, positions: list[int]) -> None:
-        self.top = FanLayer([NO_PROBE if p is None else p for p in probes])
-        self.parts, self.positions = self.top.parts, positions
+        self.parts = [NO_PROBE if p is None else p for p in probes]
+        self.positions, self.shared = positions, SharedStats()
+        self.top = FanLayer(self, self.parts)
         self.timing = any(p.timing for p in self.parts)
         self._layers: dict[int, FanLayer] = {}
+        self._open: list[RowSource | None] = [None] * len(self.parts)
 
     @property
     def hook_count(self) -> int:
         return sum(p.hook_count for p in self.parts if p is not NO_PROBE)
 
+    def rows(self, parts: list[int], name: str, entry: int) -> None:
+        """These runs' probes record the statistics of shared entry `entry` (stage `name`) next."""
+        opened = self._open
+        for b in parts:
+            src = opened[b]
+            if src is None:
+                src = opened[b] = RowSource(self.shared, b)
+            src.names.append(name)
+            src.entries.append(entry)
+
+    def close(self, b: int) -> None:
+        """Hand run b's probe the shared stages it has been told of since the last close (one source)."""
+        src = self._open[b]
+        if src is not None:
+            self._open[b] = None
+            self.parts[b].offer_stats(src.names, src)
+
     def begin_call(self, pos0: int, device: torch.device, stats) -> None:
+        self.shared.batcher.backend = stats
         for p, pos in zip(self.parts, self.positions):
             if p is not NO_PROBE:
                 p.begin_call(pos, device, stats)
 
     def end_call(self) -> None:
-        for p in self.parts:
+        for b, p in enumerate(self.parts):
             if p is not NO_PROBE:
+                self.close(b)
                 p.end_call()
 
     def __call__(self, name: str, x: Any) -> Any:
@@ -115,7 +184,9 @@ class FanProbe(NoProbe):
     def layer(self, i: int) -> FanLayer:
         view = self._layers.get(i)
         if view is None:
-            view = self._layers[i] = FanLayer([p.layer(i) for p in self.parts])
+            parts = [p.layer(i) for p in self.parts]
+            names = next((p.names for p in parts if p is not NO_PROBE), None)
+            view = self._layers[i] = FanLayer(self, parts, names)
         return view
 
     def mark(self, label: str) -> None:

@@ -16,9 +16,11 @@ student's time in the same round, and the reported figure is the median of the r
     lone_app_over_cli_decode   the app's decode per token for one user over engine generate's (no probe), both
                                alone in this process: the thread policy is one for both (engine.threads)
     cli_beside_busy_over_alone engine generate's decode seconds per token beside one competing torch process
-                               over alone (target <= 2.5)"""
+                               over alone (target <= 2.5); the competitor runs with libgomp's default
+                               (its environment cleaned of the policy's OMP_WAIT_POLICY / GOMP_SPINCOUNT)"""
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -31,6 +33,7 @@ from engine.heap import trim
 from engine.inspection.probe import inspection_probe
 from engine.inspection.trace import make_trace
 from engine.settings import RunSettings
+from engine.threads import POLICY
 
 QUESTIONS = ("What is the capital of France?", "Why is the sky blue?", "Name three animals that live in the sea.",
              "Write a short poem about autumn leaves falling in the park.", "What is 12 times 7?",
@@ -77,6 +80,12 @@ def _decode_s(model, settings: RunSettings, probe=None) -> float:
     return model.generate(settings.prompt, probe=probe, **settings.generation_kwargs()).timings["per_token_decode"]
 
 
+def _plain_env() -> dict[str, str]:
+    """The competitor's environment: this one without the thread policy's variables (engine.threads), so that it is
+    a plain busy torch process with libgomp's default spinning, as any other program on the machine would be."""
+    return {k: v for k, v in os.environ.items() if k not in POLICY}
+
+
 def _lone(model, new_tokens: int, rounds: int) -> tuple[float, float]:
     """(app's decode per token over plain, plain beside a busy process over plain alone): medians of rounds."""
     s = RunSettings(prompt=QUESTIONS[1], max_new_tokens=new_tokens, ignore_eos=True)
@@ -84,7 +93,7 @@ def _lone(model, new_tokens: int, rounds: int) -> tuple[float, float]:
     for _ in range(rounds):
         plain = _decode_s(model, s)
         app.append(_decode_s(model, s, inspection_probe()) / plain)
-        other = subprocess.Popen([sys.executable, "-c", BUSY])
+        other = subprocess.Popen([sys.executable, "-c", BUSY], env=_plain_env())
         try:
             time.sleep(1.0)              # the competitor's threads are up
             busy.append(_decode_s(model, s) / plain)

@@ -244,6 +244,13 @@ class Probe:
             self.recording.captures.append(self._capture(name, layer, x, positions, heads_first))
         return x
 
+    def offer_captures(self, name: str, x: torch.Tensor) -> None:
+        """A stage's tensor for this probe's captures only, kept as a call keeps it (a batched step, engine.batch:
+        its statistics of the stage reach the probe through offer_stats)."""
+        p = self.plan(name)
+        for _, positions in p.capture:
+            self.recording.captures.append(self._capture(name, p.layer, x, positions, p.heads_first))
+
     def _capture(self, name, layer, x, positions, heads_first) -> Capture:
         if not isinstance(x, torch.Tensor):
             return Capture(self.step, name, layer, [self.pos0], x)

@@ -64,6 +64,12 @@ class LayerProbe:
     def wants_stats(self, stage: str) -> bool:
         return self.probe.wants_stats(self.names[stage])
 
+    def plan(self, stage: str):
+        return self.probe.plan(self.names[stage])
+
+    def offer_captures(self, stage: str, x: torch.Tensor) -> None:
+        self.probe.offer_captures(self.names[stage], x)
+
     def capture_positions(self, stage: str) -> list[int] | None:
         return self.probe.capture_positions(self.names[stage])
 

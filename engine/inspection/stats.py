@@ -19,7 +19,6 @@ import torch
 from engine.inspection.moment_stats import small_tensor
 from engine.inspection.reference_stats import exact_rows
 from engine.inspection.row_stats import PYTORCH, StatsBackend
-from engine.inspection.stat_sources import Given
 
 FLUSH_ELEMENTS = 1 << 23  # flush the queue past this many queued elements, bounding the memory it holds
 FLUSH_ELEMENTS_DEVICE = 1 << 25   # on an accelerator: a flush waits for the device, so fewer of them
@@ -161,9 +160,8 @@ class StatsBatcher:
         names, layers, sources = self._names, self._layers, self._sources
         self._names, self._layers, self._sources = [], [], []
         self._queued = 0
-        whole = _whole(sources, len(names)) if not (order or final) else None
-        if whole is not None:                    # one source gave every stage (the native decode step)
-            self._done.append((names, layers, whole))
+        if not (order or final) and len(sources) == 1:      # one source gave every stage (the native decode
+            self._done.append((names, layers, _whole(sources[0][1])))   # step, a batched step's row)
             return
         final += _source_values(sources)
         index = self._index(order, stats.device) if order else None
@@ -207,9 +205,8 @@ def _source_values(sources: list[tuple[int, object]]) -> list[tuple[int, torch.T
     return [(first + g, v) for first, src in sources for g, v in enumerate(src.stage_values())]
 
 
-def _whole(sources: list[tuple[int, object]], n: int) -> torch.Tensor | None:
-    """The (n, T, 7) tensor of a flush that one Given source fills entirely, else None."""
-    if len(sources) != 1 or type(sources[0][1]) is not Given:
-        return None
-    values = sources[0][1].values
-    return values if isinstance(values, torch.Tensor) and values.shape[0] == n else None
+def _whole(source) -> torch.Tensor:
+    """The (G, T, 7) values of a flush that one source fills entirely."""
+    type(source).resolve([source])
+    values = source.stage_values()
+    return values if isinstance(values, torch.Tensor) else torch.stack(list(values))

@@ -2,13 +2,17 @@
 first-come-first-served queue of at most `max_queue`, and each waiting user is told their place. Fair between
 clients: one client (a browser, with all its tabs) has at most `per_client_running` runs generating and
 `per_client_queued` waiting; its next run waits behind its own, never in front of other clients' runs.
+Memory bounds the runs at once too: each run says what it will hold (`need`: its KV cache and recording at the
+length it asked for, session.run_memory), and a run is admitted only while the runs generating, with it, fit
+`max_bytes` (0: no such bound); a run alone is always admitted. The first in line that may start waits for room
+(no smaller run overtakes it), told its place like any other waiting run.
 
     with shared_admission(limits).slot(on_wait=lambda n: show(f"You are number {n} in the queue")):
         ...generate...
 
-Memory on the device grows with the runs in flight (a KV cache and a probe each), so bounding them bounds
-memory; a queue that is full, or a wait longer than the timeout, is a clear ServerBusyError rather than
-an out-of-memory crash. The admission object holds counters only, never a run. Nothing here knows Streamlit.
+Bounding the runs in flight, by count and by what they hold, bounds memory; a queue that is full, or a wait
+longer than the timeout, is a clear ServerBusyError rather than an out-of-memory crash. The admission object
+holds counters only, never a run. Nothing here knows Streamlit.
 """
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ class AdmissionState:
     refused: int           # runs told the server is busy
     peak_running: int
     peak_waiting: int
+    running_bytes: int = 0   # what the runs generating hold (their declared need)
+    max_bytes: int = 0       # their budget (0: none)
 
 
 _client_resolver: Callable[[], "str | None"] = lambda: None
@@ -55,6 +61,7 @@ def set_client_resolver(fn: Callable[[], "str | None"]) -> None:
 @dataclass(eq=False)
 class _Ticket:
     client: str | None
+    need: int = 0            # bytes the run will hold
 
 
 class Admission:
@@ -65,6 +72,8 @@ class Admission:
         self._client_running: dict[str, int] = {}
         self.per_client_running, self.per_client_queued = per_client_running, per_client_queued
         self._running = 0
+        self._bytes = 0                            # what the running runs hold (their tickets' need)
+        self.max_bytes = 0                         # their budget; 0: none
         self._admitted = self._refused = self._peak_running = self._peak_waiting = 0
         self.heartbeat_s = heartbeat_s
         self.max_concurrent, self.max_queue = 1, 0
@@ -81,21 +90,24 @@ class Admission:
     def state(self) -> AdmissionState:
         with self._cond:
             return AdmissionState(self._running, len(self._queue), self.max_concurrent, self.max_queue,
-                                  self._admitted, self._refused, self._peak_running, self._peak_waiting)
+                                  self._admitted, self._refused, self._peak_running, self._peak_waiting,
+                                  self._bytes, self.max_bytes)
 
     @contextmanager
     def slot(self, on_wait: Callable[[int], None] | None = None, timeout: float | None = None, *,
-             client: str | None = None) -> Iterator[None]:
+             client: str | None = None, need: int = 0) -> Iterator[None]:
         """Hold one of the device slots for the body. While waiting, on_wait(position) is called (1 = next)
         when the position changes and every heartbeat; an exception it raises leaves the queue cleanly.
-        client: who asks (default: the registered resolver's answer; None = a client of its own)."""
-        ticket = _Ticket(client if client is not None else _client_resolver())
+        client: who asks (default: the registered resolver's answer; None = a client of its own); need: the bytes the
+        run will hold (admitted while the running runs' needs and this one fit max_bytes, or when none runs)."""
+        ticket = _Ticket(client if client is not None else _client_resolver(), max(0, int(need)))
         self._acquire(ticket, on_wait, timeout)
         try:
             yield
         finally:
             with self._cond:
                 self._running -= 1
+                self._bytes -= ticket.need
                 if ticket.client is not None:
                     self._client_running[ticket.client] -= 1
                     if not self._client_running[ticket.client]:
@@ -104,6 +116,7 @@ class Admission:
 
     def _admit(self, ticket: _Ticket) -> None:
         self._running += 1
+        self._bytes += ticket.need
         self._admitted += 1
         self._peak_running = max(self._peak_running, self._running)
         if ticket.client is not None:
@@ -111,6 +124,11 @@ class Admission:
 
     def _may_run(self, ticket: _Ticket) -> bool:
         return ticket.client is None or self._client_running.get(ticket.client, 0) < self.per_client_running
+
+    def _room(self, ticket: _Ticket) -> bool:
+        """A free slot, and room in the memory budget for this run (always for a run alone)."""
+        return self._running < self.max_concurrent and (
+            self.max_bytes <= 0 or not self._running or self._bytes + ticket.need <= self.max_bytes)
 
     def _next(self) -> _Ticket | None:
         """The first waiting ticket whose client may start another run now."""
@@ -132,7 +150,7 @@ class Admission:
         start = time.monotonic()
         with self._cond:
             self._refuse_client(ticket)
-            if self._running < self.max_concurrent and self._may_run(ticket) and self._next() is None:
+            if self._room(ticket) and self._may_run(ticket) and self._next() is None:
                 self._admit(ticket)
                 return
             if len(self._queue) >= self.max_queue:
@@ -147,7 +165,7 @@ class Admission:
             try:
                 while True:
                     position = self._queue.index(ticket) + 1
-                    if self._running < self.max_concurrent and self._next() is ticket:
+                    if self._next() is ticket and self._room(ticket):
                         self._queue.remove(ticket)
                         self._admit(ticket)
                         self._cond.notify_all()          # everyone behind moved up one place
@@ -180,14 +198,18 @@ class Admission:
 _shared = Admission(Limits().max_concurrent_runs, Limits().max_queue)
 
 
-def shared_admission(limits: Limits | None = None) -> Admission:
-    """The one admission object of this process, set to the given (or environment's) limits."""
+def shared_admission(limits: Limits | None = None, max_bytes: int | None = None) -> Admission:
+    """The one admission object of this process, set to the given (or environment's) limits; max_bytes: the runs'
+    memory budget (session.run_memory.runs_budget), when given."""
     limits = limits or Limits.from_env()
     if (_shared.max_concurrent, _shared.max_queue) != (limits.max_concurrent_runs, limits.max_queue):
         _shared.configure(limits.max_concurrent_runs, limits.max_queue)
     with _shared._cond:
         _shared.per_client_running = limits.max_running_per_client
         _shared.per_client_queued = limits.max_queued_per_client
+        if max_bytes is not None and max_bytes != _shared.max_bytes:
+            _shared.max_bytes = max_bytes
+            _shared._cond.notify_all()
     return _shared
 
 

@@ -53,6 +53,7 @@ class Limits:
     max_runs_kept: int = 3               # runs (with everything their probe captured) each session keeps
     max_concurrent_runs: int = 32        # generations on the device at the same time, all sessions together
     max_batch_rows: int = 32             # runs whose decode steps share one forward (1: each alone, exact)
+    max_runs_mb: int = 0                 # memory the runs generating at once may hold together (0: half available)
     max_queue: int = 32                  # runs that may wait for a slot; one more gets "server busy"
     queue_timeout_s: float = 600.0       # longest wait in the queue before giving up with "server busy"
     max_models: int = 4                  # (model, device, dtype) combinations loaded at once in this process
@@ -65,7 +66,7 @@ class Limits:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            low = 0 if f.name == "max_queue" else 1
+            low = 0 if f.name in ("max_queue", "max_runs_mb") else 1
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < low:
                 raise LimitsConfigError(f"{env_name(f.name)} must be a number >= {low}, got {v!r}")
 
@@ -102,6 +103,9 @@ LIMITS = {
                            "steps batched: see max_batch_rows)",
     "max_batch_rows": "runs whose decode steps share one forward (each run's row, cache, probe and sampler its own; "
                       "1: every run decodes alone, its arithmetic bit for bit that of a run alone)",
+    "max_runs_mb": "memory (MiB) the runs generating at once may hold together, each its KV cache and its probe's "
+                   "recording at the length it asked for; a run that would pass it waits in the queue (0: half the "
+                   "memory available when the first run asked; a run alone is always admitted)",
     "max_queue": "runs that may wait for a free slot (each user sees their place); one more is told the "
                  "server is busy",
     "queue_timeout_s": "seconds a run may wait in the queue before it gives up with 'server busy'",

@@ -23,6 +23,7 @@ from engine.progress import OnProgress
 
 from .admission import Admission, shared_admission
 from .limits import LimitError, Limits, check_text, env_name
+from .run_memory import run_bytes, runs_budget
 
 _live: "weakref.WeakSet[Trace]" = weakref.WeakSet()
 _generated = 0                         # generations started in this process (generations())
@@ -95,16 +96,19 @@ def inspect_run(model: Model, request: RunSettings | Checked, on_token: Callable
                 on_progress: OnProgress | None = None, limits: Limits | None = None,
                 on_queue: Callable[[int], None] | None = None, admission: Admission | None = None,
                 client: str | None = None) -> Trace:
-    """Check the request (unless check_settings already did: a Checked), wait for a device slot (on_queue(position)
-    while waiting), generate with full inspection from the checked prompt ids (on_token(step) after each token,
+    """Check the request (unless check_settings already did: a Checked), wait for a device slot and room for what the
+    run will hold (session.run_memory; on_queue(position) while waiting), generate with full inspection from the
+    checked prompt ids (on_token(step) after each token,
     on_progress(Progress) during the prefill; either may answer STOP). Limits default to the environment's,
     admission to the process-wide queue; client (who asks, for the queue's per-browser turns) to what the app's
     resolver says in this thread."""
     limits = limits or Limits.from_env()
     checked = request if isinstance(request, Checked) else check_settings(model, request, limits)
     settings = checked.settings
-    admission = admission or shared_admission(limits)
-    with admission.slot(on_wait=on_queue, timeout=limits.queue_timeout_s, client=client):
+    admission = admission or shared_admission(limits, runs_budget(limits, model.device))
+    n_new = settings.max_new_tokens if isinstance(settings.max_new_tokens, int) else limits.max_new_tokens
+    need = run_bytes(model, len(checked.prompt_ids), n_new)
+    with admission.slot(on_wait=on_queue, timeout=limits.queue_timeout_s, client=client, need=need):
         probe = inspection_probe(timing=settings.timing)
         _count_generation()
         t0 = time.perf_counter()

@@ -1,18 +1,21 @@
 """Eight students (each a Playwright context of its own: its own cookies, its own browser) press Run within a second
 on one server whose decode steps batch across runs (engine.batch, the default MAX_CONCURRENT_RUNS and
 MAX_BATCH_ROWS): nobody waits in the queue, each tab shows its own text, equal to its single-user run with the
-batch off (MAX_BATCH_ROWS=1: each run alone), and nobody else's. (That each run's probe statistics equal the run
-alone within engine.batch's rounding is tests/unit/test_step_barrier.py's, through the same inspect_run.)"""
+batch off (MAX_BATCH_ROWS=1: each run alone), and nobody else's; and each tab's run record, downloaded from its
+Trace files page, holds every probe statistic of its single-user run, stage by stage and step by step, within
+engine.batch's stated rounding (tests/model/test_batch_bundled.py: rtol 1e-4, atol 2e-3)."""
 from __future__ import annotations
 
 import os
 
 import pytest
+import torch
 
 from engine import RunSettings
+from engine.inspection.trace import from_bytes
 from inspector.session.limits import Limits
 from inspector.session.run import inspect_run
-from tests.browser.test_classroom_load import arrivals, press_run_in, run_in, shown_texts
+from tests.browser.test_classroom_load import arrivals, press_run_in, run_in, shown_texts, visit
 from tests.browser.test_load_server import _open, _ready
 from tests.helpers import streamlit_server, tiny_config, write_model_dir
 
@@ -39,8 +42,8 @@ def test_eight_students_press_run_at_once(klass, browser):
     from engine import load_model
     model = load_model(model_dir, device="cpu", dtype="float32")
     alone = Limits(max_batch_rows=1)
-    want = [inspect_run(model, RunSettings(prompt=q, max_new_tokens=NEW), limits=alone).result.text.strip("\n")
-            for q in QUESTIONS]
+    refs = [inspect_run(model, RunSettings(prompt=q, max_new_tokens=NEW), limits=alone) for q in QUESTIONS]
+    want = [r.result.text.strip("\n") for r in refs]
     tabs = [_open(browser, url, wait=False) for _ in range(STUDENTS)]
     for _, page in tabs:
         _ready(page)
@@ -52,6 +55,29 @@ def test_eight_students_press_run_at_once(klass, browser):
         shown = shown_texts(page)
         assert want[k] in shown, (k, want[k], shown)                                   # its own single-user text
         assert not any(w in shown for j, w in enumerate(want) if j != k and w != want[k]), k   # nobody else's
+    records = [_record_of(page) for _, page in tabs]
+    assert any("shared one forward" in note for t in records for note in t.notes)     # the batch did step them
+    for k, trace in enumerate(records):
+        _same_statistics(trace, refs[k], k)
     for ctx, _ in tabs:
         ctx.close()
     assert proc.poll() is None and "Traceback" not in log.read_text()
+
+
+def _record_of(page):
+    """The run record the tab's session keeps, as its Trace files page downloads it."""
+    visit(page, "Trace files")
+    with page.expect_download(timeout=60_000) as got:
+        page.get_by_role("button", name="Download trace").click()
+    with open(got.value.path(), "rb") as f:
+        return from_bytes(f.read())
+
+
+def _same_statistics(trace, ref, k: int) -> None:
+    """Every statistic of the reference run alone, in the same records (step, stage, position) and within the
+    batch's rounding."""
+    got, want = trace.recording.stat_records(), ref.recording.stat_records()
+    assert trace.result.token_ids == ref.result.token_ids, k
+    assert [(r.step, r.name, r.pos0) for r in got] == [(r.step, r.name, r.pos0) for r in want], k
+    for x, y in zip(got, want):
+        assert torch.allclose(x.values, y.values, rtol=1e-4, atol=2e-3, equal_nan=True), (k, x.name, x.step)

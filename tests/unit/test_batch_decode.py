@@ -122,3 +122,30 @@ def test_a_failing_step_is_that_runs_own(tiny_model):
     runs[1].on_token = boom
     first = step_together(runs)
     assert isinstance(first[1], RuntimeError) and first[0] is not None and first[2] is not None
+
+
+def test_probes_watching_different_stages_each_get_their_own_records(tiny_model):
+    """The batch's statistics are computed once for all rows (engine.batch.shared_stats): a probe recording a few
+    stages and capturing an attention pattern (its row then taken alone) beside full inspection and a capture-only
+    probe, each holding what it holds alone, in the same order."""
+    from engine.inspection.probe import Probe
+    model = tiny_model.with_accelerator(PLAIN)
+
+    def probes():
+        return [inspection_probe(timing=False), Probe().record_stats("blocks.*.mlp*").capture("blocks.1.attn.pattern"),
+                Probe().capture(["blocks.0.attn.q", "final_norm"])]
+
+    def runs():
+        return [GenerationRun(model, p, params=sp, seed=s, max_new_tokens=n, ignore_eos=True, probe=probe)
+                for (p, s, sp, n), probe in zip(SPECS, probes())]
+    alone, together = runs(), runs()
+    for r in alone:
+        r.run()
+    _together(together)
+    for a, b in zip(alone, together):
+        assert b.token_ids == a.token_ids
+        _same_records(a, b, exact=False)
+        got, want = b.probe.recording.captures, a.probe.recording.captures
+        assert [(c.step, c.name, c.positions) for c in got] == [(c.step, c.name, c.positions) for c in want]
+        for x, y in zip(got, want):
+            assert torch.allclose(x.value, y.value, rtol=1e-4, atol=1e-5), x.name
