@@ -87,8 +87,7 @@ def _count(v: bytes | None) -> int:
 
 
 class RoomStore:
-    """Rooms over a Backend. Publishing (run, view, polls, ending) needs the token `create` returned;
-    reading the state and answering a poll do not."""
+    """Rooms over a Backend. Publishing (run, view, polls, ending) needs the token from `create`; reading does not."""
 
     def __init__(self, backend: Backend, ttl_s: int = DEFAULT_TTL_S, prefix: str = "llmi:room:",
                  max_answers: int = ROOM_ANSWERS) -> None:
@@ -298,6 +297,12 @@ class RoomStore:
             if isinstance(v, bytes) and v.isdigit() and len(v) <= 9 and int(v) <= MAX_TOKEN_ID:
                 counts[int(v)] = counts.get(int(v), 0) + 1
         return counts
+
+    def my_answer(self, code: str, poll_id: int, voter: str) -> int | None:
+        """The token id this voter answered to poll_id (the answer that counts), or None."""
+        key = self._k(check_code(code), "poll", check_int(poll_id, 1, 1 << 31, "poll id"))
+        v = self.b.hget(key, voter, 9) if isinstance(voter, str) and HASH_RE.fullmatch(voter) else None
+        return int(v) if isinstance(v, bytes) and v.isdigit() and int(v) <= MAX_TOKEN_ID else None
 
     def answer_count(self, code: str, poll_id: int) -> int:
         """How many answers a poll has (one small read: what the teacher's screen watches)."""

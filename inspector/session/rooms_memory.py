@@ -28,6 +28,7 @@ class Backend(Protocol):
     def hsetnx(self, key: str, name: str, value: bytes, ttl: int, max_len: int = 1 << 31) -> bool: ...  # Full
     def hvals(self, key: str, max_items: int, max_len: int) -> list[bytes]: ...
     def hlen(self, key: str) -> int: ...
+    def hget(self, key: str, name: str, max_len: int) -> bytes | None: ...   # None when absent or longer
     def update(self, keys: tuple[str, ...], change: Callable[[dict], tuple[list[Op], object]],
                limit: int = DEFAULT_LIMIT, send: int = 0) -> object: ...
     def check_keeps_keys(self) -> None: ...
@@ -114,6 +115,12 @@ class MemoryBackend:
             h = self._live(key)
             vals = list(h.values())[:max_items] if isinstance(h, dict) else []
         return [v for v in vals if len(v) <= max_len]
+
+    def hget(self, key, name, max_len):
+        with self._lock:
+            h = self._live(key)
+            v = h.get(name) if isinstance(h, dict) else None
+        return v if v is not None and len(v) <= max_len else None
 
     def hlen(self, key):
         with self._lock:

@@ -47,6 +47,11 @@ for i = 1, math.min(#vals, tonumber(ARGV[1])) do
   if string.len(vals[i]) <= tonumber(ARGV[2]) then out[#out + 1] = vals[i] end
 end
 return out"""
+# One field's value if it is at most ARGV[2] bytes long (else nothing), read on the server.
+_HGET_BOUNDED = """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if v and string.len(v) <= tonumber(ARGV[2]) then return v end
+return false"""
 # One answer: refused (-1) when the poll holds ARGV[4] answers already; else HSETNX, and the key lives on.
 _HSETNX_BOUNDED = """
 if redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[4]) and redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then
@@ -87,6 +92,7 @@ class RedisBackend:
         self._bulk: redis.Redis | None = None
         self._hvals = self.client.register_script(_HVALS_BOUNDED)
         self._hsetnx = self.client.register_script(_HSETNX_BOUNDED)
+        self._hget = self.client.register_script(_HGET_BOUNDED)
 
     @classmethod
     def from_url(cls, url: str, **kw) -> "RedisBackend":
@@ -188,6 +194,10 @@ class RedisBackend:
     def hvals(self, key, max_items: int, max_len: int) -> list[bytes]:
         return [v for v in self.call(lambda r: self._hvals(keys=[key], args=[max_items, max_len], client=r)) or []
                 if isinstance(v, bytes)]
+
+    def hget(self, key, name, max_len: int):
+        v = self.call(lambda r: self._hget(keys=[key], args=[name, max_len], client=r))
+        return v if isinstance(v, bytes) else None
 
     def hlen(self, key):
         return int(self.call(lambda r: r.hlen(key)))

@@ -108,6 +108,13 @@ def _call(f) -> None:
 
 def _answer(r: RoomSeat, poll: Poll, text, tok) -> None:
     mine = r.answered.get(poll.id)
+    if mine is None:         # this browser may have answered in another tab, or before a reload: its answer counts
+        try:
+            mine = shared_store().my_answer(r.code, poll.id, r.voter)
+        except ROOM_ERRORS:
+            mine = None
+        if mine is not None:
+            r.answered[poll.id] = mine
     if mine is not None:
         st.caption(f"Your answer: {plain(repr(text(mine)))}." + ("" if poll.revealed else " The teacher reveals "
                                                                  "the class's answers next to the model's."))
@@ -133,9 +140,10 @@ def _answer(r: RoomSeat, poll: Poll, text, tok) -> None:
     except ROOM_ERRORS as e:
         st.error(plain(e))
         return
-    r.answered[poll.id] = int(token_id)
-    if not fresh:
-        st.info("This browser had already answered (in another tab); the first answer counts.")
+    if fresh:
+        r.answered[poll.id] = int(token_id)
+    else:                    # another tab of this browser answered first: its answer is the one shown (above)
+        session().room_notice = "This browser had already answered this poll (in another tab); the first answer counts."
     st.rerun()
 
 

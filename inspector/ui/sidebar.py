@@ -1,13 +1,11 @@
-"""The sidebar every page shares: the prompt and Run first (inside a 1280×720 screen), a live view of the run
-(prefill by chunk and layer, tokens as they come, an estimate from this server's measured speed, Stop), then
-the model, device, dtype, generation settings, demos and the runs kept.
-
-A run is checked against the server's limits and waits for a device slot; a waiting user sees their place in the
-queue. It generates in a thread of its own (inspector.session.live_run) so that Stop and page changes work while it
-runs; Stop takes Run's place meanwhile. The run (engine.Trace) lives in this session's SessionState only. When the
-run ends, the app is drawn again (Run and the demos enabled). A number outside its range is named above Run, and Run
-starts nothing until it is corrected. One click at a time per session draws its page (own_turn, used by app.py).
-While the model loads (a fresh server's first visitors), the sidebar shows its progress and Run waits (get_model).
+"""The sidebar every page shares: the prompt and Run first (inside a 1280×720 screen), a live view of the run (prefill
+by chunk and layer, tokens as they come, an estimate from this server's measured speed, Stop), then the model, device,
+dtype, generation settings, demos and the runs kept. A run is checked against the server's limits and waits for a
+device slot (a waiting user sees their place in the queue), then generates in a thread of its own (inspector.session.
+live_run) so that Stop and page changes work; Stop takes Run's place meanwhile. The run (engine.Trace) lives in this
+session's SessionState only; when it ends, the app is drawn again (Run and the demos enabled). A number outside its
+range is named above Run, and Run starts nothing until it is corrected. One click at a time per session draws its page
+(own_turn, app.py). While the model loads (a fresh server's first visitors), the sidebar shows its progress, Run waits.
 """
 from __future__ import annotations
 
@@ -55,7 +53,7 @@ def sidebar(app_pages: list | None = None) -> Model | None:
         settings_widgets(limits, live)
     model = get_model(wait=False)       # while it loads: the app now, its progress under the title
     with top:
-        live = prompt_and_run(model, limits, live)
+        live, run_slot = prompt_and_run(model, limits, live)
     history(limits)
     run = current_run()
     for note in (run.notes if run is not None else []):
@@ -64,7 +62,7 @@ def sidebar(app_pages: list | None = None) -> Model | None:
     server_footer(footer, limits)
     if live is not None:              # the run is watched once the whole sidebar is drawn: the footer counts it
         with top:
-            watch(live, limits, on_tick=lambda: server_footer(footer, limits))
+            watch(live, limits, run_slot, on_tick=lambda: server_footer(footer, limits))
     return model
 
 
@@ -99,8 +97,9 @@ def _projector_url() -> None:
         st.query_params.pop("projector", None)
 
 
-def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) -> LiveRun | None:
-    """Title, model, prompt, Run, the estimate; the live run (started here on a click) for the caller to watch."""
+def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) -> tuple[LiveRun | None, object]:
+    """Title, model, prompt, Run, the estimate; the live run (started here on a click) for the caller to watch, and
+    Run's slot, where Stop takes its place while a run goes (never a Run that looks clickable above Stop)."""
     st.markdown("**LLM Inspector** · see inside a language model")
     if model is None:            # loading (a demo clicked meanwhile waits for it) or failed
         common.load_box(demo_waits=session().demo is not None)
@@ -138,24 +137,28 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
     problems = [] if follows else generation_problems() + (["The prompt is too long"] if too_long else [])
     for problem in problems[:len(problems) - too_long]:     # the box may sit in a collapsed expander: said here
         st.error(f"{problem}. Run starts nothing until it is corrected (Generation settings).")
-    clicked = st.button("Run", type="primary", key="sb_run",
-                              disabled=model is None or live is not None or follows,
-                              use_container_width=True) and not follows
+    # Run's slot, Stop's while a run goes (watch). Run sits in a block: the browser keeps showing a widget of the last
+    # script run that another element replaced until the script run ends (a click's: the run's end); a block goes.
+    run_slot, off = st.empty(), model is None or follows
+    clicked = live is None and run_slot.container().button("Run", type="primary", key="sb_run", disabled=off,
+                                                           use_container_width=True) and not follows
     demo = None
     if not follows and model is not None:
         demo, ss.demo = ss.demo, None
     if follows:
         st.caption("Following the teacher's room: press **Explore on my own** above the page to run your own.")
         if live is None:
-            return None
+            return None, run_slot
     notices, ss.notices = ss.notices, []
     for kind, text in notices:   # the end of the run a previous script run watched
         getattr(st, kind)(text)
     if live is None and model is not None and (clicked or demo) and not problems:
         live = start_run(model, limits, demo)
+        if live is not None:     # Run was drawn for this click: Stop takes its place once the sidebar is drawn
+            run_slot.empty()
     elif live is None and model is not None and not problems:
         estimate_caption(model, limits)          # the widgets were checked above (problems): not again
-    return live
+    return live, run_slot
 
 
 def generation_problems() -> list[str]:
@@ -249,12 +252,11 @@ def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
     return live.start(model, limits, prepare=common.with_script_context, checked=checked)
 
 
-def watch(live: LiveRun, limits: Limits, on_tick=None) -> None:
-    """Show the run until it ends (Stop ends it early), then keep it and draw the app again: Run, the demos and the
-    page were drawn for a running run (Run greyed out when this script run found it going: after Stop, after a
-    page change), and nothing else would redraw them. What the end said is kept for that next run (notices)."""
+def watch(live: LiveRun, limits: Limits, slot, on_tick=None) -> None:
+    """Show the run until it ends (Stop, in Run's slot, ends it early), then keep it and draw the app again (the page
+    was drawn for a running run). What the end said is kept for that next run (notices)."""
     try:
-        stop, note = st.empty(), st.empty()           # gone once the run has ended
+        stop, note = slot, st.empty()           # gone once the run has ended
         stop.button("Stop", key="sb_stop", on_click=live.stop, use_container_width=True,
                     help="End the run after the current layer or token; what it made so far is kept")
         if live.estimate_s is not None and live.estimate_s > LONG_S:

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from engine import GenerationRun, SamplingParams
+from engine import GenerationRun, Probe, SamplingParams
 from inspector.session.models import model_choices
 from inspector.ui.state import session_of
+from inspector.views import compare as cmp
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Tell me about caches."
@@ -181,3 +182,30 @@ def test_compare_page_shows_the_divergence_step(at, tiny_model):
     at.text_input(key="cmp_iv_heads_b").set_value("0, 1, 2, 3").run()
     click(at, "cmp_run")
     assert any("**blocks.1.attn.z**" in c.value for c in at.caption)
+
+
+def test_compares_table_opens_at_a_late_divergence_and_a_toggle_shows_every_step(at, tiny_model):
+    """Issue 33, item 9: the table opened at step 0, the divergence far below. Run B scales layer 1's MLP output by
+    0.95; the reference runs are the engine's own with the same intervention."""
+    n, stage, factor = 16, "blocks.1.mlp_out", 0.95
+    probe = cmp.Intervention("scale", stage, factor=factor).apply(tiny_model, Probe())
+    a = GenerationRun(tiny_model, PROMPT, chat=True, max_new_tokens=n, seed=4).run().token_ids
+    b = GenerationRun(tiny_model, PROMPT, chat=True, max_new_tokens=n, seed=4, probe=probe).run().token_ids
+    d = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert 3 <= d < n - 1, d                              # a late divergence: there are steps to skip
+    at.switch_page("views/compare.py").run()
+    at.number_input(key="cmp_max_new").set_value(n)
+    at.number_input(key="cmp_seed").set_value(4)
+    at.slider(key="cmp_b_temperature").set_value(0.0)
+    at.selectbox(key="cmp_iv_b").set_value("scale a stage").run()
+    at.text_input(key="cmp_iv_pattern_b").set_value(stage)
+    at.number_input(key="cmp_iv_factor_b").set_value(factor)
+    click(at, "cmp_run")
+    assert {m.label: m.value for m in at.metric}["First divergence"] == f"step {d}"
+    shown = find_df(at, "id_a", "id_b")                   # from two steps before the divergence to the end
+    assert shown["step"].tolist() == list(range(d - 2, n))
+    assert shown["id_a"].tolist() == a[d - 2:] and shown["id_b"].tolist() == b[d - 2:]
+    assert any(f"opens at the first divergence, step {d}" in c.value for c in at.caption)
+    at.toggle(key="cmp_all_steps").set_value(True).run()
+    every = find_df(at, "id_a", "id_b")
+    assert every["id_a"].tolist() == a and every["id_b"].tolist() == b

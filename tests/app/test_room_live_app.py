@@ -94,6 +94,25 @@ def test_a_following_student_sees_the_teachers_run_grow(env, app_file, tiny_mode
     assert not at.get("progress") and session_of(at.session_state).run.settings.prompt == "Write a poem"
 
 
+def test_during_the_rooms_first_run_a_students_sidebar_shows_it_generating(env, app_file):
+    """Issue 33, item 5: while the teacher's first run in a room streams, the student's sidebar said "The teacher has
+    not run anything in this room yet." It shows that run's prompt and says it is generating."""
+    store = shared_store()
+    code, token = store.create()
+    at = join(app_file, env, code)
+    nothing = "The teacher has not run anything in this room yet."
+    assert any(c.value == nothing for c in at.sidebar.caption)          # before the run: true
+    live = store.start_live(code, token, "Write a poem", 8)
+    store.publish_live(code, token, Live(live.seq, "Write a poem", 8, "decode", 1.0, 1, "Roses",
+                                         LiveToken("Roses", 0.25, (("Roses", 0.25),))))
+    at.run()
+    assert not at.exception, at.exception
+    said = [c.value for c in at.sidebar.caption]
+    assert nothing not in said and any("The teacher's run is generating" in c for c in said), said
+    shown = at.sidebar.text_area(key="sb_room_prompt")
+    assert shown.value == "Write a poem" and shown.disabled
+
+
 def test_students_are_told_the_room_is_reconnecting_and_follow_again_after_a_restart(
         env, app_file, tiny_model, monkeypatch):
     with redis_process() as redis:

@@ -1,12 +1,14 @@
 """Input attribution's two charts drawn by plotly.js in real Chromium (issue 33, item 7): every rotated token label
 of the bar chart lies inside the figure (they were clipped to "ef", "'d"), and the deletion chart's x-axis title
-does not overlap its legend (it was printed over it)."""
+does not overlap its legend (it was printed over it). Each figure is drawn as the app draws it (styled, and without
+plotly.py's template, which Streamlit's chart theme replaces: drawn with it, the labels fitted even before the fix)."""
 from __future__ import annotations
 
 import pytest
 
 from engine.tools.attribution import InputAttribution
 from inspector.views import explain as xv
+from inspector.views.theme import styled
 
 pytestmark = pytest.mark.browser
 # as inspector.views.tokens.token_labels makes them: position, then the token cut to 12 characters
@@ -30,7 +32,9 @@ def boxes(browser, fig, selector: str):
     page = browser.new_page(viewport={"width": 900, "height": 1000})
     page.set_content("<html><body style='margin:0'><div id='f' style='width:760px'></div></body></html>")
     page.add_script_tag(content=plotly.offline.get_plotlyjs())
-    page.evaluate("(spec) => Plotly.newPlot('f', spec.data, spec.layout)", fig.to_plotly_json())
+    spec = styled(fig).to_plotly_json()       # as the app draws it: its tick sizes, and Streamlit's chart theme in
+    spec["layout"].pop("template", None)      # place of plotly.py's template (which turns automargin on for every axis)
+    page.evaluate("(spec) => Plotly.newPlot('f', spec.data, spec.layout)", spec)
     page.wait_for_selector("#f .main-svg")
     out = page.evaluate("""(sel) => {
         const svg = document.querySelector('#f .main-svg').getBoundingClientRect();

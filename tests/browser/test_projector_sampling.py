@@ -70,6 +70,13 @@ def test_sampling_after_the_demo_on_a_projector_shows_its_lesson_big_tables_and_
         page.locator(".js-plotly-plot .annotation-text", has_text="C: kept").first.wait_for(timeout=60_000)
         page.wait_for_timeout(1000)                   # the tables below the figure
 
+        # the comparison chart starts on the first screen, under the lesson (issue 33, item 6: it was 1,934 px down,
+        # below the step, the settings and three columns of sliders)
+        assert page.evaluate("() => document.querySelector('[data-testid=\"stMain\"]').scrollTop") == 0
+        chart = page.locator('[data-testid="stMain"] .js-plotly-plot').first.bounding_box()
+        print(f"the comparison chart's top: {chart['y']:.0f} px; the lesson ends at {box['y'] + box['height']:.0f} px")
+        assert chart is not None and box["y"] + box["height"] <= chart["y"] <= H - 160, chart      # 160 px at least
+
         # every table: HTML, its text at least the charts' type; no 13-px canvas grid on the page
         found = page.evaluate(TABLES_JS)
         assert found["tables"] == 3 and found["grids"] == 0, found

@@ -85,6 +85,8 @@ ORDINARY = {
     "a phrase said twice, then the text goes on": [*"I'm not sure what to do with it. I'm not sure what to do with it "
                                                      "either, so I will ask."],
     "a phrase said twice at the end": ["Yes", ".", " I", " agree", ".", " I", " agree", "."],
+    "a sentence said twice at the end (14 tokens: two copies, not three)":
+        ["He", " said", ":"] + [" I", " will", " be", " there", " at", " noon", "."] * 2,
     "a number with zeros": [" It", " costs", " ", *"1000000", " dollars", "."],
 }
 # Real loops: the same tokens again and again to the end of the run (the first two from the bundled model).

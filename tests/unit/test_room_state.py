@@ -132,6 +132,23 @@ def test_poll_totals_equal_the_answers_sent_one_per_session(store):
     assert store.tally(code, poll.id) == {}
 
 
+def test_a_voter_reads_back_the_answer_that_counts(store, backend):
+    """A student's screen after a reload (a new session, the same browser) asks the store what this browser
+    answered: the first answer, never a second one; nothing for a voter who has not answered; a value in the
+    store that is not a token id (someone else wrote it) reads as no answer."""
+    code, token = store.create()
+    poll = store.ask(code, token, step=1, choices=[5, 6])
+    assert store.my_answer(code, poll.id, "0000beef") is None
+    assert store.answer(code, poll.id, "0000beef", 6) and not store.answer(code, poll.id, "0000beef", 5)
+    assert store.my_answer(code, poll.id, "0000beef") == 6 and store.tally(code, poll.id) == {6: 1}
+    assert store.my_answer(code, poll.id, "0000cafe") is None
+    assert store.my_answer(code, poll.id, "not hex!") is None
+    backend.hsetnx(store._k(code, "poll", poll.id), "0000f00d", b"x" * 100, 600)
+    assert store.my_answer(code, poll.id, "0000f00d") is None
+    second = store.ask(code, token, step=2)
+    assert store.my_answer(code, second.id, "0000beef") is None                # one answer per poll
+
+
 @pytest.mark.parametrize("bad", [
     {"voter": "not hex!", "tok": 5}, {"voter": "a" * 65, "tok": 5}, {"voter": "abc", "tok": -1},
     {"voter": "abc", "tok": 1 << 40}, {"voter": "abc", "tok": "5"}, {"voter": "abc", "tok": True},
