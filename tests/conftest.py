@@ -12,6 +12,11 @@ from pathlib import Path
 # The engine's thread policy (engine/threads.py: OpenMP threads sleep at barriers instead of spinning), in force
 # before torch loads libgomp, as in app.py and `python -m engine`. With libgomp's default spin, the suite's runs
 # crawled whenever anything else used the cores (issue 22: the twenty-session test took 56-87 s instead of 3-7 s).
+# pytest keeps each test module's rewritten asserts as bytecode in its __pycache__ (ignored by git) unless writing
+# bytecode is off: with PYTHONDONTWRITEBYTECODE=1 (set on the project's test machine) it parsed and rewrote every
+# test module on every run, 4-5 s of the unit tier's collection. Written from here on: the test modules' cache and
+# the bytecode of what they import; Python and pytest check each against its source's size and time.
+sys.dont_write_bytecode = False
 TORCH_BEFORE_POLICY = "torch" in sys.modules     # True would mean libgomp never saw the setting
 runpy.run_path(str(Path(__file__).resolve().parent.parent / "engine" / "threads.py"))
 # Under pytest-xdist (-n N) each worker gets its share of the cores for torch's and the native step's threads:
