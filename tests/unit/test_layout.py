@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.inspection.stages import LAYER_STAGES, hook_names
+from tests.source_trees import parse_once, parsed, walked  # noqa: F401  (parse_once: the trees, parsed once)
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +32,7 @@ def _imports(mod: str, path: Path, known: set[str]) -> set[str]:
     """Modules of this repository that `mod` imports (a package's __init__ counts as the package)."""
     pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in walked(path.read_text()):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -121,11 +122,10 @@ def test_no_file_over_400_lines_and_no_function_over_80_outside_tests():
     for mod, path in _sources(*PACKAGES).items():
         text = path.read_text()
         assert text.count("\n") <= 400, f"{mod}: {text.count(chr(10))} lines"
-        for node in ast.walk(ast.parse(text)):
+        for node in walked(text):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
                 assert n <= 80, f"{mod}.{node.name}: {n} lines"
-
 
 
 def _side_doors(mod: str, text: str) -> list[str]:
@@ -134,7 +134,7 @@ def _side_doors(mod: str, text: str) -> list[str]:
     to cut a forward short."""
     found = [f"{mod} calls the model's private block; use Model.run_blocks"] \
         if mod != "engine.model" and "._block(" in text else []
-    for fn in ast.walk(ast.parse(text)):
+    for fn in walked(text):
         params = [a.arg for a in fn.args.args] if isinstance(fn, ast.FunctionDef) else []
         if ["x", "ctx"] not in (params[:2], params[1:3]):
             continue
@@ -167,7 +167,7 @@ def _progress_protocols(mod: str, text: str) -> list[str]:
     `...Progress = Callable[...]`, a callback named *progress* called with two arguments or a two-argument lambda
     handed in as one."""
     found = []
-    for node in ast.walk(ast.parse(text)):
+    for node in walked(text):
         if isinstance(node, ast.ClassDef):
             methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
             if "progress" in node.name.lower() and (mod, node.name) not in PROGRESS_CLASSES:
@@ -310,7 +310,7 @@ def session_state_misuse(files: dict[str, str]) -> list[str]:
     """Where app code outside the accessor (inspector/ui/state.py) keeps its own state in st.session_state: a key
     written as a string (or a module's string constant) that no widget of the app uses as its key= (exact, or
     the fixed start of an f-string key). Keys computed at run time (a widget key helper's) are widget keys."""
-    trees = {path: ast.parse(text) for path, text in files.items()}
+    trees = {path: parsed(text) for path, text in files.items()}
     consts = {path: _string_constants(t) for path, t in trees.items()}
     shared = {k: v for c in consts.values() for k, v in c.items()}
     widgets, prefixes = set(), set()
@@ -355,7 +355,7 @@ def test_the_frame_work_around_runs_once_per_script_run():
     """Each page calls ensure_frame() once, at its top level; nothing else does (not current_run, which pages
     call many times)."""
     for path, text in _app_code().items():
-        tree = ast.parse(text)
+        tree = parsed(text)
         top = [n for n in tree.body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)
                and _named(n.value.func) == "ensure_frame"]
         calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _named(n.func) == "ensure_frame"]
@@ -375,7 +375,7 @@ def _private_fields(mods: dict[str, Path]) -> dict[str, str]:
     """Private attributes (self._x) of the classes kept apart, by name -> their module."""
     out = {}
     for mod, cls in _KEPT_APART.items():
-        tree = ast.parse(mods[mod].read_text())
+        tree = parsed(mods[mod].read_text())
         node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
         out.update({n.attr: mod for n in ast.walk(node) if isinstance(n, ast.Attribute) and n.attr.startswith("_")
                     and not n.attr.startswith("__") and isinstance(n.value, ast.Name) and n.value.id == "self"})
@@ -389,7 +389,7 @@ def test_no_module_touches_the_private_fields_of_the_probe_its_recording_or_the_
     private = _private_fields(mods)
     bad = []
     for mod, path in mods.items():
-        for n in ast.walk(ast.parse(path.read_text())):
+        for n in walked(path.read_text()):
             if isinstance(n, ast.Attribute) and private.get(n.attr, mod) != mod \
                     and not (isinstance(n.value, ast.Name) and n.value.id == "self") \
                     and not (mod.startswith("tests.") and isinstance(n.ctx, ast.Load)):
@@ -401,13 +401,13 @@ def test_statistics_enter_the_batcher_by_one_door():
     """StatsBatcher.add is the one way in (stage tensors and sources of statistics alike), and what other
     modules use of a batcher is its public API."""
     mods = _sources(*PACKAGES)
-    tree = ast.parse(mods["engine.inspection.stats"].read_text())
+    tree = parsed(mods["engine.inspection.stats"].read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StatsBatcher")
     public = {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")}
     assert public == BATCHER_API, public ^ BATCHER_API
     used = []
     for mod, path in mods.items():
-        for n in ast.walk(ast.parse(path.read_text())):
+        for n in walked(path.read_text()):
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) \
                     and n.value.attr in ("stats_batcher", "_batcher") and n.attr not in BATCHER_API:
                 used.append(f"{mod}:{n.lineno} {ast.unparse(n)}")

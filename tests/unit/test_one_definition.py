@@ -12,6 +12,7 @@ import pytest
 
 from engine.inspection.stages import GLOBAL_STAGES, LAYER_STAGES, SAMPLER_STAGES, forward_stages, hook_names
 from inspector.session.rooms_state import ROOM_PAGES
+from tests.source_trees import parse_once, parsed  # noqa: F401  (parse_once: the module's trees, parsed once)
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,7 +22,7 @@ STAGE_WORDS = set(LAYER_STAGES) | set(GLOBAL_STAGES) | set(SAMPLER_STAGES) | {"s
 
 def _product() -> dict[str, ast.AST]:
     files = [ROOT / "app.py", *(p for d in ("engine", "inspector", "pages") for p in sorted((ROOT / d).rglob("*.py")))]
-    return {str(p.relative_to(ROOT)): ast.parse(p.read_text()) for p in files}
+    return {str(p.relative_to(ROOT)): parsed(p.read_text()) for p in files}
 
 
 def _strings(node: ast.AST) -> list[str]:
