@@ -305,12 +305,13 @@ def test_doctor_fp32_runs_the_plan_and_rescue_and_why_loop_extend_the_report(tin
     json.dumps(out)
 
 
-def test_doctor_flags_refuse_what_cannot_work(tiny_model, tiny_fp16):
+def test_doctor_flags_refuse_what_cannot_work(tiny_model, tiny_model_dir, tiny_fp16):
     parser = parser_for(tiny_model)
     with pytest.raises(InputError, match="--dtype float16"):
         doctor_model(tiny_model, parser.parse_args(["doctor", "x", "--fp32", "blocks.0.mlp"]))
-    with pytest.raises(InputError, match="unknown precision unit"):
-        doctor_model(tiny_fp16, parser.parse_args(["doctor", "x", "--device", "cpu", "--fp32", "blocks.9.mlp"]))
+    with pytest.raises(InputError, match="unknown precision unit"):     # --model: its fp32 copy, not the bundled one
+        doctor_model(tiny_fp16, parser.parse_args(["doctor", "x", "--device", "cpu", "--fp32", "blocks.9.mlp",
+                                                   "--model", str(tiny_model_dir)]))
     with pytest.raises(InputError, match="at least one unit"):
         doctor_model(tiny_fp16, parser.parse_args(["doctor", "x", "--fp32", " , "]))
     with pytest.raises(InputError, match="add --dtype float16"):
