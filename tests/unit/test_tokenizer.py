@@ -55,10 +55,14 @@ def tok(tok_dir) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def ref():
+def ref(gguf_reader):
+    """transformers' own tokenizer from the GGUF; it opens the file with gguf.GGUFReader, here the session's reader
+    of the same file (opening it again took 3-5 s; gguf is neither engine code nor changed by reading)."""
     transformers = pytest.importorskip("transformers")
-    path = _bundled_gguf()
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    path, opened = _bundled_gguf(), gguf.GGUFReader
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", lambda p, *a, **k: gguf_reader if Path(p) == path else opened(p, *a, **k))
+        return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 @pytest.fixture(scope="module")
