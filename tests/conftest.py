@@ -110,9 +110,17 @@ def pytest_collection_finish(session):
     module: some 300,000 objects) go to the collector's permanent generation, by the server's own preload
     (inspector/ui/serve.py): each full collection, Python's own and the one after every AppTest script run
     (Streamlit's runner.postScriptGC), then walks only what tests made since, instead of 0.3-0.6 s of CPU each,
-    several hundred times a run. Nothing a test makes is frozen: no test has run yet."""
+    several hundred times a run. Nothing a test makes is frozen: no test has run yet.
+    Then the collector runs less often: a young collection per 20,000 new objects instead of 700, a middle one per 20
+    young ones (Python's defaults: 700, 10, 10). Fewer of the objects a test holds for a while outlive two young
+    collections into the old generation, whose full collections were most of the collector's time (a unit run's
+    garbage collections: 8.1 s of CPU before, 4.0 s after; its peak memory 1,321 -> 1,371 MiB). A test that needs
+    its garbage gone still calls gc.collect()."""
+    import gc
+
     from inspector.ui.serve import preload
     preload()
+    gc.set_threshold(20_000, 20, 10)
 
 
 def pytest_ignore_collect(collection_path, config):
