@@ -180,8 +180,7 @@ def lesson(browser, teacher_url: str, student_url: str, redis_url: str | None, p
         for s in followers:
             s.close()
     out["counts"] = [sorted(s.firsts) for s in followers]
-    out["behind"] = behind(timeline, followers) if redis_url else None
-    out["behind_s"] = behind_s(timeline, followers) if redis_url else None
+    out["behind"], out["behind_s"] = behind(timeline, followers) if redis_url else (None, None)
     sctx.close()
     time.sleep(3)
     c0 = cpu(procs)
@@ -217,33 +216,23 @@ def read_live(url: str, code: str, timeline: list, halt: threading.Event) -> Non
         time.sleep(0.02)
 
 
-def behind(timeline: list[tuple[float, int]], followers: list[Follower]) -> list[int]:
-    """Per student: the most tokens it trailed the teacher's server by, at any moment of the run."""
-    worst = []
+def behind(timeline: list[tuple[float, int]], followers: list[Follower]) -> tuple[list[int], list[float]]:
+    """Per student: the most tokens it trailed the teacher's server by at any moment of the run, and the longest
+    it showed a count the server had gone past, in seconds (from the moment the server published the next token
+    to the moment the student drew one at least as far)."""
+    tokens, seconds = [], []
     for s in followers:
         drawn = sorted(s.firsts.items(), key=lambda kv: kv[1])
-        most = 0
+        most, longest = 0, 0.0
         for t, published in timeline:
             have = max([k for k, at in drawn if at <= t], default=0)
             most = max(most, published - have)
-        worst.append(most)
-    return worst
-
-
-def behind_s(timeline: list[tuple[float, int]], followers: list[Follower]) -> list[float]:
-    """Per student: the longest it showed a count the teacher's server had gone past, in seconds (from the
-    moment the server published the next token to the moment the student drew one at least as far)."""
-    worst = []
-    for s in followers:
-        drawn = sorted(s.firsts.items(), key=lambda kv: kv[1])
-        most = 0.0
-        for t, published in timeline:
-            have = max([k for k, at in drawn if at <= t], default=0)
             if published > have:
                 since = next(at for at, n in timeline if n > have)
-                most = max(most, t - since)
-        worst.append(round(most, 2))
-    return worst
+                longest = max(longest, t - since)
+        tokens.append(most)
+        seconds.append(round(longest, 2))
+    return tokens, seconds
 
 
 def check(r: dict, setup: str) -> None:
