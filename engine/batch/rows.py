@@ -78,15 +78,18 @@ class FanLayer:
         self.fan.close(b)
         return self.parts[b]
 
+    def plans(self, stage: str):
+        """(row, probe, plan) of every run whose probe wants the stage, in row order."""
+        for b, p in enumerate(self.parts):
+            if p is not NO_PROBE:
+                plan = p.plan(stage)
+                if plan.need != NONE:
+                    yield b, p, plan
+
     def __call__(self, stage: str, x: Any) -> Any:
         rows = isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() > 1 and x.shape[0] == len(self.parts)
         entry = None
-        for b, p in enumerate(self.parts):
-            if p is NO_PROBE:
-                continue
-            plan = p.plan(stage)
-            if plan.need == NONE:
-                continue
+        for b, p, plan in self.plans(stage):
             if not rows or plan.heads_first:
                 self.part(b)(stage, x[b:b + 1])
                 continue
@@ -107,12 +110,7 @@ class FanLayer:
         so the shared ones leave the pad out as masked entries (-inf: the pattern's zeros there become -inf in a
         copy). A probe that captures the stage takes its row alone."""
         entry = None
-        for b, p in enumerate(self.parts):
-            if p is NO_PROBE:
-                continue
-            plan = p.plan(stage)
-            if plan.need == NONE:
-                continue
+        for b, _, plan in self.plans(stage):
             if plan.capture or not plan.stats:
                 self.part(b)(stage, x[b, :, None, :lengths[b]])
                 continue
