@@ -22,7 +22,11 @@ from inspector.ui.room_sync import room
 from inspector.ui.st_internals import fragment_id
 from inspector.views.sampling import describe
 
-TEACHER_PROMPT = "sb_room_prompt"     # the sidebar's box showing the teacher's prompt to a following student
+# The sidebar's box showing the teacher's prompt to a following student: a label and a code box, not a widget. A
+# read-only text area showed a new label a frame before its new value (an empty box that said "generating", caught
+# by tests/browser/test_room_follow_cost.py): Streamlit's box takes a value from the server after it is drawn.
+TEACHER_PROMPT = "Prompt (the teacher's run)"
+GENERATING = "Prompt (the teacher's run, generating)"
 
 
 def publisher(prompt: str, max_new: int) -> LivePublisher | None:
@@ -90,14 +94,12 @@ def teacher_prompt(height: int) -> None:
     teacher's run on screen (read-only; the student's own prompt comes back when they explore on their own)."""
     live = _live_now()
     if live is not None:          # the teacher's run generating now (its first in the room, or a new one)
-        st.session_state[TEACHER_PROMPT] = live.prompt
-        st.text_area("Prompt (the teacher's run, generating)", key=TEACHER_PROMPT, height=height, disabled=True)
+        _prompt_box(GENERATING, live.prompt, height)
         st.caption("The teacher's run is generating: it grows above the page, token by token, and the whole run "
                    "follows when it ends.")
         return
     run = current_run()
-    st.session_state[TEACHER_PROMPT] = run.settings.prompt if run is not None else ""
-    st.text_area("Prompt (the teacher's run)", key=TEACHER_PROMPT, height=height, disabled=True)
+    _prompt_box(TEACHER_PROMPT, run.settings.prompt if run is not None else "", height)
     if run is None:
         st.caption("The teacher has not run anything in this room yet.")
         return
@@ -105,6 +107,12 @@ def teacher_prompt(height: int) -> None:
     st.caption(f"The teacher's settings: chat format {'on' if s.chat else 'off'} · up to {s.max_new_tokens:,} new "
                f"tokens · {plain(describe(s.params))} · seed {s.seed}"
                + (f" · stop strings {plain(', '.join(map(repr, s.stop)))}" if s.stop else ""))
+
+
+def _prompt_box(label: str, prompt: str, height: int) -> None:
+    """A prompt shown read-only, under its label: plain text in a code box of the prompt box's height."""
+    st.markdown(f"**{label}**")
+    st.code(prompt, language=None, wrap_lines=True, height=height)
 
 
 def _live_now() -> Live | None:

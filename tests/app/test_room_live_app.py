@@ -56,8 +56,8 @@ def test_a_following_students_sidebar_shows_the_teachers_prompt_and_settings(env
     at.query_params["room"] = code
     at.run()
     assert session_of(at.session_state).room.following
-    shown = at.sidebar.text_area(key="sb_room_prompt")
-    assert shown.value == PROMPT and shown.disabled
+    assert "Prompt (the teacher's run)" in [m.value.strip("*") for m in at.sidebar.markdown]
+    assert PROMPT in [c.value for c in at.sidebar.code]               # read-only: a code box, not a widget
     assert not [t for t in at.sidebar.text_area if t.key == "sb_prompt"]
     said = " ".join(c.value for c in at.sidebar.caption).replace("\\", "")      # Markdown escapes
     assert "T=0.7 top-p=0.9" in said and "seed 7" in said and "up to 5 new tokens" in said
@@ -109,8 +109,8 @@ def test_during_the_rooms_first_run_a_students_sidebar_shows_it_generating(env, 
     assert not at.exception, at.exception
     said = [c.value for c in at.sidebar.caption]
     assert nothing not in said and any("The teacher's run is generating" in c for c in said), said
-    shown = at.sidebar.text_area(key="sb_room_prompt")
-    assert shown.value == "Write a poem" and shown.disabled
+    assert "Prompt (the teacher's run, generating)" in [m.value.strip("*") for m in at.sidebar.markdown]
+    assert "Write a poem" in [c.value for c in at.sidebar.code] and not [t for t in at.sidebar.text_area]
 
 
 def test_students_are_told_the_room_is_reconnecting_and_follow_again_after_a_restart(

@@ -198,7 +198,7 @@ def follow_in_chromium(chromium) -> tuple[list[str], list[int]]:
     while time.monotonic() < end:
         body = main.inner_text()
         if "The teacher's run, live" in body:
-            texts.append(side.locator("textarea").first.input_value() + "\n" + side.inner_text())
+            texts.append(side.inner_text())       # one read: the prompt and its label, as drawn together
             counts += [int(x) for x in re.findall(r"token (\d+) of at most %d" % NEW, body)]
         elif texts and "Generated text" in body:
             break
