@@ -204,7 +204,9 @@ def test_a_room_of_thirty(room, browser, tiny_model):
     tabs = [_open(browser, url, wait=False) for _ in range(SESSIONS)]
     for _, page in tabs:
         _ready(page)
+    t_open = time.monotonic()
     run_in_all([page for _, page in tabs], prompts)
+    t_typed = time.monotonic()
     press_run_in(tabs)
     t_runs = time.monotonic()
     want = [w.strip("\n") for w in want]
@@ -212,14 +214,16 @@ def test_a_room_of_thirty(room, browser, tiny_model):
         shown = shown_texts(page)
         assert want[k] in shown, (k, want[k], shown, seen(page))              # its own single-user tokens
         assert not any(w in shown for j, w in enumerate(want) if j != k and w != want[k]), k   # nobody else's
+    t_checked = time.monotonic()
     peaks = [psutil.Process(proc.pid).memory_info().rss]
     tour_all([page for _, page in tabs], lambda: peaks.append(psutil.Process(proc.pid).memory_info().rss))
     peak = max(peaks)
     t_end = time.monotonic()
     bound = rss0 + SESSIONS * BUDGET_MB * 2**20
     print(f"room of {SESSIONS}: server RSS {rss0 / 2**20:.0f} MiB before, peak {peak / 2**20:.0f} MiB "
-          f"(bound {bound / 2**20:.0f} MiB); {t_runs - t0:.0f} s to open the tabs and run, "
-          f"{t_end - t_runs:.0f} s to check the texts and tour")
+          f"(bound {bound / 2**20:.0f} MiB); {t_open - t0:.0f} s to open the tabs, {t_typed - t_open:.0f} s to type "
+          f"the prompts, {t_runs - t_typed:.0f} s to run, {t_checked - t_runs:.0f} s to check the texts, "
+          f"{t_end - t_checked:.0f} s to tour")
     assert peak < bound
     for ctx, _ in tabs + [teacher]:
         ctx.close()
