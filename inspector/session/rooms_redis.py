@@ -15,7 +15,11 @@ Every call is on a page's path (a student's rerun waits for it), so a store that
 `timeout` (0.5 s) bounds the connect and each wait for a reply, a timeout is never retried, and for
 `cooldown_s` after one every call fails at once with the same message (a hung store costs a page one wait,
 not one per call). A connection that broke (Redis restarted: every pooled connection is dead) empties the
-pool and the call is tried once more on a fresh connection (every call used here is harmless to repeat).
+pool of its idle connections and the call is tried once more on a fresh one (every call used here is harmless
+to repeat). A failure never closes a connection another thread is using: that thread meets its own failure
+(closing it under a reader made its call fail with "I/O operation on closed file", crashing a page). Failures
+that a later call may not meet (no answer in time, no connection) are `Unreachable`: a page says the store
+does not answer and tries again when it does.
 
 Rooms need a store that never evicts keys: with `maxmemory` and an eviction policy, Redis may drop a live
 room's keys, its teacher's authorisation included. `check_keeps_keys` refuses such a store (RoomStore calls
@@ -64,6 +68,10 @@ return added"""
 
 class RedisError(Exception):
     """Redis answered with an error, or could not be reached (the message says which)."""
+
+
+class Unreachable(RedisError):
+    """The store did not answer in time or could not be reached: a later call may succeed."""
 
 
 class Full(RedisError):
@@ -120,10 +128,11 @@ class RedisBackend:
 
     def call(self, f, *, send: int = 0):
         """Run f(client). A timeout fails at once (and the next calls, for cooldown_s); a broken connection
-        empties the pool (its siblings broke with it) and f is tried once more on a fresh one. `send`: bytes
+        closes the pool's idle connections (its siblings broke with it) and f is tried once more on a fresh
+        one. `send`: bytes
         f writes (a large run gets time to travel on top of the timeout)."""
         if self._clock() < self._silent_until:
-            raise RedisError(self._silent_message())
+            raise Unreachable(self._silent_message())
         for attempt in (0, 1):
             try:
                 if send > SEND_RATE // 10:
@@ -131,12 +140,12 @@ class RedisBackend:
                 return f(self.client)
             except redis.TimeoutError:
                 self._silent_until = self._clock() + self.cooldown_s
-                self.close()
-                raise RedisError(self._silent_message()) from None
+                self._drop_idle()            # redis-py closed the connection that timed out
+                raise Unreachable(self._silent_message()) from None
             except redis.ConnectionError as e:
-                self.close()
+                self._drop_idle()
                 if attempt:
-                    raise RedisError(f"the room store (Redis) cannot be reached: {e}") from None
+                    raise Unreachable(f"the room store (Redis) cannot be reached: {e}") from None
             except redis.WatchError:
                 raise
             except redis.RedisError as e:        # an error reply (WRONGTYPE, NOAUTH, NOSCRIPT, OOM ...)
@@ -154,6 +163,12 @@ class RedisBackend:
     def _silent_message(self) -> str:
         return (f"the room store (Redis) did not answer within {self.timeout:g} s; the room is not updated "
                 f"(tried again in {self.cooldown_s:g} s)")
+
+    def _drop_idle(self) -> None:
+        """Close the pooled connections no thread is using (after a failure they are likely dead too)."""
+        self.pool.disconnect(inuse_connections=False)
+        if self._bulk is not None:
+            self._bulk.connection_pool.disconnect(inuse_connections=False)
 
     def close(self) -> None:
         self.pool.disconnect()

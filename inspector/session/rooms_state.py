@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from engine import InputError, SamplingParams
 
-from .rooms_redis import RedisError
+from .rooms_redis import RedisError, Unreachable
 
 CODE_ALPHABET = "23456789ABCDEFGHJKLMNPQRSTUVWXYZ"        # 32 symbols: no 0/O, 1/I/L to misread
 CODE_LEN = 6                                              # 32**6 ≈ 1.07e9 codes; failed joins are rate-limited
@@ -40,6 +40,7 @@ class NoRoom(RoomError):
 
 
 ROOM_ERRORS = (RoomError, RedisError)       # what a page catches around a store call: each says what failed
+STORE_DOWN = Unreachable                    # of those, the store not answering now (a later call may succeed)
 
 
 # ---- what a room holds -----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Rooms in the app: a teacher starts one (after entering $LLM_INSPECTOR_TEACHER_KEY once per session) and gets
 a code and a link; students who open `/?room=CODE` follow the teacher's run, page, step, layer, head and
 sampling settings, read-only, until they choose to explore on their own (their own copy of the run), and
-can follow again. Polls: inspector.ui.room_poll.
+can follow again. Joining: inspector.ui.room_join. Polls: inspector.ui.room_poll.
 
 app.py calls, in order: `before_page(page)` (a student follows: loads a new run, takes the room's values,
 switches to the teacher's page; a teacher publishes the page at once), `sidebar_panel()` (start, join, leave,
@@ -18,25 +18,25 @@ from dataclasses import replace
 from urllib.parse import urlsplit
 
 import streamlit as st
-from streamlit.runtime.scriptrunner import get_script_run_ctx
 
 from engine.inspection.trace import from_bytes, to_bytes
 from inspector.session.limits import trace_bounds
 from inspector.session.memo import run_key
 from inspector.session.room_runs import ROOM_RUNS
 from inspector.session.rooms import shared_store
-from inspector.session.rooms_keys import failed_joins, teacher_key_state, teacher_login, warn_short_key
+from inspector.session.rooms_keys import teacher_key_state, teacher_login, warn_short_key
 from inspector.session.rooms_state import ROOM_ERRORS, RoomError, View, check_code
 from inspector.session.run import track
 from inspector.session.state import RoomSeat
 from inspector.ui.common import client_key, current_run, get_model, plain, server_limits
+from inspector.ui.room_join import from_link, join_form
 from inspector.ui.room_live import draw as draw_live
 from inspector.ui.room_live import panel as live_panel
 from inspector.ui.room_outage import LOST, offline, restore, teacher_offline
 from inspector.ui.room_poll import poll_box
 from inspector.ui.room_push import OFFLINE, signature, watcher
 from inspector.ui.room_push import available as push_available
-from inspector.ui.room_sync import following, publish_view, room, voter_id, widget_values
+from inspector.ui.room_sync import following, publish_view, room, session_id, widget_values
 from inspector.ui.sidebar import keep_run
 from inspector.ui.state import session
 from inspector.ui.widgets import page_path, pages
@@ -51,34 +51,6 @@ def _store():
 def page_titles() -> dict[str, str]:
     return {p["script_path"].rsplit("/", 1)[-1].removesuffix(".py"): p.get("page_name", "")
             for p in pages() if p.get("script_path")}
-
-
-# ---- joining ---------------------------------------------------------------------------------------------
-def join(code: str) -> str | None:
-    """Follow room `code`; the error to show, or None. Unknown codes count against this browser's tries."""
-    who = client_key() or "anonymous"
-    try:
-        code = check_code(code)
-        state = _store().state(code)
-    except ROOM_ERRORS as e:
-        return str(e)
-    if state is None:
-        if not failed_joins.allow(who):
-            return "Too many unknown room codes tried from this browser: wait a minute and try again."
-        return f"There is no room {code} (ended, expired, or mistyped)."
-    session().room = RoomSeat.student(code, voter_id(code))
-    return None
-
-
-def _join_from_link() -> None:
-    code = st.query_params.get("room")
-    ss = session()
-    if not code or ss.link_tried == code:
-        return
-    ss.link_tried = code
-    err = join(code)
-    if err:
-        ss.join_error = err
 
 
 def _load_run(code: str, run_id: str):
@@ -104,7 +76,7 @@ def before_page(page: str) -> None:
     """Before the sidebar and the page: a following student takes the room's run and values (and page); a
     teacher publishes the page just opened."""
     if room() is None:
-        _join_from_link()
+        from_link()
     r = room()
     if r is None or r.role == "teacher":
         if r is not None:
@@ -123,7 +95,7 @@ def before_page(page: str) -> None:
         if state is None:      # the store restarted without it: the teacher's screen re-opens it (bar)
             r.error, r.seen = LOST, None
             if push_available():
-                watcher.watch(_session_id(), "follow", r.code, None)
+                watcher.watch(session_id(), "follow", r.code, None)
             return
         if state.run_id and state.run_id != r.run_id:
             try:
@@ -137,6 +109,8 @@ def before_page(page: str) -> None:
     except ROOM_ERRORS as e:   # the store does not answer: the watcher reruns this screen when it does
         if state is None:
             r.error, r.seen = offline(e), OFFLINE
+            if push_available():     # (a screen that joined just now is not watched yet)
+                watcher.watch(session_id(), "follow", r.code, OFFLINE)
             return
         r.error = f"Could not follow the room: {e}"
     except Exception as e:     # a run that fails validation: one message, the app goes on
@@ -147,7 +121,7 @@ def before_page(page: str) -> None:
     r.widgets = widget_values(state.view, len(run.result.steps) if run is not None else None)
     r.version, r.state, r.seen = state.version, state, signature("follow", state, live=r.live)
     if push_available():
-        watcher.watch(_session_id(), "follow", r.code, r.seen)
+        watcher.watch(session_id(), "follow", r.code, r.seen)
     if state.view.page != page and (path := page_path(state.view.page)) is not None:
         st.switch_page(path, query_params={**st.query_params.to_dict(), "room": r.code})
 
@@ -173,7 +147,7 @@ def after_page(page: str) -> None:
 # ---- the sidebar: start, join, leave, end -------------------------------------------------------------------
 def sidebar_panel() -> None:
     r = room()
-    with st.sidebar.expander("Classroom: rooms and polls", expanded=r is not None):
+    with st.sidebar.expander("Classroom: rooms and polls", expanded=r is not None or bool(session().join_error)):
         ss = session()
         notice, ss.room_notice = ss.room_notice, None
         if notice:
@@ -186,26 +160,12 @@ def sidebar_panel() -> None:
         if r is not None:
             st.markdown(f"You are in room **{plain(r.code)}**.")
             if st.button("Leave the room", key="room_leave"):
-                watcher.drop(_session_id())
+                watcher.drop(session_id())
                 ss.room = None
                 st.rerun()
             return
-        _join_form()
+        join_form()
         _teacher_form()
-
-
-def _join_form() -> None:
-    ss = session()
-    err, ss.join_error = ss.join_error, None
-    if err:
-        st.error(plain(err))
-    code = st.text_input("Room code", key="room_code", max_chars=12, placeholder="e.g. K7QM2X")
-    if st.button("Join", key="room_join", disabled=not code):
-        err = join(code)
-        if err:
-            st.error(plain(err))
-        else:
-            st.rerun()
 
 
 def _teacher_form() -> None:
@@ -257,7 +217,7 @@ def _end(r: RoomSeat) -> None:
         note = _store().end_or_leave(r.code, r.token)
     except ROOM_ERRORS as e:          # the store could not even be chosen (a malformed setting)
         note = f"The room could not be ended in the store ({e}); you have left it here."
-    watcher.drop(_session_id())
+    watcher.drop(session_id())
     session().room = None
     if note:
         session().room_notice = note
@@ -301,7 +261,7 @@ def bar() -> None:
             poll_box(r, state, answers)
         return
     if r.ended:
-        watcher.drop(_session_id())
+        watcher.drop(session_id())
         st.info(f"Room {plain(r.code)} has ended. This run stays yours to explore.")
         return
     _student_line(r)
@@ -316,15 +276,10 @@ def bar() -> None:
         poll_box(r, state)
 
 
-def _session_id() -> str:
-    ctx = get_script_run_ctx()
-    return ctx.session_id if ctx is not None else "no-session"
-
-
 def _notify(kind: str, code: str, seen) -> None:
     """Have this screen rerun when the room no longer matches `seen` (inspector.ui.room_push; polling without it)."""
     if push_available():
-        watcher.watch(_session_id(), kind, code, seen)
+        watcher.watch(session_id(), kind, code, seen)
     else:
         _poll_fallback()
 

@@ -41,12 +41,17 @@ def following() -> bool:
     return r is not None and r.role == "student" and r.following
 
 
+def session_id() -> str:
+    """This script run's session (what the room's watcher reruns)."""
+    ctx = get_script_run_ctx()
+    return ctx.session_id if ctx is not None else "no-session"
+
+
 def voter_id(code: str) -> str:
     """The name this browser's answers in room `code` are kept under: every tab of one browser shares it (one
     answer per browser and poll, inspector.ui.common.client_key), never the browser's token itself."""
     from inspector.ui.common import client_key  # inspector.ui.common imports the frame, which the widgets need first
-    ctx = get_script_run_ctx()
-    return voter_of(code, client_key() or ("session:" + (ctx.session_id if ctx is not None else "no-session")))
+    return voter_of(code, client_key() or ("session:" + session_id()))
 
 
 # ---- the student's side: the room's values for the widgets --------------------------------------------------

@@ -4,6 +4,9 @@ restarts empty and follows again once the teacher's screen has re-opened the roo
 (item 2), and its sidebar shows the teacher's prompt and settings, not the student's own (item 3)."""
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 
 from engine import RunSettings, SamplingParams
@@ -149,3 +152,26 @@ def test_students_are_told_the_room_is_reconnecting_and_follow_again_after_a_res
         assert "reconnecting" not in warnings(student) and session_of(student.session_state).room.following
         assert any("following the teacher: Attention · layer 1" in m.value.replace("\\", "")
                    for m in student.markdown)
+
+
+def test_a_student_who_opens_the_link_while_the_store_pauses_joins_when_it_answers(
+        env, app_file, tiny_model, monkeypatch):
+    with redis_process() as redis:
+        monkeypatch.setenv("LLM_INSPECTOR_ROOMS", redis.url)
+        store = shared_store()
+        code, token = store.create()
+        store.publish(code, token, run=to_bytes(teacher_run(tiny_model)), view=View())
+        redis.proc.send_signal(signal.SIGSTOP)                            # paused: no answer within 0.5 s
+        try:
+            student = join(app_file, env, code)
+        finally:
+            redis.proc.send_signal(signal.SIGCONT)
+        said = " ".join(e.value for e in student.sidebar.error).replace("\\", "")
+        assert f"Joining room {code}: the room's store does not answer" in said, said
+        assert session_of(student.session_state).room is None
+        time.sleep(2.1)                                                   # the store's cool-down after a timeout
+        student.run()                                                     # the rerun the room's watcher asks for
+        assert not student.exception, student.exception
+        assert session_of(student.session_state).room.following
+        assert any(f"Room {code}** · following the teacher" in m.value.replace("\\", "") for m in student.markdown)
+        assert not student.sidebar.error

@@ -7,6 +7,13 @@ publishes them (RoomStore.publish with the room's token: a run as trace bytes, t
 from the publish to the first message in which a student's session draws the new state (the room's line
 naming the teacher's page, layer, head and step; the new run's prompt).
 
+While the class opens the link, the room's redis-server is paused (SIGSTOP) for PAUSE_S: the screens that meet
+the pause say that the store does not answer, every student must still join by itself once it answers, and
+neither server may log a traceback. (CI once saw eight of thirty students never join: a link's join that met
+the store's timeout was not tried again, a screen that joined just before the store stopped answering was not
+watched, and the timeout closed connections other sessions were reading, crashing their pages;
+docs/CLASSROOM.md, "When the store stops or restarts".)
+
 The issue's target is p95 <= 1.0 s over every change and student; the line printed says whether it was met.
 Measured here (two servers and 30 students on one idle 2-core machine), with the students' sessions sharing
 what their pages derive from the room's run (inspector.session.memo.SHARED): p95 0.84-1.06 s over seven runs
@@ -19,6 +26,7 @@ import secrets
 import threading
 import time
 
+import psutil
 import pytest
 
 from engine import RunSettings
@@ -33,6 +41,8 @@ pytestmark = pytest.mark.browser
 STUDENTS = int(os.environ.get("LLM_INSPECTOR_LATENCY_STUDENTS", "30"))
 TARGET_S = 1.0
 P95_S = float(os.environ.get("LLM_INSPECTOR_LATENCY_P95_S", "8"))
+PAUSE_S = 2.0                     # the store stops answering for this long while two thirds of the class join
+OUTAGE = b"store does not answer"  # what a screen says then (joining, or following: reconnecting)
 WAIT_S = 60                       # the most one change may take to reach every student before the test fails
 TITLES = {"overview": "Overview", "attention": "Attention", "sampling": "Sampling"}
 CHANGES = [View("attention"), View("attention", layer=1), View("attention", layer=1, head=2),
@@ -50,21 +60,22 @@ class Student:
     """One student's session over Streamlit's WebSocket: asks for the app at /?room=CODE once, then records
     when a pushed message first holds the text it waits for."""
 
-    def __init__(self, base: str, code: str) -> None:
+    def __init__(self, base: str, code: str, want: str | None = None) -> None:
         from streamlit.proto.BackMsg_pb2 import BackMsg
         from websockets.sync.client import connect
         # each student is a browser of their own, with Streamlit's cookie (sessions without one count as one
         # browser together: LLM_INSPECTOR_MAX_SESSIONS_PER_CLIENT of them, docs/CLASSROOM.md)
         cookie = {"Cookie": f"_streamlit_xsrf={secrets.token_hex(16)}"}
+        self.want = None if want is None else want.encode()   # set before the first message can arrive
+        self.seen: float | None = None
+        self.messages = 0
+        self.outage = False                          # a message said that the room's store does not answer
+        self.cond = threading.Condition()
         self.ws = connect(base.replace("http://", "ws://") + "/_stcore/stream", subprotocols=["streamlit"],
                           proxy=None, max_size=64 << 20, open_timeout=30, additional_headers=cookie)
         msg = BackMsg()
         msg.rerun_script.query_string = f"room={code}"
         self.ws.send(msg.SerializeToString())
-        self.want: bytes | None = None
-        self.seen: float | None = None
-        self.messages = 0
-        self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
@@ -74,6 +85,7 @@ class Student:
                 now = time.perf_counter()
                 with self.cond:
                     self.messages += 1
+                    self.outage = self.outage or OUTAGE in data
                     if self.want is not None and self.seen is None and self.want in data:
                         self.seen = now
                         self.cond.notify_all()
@@ -93,6 +105,19 @@ class Student:
     def close(self) -> None:
         self.ws.close()
         self.thread.join(5)
+
+
+def pause_store(url: str, seconds: float) -> None:
+    """Stop the room's redis-server (SIGSTOP) for `seconds`: it holds every connection and answers nothing."""
+    sock = url.removeprefix("unix://")
+    redis = [p for p in psutil.process_iter(["name", "cmdline"])
+             if p.info["name"] == "redis-server" and sock in " ".join(p.info["cmdline"] or [])]
+    assert len(redis) == 1, redis
+    redis[0].suspend()
+    try:
+        time.sleep(seconds)
+    finally:
+        redis[0].resume()
 
 
 def change(store, code, token, students, publish: dict, text: str) -> list[float]:
@@ -122,13 +147,19 @@ def test_thirty_websocket_students_follow_within_a_second(two_servers, tiny_mode
     runs = [inspect_run(tiny_model, RunSettings(prompt=p, chat=False, max_new_tokens=8))
             for p in ("Tell me a story about a lighthouse.", "What is the capital of France?")]
     store.publish(code, token, run=to_bytes(runs[0]), view=View())
-    students = [Student(servers[k % 2][0], code) for k in range(STUDENTS)]
+    pause = threading.Thread(target=pause_store, args=(url, PAUSE_S))
+    t0 = time.monotonic()
+    students = []
     try:
-        t0 = time.monotonic()
-        for s in students:
-            s.expect(line(View()))
+        for k in range(STUDENTS):
+            if k == STUDENTS // 3:
+                pause.start()          # the store pauses while the class opens the link
+            students.append(Student(servers[k % 2][0], code, line(View())))
+        pause.join()
         missing = [k for k, s in enumerate(students) if s.wait(t0 + 180) is None]
         assert not missing, f"students {missing} never joined the room"
+        told = sum(s.outage for s in students)
+        assert told, "no student's screen met the store's pause: the join under a pause was not exercised"
         time.sleep(1.0)
         delays: dict[str, list[float]] = {}
         for view in CHANGES:
@@ -139,9 +170,10 @@ def test_thirty_websocket_students_follow_within_a_second(two_servers, tiny_mode
         for s in students:
             s.close()
     every = [d for ds in delays.values() for d in ds]
-    print(f"\n{STUDENTS} WebSocket students on two servers, one Redis, {len(delays)} changes: from the publish to "
-          f"each student's session drawing it, p95 {p95(every):.3f} s, median {sorted(every)[len(every) // 2]:.3f} s, "
-          f"max {max(every):.3f} s. Per change (p95): "
+    print(f"\nThe store paused {PAUSE_S:g} s while they joined: {told} students were told it does not answer; all "
+          f"joined. {STUDENTS} WebSocket students on two servers, one Redis, {len(delays)} changes: from the publish "
+          f"to each student's session drawing it, p95 {p95(every):.3f} s, median "
+          f"{sorted(every)[len(every) // 2]:.3f} s, max {max(every):.3f} s. Per change (p95): "
           + "; ".join(f"{k} {p95(v):.3f} s" for k, v in delays.items())
           + f". Target p95 <= {TARGET_S} s: {'met' if p95(every) <= TARGET_S else 'NOT met'} on this machine "
           f"({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}).")

@@ -36,9 +36,9 @@ COUNT = re.compile(rb"token (\d+) of at most %d" % MAX_NEW)
 class LiveStudent(Student):
     """A student that records when each "token k" first reached its session."""
 
-    def __init__(self, base: str, code: str) -> None:
+    def __init__(self, base: str, code: str, want: str) -> None:
         self.firsts: dict[int, float] = {}
-        super().__init__(base, code)
+        super().__init__(base, code, want)
 
     def _read(self) -> None:
         try:
@@ -92,11 +92,9 @@ def test_students_see_the_teachers_run_grow_token_by_token(two_servers, tiny_mod
     code, token = store.create()
     first = inspect_run(tiny_model, RunSettings(prompt="What is the capital of France?", chat=False, max_new_tokens=4))
     store.publish(code, token, run=to_bytes(first), view=View())
-    students = [LiveStudent(servers[k % 2][0], code) for k in range(STUDENTS)]
+    t0 = time.monotonic()
+    students = [LiveStudent(servers[k % 2][0], code, "following the teacher") for k in range(STUDENTS)]
     try:
-        t0 = time.monotonic()
-        for s in students:
-            s.expect("following the teacher")
         missing = [k for k, s in enumerate(students) if s.wait(t0 + 180) is None]
         assert not missing, f"students {missing} never joined the room"
         time.sleep(1.0)
