@@ -87,6 +87,7 @@ class SessionState:
     room: RoomSeat | None = None
     teacher_ok: bool = False                # this session entered the teacher key
     link_tried: str | None = None           # the ?room= code already tried (a bad link is tried once)
+    link_waiting: str | None = None         # the ?room= code whose join waits for the store to answer
     room_notice: str | None = None          # how the room was left, said once in the Classroom section
     join_error: str | None = None           # why joining from a link failed, said once
     # the app's own

@@ -52,17 +52,19 @@ def waiting(code: str, reason) -> str:
 
 def from_link() -> None:
     """Join the room of the link this session was opened with: once, unless the store did not answer."""
-    code = st.query_params.get("room")
     ss = session()
+    # the code waiting is kept here too: a rerun the watcher asks for while this session's first script run is
+    # still going carries no query string (Streamlit saves a session's query string when its run ends)
+    code = st.query_params.get("room") or ss.link_waiting
     if not code or ss.link_tried == code:
         return
     try:
         err = join(code)
     except STORE_DOWN as e:           # not tried yet: the next script run tries again, and one comes by itself
-        ss.join_error = waiting(code, e)
+        ss.join_error, ss.link_waiting = waiting(code, e), code
         _rerun_when_answering(code)
         return
-    ss.link_tried = code
+    ss.link_tried, ss.link_waiting = code, None
     if err:
         ss.join_error = err
         watcher.drop(session_id())    # a wait for the store, if there was one, is over

@@ -7,12 +7,13 @@ publishes them (RoomStore.publish with the room's token: a run as trace bytes, t
 from the publish to the first message in which a student's session draws the new state (the room's line
 naming the teacher's page, layer, head and step; the new run's prompt).
 
-While the class opens the link, the room's redis-server is paused (SIGSTOP) for PAUSE_S: the screens that meet
-the pause say that the store does not answer, every student must still join by itself once it answers, and
-neither server may log a traceback. (CI once saw eight of thirty students never join: a link's join that met
-the store's timeout was not tried again, a screen that joined just before the store stopped answering was not
-watched, and the timeout closed connections other sessions were reading, crashing their pages;
-docs/CLASSROOM.md, "When the store stops or restarts".)
+While the class opens the link, the room's redis-server is paused (SIGSTOP) for PAUSE_S, longer on a machine so
+loaded that no screen has met the pause by then (at most PAUSE_MAX_S): the screens that meet it say that the
+store does not answer, every student must still join by itself once it answers, and neither server may log a
+traceback. (CI once saw eight of thirty students never join: a link's join that met the store's timeout was not
+tried again, a screen that joined just before the store stopped answering was not watched, and the timeout closed
+connections other sessions were reading, crashing their pages; docs/CLASSROOM.md, "When the store stops or
+restarts".)
 
 The issue's target is p95 <= 1.0 s over every change and student; the line printed says whether it was met.
 Measured here (two servers and 30 students on one idle 2-core machine), with the students' sessions sharing
@@ -41,7 +42,8 @@ pytestmark = pytest.mark.browser
 STUDENTS = int(os.environ.get("LLM_INSPECTOR_LATENCY_STUDENTS", "30"))
 TARGET_S = 1.0
 P95_S = float(os.environ.get("LLM_INSPECTOR_LATENCY_P95_S", "8"))
-PAUSE_S = 2.0                     # the store stops answering for this long while two thirds of the class join
+PAUSE_S = 2.0                     # the store stops answering for this long while two thirds of the class join,
+PAUSE_MAX_S = 30.0                # or until a student's screen says so, if that comes later
 OUTAGE = b"store does not answer"  # what a screen says then (joining, or following: reconnecting)
 WAIT_S = 60                       # the most one change may take to reach every student before the test fails
 TITLES = {"overview": "Overview", "attention": "Attention", "sampling": "Sampling"}
@@ -107,17 +109,22 @@ class Student:
         self.thread.join(5)
 
 
-def pause_store(url: str, seconds: float) -> None:
-    """Stop the room's redis-server (SIGSTOP) for `seconds`: it holds every connection and answers nothing."""
+def pause_store(url: str, students: list, seconds: float, longest: float) -> float:
+    """Stop the room's redis-server (SIGSTOP): it holds every connection and answers nothing, for `seconds` and
+    until one of `students` was told so (at most `longest`); how long it was paused."""
     sock = url.removeprefix("unix://")
     redis = [p for p in psutil.process_iter(["name", "cmdline"])
              if p.info["name"] == "redis-server" and sock in " ".join(p.info["cmdline"] or [])]
     assert len(redis) == 1, redis
+    t0 = time.monotonic()
     redis[0].suspend()
     try:
         time.sleep(seconds)
+        while not any(s.outage for s in list(students)) and time.monotonic() < t0 + longest:
+            time.sleep(0.05)
     finally:
         redis[0].resume()
+    return time.monotonic() - t0
 
 
 def change(store, code, token, students, publish: dict, text: str) -> list[float]:
@@ -147,15 +154,16 @@ def test_thirty_websocket_students_follow_within_a_second(two_servers, tiny_mode
     runs = [inspect_run(tiny_model, RunSettings(prompt=p, chat=False, max_new_tokens=8))
             for p in ("Tell me a story about a lighthouse.", "What is the capital of France?")]
     store.publish(code, token, run=to_bytes(runs[0]), view=View())
-    pause = threading.Thread(target=pause_store, args=(url, PAUSE_S))
     t0 = time.monotonic()
-    students = []
+    students, paused = [], []
+    pause = threading.Thread(target=lambda: paused.append(pause_store(url, students, PAUSE_S, PAUSE_MAX_S)))
     try:
         for k in range(STUDENTS):
             if k == STUDENTS // 3:
                 pause.start()          # the store pauses while the class opens the link
             students.append(Student(servers[k % 2][0], code, line(View())))
         pause.join()
+        assert paused, "the room's redis-server could not be paused (see the thread's exception above)"
         missing = [k for k, s in enumerate(students) if s.wait(t0 + 180) is None]
         assert not missing, f"students {missing} never joined the room"
         told = sum(s.outage for s in students)
@@ -170,7 +178,7 @@ def test_thirty_websocket_students_follow_within_a_second(two_servers, tiny_mode
         for s in students:
             s.close()
     every = [d for ds in delays.values() for d in ds]
-    print(f"\nThe store paused {PAUSE_S:g} s while they joined: {told} students were told it does not answer; all "
+    print(f"\nThe store paused {paused[0]:.1f} s while they joined: {told} students were told it does not answer; all "
           f"joined. {STUDENTS} WebSocket students on two servers, one Redis, {len(delays)} changes: from the publish "
           f"to each student's session drawing it, p95 {p95(every):.3f} s, median "
           f"{sorted(every)[len(every) // 2]:.3f} s, max {max(every):.3f} s. Per change (p95): "
