@@ -129,8 +129,7 @@ class RedisBackend:
     def call(self, f, *, send: int = 0):
         """Run f(client). A timeout fails at once (and the next calls, for cooldown_s); a broken connection
         closes the pool's idle connections (its siblings broke with it) and f is tried once more on a fresh
-        one. `send`: bytes
-        f writes (a large run gets time to travel on top of the timeout)."""
+        one. `send`: bytes f writes (a large run gets time to travel on top of the timeout)."""
         if self._clock() < self._silent_until:
             raise Unreachable(self._silent_message())
         for attempt in (0, 1):

@@ -34,14 +34,12 @@ from inspector.ui.room_live import draw as draw_live
 from inspector.ui.room_live import panel as live_panel
 from inspector.ui.room_outage import LOST, offline, restore, teacher_offline
 from inspector.ui.room_poll import poll_box
-from inspector.ui.room_push import OFFLINE, signature, watcher
+from inspector.ui.room_push import FALLBACK_EVERY_S, OFFLINE, signature, watcher
 from inspector.ui.room_push import available as push_available
 from inspector.ui.room_sync import following, publish_view, room, session_id, widget_values
 from inspector.ui.sidebar import keep_run
 from inspector.ui.state import session
 from inspector.ui.widgets import page_path, pages
-
-FALLBACK_EVERY_S = 1.0           # how often a screen polls the room where the watcher cannot push
 
 
 def _store():

@@ -18,12 +18,10 @@ from inspector.session.rooms_keys import failed_joins
 from inspector.session.rooms_state import ROOM_ERRORS, STORE_DOWN, check_code
 from inspector.session.state import RoomSeat
 from inspector.ui.common import client_key, plain
-from inspector.ui.room_push import OFFLINE, watcher
+from inspector.ui.room_push import FALLBACK_EVERY_S, OFFLINE, watcher
 from inspector.ui.room_push import available as push_available
 from inspector.ui.room_sync import session_id, voter_id
 from inspector.ui.state import session
-
-RETRY_EVERY_S = 1.0          # where the watcher cannot rerun a session: how often a waiting screen asks the store
 
 
 def join(code: str) -> str | None:
@@ -77,7 +75,7 @@ def _rerun_when_answering(code: str) -> None:
         _retry(code)
 
 
-@st.fragment(run_every=RETRY_EVERY_S)
+@st.fragment(run_every=FALLBACK_EVERY_S)
 def _retry(code: str) -> None:
     """Polls the store while a link's join waits for it (only where the watcher cannot rerun sessions)."""
     try:

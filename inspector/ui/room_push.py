@@ -43,6 +43,7 @@ MIN_GAP_S = 0.5       # answer counts rerun a teacher's screen at most this ofte
 # seconds (never more often than POLL_S): 3 followers 0.15 s, 10 followers 0.5 s, 30 followers 1.5 s.
 LIVE_RERUNS_S = 20
 OFFLINE = "offline"   # the signature of a room whose store does not answer
+FALLBACK_EVERY_S = 1.0   # where the watcher cannot rerun sessions (available()), how often a screen polls
 log = logging.getLogger("llm_inspector")
 
 
