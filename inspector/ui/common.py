@@ -282,6 +282,7 @@ def on_demand(store, k, what: str, compute, *, work: tuple | None = None, stop_o
             try:
                 value = memo(store, k, lambda: compute(tell), **bounds)
             finally:
+                trim()              # its working tensors go back to the system, not to this thread's arena
                 bar.empty()
                 button.empty()
             stopped.pop(tag, None)

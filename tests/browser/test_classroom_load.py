@@ -1,8 +1,13 @@
-"""A room on one server: 30 browser sessions (each its own Playwright context, so its own cookies) run a
-1,024-token prompt and then open Attention at 3 layers, Compare, the NaN doctor and Repetition, a step at a time in
-every tab together, as a class follows its teacher (it went one tab after another before). The server's
-memory stays under weights + sessions × budget, no session sees another's text, each session's tokens equal
-its single-user run, and one browser with 10 tabs delays the other students by at most one run's time.
+"""A room on one server: 30 sessions (each a browser of its own, with its own cookie) run a 1,024-token prompt and
+then open Attention at 3 layers, Compare, the NaN doctor and Repetition, a step at a time in every session together,
+as a class follows its teacher. The server's memory stays under weights + sessions × budget, no session sees
+another's text, each session's tokens equal its single-user run, and one browser with 10 tabs delays the other
+students by at most one run's time.
+
+Of the thirty, TABS are Chromium tabs (each its own Playwright context) and the rest speak Streamlit's WebSocket
+protocol without painting (tests/st_client.py): the server does the same work for each and sends each the same
+page; in a class each laptop paints its own page, where here thirty tabs painting on the server's two cores took
+six of the test's eight minutes (README, Tests). The Chromium tabs keep the browser's own path in the class.
 A 4-layer random model keeps this inside CI's time on 2 cores; the paths are the ones the bundled model takes."""
 from __future__ import annotations
 
@@ -17,9 +22,12 @@ from engine import RunSettings
 from inspector.session.run import inspect_run
 from tests.browser.test_load_server import TIMEOUT_S, _open, _ready, _set_max_new
 from tests.helpers import RUNNING, streamlit_server, tiny_config, write_model_dir
+from tests.st_client import AppClient
 
 pytestmark = pytest.mark.browser
 SESSIONS = int(os.environ.get("LLM_INSPECTOR_ROOM_SESSIONS", "30"))
+TABS = min(SESSIONS, int(os.environ.get("LLM_INSPECTOR_ROOM_TABS", "3")))     # of SESSIONS: Chromium tabs
+BUSY = re.compile("Running|Computing")
 BUDGET_MB, NEW = 64, 4
 PAGES = ["Attention", "Compare runs", "NaN doctor", "Repetition"]
 
@@ -98,10 +106,10 @@ def exceptions(page) -> int:
     return page.locator('[data-testid="stException"]').count()
 
 
-def press_run_in(tabs) -> dict[int, float]:
-    """Press Run in every tab at once; the time each one's text appears."""
+def press_run_in(tabs, pressed: bool = False) -> dict[int, float]:
+    """Press Run in every tab at once (pressed: it was); the time each one's text appears."""
     t0, done = time.monotonic(), {}
-    for _, page in tabs:
+    for _, page in tabs if not pressed else ():
         page.get_by_role("button", name="Run", exact=True).click()
     end = t0 + TIMEOUT_S
     while len(done) < len(tabs):
@@ -141,49 +149,102 @@ def settle(page, what: str) -> None:
         page.wait_for_timeout(250)
 
 
-def tour_all(pages, on_settled) -> None:
-    """The tour of tour(), a step at a time in every tab at once (a class follows the teacher together): each
-    step is started in every tab, then awaited in each; on_settled() after each tab's step (the memory peak)."""
+def settle_client(client, what: str) -> None:
+    """settle() for a protocol student: its script runs have ended and the page shows no 'Running' / 'Computing'."""
+    end = time.monotonic() + TIMEOUT_S
+    client.wait_idle(what)
+    while client.shows(BUSY):
+        assert time.monotonic() < end, \
+            f"{what}: still running or computing after {TIMEOUT_S} s; {client.text()[-400:]!r}"
+        client.wait_idle(what)
+
+
+def tour_all(pages, clients, on_settled) -> None:
+    """The tour of tour(), a step at a time in every session at once (a class follows the teacher together): each
+    step is started in every tab and client, then awaited in each; on_settled() after each one's step (the memory
+    peak)."""
+    def await_all(what: str) -> None:
+        for k, page in enumerate(pages):
+            settle(page, f"tab {k}, {what}")
+            assert not exceptions(page), (k, what)
+            on_settled()
+        for k, client in enumerate(clients):
+            settle_client(client, f"student {k}, {what}")
+            assert not client.exceptions(), (k, what, client.exceptions())
+            on_settled()
+
     for title in PAGES:
         for page in pages:
             page.get_by_role("link", name=title, exact=True).first.click()
-        page.wait_for_timeout(500)                    # the last tab's script has started
-        for k, page in enumerate(pages):
-            settle(page, f"tab {k}, {title}")
-            assert not exceptions(page), (k, title)
-            on_settled()
+        for client in clients:
+            client.goto(title)
+        if pages:
+            pages[-1].wait_for_timeout(500)           # the last tab's script has started
+        await_all(title)
         if title == "Attention":
             for layer in (1, 2, 3):
                 for page in pages:
                     page.get_by_label("Layer", exact=True).first.click()
                     page.get_by_role("option", name=f"Layer {layer}", exact=True).click()
-                page.wait_for_timeout(300)
-                for k, page in enumerate(pages):
-                    settle(page, f"tab {k}, Attention layer {layer}")
-                    assert not exceptions(page), (k, layer)
-                    on_settled()
+                for client in clients:
+                    client.set("Layer", f"Layer {layer}")
+                if pages:
+                    pages[-1].wait_for_timeout(300)
+                await_all(f"Attention layer {layer}")
         if title == "Compare runs":
             for page in pages:
                 page.get_by_role("button", name="Compare", exact=True).click()
+            for client in clients:
+                client.click("Compare")
             for page in pages:
                 page.get_by_text("First divergence", exact=True).wait_for(timeout=TIMEOUT_S * 1000)
                 on_settled()
+            for k, client in enumerate(clients):
+                client.wait_for("First divergence", f"student {k}, Compare")
+                on_settled()
 
 
-def run_in_all(pages, prompts) -> None:
-    """run_in() in every tab, a step at a time across the tabs: each tab's setting and prompt are sent before
-    the previous tab's rerun has ended (the server answers them together), and each is checked as in run_in."""
+def run_in_all(pages, clients, prompts) -> None:
+    """run_in() in every session, a step at a time across them: each one's setting and prompt are sent before the
+    previous one's rerun has ended (the server answers them together), and each is checked as in run_in (the tabs'
+    boxes hold their prompts; the clients' prompts are checked on the run's page)."""
     for page in pages:
         _set_max_new(page, NEW)
+    for client in clients:
+        client.set("Max new tokens", NEW)
     for page in pages:
         idle(page)
+    for k, client in enumerate(clients):
+        client.wait_idle(f"student {k}, max new tokens")
     boxes = [page.get_by_role("textbox", name="Prompt", exact=True) for page in pages]
     for box, prompt in zip(boxes, prompts):
         box.fill(prompt)
         box.press("Control+Enter")
+    for client, prompt in zip(clients, prompts[len(pages):]):
+        client.set("Prompt", prompt)
     for page, box, prompt in zip(pages, boxes, prompts):
         idle(page)
         assert box.input_value() == prompt
+    for k, client in enumerate(clients):
+        client.wait_idle(f"student {k}, the prompt")
+
+
+def press_run_all(tabs, clients) -> None:
+    """press_run_in() for the tabs and the clients together: every Run pressed, then every text awaited."""
+    for _, page in tabs:
+        page.get_by_role("button", name="Run", exact=True).click()
+    for client in clients:
+        client.click("Run")
+    press_run_in(tabs, pressed=True)
+    for k, client in enumerate(clients):
+        client.wait_for(re.compile("Generated text|You already have"), f"student {k}'s run", TIMEOUT_S)
+
+
+def client_texts(client) -> list[str]:
+    """shown_texts() of a protocol student: the main area's code blocks once its run's page has settled."""
+    client.wait_for("Generated text")
+    client.wait_idle("the run's page")
+    return client.codes()
 
 
 def test_a_room_of_thirty(room, browser, tiny_model):
@@ -201,30 +262,39 @@ def test_a_room_of_thirty(room, browser, tiny_model):
     idle(teacher[1])
     rss0 = psutil.Process(proc.pid).memory_info().rss
     t0 = time.monotonic()
-    tabs = [_open(browser, url, wait=False) for _ in range(SESSIONS)]
+    tabs = [_open(browser, url, wait=False) for _ in range(TABS)]
+    clients = [AppClient(url, timeout_s=TIMEOUT_S) for _ in range(SESSIONS - TABS)]
     for _, page in tabs:
         _ready(page)
+    for k, client in enumerate(clients):
+        client.wait_for("Run", f"student {k}'s first page")
+        client.wait_idle(f"student {k}'s first page")
+    pages = [page for _, page in tabs]
     t_open = time.monotonic()
-    run_in_all([page for _, page in tabs], prompts)
+    run_in_all(pages, clients, prompts)
     t_typed = time.monotonic()
-    press_run_in(tabs)
+    press_run_all(tabs, clients)
     t_runs = time.monotonic()
     want = [w.strip("\n") for w in want]
-    for k, (_, page) in enumerate(tabs):
-        shown = shown_texts(page)
-        assert want[k] in shown, (k, want[k], shown, seen(page))              # its own single-user tokens
+    shown_all = [shown_texts(page) for page in pages] + [client_texts(client) for client in clients]
+    for k, shown in enumerate(shown_all):
+        where = seen(pages[k]) if k < TABS else clients[k - TABS].text()[-400:]
+        assert want[k] in shown, (k, want[k], shown, where)                   # its own single-user tokens
+        assert prompts[k] in "".join(shown).replace("\u23ce", ""), k         # its own prompt (\u23ce marks a newline)
         assert not any(w in shown for j, w in enumerate(want) if j != k and w != want[k]), k   # nobody else's
     t_checked = time.monotonic()
     peaks = [psutil.Process(proc.pid).memory_info().rss]
-    tour_all([page for _, page in tabs], lambda: peaks.append(psutil.Process(proc.pid).memory_info().rss))
+    tour_all(pages, clients, lambda: peaks.append(psutil.Process(proc.pid).memory_info().rss))
     peak = max(peaks)
     t_end = time.monotonic()
     bound = rss0 + SESSIONS * BUDGET_MB * 2**20
-    print(f"room of {SESSIONS}: server RSS {rss0 / 2**20:.0f} MiB before, peak {peak / 2**20:.0f} MiB "
-          f"(bound {bound / 2**20:.0f} MiB); {t_open - t0:.0f} s to open the tabs, {t_typed - t_open:.0f} s to type "
-          f"the prompts, {t_runs - t_typed:.0f} s to run, {t_checked - t_runs:.0f} s to check the texts, "
-          f"{t_end - t_checked:.0f} s to tour")
+    print(f"room of {SESSIONS} ({TABS} Chromium tabs): server RSS {rss0 / 2**20:.0f} MiB before, peak "
+          f"{peak / 2**20:.0f} MiB (bound {bound / 2**20:.0f} MiB); {t_open - t0:.0f} s to open the sessions, "
+          f"{t_typed - t_open:.0f} s to type the prompts, {t_runs - t_typed:.0f} s to run, {t_checked - t_runs:.0f} s "
+          f"to check the texts, {t_end - t_checked:.0f} s to tour")
     assert peak < bound
+    for client in clients:
+        client.close()
     for ctx, _ in tabs + [teacher]:
         ctx.close()
     assert proc.poll() is None and "Traceback" not in log.read_text()
