@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import time
 
 import psutil
@@ -313,43 +314,64 @@ def arrivals(tabs) -> list[int]:
     return out
 
 
-def test_ten_tabs_of_one_browser_delay_the_others_by_at_most_one_run(room, browser):
-    """Measured by the server's schedule, not by the clock (on two cores shared with fourteen Chromium tabs, the
-    browsers' own rendering swings the wall times by several seconds): ahead of another student's run in the
+def client_arrivals(clients) -> list[int]:
+    """arrivals() of protocol sessions."""
+    return [int(m.group(1)) if (m := ARRIVED.search(c.text())) else 0 for c in clients]
+
+
+def type_prompts(clients, prompts) -> None:
+    """Each protocol student sets NEW tokens and types its prompt (all sent, then all awaited)."""
+    for client, prompt in zip(clients, prompts):
+        client.wait_for("Run", "the first page")
+        client.set("Max new tokens", NEW)
+        client.set("Prompt", prompt)
+    for k, client in enumerate(clients):
+        client.wait_idle(f"session {k}'s prompt")
+
+
+def press_run_clients(clients, also=()) -> float:
+    """Press Run in `also` (without waiting for them) and then in every client; seconds until every client shows
+    its text."""
+    t0 = time.monotonic()
+    for client in [*also, *clients]:
+        client.click("Run")
+    for k, client in enumerate(clients):
+        client.wait_for("Generated text", f"student {k}'s run")
+    took = time.monotonic() - t0
+    for k, client in enumerate(clients):
+        client.wait_idle(f"student {k}'s run")
+    return took
+
+
+def test_ten_tabs_of_one_browser_delay_the_others_by_at_most_one_run(room):
+    """Four students and one browser whose ten tabs share its cookie press Run within milliseconds, all of them
+    protocol sessions (tests/st_client.py: the server's schedule is the point, not the painting). Measured by the
+    server's schedule, not by the clock (with Chromium tabs on the same two cores, the browsers' own rendering
+    swung the wall times by several seconds): ahead of another student's run in the
     queue are at most the other students who came first and the ten-tab browser's one waiting run (its one
     generating run holds a slot), so no place is past len(others) + 1. Without the per-browser limits the
     browser's eight or nine waiting runs would be ahead: places of 9 and more."""
     url, proc, log, model_dir = room
     from engine import load_model
     tok = load_model(model_dir, device="cpu", dtype="float32").tokenizer
-    others = [_open(browser, url) for _ in range(4)]
-    for k, (_, page) in enumerate(others):
-        run_in(page, prompt_of(100 + k, tok))
-    alone = press_run_in(others)
-    places_alone = arrivals(others)
-    greedy_ctx = browser.new_context()                       # one browser: ten tabs share its cookies
-    greedy = []
-    for k in range(10):
-        page = greedy_ctx.new_page()
-        page.goto(url, timeout=TIMEOUT_S * 1000)
-        _ready(page)
-        run_in(page, prompt_of(200 + k, tok))
-        greedy.append((greedy_ctx, page))
-    for ctx, _ in others:
-        ctx.close()
-    others = [_open(browser, url) for _ in range(4)]           # fresh sessions: no earlier text on screen
-    for k, (_, page) in enumerate(others):
-        run_in(page, prompt_of(300 + k, tok))
-    for _, page in greedy:          # all ten within a few milliseconds (a run takes seconds): one script call each
-        page.evaluate("() => [...document.querySelectorAll('[data-testid=stSidebar] button')]"
-                      ".find(b => b.innerText.trim() === 'Run').click()")
-    with_greedy = press_run_in(others)
-    places = arrivals(others)
-    refused = sum(page.get_by_text(re.compile("You already have")).count() > 0 for _, page in greedy)
-    print(f"four students alone: {max(alone.values()):.1f} s, arrived at places {places_alone}; with a ten-tab "
-          f"browser: {max(with_greedy.values()):.1f} s, places {places}; tabs refused {refused}")
+    others = [AppClient(url, timeout_s=TIMEOUT_S) for _ in range(4)]
+    type_prompts(others, [prompt_of(100 + k, tok) for k in range(4)])
+    alone = press_run_clients(others)
+    places_alone = client_arrivals(others)
+    cookie = secrets.token_hex(16)     # one browser: ten tabs share its cookie
+    greedy = [AppClient(url, cookie=cookie, timeout_s=TIMEOUT_S) for _ in range(10)]
+    type_prompts(greedy, [prompt_of(200 + k, tok) for k in range(10)])
+    for client in others:
+        client.close()
+    others = [AppClient(url, timeout_s=TIMEOUT_S) for _ in range(4)]      # fresh sessions: no earlier text
+    type_prompts(others, [prompt_of(300 + k, tok) for k in range(4)])
+    # the ten tabs' Runs within a few milliseconds (a run takes seconds): one message each, then the students'
+    with_greedy = press_run_clients(others, also=greedy)
+    places = client_arrivals(others)
+    refused = sum(tab.shows("You already have") for tab in greedy)
+    print(f"four students alone: {alone:.1f} s, arrived at places {places_alone}; with a ten-tab "
+          f"browser: {with_greedy:.1f} s, places {places}; tabs refused {refused}")
     assert refused >= 8
     assert max(places) <= len(others) + 1, (places_alone, places)
-    greedy_ctx.close()
-    for ctx, _ in others:
-        ctx.close()
+    for client in greedy + others:
+        client.close()
