@@ -18,6 +18,7 @@ pages; a test that puts thirty Chromium tabs on the server's two cores measures 
 """
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import threading
@@ -27,6 +28,7 @@ from streamlit.proto.BackMsg_pb2 import BackMsg
 from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
 
 FINISHED, EARLY, FRAGMENT = 0, 2, 3       # ForwardMsg.ScriptFinishedStatus: a whole run, cut for a rerun, a fragment
+TITLE = re.compile(r'"text":\s*"((?:[^"\\]|\\.)*)"')   # a figure's titles and annotations, in its JSON
 QUIET_S = 0.4                             # a run is over once nothing more came for this long after it finished
 
 
@@ -50,6 +52,7 @@ class AppClient:
         self.fragments: set[str] = set()
         self.closed: BaseException | None = None
         self.sent = 0                  # runs finished when the last request went
+        self.watchers: list = []       # fn(data, now) after each message, holding self.cond (watch())
         self.ws = connect(url.replace("http://", "ws://") + "/_stcore/stream", subprotocols=["streamlit"], proxy=None,
                           max_size=256 << 20, open_timeout=60,
                           additional_headers={"Cookie": f"_streamlit_xsrf={self.cookie}"})
@@ -66,6 +69,8 @@ class AppClient:
                 with self.cond:
                     self._take(msg)
                     self.last_message = time.monotonic()
+                    for fn in self.watchers:
+                        fn(data, time.time())
                     self.cond.notify_all()
         except Exception as e:          # the connection closed (the test's end, or the server went away)
             with self.cond:
@@ -134,14 +139,15 @@ class AppClient:
             self.sent = self.finished
         self.ws.send(msg.SerializeToString())
 
-    def set(self, label: str, value) -> None:
-        """Give the widget labelled `label` a value, as its frontend sends it, and rerun."""
+    def set(self, label: str, value, rerun: bool = True) -> None:
+        """Give the widget labelled `label` a value, as its frontend sends it, and rerun (rerun=False: a widget in
+        a form, sent with the form's submit button)."""
         kind, widget = self.widget(label)
         if kind in ("text_area", "text_input"):
             field, value = "string_value", str(value)
         elif kind == "number_input":
             field, value = ("int_value", int(value)) if widget.data_type == 0 else ("double_value", float(value))
-        elif kind == "selectbox":
+        elif kind in ("selectbox", "radio"):
             assert value in widget.options, f"{label!r} has no option {value!r}: {list(widget.options)}"
             field = "string_value"
         elif kind == "slider":
@@ -151,7 +157,8 @@ class AppClient:
         else:
             raise AssertionError(f"{label!r} is a {kind}, which this client cannot set")
         self.values[widget.id] = (field, value)
-        self.rerun()
+        if rerun:
+            self.rerun()
 
     def click(self, label: str) -> None:
         kind, widget = self.widget(label)
@@ -166,15 +173,34 @@ class AppClient:
         self.rerun()
 
     # ---- what the page shows ------------------------------------------------------------------------------------
-    def widget(self, label: str):
-        """(kind, element) of the widget labelled `label` on the page now (the first in page order)."""
+    def widget(self, label: str, prefix: bool = False):
+        """(kind, element) of the widget labelled `label` (prefix: whose label starts with it) on the page now (the
+        first in page order)."""
         with self.cond:
             for _, element in self._ordered():
-                kind = element.WhichOneof("type") if hasattr(element, "WhichOneof") else None
+                kind = element.WhichOneof("type")
                 inner = getattr(element, kind) if kind else None
-                if inner is not None and getattr(inner, "id", "") and getattr(inner, "label", None) == label:
+                name = getattr(inner, "label", None) if inner is not None and getattr(inner, "id", "") else None
+                if isinstance(name, str) and (name.startswith(label) if prefix else name == label):
                     return kind, inner
         raise AssertionError(f"no widget labelled {label!r} on the page; it shows {self.text()[:400]!r}")
+
+    def shown_value(self, label: str) -> str:
+        """What the select box or number box whose label starts with `label` shows (the value the server set, else
+        its default)."""
+        kind, w = self.widget(label, prefix=True)
+        if kind == "selectbox":
+            return w.raw_value if w.set_value else w.options[w.default] if w.options else ""
+        if kind == "number_input":
+            v = w.value if w.set_value else w.default
+            return str(int(v)) if w.data_type == 0 else str(v)
+        raise AssertionError(f"{label!r} is a {kind}: no shown value here")
+
+    def watch(self, fn) -> None:
+        """Call fn(data, now) after each message from the server (data: its bytes, now: time.time()), in the
+        reader thread, holding this client's lock (so fn may read the page)."""
+        with self.cond:
+            self.watchers.append(fn)
 
     def _ordered(self) -> list[tuple[tuple, object]]:
         return sorted(((p, e) for p, (_, e) in self.elements.items()), key=lambda pe: pe[0])
@@ -200,8 +226,8 @@ class AppClient:
         """The main area's code blocks, in page order."""
         return [t.strip("\n") for k, t in self.texts(0) if k == "code"]
 
-    def shows(self, pattern: str | re.Pattern) -> bool:
-        text = self.text()
+    def shows(self, pattern: str | re.Pattern, area: int | None = None) -> bool:
+        text = self.text(area)
         return re.search(pattern, text) is not None if isinstance(pattern, re.Pattern) else pattern in text
 
     def exceptions(self) -> list[str]:
@@ -222,12 +248,13 @@ class AppClient:
                                   f"{timeout_s or self.timeout_s:.0f} s; the page shows {self.text()[-400:]!r}"
                 self.cond.wait(0.1)
 
-    def wait_for(self, pattern: str | re.Pattern, what: str | None = None, timeout_s: float | None = None) -> None:
-        """Until the page shows `pattern` (a substring, or a compiled regular expression)."""
+    def wait_for(self, pattern: str | re.Pattern, what: str | None = None, timeout_s: float | None = None,
+                 area: int | None = None) -> None:
+        """Until the page (area 0: its main area) shows `pattern` (a substring, or a compiled regular expression)."""
         limit = timeout_s or self.timeout_s
         end = time.monotonic() + limit
         with self.cond:
-            while not self.shows(pattern):
+            while not self.shows(pattern, area):
                 self._alive(what or str(pattern))
                 assert time.monotonic() < end, \
                     f"{what or pattern!r} not shown after {limit:.0f} s; the page shows {self.text()[-400:]!r}"
@@ -241,10 +268,18 @@ class AppClient:
         self.thread.join(5)
 
 
+MARKUP = re.compile(r"\\(.)|\*\*|__|`|\[([^\]]*)\]\([^)]*\)")     # an escape, bold, code, a link
+
+
+def as_read(markdown: str) -> str:
+    """Markdown as a reader sees it: escapes resolved, bold and code marks and link targets left out."""
+    return MARKUP.sub(lambda m: m.group(1) or m.group(2) or "", markdown)
+
+
 def _text_of(kind: str | None, inner) -> str:
     """The text an element shows (its body, its code, its message), or '' for one without text."""
     if kind in ("markdown", "heading", "alert"):
-        return inner.body
+        return as_read(inner.body)
     if kind == "code":
         return inner.code_text
     if kind == "text":
@@ -255,4 +290,6 @@ def _text_of(kind: str | None, inner) -> str:
         return inner.text
     if kind == "metric":
         return f"{inner.label} {inner.body}"
+    if kind == "plotly_chart":          # a chart's titles and notes (the text a drawn chart shows)
+        return "\n".join(json.loads(f'"{t}"') for t in TITLE.findall(inner.spec))
     return ""

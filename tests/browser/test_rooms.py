@@ -1,10 +1,12 @@
-"""Rooms end to end on the real server (127.0.0.1, a tiny model): one teacher and ten students, each its own
-Chromium context. The teacher starts a room, runs a prompt and changes page, layer, head and step; every
-student's screen shows the teacher's generated text and selection, and the 95th percentile of the delay from
-the teacher's change to each student's screen is under 1.5 s. The server's model generations equal the
-teacher's runs; a student's attempts to publish (a wrong teacher key, changes after detaching) change nothing
-on the other screens; a poll's totals equal the answers sent. Screenshots for docs/CLASSROOM.md are taken here
-(docs/screenshots/room_*.png, or $LLM_INSPECTOR_SCREENSHOTS)."""
+"""Rooms end to end on the real server (127.0.0.1, a tiny model): one teacher and ten students, each a browser of its
+own: the teacher and TABS students in Chromium contexts, the other students speaking Streamlit's protocol without
+painting (room_students.WireStudent, tests/st_client.py: in a class each laptop paints its own screen; here eleven
+tabs painted on the server's two cores, and took half of the test's time). The teacher starts a room, runs a
+prompt and changes page, layer, head and step; every student's screen shows the teacher's generated text and
+selection, and the 95th percentile of the delay from the teacher's change to each student's screen is under
+1.5 s. The server's model generations equal the teacher's runs; a student's attempts to publish (a wrong teacher
+key, changes after detaching) change nothing on the other screens; a poll's totals equal the answers sent.
+Screenshots for docs/CLASSROOM.md are taken here (docs/screenshots/room_*.png, or $LLM_INSPECTOR_SCREENSHOTS)."""
 from __future__ import annotations
 
 import os
@@ -19,21 +21,24 @@ import psutil
 import pytest
 
 from inspector.session.rooms_poll import answer_token
+from tests.browser.room_students import WireStudent
 from tests.helpers import RUNNING, free_port, server_process
 from tests.redis_server import redis_server
 
 pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parents[2]
 STUDENTS = int(os.environ.get("LLM_INSPECTOR_ROOM_STUDENTS", "10"))
+TABS = int(os.environ.get("LLM_INSPECTOR_ROOM_TABS", "3"))      # of STUDENTS: Chromium tabs; the rest WireStudents
 KEY = "teacher-key-for-tests"
 TIMEOUT_S = 180
-# The issue asks for a p95 under 1.5 s from the teacher's change to every student's screen. Measured here (11
-# Chromium tabs and the servers on two shared cores) it is not met: see docs/CLASSROOM.md, "How fast students
+# The issue asks for a p95 under 1.5 s from the teacher's change to every student's screen. Measured here (with 11
+# Chromium tabs and the servers on two shared cores) it was not met: see docs/CLASSROOM.md, "How fast students
 # follow". The bounds below are what this machine holds with a margin; set them to 1.5 to check the target.
 P95_S = float(os.environ.get("LLM_INSPECTOR_ROOM_P95_S", "6"))   # the change reaches every student's browser
-# ... and is on screen. Eleven Chromium tabs share this machine's two cores, and each tab's renderer needs 0.35 s
-# (Overview) to 2.3 s (Attention, first chart) of CPU per change, measured with one tab (CDP Performance
-# metrics): rendering, not the server, sets this bound here; on students' own machines it runs in parallel.
+# ... and is on screen (a WireStudent: its page holds it, as sent). The Chromium tabs share this machine's two cores,
+# and each tab's renderer needs 0.35 s (Overview) to 2.3 s (Attention, first chart) of CPU per change, measured with
+# one tab (CDP Performance metrics): rendering, not the server, sets this bound here; on students' own machines it
+# runs in parallel.
 SCREEN_P95_S = float(os.environ.get("LLM_INSPECTOR_ROOM_SCREEN_P95_S", "30"))
 PROMPTS = ["Tell me a story about a lighthouse.", "What is the capital of France?"]
 SHOTS = Path(os.environ.get("LLM_INSPECTOR_SCREENSHOTS", ROOT / "docs" / "screenshots"))
@@ -188,6 +193,64 @@ def generations(page) -> int:
     return int(re.search(r"model generations: (\d+)", cap).group(1))
 
 
+class TabStudent:
+    """A student in a Chromium tab of its own (the operations room_students.WireStudent shares)."""
+
+    def __init__(self, browser, url: str) -> None:
+        self.ctx, self.page = open_tab(browser, url)
+
+    def arm(self, want: list[str], widgets, full) -> None:
+        self.page.evaluate(WATCH, [want, [list(w) for w in widgets], list(full)])
+
+    def seen(self):
+        return self.page.evaluate("() => window.__full && [window.__delivered || window.__seen, window.__seen, "
+                                  "window.__full]")
+
+    def wait_text(self, text: str, timeout_s: float = TIMEOUT_S) -> None:
+        wait_text(self.page, text, timeout_s)
+
+    def main_text(self) -> str:
+        return main_text(self.page)
+
+    def idle(self) -> None:
+        idle(self.page)
+
+    def generated_text(self) -> str:
+        return generated_text(self.page)
+
+    def generations(self) -> int:
+        return generations(self.page)
+
+    def click(self, name: str) -> None:
+        self.page.get_by_role("button", name=name).click()
+
+    def go(self, title: str) -> None:
+        go(self.page, title)
+
+    def pick(self, label: str, option: str) -> None:
+        pick(self.page, label, option)
+
+    def poll_candidates(self) -> list[str]:
+        labels = [lab.strip() for lab in self.page.get_by_role("radiogroup").first.inner_text().split("\n")]
+        return [literal_eval(lab) for lab in labels if lab and lab != "(none)"]
+
+    def answer(self, pick: str | None = None, typed: str | None = None) -> None:
+        if pick is not None:
+            self.page.get_by_role("radiogroup").first.get_by_text(repr(pick), exact=True).click()
+        else:
+            self.page.get_by_label("or type your guess").fill(typed)
+        self.page.get_by_role("button", name="Answer", exact=True).click()
+
+    def line(self, pattern: str) -> str:
+        return self.page.get_by_text(re.compile(pattern)).first.text_content()
+
+    def exceptions(self) -> int:
+        return self.page.locator('[data-testid="stException"]').count()
+
+    def close(self) -> None:
+        self.ctx.close()
+
+
 # When the teacher's selection reaches a tab: Streamlit's WebSocket is wrapped so that the first message
 # holding the wanted text (the room line, e.g. "following the teacher: Attention · layer 1") is timed as it
 # arrives, before the browser renders anything.
@@ -225,24 +288,23 @@ WATCH = """([want, widgets, full]) => { window.__want = [want, widgets, full]; w
 def follow_delays(teacher, students, act, want: list[str], widgets=(), full=(), timeout_s: float = 90,
                   from_end: bool = False) -> dict:
     """Arm every student's watcher, do the teacher's action: seconds from the action (from_end: from the end
-    of it, e.g. of a run) to the selection reaching each student's browser ("delivered"), its screen showing
-    it ("shown": the room line, page texts and widget values), and everything including charts ("full")."""
-    for _, page in students:
-        page.evaluate(WATCH, [want, [list(w) for w in widgets], list(full)])
+    of it, e.g. of a run) to the selection reaching each student ("delivered"), its screen showing it ("shown":
+    the room line, page texts and widget values), and everything including charts ("full")."""
+    for student in students:
+        student.arm(want, widgets, full)
     t0 = time.time() * 1000
     act()
     t0 = time.time() * 1000 if from_end else t0
     end = time.monotonic() + timeout_s
     seen: dict[int, tuple[float, float]] = {}
     while len(seen) < len(students):
-        for k, (_, page) in enumerate(students):
-            got = "() => window.__full && [window.__delivered || window.__seen, window.__seen, window.__full]"
-            if k not in seen and (t := page.evaluate(got)):
+        for k, student in enumerate(students):
+            if k not in seen and (t := student.seen()):
                 seen[k] = tuple(max(0.0, (x - t0) / 1000) for x in t)
         if time.monotonic() > end:
             missing = [k for k in range(len(students)) if k not in seen]
             raise AssertionError(f"students {missing} never showed {want} {widgets} {full}: "
-                                 f"{main_text(students[missing[0]][1])[:800]}")
+                                 f"{students[missing[0]].main_text()[:800]}")
         time.sleep(0.25)
     idle(teacher)
     return {name: [seen[k][i] for k in range(len(students))] for i, name in enumerate(("delivered", "shown", "full"))}
@@ -264,11 +326,12 @@ def lesson(browser, teacher_url: str, student_url: str, tokenizer, screenshots: 
     out: dict = {"delays": {}}
     tctx, teacher = open_tab(browser, teacher_url, viewport=(1280, 860))
     code = start_room(teacher)
-    students = [open_tab(browser, f"{student_url}/?room={code}") for _ in range(STUDENTS)]
+    link = f"{student_url}/?room={code}"
+    students = [TabStudent(browser, link) if k < TABS else WireStudent(link, TIMEOUT_S) for k in range(STUDENTS)]
     browsers_behind_servers()
     t_open = time.monotonic()
-    for _, page in students:
-        wait_text(page, f"Room {code} · following the teacher")
+    for student in students:
+        student.wait_text(f"Room {code} · following the teacher")
     out["open_s"] = time.monotonic() - t_open
 
     texts: list[str] = []
@@ -293,8 +356,8 @@ def lesson(browser, teacher_url: str, student_url: str, tokenizer, screenshots: 
                 [(step_label, "5")], ["Empirical check"])]
     for name, act, want, widgets, full in changes:
         out["delays"][name] = follow_delays(teacher, students, act, want, widgets, full)
-        if screenshots and name == "head 2":
-            shot(students[0][1], "room_student.png")
+        if screenshots and name == "head 2" and isinstance(students[0], TabStudent):
+            shot(students[0].page, "room_student.png")
 
     # a second run: the students' screens show its text (and stay on the teacher's page)
     go(teacher, "Overview")
@@ -302,22 +365,23 @@ def lesson(browser, teacher_url: str, student_url: str, tokenizer, screenshots: 
     act, prompt = runs[1]
     out["delays"]["run 2"] = follow_delays(teacher, students, act, [prompt, "Generated text"], from_end=True)
     out["texts"] = texts
-    for _, page in students:         # the run reaches them live first (inspector.ui.room_live), then whole
+    for student in students:         # the run reaches them live first (inspector.ui.room_live), then whole
         end = time.monotonic() + TIMEOUT_S
-        while generated_text(page) != texts[-1] and time.monotonic() < end:
-            page.wait_for_timeout(200)
-    out["student_texts"] = [generated_text(page) for _, page in students]
+        while student.generated_text() != texts[-1] and time.monotonic() < end:
+            time.sleep(0.2)
+    out["student_texts"] = [student.generated_text() for student in students]
     out["teacher_generations"] = generations(teacher)
-    out["student_generations"] = generations(students[0][1])
+    out["student_generations"] = students[0].generations()
     out["forged"] = forged_publish(browser, student_url, teacher, students, code)
     out["poll"] = poll(teacher, students, tokenizer, screenshots)
     out["refollow"] = detach_and_follow(teacher, students)
     out["teacher_generations_end"] = generations(teacher)
     out["code"] = code
-    for ctx, page in [(tctx, teacher), *students]:
-        out.setdefault("exceptions", 0)
-        out["exceptions"] += page.locator('[data-testid="stException"]').count()
-        ctx.close()
+    out["exceptions"] = teacher.locator('[data-testid="stException"]').count() + \
+        sum(student.exceptions() for student in students)
+    tctx.close()
+    for student in students:
+        student.close()
     return out
 
 
@@ -337,17 +401,17 @@ def forged_publish(browser, url: str, teacher, students, code: str) -> dict:
         intruder.get_by_text("That is not the teacher key").first.wait_for(timeout=20_000) is None
     start_shown = intruder.get_by_role("button", name="Start a room").count()
     ctx.close()
-    _, rebel = students[0]
-    rebel.get_by_role("button", name="Explore on my own").click()
-    wait_text(rebel, "exploring on your own")
-    idle(rebel)
-    go(rebel, "Attention")
-    wait_text(rebel, "Where does this token look?")
-    idle(rebel)
-    pick(rebel, "Layer", "Layer 0")
-    wait_text(rebel, "Layer 0,")
-    rebel.wait_for_timeout(2000)                     # two of the others' polling periods, and more
-    others = [main_text(p) for _, p in students[1:]]
+    rebel = students[0]
+    rebel.click("Explore on my own")
+    rebel.wait_text("exploring on your own")
+    rebel.idle()
+    rebel.go("Attention")
+    rebel.wait_text("Where does this token look?")
+    rebel.idle()
+    rebel.pick("Layer", "Layer 0")
+    rebel.wait_text("Layer 0,")
+    time.sleep(2)                                    # two of the others' polling periods, and more
+    others = [student.main_text() for student in students[1:]]
     return {"refused": refused, "start_shown": start_shown,
             "others_on_overview": all("following the teacher: Overview" in t for t in others),
             "teacher_page": "Overview" in main_text(teacher)}
@@ -364,47 +428,44 @@ def poll(teacher, students, tokenizer, screenshots: bool) -> dict:
     wait_text(teacher, "at step 2")
     idle(teacher)
     followers = students[1:]
-    for _, page in followers:
-        wait_text(page, "What comes next?")
-        idle(page)
+    for student in followers:
+        student.wait_text("What comes next?")
+        student.idle()
     sent: list[tuple[str, str]] = []                      # ("pick", the token's text) or ("typed", a word)
     candidates: list[str] = []
-    for k, (_, page) in enumerate(followers):
-        group = page.get_by_role("radiogroup").first
-        labels = [lab.strip() for lab in group.inner_text().split("\n") if lab.strip()]
-        candidates = [literal_eval(lab) for lab in labels if lab != "(none)"]
+    for k, student in enumerate(followers):
+        candidates = student.poll_candidates()
         if k % 2 == 0:
             choice = candidates[k % len(candidates)]
-            group.get_by_text(repr(choice), exact=True).click()
+            student.answer(pick=choice)
             sent.append(("pick", choice))
         else:
             word = ["Paris", "the", "lighthouse", "and"][k % 4]
-            page.get_by_label("or type your guess").fill(word)
+            student.answer(typed=word)
             sent.append(("typed", word))
-        if screenshots and k == 1:
-            shot(page, "room_poll_answer.png")
-        page.get_by_role("button", name="Answer", exact=True).click()
-        wait_text(page, "Your answer:")
+        if screenshots and k == 1 and isinstance(student, TabStudent):
+            shot(student.page, "room_poll_answer.png")
+        student.wait_text("Your answer:")
     teacher.get_by_text(f"{len(followers)} answers so far").first.wait_for(timeout=30_000)
     teacher.get_by_role("button", name="Reveal the answers").click()
     wait_text(teacher, "Class answers:")
-    for _, page in followers:
-        wait_text(page, "Class answers:")
+    for student in followers:
+        student.wait_text("Class answers:")
     idle(teacher)
     if screenshots:
         teacher.get_by_text("Class answers:").first.scroll_into_view_if_needed()
         shot(teacher, "room_poll_reveal.png")
     line = teacher.get_by_text(re.compile("^Class answers:")).first.text_content()
     return {"line": line, "sent": sent, "candidates": candidates,
-            "student_lines": [p.get_by_text(re.compile("^Class answers:")).first.text_content() for _, p in followers]}
+            "student_lines": [student.line("^Class answers:") for student in followers]}
 
 
 def detach_and_follow(teacher, students) -> bool:
     """The student who explored follows again: their screen shows the teacher's page and step once more."""
-    _, rebel = students[0]
-    rebel.get_by_role("button", name="Follow the teacher").click()
-    wait_text(rebel, "following the teacher: Sampling", 30)
-    wait_text(rebel, "At step 2 the run chose", 30)
+    rebel = students[0]
+    rebel.click("Follow the teacher")
+    rebel.wait_text("following the teacher: Sampling", 30)
+    rebel.wait_text("At step 2 the run chose", 30)
     return True
 
 
