@@ -3,8 +3,11 @@ before each decode step so that their steps share one forward (engine.batch.forw
 reading every weight on its own.
 
 Leader and followers: the first run to arrive at a step leads it. It waits for the other runs that are decoding
-(each comes back as soon as it has sampled its last token) until all have arrived or a short window has passed
-(WINDOW_S: the most a lone straggler delays the others), takes at most `max_rows` of them, runs the one forward,
+(each comes back as soon as it has sampled its last token) until all have arrived, for as long as they keep coming:
+each within WINDOW_S of the one before (the most a lone straggler delays the others), GATHER_S in all. Thirty runs
+finishing their steps in thirty threads come back over ~0.1-0.2 s on two cores; a window from the leader alone
+split them into batches of a few rows (55 forwards for a class of thirty's 32 tokens, against 34 now: `python -m
+engine bench --class`, docs/CLASSROOM.md). It takes at most `max_rows` of them, runs the one forward,
 and hands each run its logits row; every run then finishes its step in its own thread (sampling, detokenizing, its
 stop conditions, its on_token: the Stop button, the queue's messages and the room observers behave as for a run
 alone). A run alone never waits: it is the only one decoding. A run whose step cannot join (its prefill, a probe
@@ -22,7 +25,8 @@ import time
 from engine.batch.step import alone_reason, forward_together
 from engine.generate import GenerationResult, GenerationRun
 
-WINDOW_S = 0.03            # the longest a step's leader waits for the other decoding runs
+WINDOW_S = 0.03            # the longest a step's leader waits for the next decoding run to arrive
+GATHER_S = 0.25            # ... and for all of them, while they keep arriving
 LATENCY_S = 1.0            # a batched step should take at most this long (caps the batch by measured row cost)
 
 
@@ -34,13 +38,15 @@ class _Request:
 
 
 class StepBarrier:
-    def __init__(self, max_rows: int = 32, window_s: float = WINDOW_S, latency_s: float = LATENCY_S) -> None:
+    def __init__(self, max_rows: int = 32, window_s: float = WINDOW_S, latency_s: float = LATENCY_S,
+                 gather_s: float = GATHER_S) -> None:
         """max_rows: most runs in one forward (1: every run steps alone, its own arithmetic bit for bit)."""
         self._cond = threading.Condition()
         self._pending: list[_Request] = []
         self._decoding = 0               # runs driven here whose next steps are decode steps
         self._leading = False
         self.max_rows, self.window_s, self.latency_s = max_rows, window_s, latency_s
+        self.gather_s = max(gather_s, window_s)
         self.row_s = 0.0                 # measured seconds per row of a batched step (moving average)
         self.steps = self.rows = 0       # batched steps taken, rows they served (rows / steps: the mean batch)
 
@@ -88,12 +94,16 @@ class StepBarrier:
         run.step(req.logits, seconds=req.seconds) if req.logits is not None else run.step()
 
     def _lead(self) -> list[_Request]:
-        """(Holding the lock) wait for the decoding runs, up to the window; take this step's batch."""
+        """(Holding the lock) wait for the decoding runs while they keep arriving: at most window_s after the last
+        one came (or the leader), and at most gather_s in all; take this step's batch."""
         self._leading = True
-        deadline = time.monotonic() + self.window_s
-        cap = self.cap()
+        start = last = time.monotonic()
+        cap, arrived = self.cap(), len(self._pending)
         while len(self._pending) < min(self._decoding, cap):
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if len(self._pending) > arrived:
+                arrived, last = len(self._pending), now
+            left = min(last + self.window_s, start + self.gather_s) - now
             if left <= 0:
                 break
             self._cond.wait(left)
