@@ -19,6 +19,7 @@ from streamlit.testing.v1 import AppTest
 from engine import RunSettings
 from inspector.session.run import inspect_run
 from tests.helpers import open_generation_settings, streamlit_server
+from tests.st_client import AppClient
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
@@ -145,13 +146,15 @@ def _set_max_new(page, n: int) -> None:
     box.press("Enter")
 
 
-def _runs_in_memory(browser, url: str) -> int:
-    ctx, page = _open(browser, url)
+def _runs_in_memory(url: str) -> int:
+    """The server's footer count of runs in memory, as an observer's new session reads it (a protocol session,
+    tests/st_client.py: a Chromium tab per look took 2-3 s)."""
+    observer = AppClient(url, timeout_s=TIMEOUT_S)
     try:
-        caption = page.get_by_text(re.compile(r"runs in memory")).text_content(timeout=TIMEOUT_S * 1000)
-        return int(re.search(r"(\d+) runs in memory", caption).group(1))
+        observer.wait_for(re.compile(r"\d+ runs in memory"), "the server's footer")
+        return int(re.search(r"(\d+) runs in memory", observer.text()).group(1))
     finally:
-        ctx.close()
+        observer.close()
 
 
 def _round(browser, url: str, tiny_model, tag: str) -> dict:
@@ -193,17 +196,17 @@ def _round(browser, url: str, tiny_model, tag: str) -> dict:
         assert not page.get_by_text(re.compile(r"Traceback|Error:|failed unexpectedly")).count()
         codes = page.locator('[data-testid="stMain"] [data-testid="stCode"] code')
         got.append(codes.nth(1).text_content())
-    held = _runs_in_memory(browser, url)         # the observer's own session has no run
+    held = _runs_in_memory(url)                  # the observer's own session has no run
     for ctx, _ in tabs:
         ctx.close()
     return {"want": want, "got": got, "queued": queued, "held": held, "open_s": t_open, "run_s": t_run}
 
 
-def _released(browser, url: str) -> int:
-    """Open and close observer tabs until the ended sessions' runs are gone (Streamlit keeps a closed tab's
+def _released(url: str) -> int:
+    """Open and close observer sessions until the ended sessions' runs are gone (Streamlit keeps a closed tab's
     session for disconnectedSessionTTL = 2 s here, and drops expired ones on its next write)."""
     end = time.monotonic() + 60
-    while (n := _runs_in_memory(browser, url)) and time.monotonic() < end:
+    while (n := _runs_in_memory(url)) and time.monotonic() < end:
         time.sleep(1)
     return n
 
@@ -221,7 +224,7 @@ def test_browser_sessions_at_once(server, browser, tiny_model):
         assert r["queued"], "no tab saw its place in the queue"
         assert all(1 <= p <= TABS - 2 for places in r["queued"].values() for p in places)
         t0 = time.monotonic()
-        assert _released(browser, url) == 0                     # ended sessions' runs are gone
+        assert _released(url) == 0                     # ended sessions' runs are gone
         rss.append(psutil.Process(proc.pid).memory_info().rss)
         print(f"round {tag}: {TABS} tabs opened in {r['open_s']:.0f} s, ran in {r['run_s']:.0f} s, queued "
               f"(tab: places shown) {r['queued']}, released in {time.monotonic() - t0:.0f} s, "
