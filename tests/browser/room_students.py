@@ -1,5 +1,6 @@
-"""A room lesson's student that speaks Streamlit's protocol (tests/st_client.py) instead of painting a Chromium tab:
-the same operations as test_rooms.TabStudent, so that a lesson mixes both. The times it reports are those of the
+"""A room lesson's students (tests/browser/test_rooms.py): TabStudent, a Chromium tab, and WireStudent, a session that
+speaks Streamlit's protocol (tests/st_client.py) instead of painting, with the same operations, so that a lesson
+mixes both. The times it reports are those of the
 tab's watcher: "delivered" when a message holding the teacher's first wanted text arrives, "shown" when the page
 the server sent holds every wanted text and widget value, "full" when it also holds the charts' texts (a tab: once
 drawn; here: once sent, the student's own laptop drawing it)."""
@@ -9,10 +10,80 @@ import re
 import time
 from ast import literal_eval
 
+from tests.browser.room_tabs import (
+    TIMEOUT_S,
+    WATCH,
+    generated_text,
+    generations,
+    go,
+    idle,
+    main_text,
+    open_tab,
+    pick,
+    wait_text,
+)
 from tests.st_client import AppClient, as_read
 
 PICK = "The model's top candidates"
 TYPED = "or type your guess"
+
+
+class TabStudent:
+    """A student in a Chromium tab of its own (the operations room_students.WireStudent shares)."""
+
+    def __init__(self, browser, url: str) -> None:
+        self.ctx, self.page = open_tab(browser, url)
+
+    def arm(self, want: list[str], widgets, full) -> None:
+        self.page.evaluate(WATCH, [want, [list(w) for w in widgets], list(full)])
+
+    def seen(self):
+        return self.page.evaluate("() => window.__full && [window.__delivered || window.__seen, window.__seen, "
+                                  "window.__full]")
+
+    def wait_text(self, text: str, timeout_s: float = TIMEOUT_S) -> None:
+        wait_text(self.page, text, timeout_s)
+
+    def main_text(self) -> str:
+        return main_text(self.page)
+
+    def idle(self) -> None:
+        idle(self.page)
+
+    def generated_text(self) -> str:
+        return generated_text(self.page)
+
+    def generations(self) -> int:
+        return generations(self.page)
+
+    def click(self, name: str) -> None:
+        self.page.get_by_role("button", name=name).click()
+
+    def go(self, title: str) -> None:
+        go(self.page, title)
+
+    def pick(self, label: str, option: str) -> None:
+        pick(self.page, label, option)
+
+    def poll_candidates(self) -> list[str]:
+        labels = [lab.strip() for lab in self.page.get_by_role("radiogroup").first.inner_text().split("\n")]
+        return [literal_eval(lab) for lab in labels if lab and lab != "(none)"]
+
+    def answer(self, pick: str | None = None, typed: str | None = None) -> None:
+        if pick is not None:
+            self.page.get_by_role("radiogroup").first.get_by_text(repr(pick), exact=True).click()
+        else:
+            self.page.get_by_label("or type your guess").fill(typed)
+        self.page.get_by_role("button", name="Answer", exact=True).click()
+
+    def line(self, pattern: str) -> str:
+        return self.page.get_by_text(re.compile(pattern)).first.text_content()
+
+    def exceptions(self) -> int:
+        return self.page.locator('[data-testid="stException"]').count()
+
+    def close(self) -> None:
+        self.ctx.close()
 
 
 class WireStudent:

@@ -34,8 +34,8 @@ import pytest
 
 from inspector.session.rooms import RoomStore
 from inspector.session.rooms_redis import RedisBackend
+from tests.browser.room_tabs import KEY, browsers_behind_servers, idle, open_tab, start_room, wait_text
 from tests.browser.test_room_latency import Student
-from tests.browser.test_rooms import KEY, browsers_behind_servers, idle, open_tab, start_room, wait_text
 from tests.helpers import free_port, open_generation_settings, server_process
 from tests.redis_server import redis_server
 

@@ -10,18 +10,8 @@ import re
 
 import pytest
 
-from tests.browser.test_rooms import (
-    SERVER_ARGS,
-    go,
-    idle,
-    open_tab,
-    room_server,
-    run_prompt,
-    server_env,
-    set_number,
-    start_room,
-    wait_text,
-)
+from tests.browser.room_tabs import go, idle, open_tab, run_prompt, set_number, start_room, wait_text
+from tests.browser.test_rooms import SERVER_ARGS, room_server, server_env
 
 pytestmark = pytest.mark.browser
 
