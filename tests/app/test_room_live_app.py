@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -116,12 +117,18 @@ def test_during_the_rooms_first_run_a_students_sidebar_shows_it_generating(env, 
     assert "Write a poem" in [c.value for c in at.sidebar.code] and not [t for t in at.sidebar.text_area]
 
 
-def test_students_are_told_the_room_is_reconnecting_and_follow_again_after_a_restart(
-        env, app_file, tiny_model, monkeypatch):
+@contextmanager
+def room_on_redis(monkeypatch):
+    """A real redis-server as the rooms' store (always stopped), and a room in it: (server, store, code, token)."""
     with redis_process() as redis:
         monkeypatch.setenv("LLM_INSPECTOR_ROOMS", redis.url)
         store = shared_store()
-        code, token = store.create()
+        yield (redis, store, *store.create())
+
+
+def test_students_are_told_the_room_is_reconnecting_and_follow_again_after_a_restart(
+        env, app_file, tiny_model, monkeypatch):
+    with room_on_redis(monkeypatch) as (redis, store, code, token):
         run = teacher_run(tiny_model)
         view = View("attention", layer=1)
         state = store.publish(code, token, run=to_bytes(run), view=view)
@@ -156,10 +163,7 @@ def test_students_are_told_the_room_is_reconnecting_and_follow_again_after_a_res
 
 def test_a_student_who_opens_the_link_while_the_store_pauses_joins_when_it_answers(
         env, app_file, tiny_model, monkeypatch):
-    with redis_process() as redis:
-        monkeypatch.setenv("LLM_INSPECTOR_ROOMS", redis.url)
-        store = shared_store()
-        code, token = store.create()
+    with room_on_redis(monkeypatch) as (redis, store, code, token):
         store.publish(code, token, run=to_bytes(teacher_run(tiny_model)), view=View())
         redis.proc.send_signal(signal.SIGSTOP)                            # paused: no answer within 0.5 s
         try:
