@@ -207,27 +207,21 @@ def tour_all(pages, clients, on_settled) -> None:
 
 def run_in_all(pages, clients, prompts) -> None:
     """run_in() in every session, a step at a time across them: each one's setting and prompt are sent before the
-    previous one's rerun has ended (the server answers them together), and each is checked as in run_in (the tabs'
-    boxes hold their prompts; the clients' prompts are checked on the run's page)."""
+    previous one's rerun has ended (the server answers them together; the clients' through type_prompts while the
+    tabs' settings are applied), and each is checked as in run_in (the tabs' boxes hold their prompts; the clients'
+    prompts are checked on the run's page)."""
     for page in pages:
         _set_max_new(page, NEW)
-    for client in clients:
-        client.set("Max new tokens", NEW)
+    type_prompts(clients, prompts[len(pages):])
     for page in pages:
         idle(page)
-    for k, client in enumerate(clients):
-        client.wait_idle(f"student {k}, max new tokens")
     boxes = [page.get_by_role("textbox", name="Prompt", exact=True) for page in pages]
     for box, prompt in zip(boxes, prompts):
         box.fill(prompt)
         box.press("Control+Enter")
-    for client, prompt in zip(clients, prompts[len(pages):]):
-        client.set("Prompt", prompt)
     for page, box, prompt in zip(pages, boxes, prompts):
         idle(page)
         assert box.input_value() == prompt
-    for k, client in enumerate(clients):
-        client.wait_idle(f"student {k}, the prompt")
 
 
 def press_run_all(tabs, clients) -> None:
