@@ -29,6 +29,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from engine.sources import bundled_gguf  # noqa: E402
+from tests.alone import alone_first, pytest_runtest_protocol  # noqa: E402, F401 (a hook: in conftest, registered)
 from tests.helpers import write_model_dir  # noqa: E402
 
 
@@ -155,10 +156,17 @@ def pytest_collection_modifyitems(config, items):
             if "cuda" in item.keywords:
                 item.add_marker(skip)
     os.environ.setdefault("LLM_INSPECTOR_CACHE", str(Path.home() / ".cache" / "llm-inspector"))
+    alone_first(items)
     for item in items:      # for pytest-xdist's --dist loadgroup: a module stays on one worker (its module fixtures
-        # are made once), the browser tier on one worker, in order (its shared Chromium and server, its timings)
-        group = "browser" if item.get_closest_marker("browser") else item.nodeid.split("::")[0]
+        # are made once); the modules on tests/browser/conftest.py's shared server of the bundled model stay together
+        module = item.nodeid.split("::")[0]
+        group = "bundled-server" if module in BUNDLED_SERVER else module
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+# the modules whose tests use tests/browser/conftest.py's `server` (one per worker that runs them)
+BUNDLED_SERVER = {f"tests/browser/{m}.py" for m in ("test_browser", "test_projector", "test_projector_sampling")}
+
 
 
 def plain_id(item) -> str:

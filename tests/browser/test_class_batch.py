@@ -19,7 +19,7 @@ from tests.browser.test_classroom_load import arrivals, press_run_in, run_in, sh
 from tests.browser.test_load_server import _open, _ready
 from tests.helpers import streamlit_server, tiny_config, write_model_dir
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.alone]      # its delays, schedule or memory: by itself (tests/alone.py)
 STUDENTS, NEW = 8, 4
 QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "Name three sea animals.",
              "What is 12 times 7?", "Write a poem about autumn leaves.",

@@ -25,7 +25,7 @@ from tests.browser.test_load_server import TIMEOUT_S, _open, _ready, _set_max_ne
 from tests.helpers import RUNNING, streamlit_server, tiny_config, write_model_dir
 from tests.st_client import AppClient
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.alone]      # its delays, schedule or memory: by itself (tests/alone.py)
 SESSIONS = int(os.environ.get("LLM_INSPECTOR_ROOM_SESSIONS", "30"))
 TABS = min(SESSIONS, int(os.environ.get("LLM_INSPECTOR_ROOM_TABS", "3")))     # of SESSIONS: Chromium tabs
 BUSY = re.compile("Running|Computing")

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import streamlit_server
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.alone]      # its delays, schedule or memory: by itself (tests/alone.py)
 PROMPT_KEY = "sb_prompt"
 HEALTH_S = 1.5
 

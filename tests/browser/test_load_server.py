@@ -212,6 +212,7 @@ def _released(url: str) -> int:
 
 
 @pytest.mark.browser
+@pytest.mark.alone          # its memory and delays: by itself (tests/alone.py)
 def test_browser_sessions_at_once(server, browser, tiny_model):
     url, proc, log = server
     rss = []

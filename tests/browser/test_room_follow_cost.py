@@ -39,7 +39,7 @@ from tests.browser.test_room_latency import Student
 from tests.helpers import free_port, open_generation_settings, server_process
 from tests.redis_server import redis_server
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.alone]      # its delays, schedule or memory: by itself (tests/alone.py)
 ROOT = Path(__file__).resolve().parents[2]
 FOLLOWERS = int(os.environ.get("LLM_INSPECTOR_FOLLOWERS", "10"))
 NEW = 64

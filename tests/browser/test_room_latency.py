@@ -38,7 +38,7 @@ from inspector.session.rooms_state import View
 from inspector.session.run import inspect_run
 from tests.browser.test_rooms import p95, redis_room_servers
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.alone]      # its delays, schedule or memory: by itself (tests/alone.py)
 STUDENTS = int(os.environ.get("LLM_INSPECTOR_LATENCY_STUDENTS", "30"))
 TARGET_S = 1.0
 P95_S = float(os.environ.get("LLM_INSPECTOR_LATENCY_P95_S", "8"))

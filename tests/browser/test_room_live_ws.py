@@ -26,7 +26,7 @@ from inspector.session.run import inspect_run
 from tests.browser.test_room_latency import Student
 from tests.browser.test_rooms import NEW_TOKENS, p95, redis_room_servers
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.alone]      # its delays, schedule or memory: by itself (tests/alone.py)
 STUDENTS = int(os.environ.get("LLM_INSPECTOR_LIVE_STUDENTS", "10"))
 P95_S = float(os.environ.get("LLM_INSPECTOR_LIVE_P95_S", "6"))
 MAX_NEW, TOKEN_S = NEW_TOKENS, 0.25       # the test servers keep runs of at most NEW_TOKENS tokens

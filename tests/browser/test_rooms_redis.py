@@ -12,7 +12,7 @@ from inspector.session.rooms_redis import RedisBackend
 from inspector.session.rooms_state import Forbidden, View
 from tests.browser.test_rooms import check_lesson, lesson, redis_room_servers
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.alone]      # its delays, schedule or memory: by itself (tests/alone.py)
 
 
 @pytest.fixture(scope="module")

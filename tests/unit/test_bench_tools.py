@@ -12,7 +12,7 @@ import pytest
 import engine.bench.tools as bt
 from engine.cli import main
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.alone]      # its speed ratios: by itself (tests/alone.py)
 KEYS = ("why_loop", "rescue", "patch_grid", "head_scan", "attribution", "quant")
 
 

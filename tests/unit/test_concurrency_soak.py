@@ -22,7 +22,7 @@ from engine import load_model
 from engine.native import build
 from tests.concurrency import competing_process, native_forced, twenty_sessions
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.alone]      # never stalls, beside nothing else (tests/alone.py)
 ROUNDS = int(os.environ.get("LLM_INSPECTOR_SOAK_ROUNDS", "3"))
 STALL_FACTOR = 4.0
 

@@ -115,6 +115,7 @@ def measured_prefill(model, n: int, repeats: int = 5) -> float:
     return best
 
 
+@pytest.mark.alone          # times real runs: by itself (tests/alone.py)
 def test_the_fit_predicts_a_held_out_length_of_real_runs(tiny_model):
     """Measured here (one thread: two threads on a shared machine wait for each other by tens of ms): short
     prompts plus one long one; the prediction for a length in between that the fit never saw is within 1.5x of

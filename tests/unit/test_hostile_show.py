@@ -49,6 +49,7 @@ def _best(argv: list[str], capsys, rounds: int = 3) -> tuple[float, int]:
     return best, code
 
 
+@pytest.mark.alone          # compares two timings: by itself (tests/alone.py)
 def test_a_bomb_is_refused_about_as_fast_as_a_genuine_trace_opens(good, tiny_model, tmp_path, capsys):
     genuine = tmp_path / "genuine.trace"
     genuine.write_bytes(good)

@@ -18,7 +18,7 @@ from inspector.session.admission import Admission
 from inspector.session.limits import Limits
 from inspector.session.run import inspect_run
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.alone]      # its barrier waits in milliseconds: by itself (tests/alone.py)
 
 PROMPTS = ["hello there", "a longer prompt with some more words in it", "x", "one two three four five six"]
 

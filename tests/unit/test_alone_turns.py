@@ -1,0 +1,67 @@
+"""tests/alone.py, the suite's own scheduling under pytest-xdist: a small suite of sleeping tests run on two workers
+with the hook as a plugin; each test records when it ran. An `alone` test overlaps no other test, while the
+others do run two at once (or the check would hold with one worker). Without the locks (the plugin left out) the
+alone tests overlap others, so this check fails there."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[2]
+
+SUITE = '''
+import os, time, pytest
+
+def rec(name):
+    t0 = time.monotonic()
+    time.sleep(0.25)
+    with open(os.environ["TURNS_LOG"], "a") as f:
+        f.write(f"{name} {t0} {time.monotonic()}\\n")
+
+@pytest.mark.parametrize("i", range(4))
+def test_alone(i):
+    rec("alone")
+
+test_alone = pytest.mark.alone(test_alone)
+
+@pytest.mark.parametrize("i", range(8))
+def test_beside(i):
+    rec("beside")
+'''
+
+
+def turns(tmp_path: Path, plugin: bool) -> list[tuple[str, float, float]]:
+    (tmp_path / "test_sleepers.py").write_text(SUITE)
+    log = tmp_path / "turns.log"
+    env = {**os.environ, "TURNS_LOG": str(log), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-c", os.devnull, "--rootdir", str(tmp_path), "-p", "no:cacheprovider",
+           "-n", "2", "--dist", "load", "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path)]
+    if plugin:
+        cmd[4:4] = ["-p", "tests.alone"]
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = [line.split() for line in log.read_text().splitlines()]
+    return [(name, float(a), float(b)) for name, a, b in rows]
+
+
+def overlaps(rows, kind_a: str, kind_b: str) -> int:
+    return sum(1 for i, (na, a0, a1) in enumerate(rows) for j, (nb, b0, b1) in enumerate(rows)
+               if i < j and {na, nb} == {kind_a, kind_b} and a0 < b1 and b0 < a1)
+
+
+def test_an_alone_test_overlaps_no_other_and_the_others_run_two_at_once(tmp_path):
+    rows = turns(tmp_path, plugin=True)
+    assert len(rows) == 12
+    assert overlaps(rows, "alone", "beside") == 0 and overlaps(rows, "alone", "alone") == 0, rows
+    assert overlaps(rows, "beside", "beside") >= 2, rows          # two workers did run at once
+
+
+def test_without_the_turns_the_same_suite_overlaps(tmp_path):
+    """The check above can fail: the same suite without the plugin runs alone tests beside others."""
+    rows = turns(tmp_path, plugin=False)
+    assert overlaps(rows, "alone", "beside") + overlaps(rows, "alone", "alone") > 0, rows
