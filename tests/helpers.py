@@ -3,6 +3,7 @@ Streamlit server on a free 127.0.0.1 port."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -225,3 +226,14 @@ def own_contexts(browser):
         yield b
     finally:
         b.close()
+
+
+def screenshots_dir() -> Path | None:
+    """Where the browser tests save the docs' screenshots: $LLM_INSPECTOR_SCREENSHOTS, when set (the README's and
+    docs/CLASSROOM.md's come from `LLM_INSPECTOR_SCREENSHOTS=docs/screenshots`); otherwise none are taken (a
+    screenshot asserts nothing, and the projector tour's took a fifth of its time)."""
+    folder = os.environ.get("LLM_INSPECTOR_SCREENSHOTS")
+    if not folder:
+        return None
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return Path(folder)

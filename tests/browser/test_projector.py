@@ -1,10 +1,9 @@
 """What a class sees, in real Chromium at 1280×720 with projector mode on (?projector=1): Run is on the first
 screen, the model's name is whole, a demo run opens its page, every page renders without an exception with
-chart labels of at least 16 px, and Stop ends a long run and keeps it. Saves a screenshot of each page (the
-README's, in docs/screenshots/, or $LLM_INSPECTOR_SCREENSHOTS)."""
+chart labels of at least 16 px, and Stop ends a long run and keeps it. With $LLM_INSPECTOR_SCREENSHOTS set, saves a
+screenshot of each page there (the README's: LLM_INSPECTOR_SCREENSHOTS=docs/screenshots)."""
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from tests.browser.test_browser import (
     page_titles,
     wait_idle,
 )
-from tests.helpers import open_generation_settings, own_contexts
+from tests.helpers import open_generation_settings, own_contexts, screenshots_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 W, H = 1280, 720
@@ -27,8 +26,12 @@ def slug(title: str) -> str:
     return re.sub(r"\W+", "_", title.lower()).strip("_")
 
 
-def screenshot(page, path: Path) -> None:
-    """The whole page: the window made as tall as the main area's content for the shot, then put back."""
+def screenshot(page, shots: Path | None, name: str) -> None:
+    """The whole page: the window made as tall as the main area's content for the shot, then put back (when
+    screenshots are asked for: tests.helpers.screenshots_dir)."""
+    if shots is None:
+        return
+    path = shots / name
     tall = page.evaluate("() => Math.max(...Array.from(document.querySelectorAll('[data-testid=\"stMain\"], "
                          "[data-testid=\"stMain\"] *')).slice(0, 400).map(e => e.scrollHeight))")
     page.set_viewport_size({"width": W, "height": int(min(max(tall + 40, H), 6000))})
@@ -48,7 +51,7 @@ def assert_no_exception(page, where: str) -> None:
     assert errors.count() == 0, f"{where}: {errors.first.inner_text()[:500]}"
 
 
-def first_contact(page, shots: Path) -> None:
+def first_contact(page, shots: Path | None) -> None:
     """The first screen: Run inside the window, the model named in full, the demos offered."""
     run = page.get_by_role("button", name="Run", exact=True)
     box = run.bounding_box()
@@ -58,7 +61,8 @@ def first_contact(page, shots: Path) -> None:
     assert caption.evaluate("e => e.scrollWidth <= e.clientWidth + 1"), "the model's name is cut off"
     for label in ("Temperature and top-p", "A repetition loop", "A NaN fault"):
         assert page.get_by_role("button", name=label).first.is_visible()
-    page.screenshot(path=str(shots / "first_contact.png"))
+    if shots is not None:
+        page.screenshot(path=str(shots / "first_contact.png"))
 
 
 def other_demo(page, label: str, lesson: str) -> None:
@@ -102,8 +106,7 @@ def stop_a_long_run(page) -> None:
 
 
 def test_projector_mode_1280x720_every_page_after_a_demo(server, browser):
-    shots = Path(os.environ.get("LLM_INSPECTOR_SCREENSHOTS", ROOT / "docs" / "screenshots"))
-    shots.mkdir(parents=True, exist_ok=True)
+    shots = screenshots_dir()
     with own_contexts(browser) as browser:
         page = browser.new_page(viewport={"width": W, "height": H})
         page.goto(server + "/?projector=1")
@@ -123,11 +126,11 @@ def test_projector_mode_1280x720_every_page_after_a_demo(server, browser):
             assert "press **Run**" not in body and "press Run" not in body, f"{title}: the run was lost"
             sizes = tick_font_sizes(page)
             assert not sizes or min(sizes) >= 16, (title, min(sizes))
-            screenshot(page, shots / f"{slug(title)}.png")
+            screenshot(page, shots, f"{slug(title)}.png")
         assert "Estimate: ≈" in page.inner_text('[data-testid="stSidebar"]')      # measured on this server
         for label, title, lesson in (("Temperature and top-p", "Sampling", "The chain runs in this order"),
                                      ("A NaN fault", "NaN doctor", "Stop reason non-finite logits")):
             other_demo(page, label, lesson)                  # its page, in the README, shows what it teaches
-            screenshot(page, shots / f"{slug(title)}.png")
+            screenshot(page, shots, f"{slug(title)}.png")
         stop_a_long_run(page)
         browser.close()

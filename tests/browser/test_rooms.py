@@ -6,7 +6,7 @@ prompt and changes page, layer, head and step; every student's screen shows the 
 selection, and the 95th percentile of the delay from the teacher's change to each student's screen is under
 1.5 s. The server's model generations equal the teacher's runs; a student's attempts to publish (a wrong teacher
 key, changes after detaching) change nothing on the other screens; a poll's totals equal the answers sent.
-Screenshots for docs/CLASSROOM.md are taken here (docs/screenshots/room_*.png, or $LLM_INSPECTOR_SCREENSHOTS)."""
+Screenshots for docs/CLASSROOM.md are taken here when asked for (LLM_INSPECTOR_SCREENSHOTS=docs/screenshots)."""
 from __future__ import annotations
 
 import os
@@ -37,10 +37,10 @@ from tests.browser.room_tabs import (
     start_room,
     wait_text,
 )
-from tests.helpers import free_port, server_process
+from tests.helpers import free_port, screenshots_dir, server_process
 from tests.redis_server import redis_server
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.alone]      # its delays, schedule or memory: by itself (tests/alone.py)
 ROOT = Path(__file__).resolve().parents[2]
 STUDENTS = int(os.environ.get("LLM_INSPECTOR_ROOM_STUDENTS", "10"))
 TABS = int(os.environ.get("LLM_INSPECTOR_ROOM_TABS", "3"))      # of STUDENTS: Chromium tabs; the rest WireStudents
@@ -54,7 +54,7 @@ P95_S = float(os.environ.get("LLM_INSPECTOR_ROOM_P95_S", "6"))   # the change re
 # runs in parallel.
 SCREEN_P95_S = float(os.environ.get("LLM_INSPECTOR_ROOM_SCREEN_P95_S", "30"))
 PROMPTS = ["Tell me a story about a lighthouse.", "What is the capital of France?"]
-SHOTS = Path(os.environ.get("LLM_INSPECTOR_SCREENSHOTS", ROOT / "docs" / "screenshots"))
+SHOTS = screenshots_dir()
 NEW_TOKENS = 12
 
 
@@ -129,7 +129,6 @@ def p95(xs: list[float]) -> float:
 
 
 def shot(page, name: str) -> None:
-    SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / name))
 
 
@@ -325,7 +324,7 @@ def check_lesson(r: dict, tokenizer) -> dict:
 
 def test_a_teacher_and_ten_students(server, browser, tiny_model):
     url, proc, log = server
-    r = lesson(browser, url, url, tiny_model.tokenizer, screenshots=True)
+    r = lesson(browser, url, url, tiny_model.tokenizer, screenshots=SHOTS is not None)
     check_lesson(r, tiny_model.tokenizer)
     assert r["teacher_generations"] == 2 == r["teacher_generations_end"]     # the teacher's runs, nobody else's
     assert proc.poll() is None and "Traceback" not in log.read_text()
