@@ -1,24 +1,39 @@
 """Tests marked `alone` measure time, latency, a schedule or a load (a p95 delay, a ratio of two speeds, who waited
-in a queue); under pytest-xdist (`-n 2`, pytest.ini) each runs with no other test at once and with every core for
-its threads and its servers, as on one process. Every other test runs beside the other worker's.
+in a queue); under pytest-xdist (`-n 2`, pytest.ini) the call of each runs with no other test's phase at once and
+with every core for its threads and its servers, as on one process. Its setup and teardown (starting and stopping
+its servers, loading its models), and every other test, run beside the other worker's tests.
 
-Two file locks in the run's temporary folder, shared by its workers: a test that is not alone passes through the
-turnstile and holds the room shared; an alone test holds the turnstile (no new test enters) and then the room
-alone (the other worker's test has ended). An alone test waits at most for the other worker's current test; the
-tests that follow wait for it. conftest orders the alone tests first, so they run one after another, not each
-after a wait. Without xdist (one process, `-n 0`) nothing is locked."""
+Two file locks in the run's temporary folder, shared by its workers: a phase that is not an alone call passes
+through the turnstile and holds the room shared; an alone call holds the turnstile (no new phase enters) and then
+the room alone (the other worker's phase has ended). An alone call waits at most for the other worker's current
+phase; the phases that follow wait for it. conftest orders the alone tests' modules first, so that their calls
+follow one another. Without xdist (one process, `-n 0`) nothing is locked."""
 from __future__ import annotations
 
 import fcntl
 import os
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 _files: dict[str, object] = {}
+WAITED = pytest.StashKey[dict]()          # item -> {phase: seconds it waited for its turn}
+
+
+def waited(item, when: str) -> float:
+    """Seconds the phase `when` of this test waited for its turn (not its own time: conftest takes it off)."""
+    return item.stash.get(WAITED, {}).get(when, 0.0)
+
+
+def _wait(item, when: str, lock, how) -> None:
+    t0 = time.monotonic()
+    fcntl.flock(lock, how)
+    record = item.stash.setdefault(WAITED, {})
+    record[when] = record.get(when, 0.0) + time.monotonic() - t0
 
 
 def _lock(run: str, name: str):
@@ -49,17 +64,19 @@ def _every_core():
 
 
 @contextmanager
-def turn(item):
-    """The whole of one test (setup, call, teardown) in its turn: alone, or beside the other worker's test."""
+def turn(item, when: str):
+    """One phase of a test ("setup", "call", "teardown") in its turn: an alone call by itself, any other phase
+    beside the other worker's; every phase of an alone test with every core."""
     run = getattr(item.config, "workerinput", {}).get("testrunuid")
     if run is None:
         yield
         return
     turnstile, room = _lock(run, "turnstile"), _lock(run, "room")
-    if item.get_closest_marker("alone"):
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
+    alone = item.get_closest_marker("alone") is not None
+    if alone and when == "call":
+        _wait(item, when, turnstile, fcntl.LOCK_EX)
         try:
-            fcntl.flock(room, fcntl.LOCK_EX)
+            _wait(item, when, room, fcntl.LOCK_EX)
             try:
                 with _every_core():
                     yield
@@ -67,20 +84,36 @@ def turn(item):
                 fcntl.flock(room, fcntl.LOCK_UN)
         finally:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
-    else:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(turnstile, fcntl.LOCK_UN)
-        fcntl.flock(room, fcntl.LOCK_SH)
-        try:
+        return
+    _wait(item, when, turnstile, fcntl.LOCK_EX)
+    fcntl.flock(turnstile, fcntl.LOCK_UN)
+    _wait(item, when, room, fcntl.LOCK_SH)
+    try:
+        if alone:
+            with _every_core():
+                yield
+        else:
             yield
-        finally:
-            fcntl.flock(room, fcntl.LOCK_UN)
+    finally:
+        fcntl.flock(room, fcntl.LOCK_UN)
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """The hook (tests/conftest.py imports it; `-p tests.alone` for another suite): each test in its turn."""
-    with turn(item):
+def pytest_runtest_setup(item):
+    """The hooks (tests/conftest.py imports them; `-p tests.alone` for another suite): each phase in its turn."""
+    with turn(item, "setup"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with turn(item, "call"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    with turn(item, "teardown"):
         return (yield)
 
 

@@ -29,7 +29,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from engine.sources import bundled_gguf  # noqa: E402
-from tests.alone import alone_first, pytest_runtest_protocol  # noqa: E402, F401 (a hook: in conftest, registered)
+from tests.alone import (  # noqa: E402, F401 (hooks: imported into conftest, registered)
+    alone_first,
+    pytest_runtest_call,
+    pytest_runtest_setup,
+    pytest_runtest_teardown,
+    waited,
+)
 from tests.helpers import write_model_dir  # noqa: E402
 
 
@@ -181,12 +187,18 @@ TIMES = os.environ.get("LLM_INSPECTOR_TEST_TIMES")     # a file: each test's tie
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    """With $LLM_INSPECTOR_TEST_TIMES set, one line per test phase: tier, phase, seconds, outcome, test id."""
+    """A phase's duration without its wait for its turn (tests/alone.py), as --durations shows it. With
+    $LLM_INSPECTOR_TEST_TIMES set, one line per test phase: tier, phase, seconds, outcome, when it started (the
+    epoch's seconds), seconds it waited for its turn, the worker, test id."""
     rep = yield
+    wait = waited(item, rep.when)
+    rep.duration = max(0.0, rep.duration - wait)
     if TIMES:
         tier = next((t for t in TIERS if item.get_closest_marker(t)), "-")
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
         with open(TIMES, "a") as f:
-            f.write(f"{tier}\t{rep.when}\t{rep.duration:.3f}\t{rep.outcome}\t{plain_id(item)}\n")
+            f.write(f"{tier}\t{rep.when}\t{rep.duration:.3f}\t{rep.outcome}\t{rep.start:.3f}\t{wait:.3f}\t{worker}\t"
+                    f"{plain_id(item)}\n")
     return rep
 
 
