@@ -117,6 +117,18 @@ def pytest_runtest_teardown(item, nextitem):
         return (yield)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """The worker's lock files closed and removed from the temporary folder (a worker still running keeps its own
+    open: it has nobody left to wait for)."""
+    for f in _files.values():
+        try:
+            os.unlink(f.name)
+        except FileNotFoundError:
+            pass
+        f.close()
+    _files.clear()
+
+
 def alone_first(items: list) -> None:
     """The alone tests' modules first, in their order, then the rest in theirs (a module is not split)."""
     alone = {i.nodeid.split("::")[0] for i in items if i.get_closest_marker("alone")}

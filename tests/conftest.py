@@ -34,6 +34,7 @@ from tests.alone import (  # noqa: E402, F401 (hooks: imported into conftest, re
     pytest_runtest_call,
     pytest_runtest_setup,
     pytest_runtest_teardown,
+    pytest_sessionfinish,
     waited,
 )
 from tests.helpers import write_model_dir  # noqa: E402
