@@ -166,14 +166,14 @@ def pytest_collection_modifyitems(config, items):
     alone_first(items)
     for item in items:      # for pytest-xdist's --dist loadgroup: a module stays on one worker (its module fixtures
         # are made once); the modules on tests/browser/conftest.py's shared server of the bundled model stay together
-        module = item.nodeid.split("::")[0]
-        group = "bundled-server" if module in BUNDLED_SERVER else module
+        group = "bundled-server" if on_bundled_server(item) else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
 
 
-# the modules whose tests use tests/browser/conftest.py's `server` (one per worker that runs them)
-BUNDLED_SERVER = {f"tests/browser/{m}.py" for m in ("test_browser", "test_projector", "test_projector_sampling")}
-
+def on_bundled_server(item) -> bool:
+    """The test uses tests/browser/conftest.py's shared `server` (its module defines no `server` of its own)."""
+    return "server" in getattr(item, "fixturenames", ()) and not hasattr(item.module, "server") \
+        and Path(str(item.fspath)).parent.name == "browser"
 
 
 def plain_id(item) -> str:
