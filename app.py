@@ -11,9 +11,9 @@ import importlib.util  # noqa: E402
 import os
 import runpy  # noqa: E402
 
-# The thread policy (OpenMP threads that wait sleep) is engine/threads.py's, one for every entry point; it must be in
-# force before torch loads libgomp. Run from its file (found without importing the package, which would load torch
-# here, before the page can say it is starting).
+# The thread policy (OpenMP threads that wait spin briefly, then sleep) is engine/threads.py's, one for every entry
+# point; it must be in force before torch loads libgomp. Run from its file (found without importing the package, which
+# would load torch here, before the page can say it is starting).
 runpy.run_path(os.path.join(importlib.util.find_spec("engine").submodule_search_locations[0], "threads.py"))
 
 import sys  # noqa: E402

@@ -1,12 +1,24 @@
 """The thread policy of every entry point (the app, `python -m engine`, bench, tests): chosen here, once, before torch
 loads libgomp (engine/__init__.py imports this module first; libgomp reads its variables when it is loaded).
 
-OpenMP threads that wait at a barrier spin 1,000 times, then sleep (GOMP_SPINCOUNT=1000 with OMP_WAIT_POLICY=PASSIVE;
-libgomp's default spins ~300,000 times). Measured on this 2-core machine (2026-12-04, bundled model, 40-token decodes
-without a probe, the median of three; "beside" = beside one competing torch process that multiplies matrices with
-libgomp's default spin; tok/s):
+OpenMP threads that wait at a barrier spin 1,000 times, then sleep: GOMP_SPINCOUNT=1000 with OMP_WAIT_POLICY=ACTIVE.
+ACTIVE matters when libgomp manages more threads than there are cores, which is the app's usual state: every Python
+thread that runs torch work (each run's thread, the Streamlit script threads, the step barrier's leader) gets an
+OpenMP team of its own. libgomp then uses its "throttled" spin count instead of GOMP_SPINCOUNT: 1,000 under ACTIVE,
+but 100 under PASSIVE or with no policy set (libgomp's env.c), so a waiting thread sleeps almost at once and every
+parallel region of a small op pays a futex wake-up. Measured here (2026-12-05): a 49,152-wide sum and isfinite in a
+worker thread took 340-360 us under PASSIVE + 1,000 (and under libgomp's default), 50-58 us under ACTIVE + 1,000, as
+in the main thread; the bundled model's 40-token decode with a second thread holding a team (the app's case), tok/s:
 
-    policy                        alone   beside one busy process (separate trials)
+    policy                          main thread: alone / beside one busy process    a worker thread: alone / beside
+    ACTIVE + spin 1,000 (this one)   42.6 / 18.5-19.0                                42.0 / 18.4-19.5
+    PASSIVE + spin 1,000 (before)    25.4 / 10.4-13.6                                25.7 / 10.2-21.8
+
+and the app's path for one user (`python -m engine bench --class`, a 32-token answer with full inspection in its
+own thread) 1.50 s before, 0.99 s after. Earlier measurements in the main thread alone (2026-12-04, no second
+team, so no throttling; 40-token decodes without a probe, median of three, tok/s alone / beside one busy process in
+separate trials):
+
     libgomp default spin (ACTIVE)  53.7    7.9
     PASSIVE (sleep at once)        27.8    37.1 39.2 33.1 40.6
     spin 30,000 then sleep         52.8    26.4 27.4 27.0 38.4 33.9 8.5
@@ -15,16 +27,14 @@ libgomp's default spin; tok/s):
 
 Sleeping at once halves the lone user's decode (each of a token's many parallel regions pays a wake-up); spinning
 long stalls beside another busy process (both spin on the cores the other needs). 1,000 spins keep the lone decode
-within noise of spinning and never stalled in these trials (the batched step, engine.batch, puts a class's tokens
-into one OpenMP team, so the app's runs do not add teams). Earlier, at load average 6-9 (many busy processes):
+within noise of spinning and never stalled in these trials. Earlier, at load average 6-9 (many busy processes):
 spin 100,000 3.9 tok/s, 10,000 5.6, 1,000 11.2, PASSIVE 11.4-33.0.
-A variable already set in the environment is left as it is (OMP_WAIT_POLICY=ACTIVE with GOMP_SPINCOUNT=300000 brings
-libgomp's default spinning back)."""
+A variable already set in the environment is left as it is (GOMP_SPINCOUNT=300000 brings libgomp's long spin back)."""
 from __future__ import annotations
 
 import os
 
-POLICY = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
+POLICY = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "1000"}
 
 
 def apply() -> dict[str, str]:

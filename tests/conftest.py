@@ -9,7 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
-# The engine's thread policy (engine/threads.py: OpenMP threads sleep at barriers instead of spinning), in force
+# The engine's thread policy (engine/threads.py: OpenMP threads spin briefly at barriers, then sleep), in force
 # before torch loads libgomp, as in app.py and `python -m engine`. With libgomp's default spin, the suite's runs
 # crawled whenever anything else used the cores (issue 22: the twenty-session test took 56-87 s instead of 3-7 s).
 # pytest keeps each test module's rewritten asserts as bytecode in its __pycache__ (ignored by git) unless writing

@@ -2,17 +2,19 @@
 before each decode step so that their steps share one forward (engine.batch.forward_together) instead of each
 reading every weight on its own.
 
-Leader and followers: the first run to arrive at a step leads it. It waits for the other runs that are decoding
-(each comes back as soon as it has sampled its last token) until all have arrived, for as long as they keep coming:
-each within WINDOW_S of the one before (the most a lone straggler delays the others), GATHER_S in all. Thirty runs
-finishing their steps in thirty threads come back over ~0.1-0.2 s on two cores; a window from the leader alone
-split them into batches of a few rows (55 forwards for a class of thirty's 32 tokens, against 34 now: `python -m
-engine bench --class`, docs/CLASSROOM.md). It takes at most `max_rows` of them, runs the one forward,
-and hands each run its logits row; every run then finishes its step in its own thread (sampling, detokenizing, its
-stop conditions, its on_token: the Stop button, the queue's messages and the room observers behave as for a run
-alone). A run alone never waits: it is the only one decoding. A run whose step cannot join (its prefill, a probe
-that changes the forward) steps on its own. max_rows also follows a per-step latency bound: the batch is capped so
-that the measured cost of a row keeps one step under `latency_s`.
+Leader and followers: the first run to arrive leads. It takes the decoding runs waiting at the barrier (those that
+are still arriving: each within WINDOW_S of the one before, GATHER_S in all), at most `max_rows` of them, runs the
+one forward and then finishes every run's step itself, one after another in its own thread (sampling, detokenizing,
+the stop conditions, the run's on_token: the Stop button, the queue's messages and the room observers see the same
+calls as for a run alone, in the leader's thread). A run whose next step can join again stays at the barrier for
+the next step; its own thread sleeps until its run has ended, its next step cannot join (then it steps on its own
+and may come back), or it is handed the lead (the leader's own run ended). Why one thread: thirty runs finishing
+their steps in thirty threads took 0.1-0.2 s to come back on two cores (4.5 ms of CPU each, against 1.2 ms one
+after another in one thread), and the next step waited for the last of them (`python -m engine bench --class`,
+docs/CLASSROOM.md). A run alone never waits: it is the only one decoding, and steps on its own path (a CPU's native
+one-token step). max_rows also follows a per-step latency bound: the batch is capped so that the measured cost of a
+row (its share of the forward and its own step) keeps one step under `latency_s`; runs beyond the cap take the
+next step, in turn.
 
     barrier = shared_barrier()
     result = barrier.drive(run)          # run: an engine.GenerationRun; returns its GenerationResult
@@ -31,20 +33,22 @@ LATENCY_S = 1.0            # a batched step should take at most this long (caps 
 
 
 class _Request:
-    __slots__ = ("run", "logits", "seconds", "error", "done")
+    """A run waiting at the barrier: done (its thread goes on: the run ended, failed or cannot join its next step),
+    error (what its step raised), wake (set when done or handed the lead)."""
+    __slots__ = ("run", "error", "done", "wake")
 
     def __init__(self, run: GenerationRun) -> None:
-        self.run, self.logits, self.seconds, self.error, self.done = run, None, 0.0, None, False
+        self.run, self.error, self.done, self.wake = run, None, False, threading.Event()
 
 
 class StepBarrier:
     def __init__(self, max_rows: int = 32, window_s: float = WINDOW_S, latency_s: float = LATENCY_S,
                  gather_s: float = GATHER_S) -> None:
         """max_rows: most runs in one forward (1: every run steps alone, its own arithmetic bit for bit)."""
-        self._cond = threading.Condition()
-        self._pending: list[_Request] = []
-        self._decoding = 0               # runs driven here whose next steps are decode steps
-        self._leading = False
+        self._cond = threading.Condition()     # the lock; only a gathering leader waits on it
+        self._pending: list[_Request] = []     # runs waiting for a step, in turn
+        self._decoding = 0                     # runs driven here whose next steps are decode steps
+        self._leader: _Request | None = None
         self.max_rows, self.window_s, self.latency_s = max_rows, window_s, latency_s
         self.gather_s = max(gather_s, window_s)
         self.row_s = 0.0                 # measured seconds per row of a batched step (moving average)
@@ -62,7 +66,7 @@ class StepBarrier:
                     with self._cond:
                         self._decoding += 1
                     decoding = True
-                self._step(run)
+                self._wait_at_barrier(run)
         finally:
             if decoding:
                 with self._cond:
@@ -76,27 +80,31 @@ class StepBarrier:
             return self.max_rows
         return max(2, min(self.max_rows, int(self.latency_s / self.row_s)))
 
-    def _step(self, run: GenerationRun) -> None:
+    def _wait_at_barrier(self, run: GenerationRun) -> None:
+        """Until `run` has ended or its next step cannot join: stepped with the others, by whoever leads (this
+        thread when it is handed the lead)."""
         req = _Request(run)
         with self._cond:
             self._pending.append(req)
-            self._cond.notify_all()
-        while True:             # follow, or lead a step (which may be full before this run's turn: then again)
+            if self._leader is None:
+                self._leader = req
+            self._cond.notify_all()            # a gathering leader hears of it
+        while True:
             with self._cond:
-                while not req.done and self._leading:
-                    self._cond.wait()
                 if req.done:
                     break
-                batch = self._lead()
-            self._serve(batch)
+                batch = self._gather() if self._leader is req else None
+            if batch is None:
+                req.wake.wait()
+                req.wake.clear()
+                continue
+            self._serve(req, batch)
         if req.error is not None:
             raise req.error
-        run.step(req.logits, seconds=req.seconds) if req.logits is not None else run.step()
 
-    def _lead(self) -> list[_Request]:
-        """(Holding the lock) wait for the decoding runs while they keep arriving: at most window_s after the last
-        one came (or the leader), and at most gather_s in all; take this step's batch."""
-        self._leading = True
+    def _gather(self) -> list[_Request]:
+        """(Holding the lock, leading) wait for the decoding runs while they keep arriving: at most window_s after
+        the last one came (or the leader began), and at most gather_s in all; take this step's batch."""
         start = last = time.monotonic()
         cap, arrived = self.cap(), len(self._pending)
         while len(self._pending) < min(self._decoding, cap):
@@ -110,24 +118,44 @@ class StepBarrier:
         batch, self._pending = self._pending[:cap], self._pending[cap:]
         return batch
 
-    def _serve(self, batch: list[_Request]) -> None:
-        """The batch's forward (outside the lock), its results to each request, leadership given back."""
-        groups: dict[int, list[_Request]] = {}
-        for r in batch:                       # one forward per model; a run alone steps on its own path
-            groups.setdefault(id(r.run.model), []).append(r)
+    def _serve(self, leader: _Request, batch: list[_Request]) -> None:
+        """The batch's step (outside the lock): one forward per model for its runs (a model's single run steps on
+        its own path), then each run's own step; then each request either stays for the next step or is done,
+        and the lead passes on if the leader's own run is done."""
+        served: list[_Request] = []
         try:
+            groups: dict[int, list[_Request]] = {}
+            for r in batch:
+                groups.setdefault(id(r.run.model), []).append(r)
             for group in groups.values():
-                if len(group) > 1:
-                    self._forward(group)
+                self._step_group(group)
+                served.extend(group)
         finally:
             with self._cond:
                 for r in batch:
-                    r.done = True
-                self._leading = False
-                self._cond.notify_all()
+                    if r not in served and r.error is None:       # the leader itself failed (an interrupt)
+                        r.error = RuntimeError("the batched step was interrupted before this run's turn")
+                    if r.error is not None or r.run.done or alone_reason(r.run) is not None:
+                        r.done = True
+                        if r is not leader:
+                            r.wake.set()
+                    else:
+                        self._pending.append(r)              # the next step's, after any that waited
+                if leader.done:
+                    self._leader = self._pending[0] if self._pending else None
+                    if self._leader is not None:
+                        self._leader.wake.set()
 
-
-    def _forward(self, group: list[_Request]) -> None:
+    def _step_group(self, group: list[_Request]) -> None:
+        """One model's runs of this step: a forward over their rows, then each run's step with its row."""
+        if len(group) == 1:
+            r = group[0]
+            try:
+                r.run.step()
+            except Exception as e:            # its thread raises it
+                r.error = e
+            return
+        t0 = time.perf_counter()
         try:
             logits, seconds = forward_together([r.run for r in group])
         except Exception as e:                # every run of this step hears why (no cache was advanced)
@@ -135,8 +163,11 @@ class StepBarrier:
                 r.error = e
             return
         for b, r in enumerate(group):
-            r.logits, r.seconds = logits[b], seconds
-        row_s = seconds / len(group)
+            try:
+                r.run.step(logits[b], seconds=seconds)
+            except Exception as e:
+                r.error = e
+        row_s = (time.perf_counter() - t0) / len(group)
         self.row_s = row_s if not self.steps else 0.8 * self.row_s + 0.2 * row_s
         self.steps, self.rows = self.steps + 1, self.rows + len(group)
 

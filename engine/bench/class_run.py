@@ -13,8 +13,9 @@ student's time in the same round, and the reported figure is the median of the r
 
     class_last_over_alone_8, class_last_over_alone_30   (targets <= 2.5 and <= 6 on a 2-core CPU)
     class_tokens_per_s_30                              (30 x 32 tokens over the last finish, median)
-    lone_app_over_cli_decode   the app's decode per token for one user over engine generate's (no probe), both
-                               alone in this process: the thread policy is one for both (engine.threads)
+    lone_app_over_cli_decode   the app's decode per token for one user (full inspection, in a thread of its own as
+                               the app's runs are) over engine generate's (no probe, this thread), both alone in
+                               this process: the thread policy is one for both (engine.threads)
     cli_beside_busy_over_alone engine generate's decode seconds per token beside one competing torch process
                                over alone (target <= 2.5); the competitor runs with libgomp's default
                                (its environment cleaned of the policy's OMP_WAIT_POLICY / GOMP_SPINCOUNT)"""
@@ -86,13 +87,25 @@ def _plain_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in POLICY}
 
 
+def _in_thread(fn, *args) -> float:
+    """fn(*args) in a thread of its own, as the app computes a run (engine.threads: OpenMP teams per thread)."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn(*args)), daemon=True)
+    t.start()
+    t.join()
+    if not out:
+        raise RuntimeError("the app's run in its thread failed")
+    return out[0]
+
+
 def _lone(model, new_tokens: int, rounds: int) -> tuple[float, float]:
-    """(app's decode per token over plain, plain beside a busy process over plain alone): medians of rounds."""
+    """(app's decode per token, its run in a thread of its own as the app's, over plain in this thread; plain beside a
+    busy process over plain alone): medians of rounds."""
     s = RunSettings(prompt=QUESTIONS[1], max_new_tokens=new_tokens, ignore_eos=True)
     app, busy = [], []
     for _ in range(rounds):
         plain = _decode_s(model, s)
-        app.append(_decode_s(model, s, inspection_probe()) / plain)
+        app.append(_in_thread(_decode_s, model, s, inspection_probe()) / plain)
         other = subprocess.Popen([sys.executable, "-c", BUSY], env=_plain_env())
         try:
             time.sleep(1.0)              # the competitor's threads are up

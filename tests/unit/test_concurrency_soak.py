@@ -4,11 +4,11 @@ watchdog: a round that does not finish fails with every thread's stack instead o
 the native path on (sessions that decode through the native step and native statistics from twenty threads at
 once, beside inspected runs), once with it off.
 
-The stall it catches: libgomp's default spin at every barrier. With the cores shared, a spinning thread burns the
-core its partner needs, and the twenty sessions took 56-87 s instead of 3-7 s (the same rounds with threads that
-sleep: OMP_WAIT_POLICY=PASSIVE, set by tests/conftest.py and app.py before torch loads). A round beside the
-competing process may take at most STALL_FACTOR times the calm round of the same test, plus a little: far above
-what sharing the cores costs (1-2x here), far below the stall (8x and more).
+The stall it catches: libgomp's default spin at every barrier. With the cores shared, a spinning thread burns the core
+its partner needs, and the twenty sessions took 56-87 s instead of 3-7 s (the same rounds with threads that sleep after
+1,000 spins: engine/threads.py's policy, set by tests/conftest.py and app.py before torch loads). A round beside the
+competing process may take at most STALL_FACTOR times the calm round of the same test, plus a little: far above what
+sharing the cores costs (1-2x here), far below the stall (8x and more).
 
 Slower tier (`model`): `pytest -m unit` skips it, the full suite runs it. LLM_INSPECTOR_SOAK_ROUNDS sets the
 number of rounds beside the other process (default 3 each)."""
@@ -29,7 +29,7 @@ STALL_FACTOR = 4.0
 
 def test_openmp_threads_sleep_in_the_test_process(request):
     assert not request.config.torch_before_policy, "torch was imported before OMP_WAIT_POLICY was set"
-    assert os.environ["OMP_WAIT_POLICY"].upper() in ("PASSIVE", "ACTIVE")      # set (PASSIVE unless overridden)
+    assert os.environ["OMP_WAIT_POLICY"].upper() in ("PASSIVE", "ACTIVE")      # set (ACTIVE unless overridden)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native-on", "native-off"])
