@@ -26,6 +26,7 @@ from engine.inspection.recording import Recording
 from engine.inspection.stat_columns import Col
 from engine.sampling import SamplingParams, draw, entropy, sampler_chain
 from engine.settings import check_stop
+from engine.threads import one_thread
 
 TOP_CANDIDATES = 10
 PREFILL_CHUNK = 2048         # prompts longer than this are prefilled this many positions at a time (a chunk after
@@ -222,7 +223,7 @@ class GenerationRun:
         told) and what it took."""
         if self.done:
             return None
-        model, probe, index = self.model, self.probe, len(self.steps)
+        probe, index = self.probe, len(self.steps)
         if probe is not None:
             probe.step = index
         t0 = time.perf_counter() - seconds
@@ -237,6 +238,17 @@ class GenerationRun:
         finally:
             self.timings["prefill" if index == 0 else "decode"] += time.perf_counter() - t0
         t1 = time.perf_counter()
+        with one_thread():      # the sampler's small ops (vocabulary-wide vectors): a team's wake-up costs more
+            step = self._sample(logits, t0, t1)
+        if step is not None and self.on_token and self.on_token(step) is STOP and not self.done:
+            self.stop_reason = STOPPED
+            self.text += self.detok.flush()
+        return step
+
+    def _sample(self, logits: torch.Tensor, t0: float, t1: float) -> Step | None:
+        """step() after the forward: the sampler chain on this step's logits (V,), the token, its text, the stop
+        checks (the caller then calls on_token)."""
+        model, probe, index = self.model, self.probe, len(self.steps)
         if not bool(torch.isfinite(logits).all()):
             self._stop_nonfinite()
             return None
@@ -266,9 +278,6 @@ class GenerationRun:
         self.token_ids.append(token)
         self.text += piece
         self._check_stop(is_eos)
-        if self.on_token and self.on_token(step) is STOP and not self.done:
-            self.stop_reason = STOPPED
-            self.text += self.detok.flush()
         return step
 
     def _forward(self, index: int) -> torch.Tensor:

@@ -2,12 +2,12 @@
 family's variations: q/k norms, post-norms, soft caps, multipliers, sliding windows, a rotary fraction, layers
 without RoPE, mixtures of experts; engine.family declares them and _block reads the declaration).
 
-The model holds weights only and is shared by every session and thread; a run brings its own KVCache and
-Probe. Every stage is offered to the probe by name. Over several query positions the output of attention comes
-from torch's fused scaled_dot_product_attention; scores and pattern are materialised (H, T, S) only when a hook
-needs them whole (a replace hook, a full capture). Statistics of them, or some of their rows, are computed in
-query blocks beside the fused kernel (engine.inspection.attention_stats). One decode row computes scores and
-pattern anyway (two small grouped matmuls) and offers them as they are."""
+The model holds weights only and is shared by every session and thread; a run brings its own KVCache and Probe. Every
+stage is offered to the probe by name. Over several query positions the output of attention comes from torch's fused
+scaled_dot_product_attention; scores and pattern are materialised (H, T, S) only when a hook needs them whole (a
+replace hook, a full capture). Statistics of them, or some of their rows, are computed in query blocks beside the
+fused kernel (engine.inspection.attention_stats). One decode row computes scores and pattern anyway (two small
+grouped matmuls) and offers them as they are."""
 from __future__ import annotations
 
 import copy
@@ -98,11 +98,9 @@ class Model:
         self.fp32_units: list[str] = []
         self.cache_dtype = dtype                   # float32 in a plan with an fp32 attention unit
         self.base_name = name                      # the model a plan was made from
-        self._live_hooks = 0
-        self._lock = threading.Lock()
+        self._live_hooks, self._lock = 0, threading.Lock()
         self.accelerator: Accelerator = choose(self, native_decode)
 
-    # ---- introspection --------------------------------------------------------------------------
     @property
     def live_hooks(self) -> int:
         """Hooks attached right now, over all threads. Zero whenever no forward call is running."""
@@ -144,7 +142,6 @@ class Model:
         twin._lock, twin._live_hooks, twin.accelerator = threading.Lock(), 0, accelerator
         return twin
 
-    # ---- forward --------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, cache: KVCache, probe: Probe | None = None, *, last_only: bool = False,
                 grad: bool = False, stop_after: str | int | None = None,
                 on_layer: Callable[[int], object] | None = None) -> torch.Tensor:
@@ -172,12 +169,16 @@ class Model:
         return logits
 
     def forward_rows(self, ids: torch.Tensor, positions: torch.Tensor, rows, probe) -> torch.Tensor:
-        """One new token of each of several runs in one forward (engine.batch): ids (B,) at positions (B,), rows the
-        batch's cache (its attend() runs each row's attention against that run's own cache) and probe its fan-out
-        (each run's probe sees its own row). The same embedding, blocks and head as forward, on the PyTorch path
-        (never the native one-token step) -> logits (B, V). Advances no cache (the batch does)."""
-        at = Where(self.config, self.rope, positions.to(self.device), contiguous=False)
+        """One token of each of several runs (engine.batch): ids (B,) at positions (B,), rows the batch's cache (row b
+        against run b's own), probe its fan-out (run b's probe sees row b) -> logits (B, V). Native where a lone token
+        would be (_forward; a NaN or Inf met: the PyTorch path redoes it), else PyTorch. Advances no cache."""
+        step = self.accelerator.decode
         with torch.inference_mode(), self.attached(probe, int(positions[0])):
+            logits = step.serve_rows(ids.tolist(), positions.tolist(), rows.caches, probe, self.config.rms_norm_eps) \
+                if step is not None and probe.served_by(step.names) else None
+            if logits is not None:
+                return logits
+            at = Where(self.config, self.rope, positions.to(self.device), contiguous=False)
             return self._forward(ids.to(self.device), rows, probe, int(positions[0]), False, at=at)
 
     def _forward(self, ids, cache: KVCache, probe: Probe | NoProbe, pos: int, last_only: bool,
@@ -377,7 +378,6 @@ class Model:
             allowed = torch.nn.functional.pad(allowed, (first, 0), value=False)
         inspect_attention(p, qh, keys, allowed, values)
 
-    # ---- convenience surfaces -------------------------------------------------------------------
     @torch.inference_mode()
     def logits(self, ids, probe: Probe | None = None) -> torch.Tensor:
         """Full forward of ids without a shared cache -> float32 CPU logits (len(ids), vocab)."""

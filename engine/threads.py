@@ -32,6 +32,8 @@ spin 100,000 3.9 tok/s, 10,000 5.6, 1,000 11.2, PASSIVE 11.4-33.0.
 A variable already set in the environment is left as it is (GOMP_SPINCOUNT=300000 brings libgomp's long spin back)."""
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 
 POLICY = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "1000"}
@@ -45,3 +47,45 @@ def apply() -> dict[str, str]:
 
 
 apply()
+
+
+@contextlib.contextmanager
+def one_thread():
+    """This thread's torch and OpenMP work on one thread for the block; other threads keep their teams. For a run of
+    small ops (a sampler's 49,152-wide stages: each a few tens of microseconds), where a second thread of the team
+    costs a wake-up per op (it spins 1,000 times, then sleeps): thirty runs' steps in one thread (engine.batch's
+    leader) took 65-70 ms on two threads, 41 ms on one (2026-12-05). It sets this thread's OpenMP thread count in the
+    libgomp torch loaded (omp_set_num_threads is per thread; torch.set_num_threads would also change the count every
+    thread started meanwhile takes); a no-op where that libgomp is not found or torch does not follow it."""
+    lib = _gomp()
+    if lib is None:
+        yield
+        return
+    before = lib.omp_get_max_threads()
+    lib.omp_set_num_threads(1)
+    try:
+        yield
+    finally:
+        lib.omp_set_num_threads(before)
+
+
+_GOMP: list = []
+
+
+def _gomp():
+    """The libgomp torch uses (None if there is none, or torch's thread count does not follow it)."""
+    if not _GOMP:
+        lib = None
+        try:
+            import torch
+            torch.get_num_threads()             # torch's OpenMP initialised in this thread before the check
+            cand = ctypes.CDLL("libgomp.so.1")
+            before = cand.omp_get_max_threads()
+            cand.omp_set_num_threads(max(1, before - 1) if before > 1 else before)
+            follows = before == 1 or torch.get_num_threads() == before - 1
+            cand.omp_set_num_threads(before)
+            lib = cand if follows else None
+        except (OSError, AttributeError):
+            lib = None
+        _GOMP.append(lib)
+    return _GOMP[0]

@@ -144,6 +144,23 @@ class FanProbe(NoProbe):
     def hook_count(self) -> int:
         return sum(p.hook_count for p in self.parts if p is not NO_PROBE)
 
+    @property
+    def watching(self) -> bool:
+        """Whether any row's run has a probe (the native step then computes every row's statistics)."""
+        return any(p is not NO_PROBE for p in self.parts)
+
+    def served_by(self, names: list[str]) -> bool:
+        """Whether a fused step (Probe.served_by) serves every row's probe."""
+        return all(p is NO_PROBE or p.served_by(names) for p in self.parts)
+
+    def offer_step(self, names: list[str], layers: list, values, logits: torch.Tensor, marks, start: float) -> None:
+        """A fused step's rows (engine.native: statistics (B, G, 7), logits (B, V)), row b to run b's probe as a
+        lone step's (Probe.offer_step); the step's timing marks to each."""
+        for b, p in enumerate(self.parts):
+            if p is not NO_PROBE:
+                p.offer_step(names, layers, None if values is None else values[b].unsqueeze(1), logits[b:b + 1],
+                             marks, start)
+
     def rows(self, parts: list[int], name: str, entry: int) -> None:
         """These runs' probes record the statistics of shared entry `entry` (stage `name`) next."""
         opened = self._open

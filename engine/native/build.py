@@ -30,8 +30,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = (Path(__file__).with_name("decode.c"), Path(__file__).with_name("inspect.c"))
-HEADERS = (Path(__file__).with_name("vexp.h"), Path(__file__).with_name("rowstat.h"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "decode_rows.c", "inspect.c"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("vexp.h", "rowstat.h", "llama_ops.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -91,6 +91,10 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     lib.llmi_decode_step.argtypes = [ctypes.c_void_p]
     lib.llmi_work_floats.restype = ctypes.c_long
     lib.llmi_work_floats.argtypes = [ctypes.c_int] * 8
+    lib.llmi_decode_rows.restype = ctypes.c_int
+    lib.llmi_decode_rows.argtypes = [ctypes.c_void_p]
+    lib.llmi_rows_work_floats.restype = ctypes.c_long
+    lib.llmi_rows_work_floats.argtypes = [ctypes.c_int] * 7
     i, n, f, p = ctypes.c_int, ctypes.c_long, ctypes.c_float, ctypes.c_void_p
     lib.llmi_row_stats_many.restype = None
     lib.llmi_row_stats_many.argtypes = [i, p, p, p, i]

@@ -16,6 +16,7 @@
 #include <omp.h>
 #include <stddef.h>
 
+#include "llama_ops.h"
 #include "rowstat.h"
 #include "vexp.h"
 
@@ -72,31 +73,6 @@ static void product(const float *x, const float *W, int K, int N, float *out, fl
         float s = 0.f;
         for (int u = 0; u < T; u++) s += part[(size_t)u * stride + n];
         out[n] = s;
-    }
-}
-
-/* min, max, mean, std, absmax, nan, inf of a[0:n] (rowstat.h); 1 when a value is not finite */
-static int stats7(const float *a, long n, float *out) {
-    return row_stat(a, 1, (int)n, 0, out);
-}
-
-static void rms_norm(const float *x, const float *w, int d, float eps, float *h) {
-    float s = 0.f;
-    for (int i = 0; i < d; i++) s += x[i] * x[i];
-    const float r = 1.f / sqrtf(s / (float)d + eps);
-    for (int i = 0; i < d; i++) h[i] = (x[i] * r) * w[i];
-}
-
-/* x (heads, hd) rotated in place by half-split pairs: x*cos + rotate_half(x)*sin */
-static void rope(float *x, int heads, int hd, const float *cos, const float *sin) {
-    const int half = hd / 2;
-    for (int h = 0; h < heads; h++) {
-        float *v = x + (size_t)h * hd;
-        for (int i = 0; i < half; i++) {
-            const float a = v[i], b = v[i + half];
-            v[i] = a * cos[i] - b * sin[i];
-            v[i + half] = b * cos[i + half] + a * sin[i + half];
-        }
     }
 }
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import threading
+import time
 
 import torch
 
@@ -84,6 +85,11 @@ class StepArgs(ctypes.Structure):
     _fields_ = _FIELDS
 
 
+class RowsArgs(ctypes.Structure):       # decode_rows.c's Rows
+    _fields_ = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "B", "nth")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
+        (n, _P) for n in ("x_in", "attn_norm", "wqkv", "wo", "mlp_norm", "wgu", "wdown", "kc", "vc", "max_len", "pos",
+                          "cos", "sin", "final_norm", "lm_head", "logits", "work", "stats", "marks", "bad")]
 
 
 
@@ -189,3 +195,50 @@ class NativeDecoder:
                  st.data_ptr() if stats else None, marks.data_ptr() if timing else None)
         status = self.lib.llmi_decode_step(ctypes.byref(s))
         return logits, st, status, (list(zip(self.mark_labels, marks.tolist())) if timing else None)
+
+    def rows(self, tokens: list[int], caches: list, positions: list[int], eps: float, stats: bool,
+             timing: bool = False) -> tuple:
+        """One token of each of B runs (engine.batch), token b at positions[b] in caches[b] (each a KVCache of the
+        block layout: this model has no windows) -> (logits (B, V), statistics (B, G, 7) or None (row b's in the
+        order of `names`, as __call__ gives one row's), how many rows met a NaN/Inf, marks as __call__'s). Each
+        row's cache is written at its position; its attention reads only its own cache."""
+        self._ensure_packed()
+        m, c = self.model, self.model.config
+        B = len(tokens)
+        x = m.weights.embed[torch.tensor(tokens)]                                       # (B, d)
+        at = torch.tensor(positions)
+        cos, sin = m.cos[at].contiguous(), m.sin[at].contiguous()                       # (B, hd)
+        logits = torch.empty(B, c.vocab_size)
+        st = torch.empty(B, len(self.names), 7) if stats else None
+        marks = torch.empty(c.num_layers + 2, dtype=torch.float64) if timing else None
+        bad = torch.zeros(B, dtype=torch.int32)
+        lens = torch.tensor([cache.max_len for cache in caches], dtype=torch.int32)
+        pos = torch.tensor(positions, dtype=torch.int32)
+        kc = (_P * B)(*[cache.k.data_ptr() for cache in caches])
+        vc = (_P * B)(*[cache.v.data_ptr() for cache in caches])
+        nth = torch.get_num_threads()
+        work = torch.empty(self.lib.llmi_rows_work_floats(B, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                                          c.intermediate_size, max(positions) + 1))
+        r = RowsArgs(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                     c.vocab_size, B, nth, eps, c.head_dim ** -0.5, x.data_ptr(),
+                     self.layer_ptrs["attn_norm"], self.layer_ptrs["wqkv"], self.layer_ptrs["wo"],
+                     self.layer_ptrs["mlp_norm"], self.layer_ptrs["w_gate_up"], self.layer_ptrs["w_down"],
+                     ctypes.cast(kc, _P), ctypes.cast(vc, _P), lens.data_ptr(), pos.data_ptr(), cos.data_ptr(),
+                     sin.data_ptr(), m.weights.norm.data_ptr(), self.lm_head.data_ptr(), logits.data_ptr(),
+                     work.data_ptr(), st.data_ptr() if stats else None, marks.data_ptr() if timing else None,
+                     bad.data_ptr())
+        failed = self.lib.llmi_decode_rows(ctypes.byref(r))
+        return logits, st, failed, (list(zip(self.mark_labels, marks.tolist())) if timing else None)
+
+    def serve_rows(self, tokens: list[int], positions: list[int], caches: list, probe, eps: float):
+        """rows() for a batch's fan-out probe (engine.batch.rows.FanProbe, which it serves: served_by), each run's
+        probe offered its own row as a lone step's -> logits (B, V); None when a row met a NaN or Inf (nothing
+        offered: the caller redoes the step on the PyTorch path, which rewrites the same cache positions and whose
+        accounting of non-finite values is the reference)."""
+        watched, start = probe.watching, time.perf_counter()
+        logits, values, failed, marks = self.rows(tokens, caches, positions, eps, watched, watched and probe.timing)
+        if failed:
+            return None
+        if watched:
+            probe.offer_step(self.names, self.layers, values, logits, marks, start)
+        return logits

@@ -38,5 +38,6 @@ def test_bundled_runs_together_match_alone(bundled_model, native):
         ra, rb = a.probe.recording.stat_records(), b.probe.recording.stat_records()
         assert [(r.step, r.name, r.pos0) for r in ra] == [(r.step, r.name, r.pos0) for r in rb]
         for x, y in zip(ra, rb):
-            # measured: at most 1.1e-3 absolute (mlp_out), relative to values up to ~1e2 in the residual stream
+            # measured: at most 1.1e-3 absolute (mlp_out) on the PyTorch path, 1.6e-3 natively (decode_rows.c, nine
+            # runs of 16 tokens), relative to values up to ~1e2 in the residual stream
             assert torch.allclose(x.values, y.values, rtol=1e-4, atol=2e-3, equal_nan=True), (x.name, x.step)

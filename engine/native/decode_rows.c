@@ -1,0 +1,273 @@
+/* One decode step of several runs at once (fp32, CPU): B rows, each one token of its own run, at its own
+ * position against its own KV cache, through every layer, the final norm and the lm_head, in one call. The
+ * batched counterpart of decode.c's llmi_decode_step (engine/batch: the runs in flight that decode together);
+ * engine/native/step.py calls it, and the PyTorch batched forward (Model.forward_rows) stays the reference.
+ *
+ * Why: a batched step on the PyTorch path spent most of its time around the matrix products, in a few torch calls
+ * per row per layer (each row's cache write, its padded keys, its statistics), ~4.5 ms a row a step for the
+ * bundled model. Here the products read each weight panel once for all rows (pairs of column blocks split between
+ * threads, an R x 16 register tile for six rows at a time), and every per-row operation is a plain loop, rows spread
+ * over the team.
+ *
+ * Statistics (optional): per row, the same stages in the same order as llmi_decode_step (embed, 17 per layer,
+ * final_norm, logits), the same kernel (rowstat.h). bad[b] is set when row b meets a NaN or Inf; the call returns
+ * how many rows did (the caller then redoes the step on the PyTorch path, which rewrites the same cache positions).
+ */
+#include <omp.h>
+#include <stddef.h>
+
+#include "llama_ops.h"
+#include "rowstat.h"
+#include "vexp.h"
+
+typedef struct {
+    int L, d, H, K, hd, F, V, B, nth;  /* layers, hidden, query heads, KV heads, head dim, MLP width, vocab, rows */
+    float eps, scale;                   /* RMSNorm epsilon, attention scale (hd^-0.5) */
+    const float *x_in;                  /* (B, d) the rows' embeddings */
+    const float *const *attn_norm, *const *wqkv, *const *wo;      /* L pointers each; matrices as panels */
+    const float *const *mlp_norm, *const *wgu, *const *wdown;
+    float *const *kc, *const *vc;       /* B pointers: row b's caches, (L, K, max_len[b], hd) each */
+    const int *max_len, *pos;           /* (B) each row's cache length and this token's position */
+    const float *cos, *sin;             /* (B, hd) rotary rows at each row's position */
+    const float *final_norm, *lm_head;  /* (d), (d, V) as panels */
+    float *logits;                      /* (B, V) out */
+    float *work;                        /* scratch, llmi_rows_work_floats() floats */
+    float *stats;                       /* NULL, or (B, 1 + 17 L + 2, 7) out */
+    double *marks;                      /* NULL, or L + 2 out (as llmi_decode_step's) */
+    int *bad;                           /* (B) out: 1 where the row met a NaN or Inf (with statistics) */
+} Rows;
+
+enum { PER_LAYER = 17 };               /* statistics rows a layer */
+
+long llmi_rows_work_floats(int B, int d, int H, int K, int hd, int F, int longest) {
+    return (long)B * (5L * d + (long)(H + 2 * K) * hd + (long)H * longest + (long)H * hd + 3L * F) + 64;
+}
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));      /* eight floats, unaligned loads and stores */
+
+/* out[0:R] (row stride N), column blocks b and, when C == 2, b + 1 = x[0:R] (row stride Kd) @ those columns of W
+ * (panels: P[g][b][r][c] = W[8 g + r][8 b + c]): an R x 16 tile of sums held in registers over all of Kd, each
+ * weight vector loaded once for the R rows (the usual register-blocked micro-kernel; R <= 6 keeps 12 sums, two
+ * weight vectors and a broadcast within 16 AVX registers). Inlined with R and C constant (ROWS_CASES). */
+static inline __attribute__((always_inline)) void tile(const int R, const int C, const float *x, int Kd,
+                                                       const float *P, int NB, int b, float *out, int N) {
+    v8 acc[6][2];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < C; j++) acc[i][j] = (v8){0};
+    const int G = Kd / 8;
+    for (int g = 0; g < G; g++) {
+        const float *w = P + ((size_t)g * NB + b) * 64;
+        for (int r = 0; r < 8; r++) {
+            const v8 w0 = *(const v8 *)(w + r * 8);
+            const v8 w1 = C == 2 ? *(const v8 *)(w + 64 + r * 8) : (v8){0};
+            for (int i = 0; i < R; i++) {
+                const float a = x[(size_t)i * Kd + 8 * g + r];
+                acc[i][0] += a * w0;
+                if (C == 2) acc[i][1] += a * w1;
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < C; j++) *(v8 *)(out + (size_t)i * N + 8 * (b + j)) = acc[i][j];
+}
+
+#define ROWS_CASES(C) \
+    switch (nr) { \
+    case 6: tile(6, C, xr, Kd, P, NB, b, o, N); break; \
+    case 5: tile(5, C, xr, Kd, P, NB, b, o, N); break; \
+    case 4: tile(4, C, xr, Kd, P, NB, b, o, N); break; \
+    case 3: tile(3, C, xr, Kd, P, NB, b, o, N); break; \
+    case 2: tile(2, C, xr, Kd, P, NB, b, o, N); break; \
+    default: tile(1, C, xr, Kd, P, NB, b, o, N); \
+    }
+
+/* out (B, N) = x (B, Kd) @ W (Kd, N) as panels; every thread of the team calls it. A thread takes CHUNK column
+ * blocks at a time: first it asks for the chunk's panels row group by row group (runs of CHUNK x 256 bytes; the
+ * tiles alone walk them with a stride the hardware prefetcher does not follow, and a step of a few rows was bound by
+ * memory latency: the lm_head for 8 rows 9.5 ms, 5.0 ms with this), then multiplies them for all rows, two column
+ * blocks and six rows at a time (the chunk stays in cache between the row blocks). Each weight is read from memory
+ * once a step, and no partial sums are added. */
+enum { CHUNK = 8 };
+static void product_rows(const float *x, int B, const float *P, int Kd, int N, float *out) {
+    const int NB = N / 8, G = Kd / 8;
+#pragma omp for schedule(static)
+    for (int b0 = 0; b0 < NB; b0 += CHUNK) {
+        const int b1 = b0 + CHUNK < NB ? b0 + CHUNK : NB;
+        for (int g = 0; g < G; g++) {
+            const float *w = P + ((size_t)g * NB + b0) * 64;
+            for (int l = 0; l < (b1 - b0) * 64; l += 16) __builtin_prefetch(w + l, 0, 3);
+        }
+        for (int b = b0; b < b1; b += 2)
+            for (int r0 = 0; r0 < B; r0 += 6) {
+                const int nr = B - r0 < 6 ? B - r0 : 6;
+                const float *xr = x + (size_t)r0 * Kd;
+                float *o = out + (size_t)r0 * N;
+                if (b + 1 < b1) {
+                    ROWS_CASES(2)
+                } else {
+                    ROWS_CASES(1)
+                }
+            }
+    }
+}
+
+int llmi_decode_rows(const Rows *p) {
+    const int d = p->d, H = p->H, K = p->K, hd = p->hd, F = p->F, V = p->V, B = p->B, G = H / K;
+    const int NS = 1 + PER_LAYER * p->L + 2;
+    const long qkv_n = (long)(H + 2 * K) * hd;
+    int longest = 1;
+    for (int b = 0; b < B; b++) longest = p->pos[b] + 1 > longest ? p->pos[b] + 1 : longest;
+    float *x = p->work, *h = x + (long)B * d, *attn_out = h + (long)B * d, *mlp_out = attn_out + (long)B * d;
+    float *xf = mlp_out + (long)B * d, *qkv = xf + (long)B * d, *scores = qkv + B * qkv_n;
+    float *z = scores + (long)B * H * longest, *gu = z + (long)B * H * hd, *act = gu + 2L * B * F;
+    const double t0 = omp_get_wtime();
+#define ST(b, s) (p->stats + ((size_t)(b) * NS + (s)) * NSTAT)
+#define BAD(b, e) (p->bad[b] |= (e))
+
+    for (int b = 0; b < B; b++) p->bad[b] = 0;
+#pragma omp parallel num_threads(p->nth)
+    {
+#pragma omp for schedule(static)
+        for (int b = 0; b < B; b++) {
+            for (int i = 0; i < d; i++) x[(long)b * d + i] = p->x_in[(long)b * d + i];
+            if (p->stats) BAD(b, stats7(x + (long)b * d, d, ST(b, 0)));
+        }
+#pragma omp single
+        if (p->marks) p->marks[0] = omp_get_wtime() - t0;
+        for (int l = 0; l < p->L; l++) {
+            const int s0 = 1 + PER_LAYER * l;
+#pragma omp for schedule(static)
+            for (int b = 0; b < B; b++) {
+                rms_norm(x + (long)b * d, p->attn_norm[l], d, p->eps, h + (long)b * d);
+                if (p->stats) BAD(b, stats7(h + (long)b * d, d, ST(b, s0)));
+            }
+            product_rows(h, B, p->wqkv[l], d, (int)qkv_n, qkv);
+#pragma omp for schedule(static)
+            for (int b = 0; b < B; b++) {
+                float *q = qkv + b * qkv_n, *k = q + (long)H * hd, *v = k + (long)K * hd;
+                if (p->stats) {   /* attn.q, attn.k, attn.v, then attn.q_rot, attn.k_rot */
+                    BAD(b, stats7(q, (long)H * hd, ST(b, s0 + 1)));
+                    BAD(b, stats7(k, (long)K * hd, ST(b, s0 + 2)));
+                    BAD(b, stats7(v, (long)K * hd, ST(b, s0 + 3)));
+                }
+                rope(q, H + K, hd, p->cos + (long)b * hd, p->sin + (long)b * hd);
+                if (p->stats) {
+                    BAD(b, stats7(q, (long)H * hd, ST(b, s0 + 4)));
+                    BAD(b, stats7(k, (long)K * hd, ST(b, s0 + 5)));
+                }
+                const long head = (long)p->max_len[b] * hd, layer = K * head, at = (long)p->pos[b] * hd;
+                float *kc = p->kc[b] + l * layer, *vc = p->vc[b] + l * layer;
+                for (int j = 0; j < K; j++)
+                    for (int i = 0; i < hd; i++) {
+                        kc[j * head + at + i] = k[j * hd + i];
+                        vc[j * head + at + i] = v[j * hd + i];
+                    }
+            }
+#pragma omp for collapse(2) schedule(static)
+            for (int b = 0; b < B; b++)
+                for (int hh = 0; hh < H; hh++) {   /* scores: row b's query head hh against its own cache */
+                    const int S = p->pos[b] + 1;
+                    const long head = (long)p->max_len[b] * hd;
+                    const float *q = qkv + b * qkv_n + (long)hh * hd;
+                    const float *keys = p->kc[b] + l * K * head + (hh / G) * head;
+                    float *sc = scores + (long)b * H * longest + (long)hh * S;
+                    for (int s = 0; s < S; s++) {
+                        float dot = 0.f;
+                        const float *kk = keys + (long)s * hd;
+#pragma omp simd reduction(+ : dot)
+                        for (int i = 0; i < hd; i++) dot += q[i] * kk[i];
+                        sc[s] = dot * p->scale;
+                    }
+                }
+            if (p->stats) {
+#pragma omp for schedule(static)
+                for (int b = 0; b < B; b++)
+                    BAD(b, stats7(scores + (long)b * H * longest, (long)H * (p->pos[b] + 1), ST(b, s0 + 6)));
+            }
+#pragma omp for collapse(2) schedule(static)
+            for (int b = 0; b < B; b++)
+                for (int hh = 0; hh < H; hh++) {   /* softmax, weighted values */
+                    const int S = p->pos[b] + 1;
+                    const long head = (long)p->max_len[b] * hd;
+                    float *sc = scores + (long)b * H * longest + (long)hh * S, *zo = z + ((long)b * H + hh) * hd;
+                    const float *vals = p->vc[b] + l * K * head + (hh / G) * head;
+                    float m = -INFINITY, sum = 0.f;
+                    for (int s = 0; s < S; s++) m = sc[s] > m ? sc[s] : m;
+#pragma omp simd reduction(+ : sum)
+                    for (int s = 0; s < S; s++) sum += (sc[s] = exp_le0(sc[s] - m));
+                    const float inv = 1.f / sum;
+                    for (int i = 0; i < hd; i++) zo[i] = 0.f;
+                    for (int s = 0; s < S; s++) {
+                        const float w = (sc[s] *= inv);
+                        const float *vv = vals + (long)s * hd;
+#pragma omp simd
+                        for (int i = 0; i < hd; i++) zo[i] += w * vv[i];
+                    }
+                }
+            if (p->stats) {
+#pragma omp for schedule(static)
+                for (int b = 0; b < B; b++) {
+                    BAD(b, stats7(scores + (long)b * H * longest, (long)H * (p->pos[b] + 1), ST(b, s0 + 7)));
+                    BAD(b, stats7(z + (long)b * H * hd, (long)H * hd, ST(b, s0 + 8)));
+                }
+            }
+            product_rows(z, B, p->wo[l], H * hd, d, attn_out);
+#pragma omp for schedule(static)
+            for (int b = 0; b < B; b++) {
+                float *xb = x + (long)b * d, *ab = attn_out + (long)b * d, *hb = h + (long)b * d;
+                for (int i = 0; i < d; i++) xb[i] += ab[i];
+                rms_norm(xb, p->mlp_norm[l], d, p->eps, hb);
+                if (p->stats) {
+                    BAD(b, stats7(ab, d, ST(b, s0 + 9)));
+                    BAD(b, stats7(xb, d, ST(b, s0 + 10)));
+                    BAD(b, stats7(hb, d, ST(b, s0 + 11)));
+                }
+            }
+            product_rows(h, B, p->wgu[l], d, 2 * F, gu);
+#pragma omp for schedule(static)
+            for (int b = 0; b < B; b++) {
+                const float *g2 = gu + 2L * b * F;
+                float *ac = act + (long)b * F;
+#pragma omp simd
+                for (int i = 0; i < F; i++) {    /* silu(g) * up, e^-|g| so that nothing overflows */
+                    const float g = g2[i], e = exp_le0(g < 0.f ? g : -g);
+                    ac[i] = (g < 0.f ? g * e : g) / (1.f + e) * g2[F + i];
+                }
+                if (p->stats) {
+                    BAD(b, stats7(g2, F, ST(b, s0 + 12)));
+                    BAD(b, stats7(g2 + F, F, ST(b, s0 + 13)));
+                    BAD(b, stats7(ac, F, ST(b, s0 + 14)));
+                }
+            }
+            product_rows(act, B, p->wdown[l], F, d, mlp_out);
+#pragma omp for schedule(static)
+            for (int b = 0; b < B; b++) {
+                float *xb = x + (long)b * d, *mb = mlp_out + (long)b * d;
+                for (int i = 0; i < d; i++) xb[i] += mb[i];
+                if (p->stats) {
+                    BAD(b, stats7(mb, d, ST(b, s0 + 15)));
+                    BAD(b, stats7(xb, d, ST(b, s0 + 16)));
+                }
+            }
+#pragma omp single
+            if (p->marks) p->marks[1 + l] = omp_get_wtime() - t0;
+        }
+#pragma omp for schedule(static)
+        for (int b = 0; b < B; b++) {
+            rms_norm(x + (long)b * d, p->final_norm, d, p->eps, xf + (long)b * d);
+            if (p->stats) BAD(b, stats7(xf + (long)b * d, d, ST(b, NS - 2)));
+        }
+        product_rows(xf, B, p->lm_head, d, V, p->logits);
+        if (p->stats) {
+#pragma omp for schedule(static)
+            for (int b = 0; b < B; b++) BAD(b, stats7(p->logits + (long)b * V, V, ST(b, NS - 1)));
+        }
+#pragma omp single
+        if (p->marks) p->marks[p->L + 1] = omp_get_wtime() - t0;
+    }
+#undef ST
+#undef BAD
+    int n = 0;
+    for (int b = 0; b < B; b++) n += p->bad[b] != 0;
+    return n;
+}
