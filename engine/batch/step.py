@@ -1,8 +1,10 @@
 """step_together: the next step of several runs, the decode steps of runs on one model in one forward.
 
-Arithmetic: row b's attention, sampling and statistics are computed exactly as its run alone computes them on the
-PyTorch path; the layers' matmuls run over B rows, where a BLAS kernel may sum in another order than for one row,
-so a batched row can differ from the same run alone in the last bits (tests/unit/test_batch_decode.py measures it
+Arithmetic: row b's attention, sampling and statistics are computed as its run alone computes them (on the
+PyTorch path; where the model has a native decode step, by the native batched step, engine/native/decode_rows.c,
+with the lone native step's per-row operations); the layers' matmuls run over B rows, where a kernel may sum in
+another order than for one row, so a batched row can differ from the same run alone in the last bits
+(tests/unit/test_batch_decode.py, tests/unit/test_native_rows.py and tests/model/test_batch_bundled.py measure it
 per stage). exact=True steps every run alone: its own arithmetic (and a CPU's native one-token step), no batching."""
 from __future__ import annotations
 
