@@ -3,11 +3,12 @@ in a queue); under pytest-xdist (`-n 2`, pytest.ini) the call of each runs with 
 with every core for its threads and its servers, as on one process. Its setup and teardown (starting and stopping
 its servers, loading its models), and every other test, run beside the other worker's tests.
 
-Two file locks in the run's temporary folder, shared by its workers: a phase that is not an alone call passes
-through the turnstile and holds the room shared; an alone call holds the turnstile (no new phase enters) and then
-the room alone (the other worker's phase has ended). An alone call waits at most for the other worker's current
-phase; the phases that follow wait for it. conftest orders the alone tests' modules first, so that their calls
-follow one another. Without xdist (one process, `-n 0`) nothing is locked."""
+Two file locks in the run's temporary folder, shared by its workers: a phase that is not an alone call passes through
+the turnstile and holds the room shared; an alone call holds the turnstile (no new phase enters) and then the room
+alone (the other worker's phase has ended). An alone call waits at most for the other worker's current phase; the
+phases that follow wait for it, or until the test calls done_alone() (what it measures is over). conftest orders the
+alone tests' modules first, so that their calls follow one another.
+Without xdist (one process, `-n 0`) nothing is locked."""
 from __future__ import annotations
 
 import fcntl
@@ -21,7 +22,19 @@ from pathlib import Path
 import pytest
 
 _files: dict[str, object] = {}
+_held: list = []                          # an alone call's (turnstile, room) while it holds them
 WAITED = pytest.StashKey[dict]()          # item -> {phase: seconds it waited for its turn}
+
+
+def done_alone() -> None:
+    """Called by an alone test once what it measures is over: the rest of its call (checks of texts, records,
+    counts; nothing timed) runs beside the other worker's phases. The room goes from exclusive to shared (the
+    turnstile still held, so no other alone call slips in between: flock converts by unlocking first), then the
+    turnstile opens. A no-op outside an alone call or without xdist."""
+    if _held:
+        turnstile, room = _held.pop()
+        fcntl.flock(room, fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
 def waited(item, when: str) -> float:
@@ -77,10 +90,12 @@ def turn(item, when: str):
         _wait(item, when, turnstile, fcntl.LOCK_EX)
         try:
             _wait(item, when, room, fcntl.LOCK_EX)
+            _held.append((turnstile, room))
             try:
                 with _every_core():
                     yield
             finally:
+                _held.clear()
                 fcntl.flock(room, fcntl.LOCK_UN)
         finally:
             fcntl.flock(turnstile, fcntl.LOCK_UN)

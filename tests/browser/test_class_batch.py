@@ -15,6 +15,7 @@ from engine import RunSettings
 from engine.inspection.trace import from_bytes
 from inspector.session.limits import Limits
 from inspector.session.run import inspect_run
+from tests.alone import done_alone
 from tests.browser.test_classroom_load import arrivals, press_run_in, run_in, shown_texts, visit
 from tests.browser.test_load_server import _open, _ready
 from tests.helpers import streamlit_server, tiny_config, write_model_dir
@@ -55,6 +56,7 @@ def test_eight_students_press_run_at_once(klass, browser):
         shown = shown_texts(page)
         assert want[k] in shown, (k, want[k], shown)                                   # its own single-user text
         assert not any(w in shown for j, w in enumerate(want) if j != k and w != want[k]), k   # nobody else's
+    done_alone()                    # the class has run; what follows checks its records (tests/alone.py)
     records = [_record_of(page) for _, page in tabs]
     assert any("shared one forward" in note for t in records for note in t.notes)     # the batch did step them
     for k, trace in enumerate(records):

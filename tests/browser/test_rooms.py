@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from inspector.session.rooms_poll import answer_token
+from tests.alone import done_alone
 from tests.browser.room_students import TabStudent, WireStudent
 from tests.browser.room_tabs import (
     KEY,
@@ -177,6 +178,7 @@ def lesson(browser, teacher_url: str, student_url: str, tokenizer, screenshots: 
     act, prompt = runs[1]
     out["delays"]["run 2"] = follow_delays(teacher, students, act, [prompt, "Generated text"], from_end=True)
     out["texts"] = texts
+    done_alone()                    # the delays are measured; what follows counts and compares (tests/alone.py)
     for student in students:         # the run reaches them live first (inspector.ui.room_live), then whole
         end = time.monotonic() + TIMEOUT_S
         while student.generated_text() != texts[-1] and time.monotonic() < end:

@@ -35,8 +35,30 @@ def test_beside(i):
 '''
 
 
-def turns(tmp_path: Path, plugin: bool) -> list[tuple[str, float, float]]:
-    (tmp_path / "test_sleepers.py").write_text(SUITE)
+RELEASED = '''
+import os, time, pytest
+
+def rec(name, s=0.25):
+    t0 = time.monotonic()
+    time.sleep(s)
+    with open(os.environ["TURNS_LOG"], "a") as f:
+        f.write(f"{name} {t0} {time.monotonic()}\\n")
+
+@pytest.mark.alone
+def test_measures_then_checks():
+    rec("timed")
+    from tests.alone import done_alone
+    done_alone()
+    rec("tail", 1.5)
+
+@pytest.mark.parametrize("i", range(16))
+def test_beside(i):
+    rec("beside")
+'''
+
+
+def turns(tmp_path: Path, plugin: bool, suite: str = SUITE) -> list[tuple[str, float, float]]:
+    (tmp_path / "test_sleepers.py").write_text(suite)
     log = tmp_path / "turns.log"
     env = {**os.environ, "TURNS_LOG": str(log), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "pytest", "-q", "-c", os.devnull, "--rootdir", str(tmp_path), "-p", "no:cacheprovider",
@@ -65,3 +87,11 @@ def test_without_the_turns_the_same_suite_overlaps(tmp_path):
     """The check above can fail: the same suite without the plugin runs alone tests beside others."""
     rows = turns(tmp_path, plugin=False)
     assert overlaps(rows, "alone", "beside") + overlaps(rows, "alone", "alone") > 0, rows
+
+
+def test_after_done_alone_the_rest_of_the_call_runs_beside_the_others(tmp_path):
+    """tests.alone.done_alone(): the measured part stays alone, the checks after it share the machine."""
+    rows = turns(tmp_path, plugin=True, suite=RELEASED)
+    assert len(rows) == 18
+    assert overlaps(rows, "timed", "beside") == 0, rows
+    assert overlaps(rows, "tail", "beside") >= 1, rows
