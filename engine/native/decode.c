@@ -126,15 +126,7 @@ int llmi_decode_step(const Step *p) {
             }
 #pragma omp for schedule(static)
             for (int hh = 0; hh < H; hh++) {   /* scores, softmax, weighted values: one query row a head */
-                const float *q = qkv + (long)hh * hd, *keys = kc + (hh / G) * cache_head;
-                float *sc = scores + (long)hh * S;
-                for (int s = 0; s < S; s++) {
-                    float dot = 0.f;
-                    const float *kk = keys + (long)s * hd;
-#pragma omp simd reduction(+ : dot)
-                    for (int i = 0; i < hd; i++) dot += q[i] * kk[i];
-                    sc[s] = dot * p->scale;
-                }
+                head_scores(qkv + (long)hh * hd, kc + (hh / G) * cache_head, S, hd, p->scale, scores + (long)hh * S);
             }
 #pragma omp single
             {
@@ -142,20 +134,7 @@ int llmi_decode_step(const Step *p) {
             }
 #pragma omp for schedule(static)
             for (int hh = 0; hh < H; hh++) {
-                float *sc = scores + (long)hh * S, *zo = z + (long)hh * hd;
-                const float *vals = vc + (hh / G) * cache_head;
-                float m = -INFINITY, sum = 0.f;
-                for (int s = 0; s < S; s++) m = sc[s] > m ? sc[s] : m;
-#pragma omp simd reduction(+ : sum)
-                for (int s = 0; s < S; s++) sum += (sc[s] = exp_le0(sc[s] - m));
-                const float inv = 1.f / sum;
-                for (int i = 0; i < hd; i++) zo[i] = 0.f;
-                for (int s = 0; s < S; s++) {
-                    const float w = (sc[s] *= inv);
-                    const float *vv = vals + (long)s * hd;
-#pragma omp simd
-                    for (int i = 0; i < hd; i++) zo[i] += w * vv[i];
-                }
+                head_softmax_values(scores + (long)hh * S, S, vc + (hh / G) * cache_head, hd, z + (long)hh * hd);
             }
 #pragma omp single
             {

@@ -173,16 +173,8 @@ int llmi_decode_rows(const Rows *p) {
                 for (int hh = 0; hh < H; hh++) {   /* scores: row b's query head hh against its own cache */
                     const int S = p->pos[b] + 1;
                     const long head = (long)p->max_len[b] * hd;
-                    const float *q = qkv + b * qkv_n + (long)hh * hd;
-                    const float *keys = p->kc[b] + l * K * head + (hh / G) * head;
-                    float *sc = scores + (long)b * H * longest + (long)hh * S;
-                    for (int s = 0; s < S; s++) {
-                        float dot = 0.f;
-                        const float *kk = keys + (long)s * hd;
-#pragma omp simd reduction(+ : dot)
-                        for (int i = 0; i < hd; i++) dot += q[i] * kk[i];
-                        sc[s] = dot * p->scale;
-                    }
+                    head_scores(qkv + b * qkv_n + (long)hh * hd, p->kc[b] + l * K * head + (hh / G) * head, S, hd,
+                                p->scale, scores + (long)b * H * longest + (long)hh * S);
                 }
             if (p->stats) {
 #pragma omp for schedule(static)
@@ -194,20 +186,8 @@ int llmi_decode_rows(const Rows *p) {
                 for (int hh = 0; hh < H; hh++) {   /* softmax, weighted values */
                     const int S = p->pos[b] + 1;
                     const long head = (long)p->max_len[b] * hd;
-                    float *sc = scores + (long)b * H * longest + (long)hh * S, *zo = z + ((long)b * H + hh) * hd;
-                    const float *vals = p->vc[b] + l * K * head + (hh / G) * head;
-                    float m = -INFINITY, sum = 0.f;
-                    for (int s = 0; s < S; s++) m = sc[s] > m ? sc[s] : m;
-#pragma omp simd reduction(+ : sum)
-                    for (int s = 0; s < S; s++) sum += (sc[s] = exp_le0(sc[s] - m));
-                    const float inv = 1.f / sum;
-                    for (int i = 0; i < hd; i++) zo[i] = 0.f;
-                    for (int s = 0; s < S; s++) {
-                        const float w = (sc[s] *= inv);
-                        const float *vv = vals + (long)s * hd;
-#pragma omp simd
-                        for (int i = 0; i < hd; i++) zo[i] += w * vv[i];
-                    }
+                    head_softmax_values(scores + (long)b * H * longest + (long)hh * S, S,
+                                        p->vc[b] + l * K * head + (hh / G) * head, hd, z + ((long)b * H + hh) * hd);
                 }
             if (p->stats) {
 #pragma omp for schedule(static)
