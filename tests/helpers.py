@@ -237,3 +237,19 @@ def screenshots_dir() -> Path | None:
         return None
     Path(folder).mkdir(parents=True, exist_ok=True)
     return Path(folder)
+
+
+def step_together_to_the_end(runs) -> None:
+    """engine.batch.step_together until every run has ended; no run's step may raise."""
+    from engine.batch import step_together
+    while not all(r.done for r in runs):
+        for o in step_together(runs):
+            assert not isinstance(o, BaseException), o
+
+
+def assert_same_stats(alone, together, rtol: float, atol: float) -> None:
+    """Two runs' probes hold the same statistics records (step, stage, position) with values within rtol / atol."""
+    ra, rb = alone.probe.recording.stat_records(), together.probe.recording.stat_records()
+    assert [(r.step, r.name, r.pos0) for r in ra] == [(r.step, r.name, r.pos0) for r in rb]
+    for x, y in zip(ra, rb):
+        assert torch.allclose(x.values, y.values, rtol=rtol, atol=atol, equal_nan=True), (x.name, x.step)

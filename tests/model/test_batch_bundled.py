@@ -4,12 +4,11 @@ and each run's statistics of every stage stay within the rounding a matmul over 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine import GenerationRun, SamplingParams
 from engine.accelerator import PLAIN
-from engine.batch import step_together
 from engine.inspection.probe import inspection_probe
+from tests.helpers import assert_same_stats, step_together_to_the_end
 
 pytestmark = pytest.mark.model
 
@@ -30,14 +29,9 @@ def test_bundled_runs_together_match_alone(bundled_model, native):
     for r in alone:
         r.run()
     together = _runs(model)
-    while not all(r.done for r in together):
-        for o in step_together(together):
-            assert not isinstance(o, BaseException), o
+    step_together_to_the_end(together)
     for a, b in zip(alone, together):
         assert b.token_ids == a.token_ids
-        ra, rb = a.probe.recording.stat_records(), b.probe.recording.stat_records()
-        assert [(r.step, r.name, r.pos0) for r in ra] == [(r.step, r.name, r.pos0) for r in rb]
-        for x, y in zip(ra, rb):
-            # measured: at most 1.1e-3 absolute (mlp_out) on the PyTorch path, 1.6e-3 natively (decode_rows.c, nine
-            # runs of 16 tokens), relative to values up to ~1e2 in the residual stream
-            assert torch.allclose(x.values, y.values, rtol=1e-4, atol=2e-3, equal_nan=True), (x.name, x.step)
+        # measured: at most 1.1e-3 absolute (mlp_out) on the PyTorch path, 1.6e-3 natively (decode_rows.c, nine
+        # runs of 16 tokens), relative to values up to ~1e2 in the residual stream
+        assert_same_stats(a, b, rtol=1e-4, atol=2e-3)

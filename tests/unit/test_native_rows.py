@@ -10,10 +10,11 @@ import torch
 
 from engine import GenerationRun, SamplingParams
 from engine.accelerator import PLAIN
-from engine.batch import forward_together, step_together
+from engine.batch import forward_together
 from engine.inspection.probe import Probe, inspection_probe
 from engine.native import build
 from engine.native.step import NativeDecoder
+from tests.helpers import assert_same_stats, step_together_to_the_end
 
 pytestmark = pytest.mark.unit
 
@@ -69,10 +70,7 @@ def test_one_native_step_equals_the_pytorch_batched_forward(tiny_model, monkeypa
         n = a.cache.get_pos()
         assert torch.allclose(a.cache.k[:, :, :n], b.cache.k[:, :, :n], rtol=1e-4, atol=1e-5)
         assert torch.allclose(a.cache.v[:, :, :n], b.cache.v[:, :, :n], rtol=1e-4, atol=1e-5)
-        ra, rb = a.probe.recording.stat_records(), b.probe.recording.stat_records()
-        assert [(r.step, r.name, r.pos0) for r in ra] == [(r.step, r.name, r.pos0) for r in rb]
-        for x, y in zip(ra, rb):
-            assert torch.allclose(x.values, y.values, rtol=1e-4, atol=1e-4, equal_nan=True), (x.name, x.step)
+        assert_same_stats(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_runs_stepped_natively_together_write_what_each_writes_alone(tiny_model, monkeypatch):
@@ -82,16 +80,11 @@ def test_runs_stepped_natively_together_write_what_each_writes_alone(tiny_model,
     for r in alone:
         r.run()
     together = _runs(tiny_model)
-    while not all(r.done for r in together):
-        for o in step_together(together):
-            assert not isinstance(o, BaseException), o
+    step_together_to_the_end(together)
     assert calls and max(calls) == len(SPECS)
     for a, b in zip(alone, together):
         assert b.token_ids == a.token_ids and b.stop_reason == "max_new_tokens"
-        ra, rb = a.probe.recording.stat_records(), b.probe.recording.stat_records()
-        assert [(r.step, r.name, r.pos0) for r in ra] == [(r.step, r.name, r.pos0) for r in rb]
-        for x, y in zip(ra, rb):
-            assert torch.allclose(x.values, y.values, rtol=1e-4, atol=1e-4, equal_nan=True), (x.name, x.step)
+        assert_same_stats(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_a_row_that_meets_a_nan_stops_only_its_own_run_as_alone(tiny_model, monkeypatch):
@@ -108,9 +101,7 @@ def test_a_row_that_meets_a_nan_stops_only_its_own_run_as_alone(tiny_model, monk
     for r in alone:
         r.run()
     together = planted(_prefilled(tiny_model, specs))
-    while not all(r.done for r in together):
-        for o in step_together(together):
-            assert not isinstance(o, BaseException), o
+    step_together_to_the_end(together)
     assert calls                            # the native call was tried (and reported the row)
     assert alone[1].stop_reason == together[1].stop_reason == "non-finite logits"
     assert together[1].token_ids == alone[1].token_ids
