@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SUITE = '''
 import os, time, pytest
 
-def rec(name):
+def rec(name, s=0.25):
     t0 = time.monotonic()
-    time.sleep(0.25)
+    time.sleep(s)
     with open(os.environ["TURNS_LOG"], "a") as f:
         f.write(f"{name} {t0} {time.monotonic()}\\n")
 
@@ -35,24 +35,16 @@ def test_beside(i):
 '''
 
 
-RELEASED = '''
-import os, time, pytest
-
-def rec(name, s=0.25):
-    t0 = time.monotonic()
-    time.sleep(s)
-    with open(os.environ["TURNS_LOG"], "a") as f:
-        f.write(f"{name} {t0} {time.monotonic()}\\n")
-
+RELEASED = SUITE + '''
 @pytest.mark.alone
 def test_measures_then_checks():
     rec("timed")
     from tests.alone import done_alone
     done_alone()
-    rec("tail", 1.5)
+    rec("tail", 1.0)
 
-@pytest.mark.parametrize("i", range(16))
-def test_beside(i):
+@pytest.mark.parametrize("i", range(4))
+def test_beside_the_tail(i):
     rec("beside")
 '''
 
@@ -76,10 +68,17 @@ def overlaps(rows, kind_a: str, kind_b: str) -> int:
                if i < j and {na, nb} == {kind_a, kind_b} and a0 < b1 and b0 < a1)
 
 
-def test_an_alone_test_overlaps_no_other_and_the_others_run_two_at_once(tmp_path):
-    rows = turns(tmp_path, plugin=True)
-    assert len(rows) == 12
+@pytest.fixture(scope="module")
+def with_turns(tmp_path_factory) -> list[tuple[str, float, float]]:
+    """One run of the sleepers with the plugin (alone tests, one that calls done_alone, and others), for both checks."""
+    return turns(tmp_path_factory.mktemp("turns"), plugin=True, suite=RELEASED)
+
+
+def test_an_alone_test_overlaps_no_other_and_the_others_run_two_at_once(with_turns):
+    rows = with_turns
+    assert len(rows) == 18
     assert overlaps(rows, "alone", "beside") == 0 and overlaps(rows, "alone", "alone") == 0, rows
+    assert overlaps(rows, "alone", "timed") == 0 and overlaps(rows, "alone", "tail") == 0, rows
     assert overlaps(rows, "beside", "beside") >= 2, rows          # two workers did run at once
 
 
@@ -89,9 +88,8 @@ def test_without_the_turns_the_same_suite_overlaps(tmp_path):
     assert overlaps(rows, "alone", "beside") + overlaps(rows, "alone", "alone") > 0, rows
 
 
-def test_after_done_alone_the_rest_of_the_call_runs_beside_the_others(tmp_path):
+def test_after_done_alone_the_rest_of_the_call_runs_beside_the_others(with_turns):
     """tests.alone.done_alone(): the measured part stays alone, the checks after it share the machine."""
-    rows = turns(tmp_path, plugin=True, suite=RELEASED)
-    assert len(rows) == 18
+    rows = with_turns
     assert overlaps(rows, "timed", "beside") == 0, rows
     assert overlaps(rows, "tail", "beside") >= 1, rows

@@ -141,15 +141,15 @@ def test_a_class_larger_than_one_step_is_served_in_turns(tiny_model):
 
 
 def test_runs_that_come_back_one_after_another_still_share_each_step(tiny_model):
-    """Four runs whose decode steps end 50 ms apart (their on_token takes 0, 50, 100, 150 ms after each decoded
-    token: a class's threads finishing their sampling one after another) share their steps: with a window of 100 ms
-    the leader waits while they keep coming (the window after each), not the window after itself, which split them
-    into steps of two or three rows."""
+    """Four runs whose on_token takes 0, 35, 70, 105 ms after each decoded token (the last past the window: a
+    class's runs finishing their steps one after another) share their steps: with a window of 100 ms the leader
+    waits while they keep coming (the window after each), not the window after itself, which split them into steps
+    of two or three rows."""
     model = tiny_model.with_accelerator(PLAIN)
 
     def slow(n: int):
-        return lambda step: time.sleep(0.05 * n) if step.index > 0 else None
-    runs = [GenerationRun(model, PROMPTS[n], seed=n, max_new_tokens=12, ignore_eos=True, probe=inspection_probe(),
+        return lambda step: time.sleep(0.035 * n) if step.index > 0 else None
+    runs = [GenerationRun(model, PROMPTS[n], seed=n, max_new_tokens=6, ignore_eos=True, probe=inspection_probe(),
                           on_token=slow(n)) for n in range(4)]
     barrier = StepBarrier(window_s=0.1)
     _drive_all(barrier, runs)
