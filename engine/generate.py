@@ -197,7 +197,8 @@ class GenerationRun:
         self.eos = set() if ignore_eos else set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
         self.token_ids: list[int] = []
         self.steps: list[Step] = []
-        self.batched_steps = 0       # steps whose logits came from a forward shared with other runs (engine.batch)
+        self.batched_steps = 0       # decode steps whose logits came from a forward shared with other runs
+        self.packed_prefill = False  # the prefill's came from a packed forward (engine.batch.prefill)
         self.text = ""
         self.stop_reason: str | None = None
         if probe is not None:
@@ -216,11 +217,28 @@ class GenerationRun:
             return None
         return self.token_ids[-1]
 
+    def prefill_input(self) -> list[int] | None:
+        """The prompt this run's next step feeds the model when that step is its prefill in one piece on its cache
+        (engine.batch packs several such runs into one forward); None: any other step, or a prompt prefilled in
+        chunks (longer than PREFILL_CHUNK)."""
+        if self.done or self.steps or not self.use_cache or len(self.prompt_ids) > PREFILL_CHUNK:
+            return None
+        return self.prompt_ids
+
+    def prefill_ask(self, layer: int) -> object:
+        """What on_progress answers just before block `layer` of this run's prefill in one piece (== layers: after
+        the last), as _prefill asks it; STOP ends the run there (engine.batch asks it for a packed prefill)."""
+        if self.on_progress is None:
+            return None
+        n = len(self.prompt_ids)
+        return self.on_progress(Progress(0, n, n, layer, self.model.config.num_layers))
+
     def step(self, logits: torch.Tensor | None = None, *, seconds: float = 0.0) -> Step | None:
         """Run one forward + sample + detokenize. None once the run has stopped (also when this step's logits
         held a NaN or Inf: then no token is drawn and the run stops with NONFINITE). logits (V,), seconds: this
         step's forward already done elsewhere for decode_input() (engine.batch: the cache advanced, the probe
-        told) and what it took."""
+        told) and what it took; or for the prefill, a packed forward's logits row for prefill_input() (its cache
+        advanced), or the Stopped it ended this run with (prefill_ask answered STOP)."""
         if self.done:
             return None
         probe, index = self.probe, len(self.steps)
@@ -230,8 +248,11 @@ class GenerationRun:
         try:
             if logits is None:
                 logits = self._forward(index)
+            elif isinstance(logits, Stopped):
+                raise logits
             else:
-                logits, self.batched_steps = logits.float().cpu(), self.batched_steps + 1
+                logits, self.batched_steps = logits.float().cpu(), self.batched_steps + (index > 0)
+                self.packed_prefill = self.packed_prefill or index == 0
         except Stopped:
             self.stop_reason = STOPPED
             return None

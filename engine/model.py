@@ -11,7 +11,6 @@ grouped matmuls) and offers them as they are."""
 from __future__ import annotations
 
 import copy
-import functools
 import threading
 import time
 from contextlib import contextmanager
@@ -31,6 +30,7 @@ from engine.inspection.probe_views import FULL, NO_PROBE, NoProbe
 from engine.inspection.stages import hook_names
 from engine.inspection.stop_points import StopPoint, stop_point
 from engine.kv_cache import KVCache
+from engine.matmul import mm
 from engine.moe import activation, experts_mlp, route
 from engine.progress import STOP, Stopped
 from engine.rope import apply_rope, rope_tables, rotate, table_kinds
@@ -53,33 +53,6 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, eps)
     wide = torch.promote_types(x.dtype, w.dtype)
     return F.rms_norm(x.to(wide), (x.shape[-1],), w.to(wide), eps).to(w.dtype)
-
-
-def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x (T, K) @ w (K, N). One row on a multi-core CPU (decode, bound by reading w): MKL runs a one-row
-    product on one thread, streaming at about half the machine's read bandwidth, so w is split into one
-    chunk per thread, multiplied as a batch (MKL gives each its own thread) and put back together: a wide
-    matrix (the lm_head) by column blocks, whose products are the output's pieces; any other by contiguous
-    row blocks, whose partial products are added."""
-    if x.shape[0] != 1 or x.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous():
-        return x @ w        # (half precisions: partial products rounded to 16 bits would add error)
-    K, N = w.shape
-    threads = torch.get_num_threads()
-    if N >= 8 * K:
-        parts = _parts(N, threads)
-        n = N // parts
-        return torch.bmm(x.expand(parts, 1, K), w.as_strided((parts, K, n), (n, N, 1))).view(1, N)
-    parts = _parts(K, threads)
-    if parts == 1:
-        return x @ w
-    k = K // parts
-    return torch.bmm(x.reshape(parts, 1, k), w.view(parts, k, N)).sum(0)
-
-
-@functools.lru_cache(maxsize=64)
-def _parts(rows: int, threads: int) -> int:
-    """Chunks for a one-row product: the most, up to the thread count (at most 8), that divide `rows`."""
-    return next(p for p in range(min(threads, 8), 0, -1) if rows % p == 0)
 
 
 class Model:
@@ -181,6 +154,16 @@ class Model:
             at = Where(self.config, self.rope, positions.to(self.device), contiguous=False)
             return self._forward(ids.to(self.device), rows, probe, int(positions[0]), False, at=at)
 
+    def forward_segments(self, ids: torch.Tensor, positions: torch.Tensor, segments, probe) -> torch.Tensor:
+        """The prompts of several runs in one forward (engine.batch.prefill): ids (T,) the runs' tokens one run after
+        another at positions (T,), segments the batch's cache (each run's rows attend against its own cache; its
+        last row: segments.last_rows), probe its fan-out (each run's probe sees its own rows) -> logits (B, V) of
+        each run's last position. On_layer: segments.on_layer. PyTorch; advances no cache."""
+        with torch.inference_mode(), self.attached(probe, int(positions[0])):
+            at = Where(self.config, self.rope, positions.to(self.device), contiguous=False)
+            return self._forward(ids.to(self.device), segments, probe, int(positions[0]), True,
+                                 on_layer=segments.on_layer, at=at)
+
     def _forward(self, ids, cache: KVCache, probe: Probe | NoProbe, pos: int, last_only: bool,
                  stop: StopPoint | None = None, on_layer=None, at: Where | None = None) -> torch.Tensor:
         cfg, w = self.config, self.weights
@@ -217,8 +200,8 @@ class Model:
             x = probe("final_norm", _norm(x, norm, eps))
         if stop is not None:
             return x
-        if last_only:
-            x = x[-1:]
+        if last_only:         # the last row; of a packed prefill (engine.batch.segments), each run's last
+            x = x[cache.last_rows] if hasattr(cache, "last_rows") else x[-1:]
             probe.move_to(pos + T - 1)   # the one logits row belongs to the last position
         logits = self._head(x, lm_head, probe)                                  # (T, V)
         if probe.timing:
@@ -229,7 +212,7 @@ class Model:
         """The final-normed stream (T, d) -> logits (T, V): the lm_head, Granite's logits_scaling, Gemma 2's final
         soft cap (the logits before it offered as logits_uncapped)."""
         cfg = self.config
-        logits = _mm(x.to(lm_head.dtype), lm_head)
+        logits = mm(x.to(lm_head.dtype), lm_head)
         if cfg.logits_divisor != 1.0:
             logits = logits / cfg.logits_divisor
         if cfg.final_softcap is not None:
@@ -286,7 +269,7 @@ class Model:
         cfg = self.config
         T, H, K, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = x if lw.attn_norm is None else p("attn_norm", _norm(x, lw.attn_norm, eps))    # (T, d)
-        qkv = _mm(h, lw.wqkv) if lw.bqkv is None else torch.addmm(lw.bqkv, h, lw.wqkv)      # (T, (H + 2K) hd)
+        qkv = mm(h, lw.wqkv) if lw.bqkv is None else torch.addmm(lw.bqkv, h, lw.wqkv)      # (T, (H + 2K) hd)
         q0, k0, v = qkv.view(T, H + 2 * K, hd).split([H, K, K], dim=1)                  # (T, heads, hd) each
         q, k, v = p("attn.q", q0), p("attn.k", k0), p("attn.v", v)
         if lw.q_norm is not None:
@@ -309,9 +292,9 @@ class Model:
         if hasattr(cache, "attend"):          # rows of several runs (engine.batch): each against its own cache
             z = cache.attend(i, q.transpose(0, 1), k, v, p)                     # (H, T, hd)
         else:
-            z = self._attend(p, q, k, v, cache, i, at)
+            z = self.attend(p, q, k, v, cache, i, at)
         z = p("attn.z", z.transpose(0, 1))                                      # (T, H, hd)
-        out = _mm(z.reshape(T, H * hd), lw.wo)
+        out = mm(z.reshape(T, H * hd), lw.wo)
         if cfg.residual_scale != 1.0:         # Granite: the branch scaled before it joins the stream
             out = out * cfg.residual_scale
         out = p("attn_out", out.to(x.dtype))                                   # (T, d)
@@ -319,8 +302,10 @@ class Model:
             out = p("attn_post_norm", _norm(out, lw.attn_post_norm, eps).to(x.dtype))
         return x.add_(out) if own else p("resid_mid", x + out)
 
-    def _attend(self, p, q, k, v, cache, i: int, at: Where) -> torch.Tensor:
-        """Attention of one call's rows against its cache: q (T, H, hd), k, v (T, K, hd) -> z (H, T, hd)."""
+    def attend(self, p, q, k, v, cache, i: int, at: Where) -> torch.Tensor:
+        """Layer i's attention of one call's rows against its cache (written here): q (T, H, hd), k, v (T, K, hd)
+        at `at` (Where) -> z (H, T, hd); p: the call's view of block i's probe (scores, pattern, their statistics).
+        engine.batch.segments calls it for each run of a packed prefill."""
         cfg = self.config
         T, H, K = q.shape[0], cfg.num_heads, cfg.num_kv_heads
         first, _ = cache.key_positions(i, T) if hasattr(cache, "key_positions") else (0, None)
@@ -345,16 +330,16 @@ class Model:
         h = x if lw.mlp_norm is None else p("mlp_norm", _norm(x, lw.mlp_norm, eps))
         act_fn = activation(cfg.activation)
         if lw.router is not None:
-            gates = p("mlp.experts", route(p("mlp.router", _mm(h, lw.router)), cfg.experts_per_token,
+            gates = p("mlp.experts", route(p("mlp.router", mm(h, lw.router)), cfg.experts_per_token,
                                            cfg.norm_topk_prob))                  # (T, E): 0 but each row's top k
             out = experts_mlp(h, gates, lw.experts_gate_up, lw.experts_down, act_fn)
         else:
-            gate, up = _mm(h, lw.w_gate_up).chunk(2, dim=-1)                    # (T, F) each
+            gate, up = mm(h, lw.w_gate_up).chunk(2, dim=-1)                    # (T, F) each
             if own and cfg.activation == "silu":
                 act = F.silu(gate, inplace=True).mul_(up)                        # gate's half of the product
             else:
                 act = p("mlp.act", act_fn(p("mlp.gate", gate)) * p("mlp.up", up))
-            out = _mm(act, lw.w_down)
+            out = mm(act, lw.w_down)
         if cfg.residual_scale != 1.0:
             out = out * cfg.residual_scale
         out = p("mlp_out", out.to(x.dtype))                                     # (T, d)

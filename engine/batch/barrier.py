@@ -12,9 +12,10 @@ and may come back), or it is handed the lead (the leader's own run ended). Why o
 their steps in thirty threads took 0.1-0.2 s to come back on two cores (4.5 ms of CPU each, against 1.2 ms one
 after another in one thread), and the next step waited for the last of them (`python -m engine bench --class`,
 docs/CLASSROOM.md). A run alone never waits: it is the only one decoding, and steps on its own path (a CPU's native
-one-token step). max_rows also follows a per-step latency bound: the batch is capped so that the measured cost of a
-row (its share of the forward and its own step) keeps one step under `latency_s`; runs beyond the cap take the
-next step, in turn.
+one-token step). Prefills meet at the barrier's PrefillGate (engine.batch.prefill): those that wait at the same
+moment go through one forward. max_rows also follows a per-step latency bound: the batch is capped so that the
+measured cost of a row (its share of the forward and its own step) keeps one step under `latency_s`; runs beyond
+the cap take the next step, in turn.
 
     barrier = shared_barrier()
     result = barrier.drive(run)          # run: an engine.GenerationRun; returns its GenerationResult
@@ -24,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 
+from engine.batch.prefill import PrefillGate, prefill_reason
 from engine.batch.step import alone_reason, forward_together
 from engine.generate import GenerationResult, GenerationRun
 
@@ -44,7 +46,8 @@ class _Request:
 class StepBarrier:
     def __init__(self, max_rows: int = 32, window_s: float = WINDOW_S, latency_s: float = LATENCY_S,
                  gather_s: float = GATHER_S) -> None:
-        """max_rows: most runs in one forward (1: every run steps alone, its own arithmetic bit for bit)."""
+        """max_rows: most runs in one decode forward (1: every run prefills and steps alone, its own arithmetic bit for
+        bit)."""
         self._cond = threading.Condition()     # the lock; only a gathering leader waits on it
         self._pending: list[_Request] = []     # runs waiting for a step, in turn
         self._decoding = 0                     # runs driven here whose next steps are decode steps
@@ -53,12 +56,16 @@ class StepBarrier:
         self.gather_s = max(gather_s, window_s)
         self.row_s = 0.0                 # measured seconds per row of a batched step (moving average)
         self.steps = self.rows = 0       # batched steps taken, rows they served (rows / steps: the mean batch)
+        self.prefills = PrefillGate()    # the runs' prefills, packed when they wait at the same moment
 
     def drive(self, run: GenerationRun) -> GenerationResult:
         """Step `run` to its end, its decode steps batched with the other runs driven at the same time."""
         decoding = False
         try:
             while not run.done:
+                if self.max_rows >= 2 and prefill_reason(run) is None:
+                    self.prefills.prefill(run)          # packed with the prefills waiting beside it
+                    continue
                 if self.max_rows < 2 or alone_reason(run) is not None:
                     run.step()
                     continue
@@ -104,13 +111,19 @@ class StepBarrier:
 
     def _gather(self) -> list[_Request]:
         """(Holding the lock, leading) wait for the decoding runs while they keep arriving: at most window_s after
-        the last one came (or the leader began), and at most gather_s in all; take this step's batch."""
+        the last one came (or the leader began), and at most gather_s in all; and while prefills are under way at
+        the gate (those runs join this step: decoding beside a packed prefill would only slow it). Take this step's
+        batch."""
         start = last = time.monotonic()
         cap, arrived = self.cap(), len(self._pending)
-        while len(self._pending) < min(self._decoding, cap):
+        while len(self._pending) < min(self._decoding + self.prefills.serving, cap):
             now = time.monotonic()
             if len(self._pending) > arrived:
                 arrived, last = len(self._pending), now
+            if self.prefills.serving:
+                start = last = now
+                self._cond.wait(self.window_s)
+                continue
             left = min(last + self.window_s, start + self.gather_s) - now
             if left <= 0:
                 break

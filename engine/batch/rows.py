@@ -87,11 +87,13 @@ class FanLayer:
                     yield b, p, plan
 
     def __call__(self, stage: str, x: Any) -> Any:
-        rows = isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() > 1 and x.shape[0] == len(self.parts)
+        bounds = self.fan.bounds
+        rows = isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() > 1 and x.shape[0] == bounds[-1][1]
         entry = None
         for b, p, plan in self.plans(stage):
+            s, e = bounds[b]
             if not rows or plan.heads_first:
-                self.part(b)(stage, x[b:b + 1])
+                self.part(b)(stage, x[s:e])
                 continue
             if plan.stats:
                 if entry is None:
@@ -99,7 +101,7 @@ class FanLayer:
                     entry, wanting = self.fan.shared.add(name, plan.layer, x, plan.masked), []
                 wanting.append(b)
             if plan.capture:
-                p.offer_captures(stage, x[b:b + 1])
+                p.offer_captures(stage, x[s:e])
         if entry is not None:
             self.fan.rows(wanting, name, entry)
         return x
@@ -127,13 +129,16 @@ class FanLayer:
 
 
 class FanProbe(NoProbe):
-    """The batch's probe: parts[b] is run b's probe (or NO_PROBE); positions[b] its run's position. Weights, epsilon
-    and positions are NoProbe's (the batch's own): a probe that would change them runs apart (engine.batch.step).
-    shared: the statistics of the batch's stages (engine.batch.shared_stats); run b's consecutive shared stages are
-    handed to its probe as one source (RowSource) before anything else it is offered, and at the call's end."""
+    """The batch's probe: parts[b] is run b's probe (or NO_PROBE); positions[b] its run's position; bounds[b] its
+    rows of the call's stage tensors (a decode step's: row b alone; a packed prefill's, engine.batch.segments: its
+    prompt's). Weights, epsilon and positions are NoProbe's (the batch's own): a probe that would change them runs
+    apart (engine.batch.step). shared: the statistics of the batch's stages (engine.batch.shared_stats); run b's
+    consecutive shared stages are handed to its probe as one source (RowSource) before anything else it is offered,
+    and at the call's end."""
 
-    def __init__(self, probes: list, positions: list[int]) -> None:
+    def __init__(self, probes: list, positions: list[int], bounds: list[tuple[int, int]] | None = None) -> None:
         self.parts = [NO_PROBE if p is None else p for p in probes]
+        self.bounds = bounds or [(b, b + 1) for b in range(len(self.parts))]
         self.positions, self.shared = positions, SharedStats()
         self.top = FanLayer(self, self.parts)
         self.timing = any(p.timing for p in self.parts)
@@ -167,7 +172,7 @@ class FanProbe(NoProbe):
         for b in parts:
             src = opened[b]
             if src is None:
-                src = opened[b] = RowSource(self.shared, b)
+                src = opened[b] = RowSource(self.shared, *self.bounds[b])
             src.names.append(name)
             src.entries.append(entry)
 

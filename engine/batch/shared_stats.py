@@ -9,7 +9,7 @@ own row's tensors had been offered.
 
     shared = SharedStats()
     entry = shared.add(name, layer, x, masked)     # x (B, ...): its statistics are entry `entry` of every row
-    source = RowSource(shared, b)                  # row b's values of the entries appended to source.entries
+    source = RowSource(shared, b, b + 1)           # row b's values of the entries appended to source.entries
 """
 from __future__ import annotations
 
@@ -44,12 +44,12 @@ class SharedStats:
 
 
 class RowSource:
-    """Row b's statistics of some entries of a SharedStats, as one source of consecutive stages for one probe."""
+    """Rows [start, end) of some entries of a SharedStats (one run's: a decode step's row, a packed prefill's
+    prompt), as one source of consecutive stages for one probe."""
     elements = 0                     # holds nothing toward the probe's flush bound (the shared batcher holds it)
-    rows = 1
 
-    def __init__(self, shared: SharedStats, b: int) -> None:
-        self.shared, self.b = shared, b
+    def __init__(self, shared: SharedStats, start: int, end: int) -> None:
+        self.shared, self.start, self.end, self.rows = shared, start, end, end - start
         self.names: list[str] = []
         self.entries: list[int] = []
         self._values: torch.Tensor | None = None
@@ -63,6 +63,6 @@ class RowSource:
             values = s.shared.values()
             first, n = s.entries[0], len(s.entries)
             if s.entries[-1] - first == n - 1:                       # consecutive entries: a slice
-                s._values = values[first:first + n, s.b:s.b + 1]
+                s._values = values[first:first + n, s.start:s.end]
             else:
-                s._values = values[torch.tensor(s.entries), s.b:s.b + 1]
+                s._values = values[torch.tensor(s.entries), s.start:s.end]

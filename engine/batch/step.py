@@ -25,6 +25,12 @@ def alone_reason(run: GenerationRun) -> str | None:
     """Why this run's next step cannot join a batch (None: it can)."""
     if run.decode_input() is None:
         return "its next step is no one-token decode step on its cache (the prefill, the end, or no cache)"
+    return shared_forward_reason(run)
+
+
+def shared_forward_reason(run: GenerationRun) -> str | None:
+    """Why this run can share no forward with other runs' whatever its step (None: it can): a batched decode step's
+    or a packed prefill's (engine.batch.prefill)."""
     if run.probe is not None and not run.probe.served_by(_NO_STAGES):
         return "its probe changes the forward (a replace hook, a weight override or a run-only epsilon)"
     if run.model.config.rope_scaling.rope_type == "longrope":
@@ -47,7 +53,7 @@ def step_together(runs: list[GenerationRun], *, exact: bool = False) -> list[Out
             _batch([runs[n] for n in members], [out, members])
     for n, run in enumerate(runs):
         if n not in batched:
-            out[n] = _guarded(run.step)
+            out[n] = guarded(run.step)
     return out
 
 
@@ -61,7 +67,7 @@ def _batch(runs: list[GenerationRun], into: list) -> None:
             out[n] = e
         return
     for b, (n, run) in enumerate(zip(members, runs)):
-        out[n] = _guarded(run.step, logits[b], seconds=seconds)
+        out[n] = guarded(run.step, logits[b], seconds=seconds)
 
 
 def forward_together(runs: list[GenerationRun]) -> tuple[torch.Tensor, float]:
@@ -85,7 +91,8 @@ def forward_together(runs: list[GenerationRun]) -> tuple[torch.Tensor, float]:
     return logits, time.perf_counter() - t0
 
 
-def _guarded(fn, *args, **kwargs) -> Outcome:
+def guarded(fn, *args, **kwargs) -> Outcome:
+    """fn(*args, **kwargs), or the exception it raised (handed to the run it belongs to)."""
     try:
         return fn(*args, **kwargs)
     except Exception as e:      # the caller hands it to the run it belongs to

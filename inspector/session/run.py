@@ -117,13 +117,18 @@ def inspect_run(model: Model, request: RunSettings | Checked, on_token: Callable
         result = shared_barrier(limits.max_batch_rows).drive(run)     # decode steps batched with other runs
         seconds = time.perf_counter() - t0
     result.timings["tokenize"] = checked.tokenize_s          # tokenised once, by the check, not by the engine again
-    notes = list(checked.notes) + ([batched_note(run.batched_steps)] if run.batched_steps else [])
+    shared = run.batched_steps or run.packed_prefill
+    notes = list(checked.notes) + ([batched_note(run.batched_steps, run.packed_prefill)] if shared else [])
     return track(make_trace(settings, result, probe, model.name, seconds, notes=notes))
 
 
-def batched_note(steps: int) -> str:
-    """What a run whose decode steps were batched with other runs' says about its arithmetic (engine.batch)."""
-    return (f"{steps} of this run's decode steps shared one forward with other runs' (this server batches the runs "
-            "in flight). Its logits and statistics may differ from the run alone by float rounding (measured: up to "
-            "about 1e-4 in logits, 1e-3 in a stage's statistics), so a near tie could draw another token. A server "
-            f"started with {env_name('max_batch_rows')}=1 gives every run its own arithmetic, bit for bit.")
+def batched_note(steps: int, packed_prefill: bool = False) -> str:
+    """What a run whose decode steps were batched with other runs', or whose prompt was prefilled with theirs, says
+    about its arithmetic (engine.batch)."""
+    said = ([f"{steps} of this run's decode steps shared one forward with other runs'"] if steps else []) + \
+        (["its prompt was prefilled in one forward with other runs' prompts"] if packed_prefill else [])
+    what = " and ".join(said)
+    return (f"{what[0].upper()}{what[1:]} (this server batches the runs in flight). Its logits and statistics may "
+            "differ from the run alone by float rounding (measured: up to about 1e-4 in logits, 1e-3 in a stage's "
+            "statistics), so a near tie could draw another token. A server started with "
+            f"{env_name('max_batch_rows')}=1 gives every run its own arithmetic, bit for bit.")

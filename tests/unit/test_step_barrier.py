@@ -96,7 +96,7 @@ def test_the_apps_run_path_batches_and_matches_alone(tiny_model):
     alone = [inspect_run(tiny_model, s, limits=Limits(max_batch_rows=1), admission=Admission(4, 8))
              for s in settings]
     barrier = shared_barrier()
-    before, rows_before = barrier.steps, barrier.rows
+    before, rows_before, packed_before = barrier.steps, barrier.rows, barrier.prefills.packed
     admission, out = Admission(4, 8), [None] * 4
     gate = threading.Barrier(4)
 
@@ -115,6 +115,8 @@ def test_the_apps_run_path_batches_and_matches_alone(tiny_model):
     said = [[int(n.split(" of this run's decode steps")[0]) for n in t.notes if "shared one forward" in n] for t in out]
     assert all(len(s) <= 1 for s in said)
     assert sum(sum(s) for s in said) == barrier.rows - rows_before > 0
+    prefilled = sum("its prompt was prefilled in one forward with other runs'" in n for t in out for n in t.notes)
+    assert prefilled == barrier.prefills.packed - packed_before
 
 
 def test_bench_class_measures_a_class_that_batched(tiny_model):

@@ -1,0 +1,138 @@
+"""Packed prefills: the prompts of runs that wait for their prefill at the same moment go through one forward
+(Model.forward_segments): every matmul reads the weights once for all their rows (this 2-core CPU: ~230 GFLOP/s
+for one prompt's forty rows, ~370 at a thousand), each run's attention is computed against its own cache and its
+probe is offered its own rows (engine.batch.segments), and each run's on_progress is asked before every block as in
+its own prefill (a STOP ends that run alone). Then each run finishes its prefill step (sampling, detokenizing,
+on_token) with its own logits row, in the leader's thread, as engine.batch.barrier does for decode steps.
+
+    gate = PrefillGate()
+    step = gate.prefill(run)      # run's prefill step (prefill_reason(run) is None), packed with those waiting
+
+Who waits: the first run to arrive while no packed prefill is under way leads at once (a run alone never waits and
+is prefilled exactly as alone, by its own step); the runs that arrive while it computes wait, and the first of them
+then leads them all (up to PACK_TOKENS prompt rows; the rest wait for the next). Arithmetic: each row's values
+come from the same operations as in its own prefill, except that the matmuls run over more rows, which a kernel may
+sum in another order (measured in tests/unit/test_packed_prefill.py and tests/model/test_batch_bundled.py);
+max_rows=1 on the barrier (the server's exact switch) prefills and steps every run alone."""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from engine.batch.segments import SegmentProbe, Segments
+from engine.batch.step import Outcome, guarded, shared_forward_reason
+from engine.generate import PREFILL_CHUNK, STOP, GenerationRun, Step, Stopped
+
+PACK_TOKENS = PREFILL_CHUNK     # the most prompt rows in one packed forward (a long prompt's chunk)
+
+
+def prefill_reason(run: GenerationRun) -> str | None:
+    """Why this run's next step cannot be packed with other runs' prefills (None: it can)."""
+    if run.prefill_input() is None:
+        return "its next step is no prefill in one piece on its cache"
+    return shared_forward_reason(run)
+
+
+def prefill_together(runs: list[GenerationRun]) -> list[Outcome]:
+    """Each run's prefill step (runs: prefill_reason None, one model), in order: its Step, None (it stopped), or the
+    exception its step raised. One forward over all their prompts; a failed forward (memory) is every run's
+    exception, with no cache advanced."""
+    model = runs[0].model
+    if any(r.model is not model for r in runs):
+        raise ValueError("runs of one packed prefill must share one model")
+    prompts = [r.prefill_input() for r in runs]
+    for run, ids in zip(runs, prompts):
+        run.cache.check_room(len(ids))
+        if run.probe is not None:
+            run.probe.step = 0
+    lengths, starts = [len(p) for p in prompts], [r.cache.get_pos() for r in runs]
+    probe = SegmentProbe([r.probe for r in runs], lengths, starts)
+    segments = Segments(model, [r.cache for r in runs], probe,
+                        [r.prefill_ask if r.on_progress is not None else None for r in runs])
+    positions = torch.cat([p + torch.arange(n) for p, n in zip(starts, lengths)])
+    t0 = time.perf_counter()
+    try:
+        logits = model.forward_segments(torch.tensor([t for p in prompts for t in p]), positions, segments, probe)
+    except Exception as e:
+        return [e] * len(runs)
+    seconds = time.perf_counter() - t0
+    out: list[Outcome] = []
+    for b, (run, n) in enumerate(zip(runs, lengths)):
+        got: torch.Tensor | Stopped = Stopped() if segments.stopped[b] else logits[b]
+        if not segments.stopped[b]:
+            run.cache.advance(n)
+            if run.on_progress is not None and run.prefill_ask(model.config.num_layers) is STOP:
+                got = Stopped()
+        out.append(guarded(run.step, got, seconds=seconds))
+    return out
+
+
+class _Waiter:
+    __slots__ = ("run", "outcome", "done", "wake")
+
+    def __init__(self, run: GenerationRun) -> None:
+        self.run, self.outcome, self.done, self.wake = run, None, False, threading.Event()
+
+
+class PrefillGate:
+    """Runs waiting for their prefill (see the module docstring). packs / packed: packed forwards taken and the
+    runs they served (a run prefilled alone counts in neither)."""
+
+    def __init__(self, pack_tokens: int = PACK_TOKENS) -> None:
+        self.pack_tokens = pack_tokens
+        self._lock = threading.Lock()
+        self._waiting: list[_Waiter] = []
+        self._leader: _Waiter | None = None
+        self.packs = self.packed = 0
+        self.serving = 0       # runs whose prefill is under way (until each is handed its step): the decode
+                               # barrier's leader waits for them to join its next step (engine.batch.barrier)
+
+    @property
+    def waiting(self) -> int:
+        """Runs waiting for their prefill (the one under way not counted)."""
+        return len(self._waiting)
+
+    def prefill(self, run: GenerationRun) -> Step | None:
+        """`run`'s prefill step (prefill_reason(run) is None), packed with the prefills waiting beside it."""
+        me = _Waiter(run)
+        with self._lock:
+            self._waiting.append(me)
+            if self._leader is None:
+                self._leader = me
+        while not me.done:
+            if self._leader is me:
+                self._serve()
+            else:
+                me.wake.wait()
+                me.wake.clear()
+        if isinstance(me.outcome, BaseException):
+            raise me.outcome
+        return me.outcome
+
+    def _serve(self) -> None:
+        """(Leading) the waiting runs' prefills, first come first, up to pack_tokens prompt rows (at least one run);
+        then the lead passes to the first run still waiting."""
+        with self._lock:
+            batch, rows = [], 0
+            while self._waiting and (not batch or rows + len(self._waiting[0].run.prompt_ids) <= self.pack_tokens):
+                batch.append(self._waiting.pop(0))
+                rows += len(batch[-1].run.prompt_ids)
+            self.serving = len(batch)
+        try:
+            if len(batch) == 1:
+                outcomes = [guarded(batch[0].run.step)]
+            else:
+                outcomes = prefill_together([w.run for w in batch])
+                self.packs, self.packed = self.packs + 1, self.packed + len(batch)
+        except BaseException as e:     # an interrupt in the leader: every run of the batch hears it
+            outcomes = [e] * len(batch)
+        with self._lock:
+            for w, outcome in zip(batch, outcomes):
+                w.outcome, w.done = outcome, True
+                w.wake.set()
+            self.serving = 0
+            self._leader = self._waiting[0] if self._waiting else None
+            if self._leader is not None:
+                self._leader.wake.set()
