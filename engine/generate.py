@@ -24,7 +24,7 @@ from engine.errors import InputError
 from engine.inspection.probe import Probe
 from engine.inspection.recording import Recording
 from engine.inspection.stat_columns import Col
-from engine.sampling import SamplingParams, draw, entropy, sampler_chain
+from engine.sampling import SamplingParams, all_finite, draw, entropy, sampler_chain
 from engine.settings import check_stop
 from engine.threads import one_thread
 
@@ -270,7 +270,7 @@ class GenerationRun:
         """step() after the forward: the sampler chain on this step's logits (V,), the token, its text, the stop
         checks (the caller then calls on_token)."""
         model, probe, index = self.model, self.probe, len(self.steps)
-        if not bool(torch.isfinite(logits).all()):
+        if not all_finite(logits):
             self._stop_nonfinite()
             return None
 
