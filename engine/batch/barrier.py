@@ -50,7 +50,7 @@ class StepBarrier:
         bit)."""
         self._cond = threading.Condition()     # the lock; only a gathering leader waits on it
         self._pending: list[_Request] = []     # runs waiting for a step, in turn
-        self._decoding = 0                     # runs driven here whose next steps are decode steps
+        self._decoding = 0                     # runs driven here whose next steps are (packed prefill and) decode steps
         self._leader: _Request | None = None
         self.max_rows, self.window_s, self.latency_s = max_rows, window_s, latency_s
         self.gather_s = max(gather_s, window_s)
@@ -63,17 +63,18 @@ class StepBarrier:
         decoding = False
         try:
             while not run.done:
-                if self.max_rows >= 2 and prefill_reason(run) is None:
-                    self.prefills.prefill(run)          # packed with the prefills waiting beside it
-                    continue
-                if self.max_rows < 2 or alone_reason(run) is not None:
+                packed = self.max_rows >= 2 and prefill_reason(run) is None
+                if not packed and (self.max_rows < 2 or alone_reason(run) is not None):
                     run.step()
                     continue
-                if not decoding:
+                if not decoding:             # from its packed prefill on, its decode steps are awaited
                     with self._cond:
                         self._decoding += 1
                     decoding = True
-                self._wait_at_barrier(run)
+                if packed:
+                    self.prefills.prefill(run)          # packed with the prefills waiting beside it
+                else:
+                    self._wait_at_barrier(run)
         finally:
             if decoding:
                 with self._cond:
@@ -116,7 +117,7 @@ class StepBarrier:
         batch."""
         start = last = time.monotonic()
         cap, arrived = self.cap(), len(self._pending)
-        while len(self._pending) < min(self._decoding + self.prefills.serving, cap):
+        while len(self._pending) < min(self._decoding, cap):
             now = time.monotonic()
             if len(self._pending) > arrived:
                 arrived, last = len(self._pending), now
