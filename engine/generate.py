@@ -24,7 +24,7 @@ from engine.errors import InputError
 from engine.inspection.probe import Probe
 from engine.inspection.recording import Recording
 from engine.inspection.stat_columns import Col
-from engine.sampling import SamplingParams, all_finite, draw, entropy, sampler_chain
+from engine.sampling import SamplingParams, all_finite, draw, entropy, first_max, sampler_chain
 from engine.settings import check_stop
 from engine.threads import one_thread
 
@@ -278,7 +278,7 @@ class GenerationRun:
         with model.attached(probe, self.cache.get_pos()):
             stages = sampler_chain(logits, self.params, context, self.token_ids, offer=probe)
         probs = stages["sampler.probs"]
-        token = int(torch.argmax(probs)) if self.params.temperature == 0 else draw(probs, self.generator)
+        token = first_max(probs) if self.params.temperature == 0 else draw(probs, self.generator)
         raw = torch.softmax(logits, dim=-1)
         top = torch.topk(raw, TOP_CANDIDATES)
         t2 = time.perf_counter()

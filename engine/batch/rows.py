@@ -18,9 +18,17 @@ class Rows:
     """The caches of a batch's runs, one row each, at positions (B,)."""
 
     def __init__(self, model, caches: list, positions: list[int]) -> None:
-        self.cfg, self.caches = model.config, caches
-        # each row's own positions, rotary tables and masks: what its run alone would build for one token
-        self.where = [Where(model.config, model.rope, torch.tensor([p], device=model.device)) for p in positions]
+        self.cfg, self.caches, self._model, self._positions = model.config, caches, model, positions
+        self._where: list[Where] | None = None
+
+    @property
+    def where(self) -> list[Where]:
+        """Each row's own positions, rotary tables and masks: what its run alone would build for one token (made on
+        the PyTorch path's first use; the native batched step needs none)."""
+        if self._where is None:
+            m = self._model
+            self._where = [Where(m.config, m.rope, torch.tensor([p], device=m.device)) for p in self._positions]
+        return self._where
 
     def attend(self, i: int, qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p) -> torch.Tensor:
         """Layer i: qh (H, B, hd), k, v (B, K, hd) -> z (H, B, hd), row b against run b's cache, its scores and

@@ -2,6 +2,7 @@
 and the stand-in used when there is no probe (NoProbe, every stage a no-op)."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -15,6 +16,12 @@ NONE, STATS, ROWS, FULL = 0, 1, 2, 3
 _PASS, _SLOW = ("pass",), ("slow",)      # LayerProbe: a stage nothing wants; a stage the probe itself handles
 
 
+@functools.lru_cache(maxsize=None)
+def _layer_names(i: int) -> dict[str, str]:
+    """Block i's stage names (one dict for every probe's view of block i: only read)."""
+    return {stage: f"blocks.{i}.{stage}" for stage in LAYER_STAGES}
+
+
 class LayerProbe:
     """One block's view of a probe; the only place the "blocks.{i}." prefix is added to a stage name."""
     guards_nan = True    # rows must not see NaN/Inf from keys they do not attend to (the fused path checks)
@@ -22,7 +29,7 @@ class LayerProbe:
 
     def __init__(self, probe, i: int) -> None:     # probe: engine.inspection.probe.Probe
         self.probe = probe
-        self.names = {stage: f"blocks.{i}.{stage}" for stage in LAYER_STAGES}
+        self.names = _layer_names(i)
         self.quick: dict[str, tuple] = {}   # stage -> _PASS, _SLOW, or what its statistics-only plan adds
         self.needs: dict[str, int] = {}
 

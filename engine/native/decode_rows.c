@@ -44,75 +44,114 @@ long llmi_rows_work_floats(int B, int d, int H, int K, int hd, int F, int longes
 }
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));      /* eight floats, unaligned loads and stores */
-enum { ROWS = 8 };      /* rows a tile takes at once: 16 sums, two weight vectors and a broadcast (AVX-512's 32 vector
-                           registers; with AVX2's 16 the compiler keeps some sums in cache, still one weight load) */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));     /* sixteen: one AVX-512 register */
+enum { ROWS = 8 };      /* rows a tile takes at once */
 
-/* out[0:R] (row stride N), column blocks b and, when C == 2, b + 1 = x[0:R] (row stride Kd) @ those columns of W
- * (panels: P[g][b][r][c] = W[8 g + r][8 b + c]): an R x 16 tile of sums held in registers over all of Kd, each
+/* out[0:R] (row stride N), column blocks b .. b + C - 1 (C = 1, 2 or 4) = x[0:R] (row stride Kd) @ those columns of
+ * W (panels: P[g][b][r][c] = W[8 g + r][8 b + c]): an R x 8C tile of sums held in registers over all of Kd, each
  * weight vector loaded once for the R rows (the usual register-blocked micro-kernel). Inlined with R and C constant
- * (ROWS_CASES). Measured on this machine (2 cores, AVX-512): the 576 x 3,072 product for 8 rows 0.42 ms with six
- * rows a tile, 0.23 ms with eight (PyTorch's 0.29-0.31 ms); for 30 rows 0.85 and 0.61 ms (0.72-0.89 ms). */
+ * (ROWS_CASES). Two column blocks' weights are joined into one 16-wide vector, so that sixteen of a row's sums are
+ * one AVX-512 multiply-add (GCC's -march=native keeps its own loops at 256 bits on this CPU), and four blocks give
+ * 2 R independent sums to hide the multiply-add's latency: each sum gets the same products in the same order as
+ * with 8-wide vectors. pf: the next chunk's panels, a line of which is asked for with each weight vector (see
+ * product_rows; q: this tile's place in its chunk). Measured on this machine (2 cores, AVX-512), the layers of a
+ * 30-row step: 2.1 ms each with 8 x 16 tiles of 8-wide vectors, 1.9-2.0 with 16-wide ones and the next chunk asked
+ * for. */
 static inline __attribute__((always_inline)) void tile(const int R, const int C, const float *x, int Kd,
-                                                       const float *P, int NB, int b, float *out, int N) {
-    v8 acc[ROWS][2];
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < C; j++) acc[i][j] = (v8){0};
+                                                       const float *P, int NB, int b, float *out, int N,
+                                                       const float *pf, int q) {
+    v16 acc[ROWS][2];
+    v8 acc1[ROWS];
+    for (int i = 0; i < R; i++) {
+        if (C == 1) acc1[i] = (v8){0};
+        else for (int j = 0; j < C / 2; j++) acc[i][j] = (v16){0};
+    }
     const int G = Kd / 8;
     for (int g = 0; g < G; g++) {
         const float *w = P + ((size_t)g * NB + b) * 64;
         for (int r = 0; r < 8; r++) {
+            if (pf) {      /* two lines of the next chunk's panels (a chunk: 32 G lines; 2 tiles of 8 G vectors) */
+                const int j = ((q * G + g) * 8 + r) * 2;
+                __builtin_prefetch(pf + (size_t)(j >> 5) * NB * 64 + (j & 31) * 16, 0, 3);
+                __builtin_prefetch(pf + (size_t)(j >> 5) * NB * 64 + ((j + 1) & 31) * 16, 0, 3);
+            }
             const v8 w0 = *(const v8 *)(w + r * 8);
-            const v8 w1 = C == 2 ? *(const v8 *)(w + 64 + r * 8) : (v8){0};
+            if (C == 1) {
+                for (int i = 0; i < R; i++) acc1[i] += x[(size_t)i * Kd + 8 * g + r] * w0;
+                continue;
+            }
+            const v8 w1 = *(const v8 *)(w + 64 + r * 8);
+            const v16 ww0 = __builtin_shufflevector(w0, w1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            v16 ww1 = ww0;
+            if (C == 4) {
+                const v8 w2 = *(const v8 *)(w + 128 + r * 8), w3 = *(const v8 *)(w + 192 + r * 8);
+                ww1 = __builtin_shufflevector(w2, w3, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            }
             for (int i = 0; i < R; i++) {
                 const float a = x[(size_t)i * Kd + 8 * g + r];
-                acc[i][0] += a * w0;
-                if (C == 2) acc[i][1] += a * w1;
+                acc[i][0] += a * ww0;
+                if (C == 4) acc[i][1] += a * ww1;
             }
         }
     }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < C; j++) *(v8 *)(out + (size_t)i * N + 8 * (b + j)) = acc[i][j];
+    for (int i = 0; i < R; i++) {
+        if (C == 1) *(v8 *)(out + (size_t)i * N + 8 * b) = acc1[i];
+        else for (int j = 0; j < C / 2; j++) *(v16 *)(out + (size_t)i * N + 8 * b + 16 * j) = acc[i][j];
+    }
 }
 
 #define ROWS_CASES(C) \
     switch (nr) { \
-    case 8: tile(8, C, xr, Kd, P, NB, b, o, N); break; \
-    case 7: tile(7, C, xr, Kd, P, NB, b, o, N); break; \
-    case 6: tile(6, C, xr, Kd, P, NB, b, o, N); break; \
-    case 5: tile(5, C, xr, Kd, P, NB, b, o, N); break; \
-    case 4: tile(4, C, xr, Kd, P, NB, b, o, N); break; \
-    case 3: tile(3, C, xr, Kd, P, NB, b, o, N); break; \
-    case 2: tile(2, C, xr, Kd, P, NB, b, o, N); break; \
-    default: tile(1, C, xr, Kd, P, NB, b, o, N); \
+    case 8: tile(8, C, xr, Kd, P, NB, b, o, N, pf, q); break; \
+    case 7: tile(7, C, xr, Kd, P, NB, b, o, N, pf, q); break; \
+    case 6: tile(6, C, xr, Kd, P, NB, b, o, N, pf, q); break; \
+    case 5: tile(5, C, xr, Kd, P, NB, b, o, N, pf, q); break; \
+    case 4: tile(4, C, xr, Kd, P, NB, b, o, N, pf, q); break; \
+    case 3: tile(3, C, xr, Kd, P, NB, b, o, N, pf, q); break; \
+    case 2: tile(2, C, xr, Kd, P, NB, b, o, N, pf, q); break; \
+    default: tile(1, C, xr, Kd, P, NB, b, o, N, pf, q); \
     }
 
 /* out (B, N) = x (B, Kd) @ W (Kd, N) as panels; every thread of the team calls it. A thread takes CHUNK column
- * blocks at a time: first it asks for the chunk's panels row group by row group (runs of CHUNK x 256 bytes; the
- * tiles alone walk them with a stride the hardware prefetcher does not follow, and a step of a few rows was bound by
- * memory latency: the lm_head for 8 rows 9.5 ms, 5.0 ms with this), then multiplies them for all rows, two column
- * blocks and ROWS rows at a time (the chunk stays in cache between the row blocks). Each weight is read from memory
- * once a step, and no partial sums are added. */
+ * blocks at a time and multiplies them for all rows, four column blocks and ROWS rows at a time (the chunk stays in
+ * cache between the row blocks). Its first chunk it first asks for row group by row group (runs of CHUNK x 256
+ * bytes; the tiles alone walk them with a stride the hardware prefetcher does not follow, and a step of a few rows
+ * was bound by memory latency: the lm_head for 8 rows 9.5 ms, 5.0 ms with this); each next chunk it asks for while
+ * it multiplies the one before, two lines with each weight vector of its first row block's tiles (2 tiles of 8 G
+ * vectors: the 32 G lines of a chunk), so that reading memory and multiplying overlap (asked for whole before its
+ * products, a third of the products' time went to waiting on the requests). Each weight is read from memory once
+ * a step, and no partial sums are added. */
 enum { CHUNK = 8 };
 static void product_rows(const float *x, int B, const float *P, int Kd, int N, float *out) {
     const int NB = N / 8, G = Kd / 8;
+    int first = 1;
 #pragma omp for schedule(static)
     for (int b0 = 0; b0 < NB; b0 += CHUNK) {
         const int b1 = b0 + CHUNK < NB ? b0 + CHUNK : NB;
-        for (int g = 0; g < G; g++) {
-            const float *w = P + ((size_t)g * NB + b0) * 64;
-            for (int l = 0; l < (b1 - b0) * 64; l += 16) __builtin_prefetch(w + l, 0, 3);
+        if (first) {
+            for (int g = 0; g < G; g++) {
+                const float *w = P + ((size_t)g * NB + b0) * 64;
+                for (int l = 0; l < (b1 - b0) * 64; l += 16) __builtin_prefetch(w + l, 0, 3);
+            }
+            first = 0;
         }
-        for (int b = b0; b < b1; b += 2)
+        const float *next = b1 + CHUNK <= NB ? P + (size_t)b1 * 64 : NULL;     /* a whole next chunk */
+        for (int b = b0; b < b1;) {
+            const int C = b + 4 <= b1 ? 4 : b + 2 <= b1 ? 2 : 1, q = (b - b0) / 4;
             for (int r0 = 0; r0 < B; r0 += ROWS) {
                 const int nr = B - r0 < ROWS ? B - r0 : ROWS;
-                const float *xr = x + (size_t)r0 * Kd;
+                const float *xr = x + (size_t)r0 * Kd, *pf = r0 == 0 && C == 4 ? next : NULL;
                 float *o = out + (size_t)r0 * N;
-                if (b + 1 < b1) {
+                if (C == 4) {
+                    ROWS_CASES(4)
+                } else if (C == 2) {
                     ROWS_CASES(2)
                 } else {
                     ROWS_CASES(1)
                 }
             }
+            b += C;
+        }
     }
 }
 
