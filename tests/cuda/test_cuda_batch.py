@@ -1,7 +1,8 @@
-"""The batched decode step (engine.batch) on CUDA (bf16): the same step as on the CPU with the device's kernels.
-Three runs stepped together write what each writes alone (greedy: bf16 matmuls over three rows may round otherwise,
-so tokens are compared where the alone run's top two logits differ by more than the measured rounding), and each
-probe holds its own run's records. Skipped without a GPU; run by scripts/gpu_check.sh."""
+"""The batched decode step and the packed prefill (engine.batch) on CUDA (bf16): the same steps as on the CPU with the
+device's kernels. Three runs prefilled together (or alone) and stepped together write what each writes alone
+(greedy: bf16 matmuls over more rows may round otherwise, so tokens are compared where the alone run's top two
+logits differ by more than the measured rounding), and each probe holds its own run's records. Skipped without a
+GPU; run by scripts/gpu_check.sh."""
 from __future__ import annotations
 
 import pytest
@@ -25,11 +26,15 @@ def _runs(model):
                           probe=inspection_probe()) for p in PROMPTS]
 
 
-def test_batched_step_on_cuda_matches_alone(gpu_model):
+@pytest.mark.parametrize("packed", [False, True], ids=["prefills alone", "prefills packed"])
+def test_batched_step_on_cuda_matches_alone(gpu_model, packed):
+    from engine.batch.prefill import prefill_together
     alone = _runs(gpu_model)
     for r in alone:
         r.run()
     together = _runs(gpu_model)
+    if packed:
+        assert all(s is not None for s in prefill_together(together))
     while not all(r.done for r in together):
         for o in step_together(together):
             assert not isinstance(o, BaseException), o
