@@ -112,6 +112,14 @@ static inline __attribute__((always_inline)) void tile(const int R, const int C,
     default: tile(1, C, xr, Kd, P, NB, b, o, N, pf, q); \
     }
 
+/* A tile of one or two column blocks (the end of a row of panels when N / 8 is no multiple of 4: none of the
+ * bundled model's products), not specialised for each row count (a smaller library, built faster). */
+static __attribute__((noinline)) void tile_any(int R, int C, const float *x, int Kd, const float *P, int NB, int b,
+                                               float *out, int N) {
+    if (C == 2) tile(R, 2, x, Kd, P, NB, b, out, N, 0, 0);
+    else tile(R, 1, x, Kd, P, NB, b, out, N, 0, 0);
+}
+
 /* out (B, N) = x (B, Kd) @ W (Kd, N) as panels; every thread of the team calls it. A thread takes CHUNK column
  * blocks at a time and multiplies them for all rows, four column blocks and ROWS rows at a time (the chunk stays in
  * cache between the row blocks). Its first chunk it first asks for row group by row group (runs of CHUNK x 256
@@ -144,10 +152,8 @@ static void product_rows(const float *x, int B, const float *P, int Kd, int N, f
                 float *o = out + (size_t)r0 * N;
                 if (C == 4) {
                     ROWS_CASES(4)
-                } else if (C == 2) {
-                    ROWS_CASES(2)
                 } else {
-                    ROWS_CASES(1)
+                    tile_any(nr, C, xr, Kd, P, NB, b, o, N);
                 }
             }
             b += C;

@@ -24,8 +24,9 @@ static inline float rs_sum(rs_v16 a) {
  * holds a NaN or Inf (the caller then takes the PyTorch path, whose accounting of them is the reference). Each pass
  * keeps two 16-wide vectors of partial sums (and of minima and maxima) over all of the row's groups, reduced once at
  * the end: 32 independent chains, where one 8-wide chain of additions a group, bound by their latency, read 2.6 G
- * values a second on this 2-core machine. */
-static inline int row_stat(const float *x, int G, int n, long sg, float *o) {
+ * values a second on this 2-core machine. Not inlined: its callers are many, and one call a row costs nothing
+ * beside its passes (inlined at each of them, the library took twice as long to build). */
+static __attribute__((noinline, unused)) int row_stat(const float *x, int G, int n, long sg, float *o) {
     rs_v16 a0 = {0}, a1 = {0}, mn0, mn1, mx0, mx1;
     for (int j = 0; j < 16; j++) mn0[j] = mn1[j] = INFINITY, mx0[j] = mx1[j] = -INFINITY;
     double tail = 0.0;
