@@ -49,18 +49,22 @@ def test_beside_the_tail(i):
 '''
 
 
-def turns(tmp_path: Path, plugin: bool, suite: str = SUITE) -> list[tuple[str, float, float]]:
+def start(tmp_path: Path, plugin: bool, suite: str = SUITE):
+    """The sleepers' suite on two workers, started (a subprocess; `rows` reads what it logged once it has ended)."""
     (tmp_path / "test_sleepers.py").write_text(suite)
-    log = tmp_path / "turns.log"
-    env = {**os.environ, "TURNS_LOG": str(log), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "TURNS_LOG": str(tmp_path / "turns.log"), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "pytest", "-q", "-c", os.devnull, "--rootdir", str(tmp_path), "-p", "no:cacheprovider",
            "-n", "2", "--dist", "load", "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path)]
     if plugin:
         cmd[4:4] = ["-p", "tests.alone"]
-    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    rows = [line.split() for line in log.read_text().splitlines()]
-    return [(name, float(a), float(b)) for name, a, b in rows]
+    return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def rows(proc, tmp_path: Path) -> list[tuple[str, float, float]]:
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    got = [line.split() for line in (tmp_path / "turns.log").read_text().splitlines()]
+    return [(name, float(a), float(b)) for name, a, b in got]
 
 
 def overlaps(rows, kind_a: str, kind_b: str) -> int:
@@ -69,27 +73,30 @@ def overlaps(rows, kind_a: str, kind_b: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def with_turns(tmp_path_factory) -> list[tuple[str, float, float]]:
-    """One run of the sleepers with the plugin (alone tests, one that calls done_alone, and others), for both checks."""
-    return turns(tmp_path_factory.mktemp("turns"), plugin=True, suite=RELEASED)
+def both(tmp_path_factory) -> dict[str, list[tuple[str, float, float]]]:
+    """The sleepers run twice at the same time (they mostly sleep; each run has its own locks): with the plugin
+    (alone tests, one that calls done_alone, and others) and without it."""
+    on, off = tmp_path_factory.mktemp("turns"), tmp_path_factory.mktemp("no-turns")
+    runs = {"with": (start(on, plugin=True, suite=RELEASED), on), "without": (start(off, plugin=False), off)}
+    return {k: rows(proc, path) for k, (proc, path) in runs.items()}
 
 
-def test_an_alone_test_overlaps_no_other_and_the_others_run_two_at_once(with_turns):
-    rows = with_turns
+def test_an_alone_test_overlaps_no_other_and_the_others_run_two_at_once(both):
+    rows = both["with"]
     assert len(rows) == 18
     assert overlaps(rows, "alone", "beside") == 0 and overlaps(rows, "alone", "alone") == 0, rows
     assert overlaps(rows, "alone", "timed") == 0 and overlaps(rows, "alone", "tail") == 0, rows
     assert overlaps(rows, "beside", "beside") >= 2, rows          # two workers did run at once
 
 
-def test_without_the_turns_the_same_suite_overlaps(tmp_path):
+def test_without_the_turns_the_same_suite_overlaps(both):
     """The check above can fail: the same suite without the plugin runs alone tests beside others."""
-    rows = turns(tmp_path, plugin=False)
+    rows = both["without"]
     assert overlaps(rows, "alone", "beside") + overlaps(rows, "alone", "alone") > 0, rows
 
 
-def test_after_done_alone_the_rest_of_the_call_runs_beside_the_others(with_turns):
+def test_after_done_alone_the_rest_of_the_call_runs_beside_the_others(both):
     """tests.alone.done_alone(): the measured part stays alone, the checks after it share the machine."""
-    rows = with_turns
+    rows = both["with"]
     assert overlaps(rows, "timed", "beside") == 0, rows
     assert overlaps(rows, "tail", "beside") >= 1, rows
