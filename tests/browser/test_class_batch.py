@@ -38,18 +38,29 @@ def klass(tmp_path_factory, tokenizer_files):
         yield url, proc, log, d
 
 
-def test_eight_students_press_run_at_once(klass, browser):
+@pytest.fixture
+def typed(klass, browser):
+    """What the test does not measure, done in its setup (beside the other workers' tests): each question's run
+    alone with the batch off (the references), and the eight tabs opened with their questions typed."""
     url, proc, log, model_dir = klass
     from engine import load_model
     model = load_model(model_dir, device="cpu", dtype="float32")
     alone = Limits(max_batch_rows=1)
     refs = [inspect_run(model, RunSettings(prompt=q, max_new_tokens=NEW), limits=alone) for q in QUESTIONS]
-    want = [r.result.text.strip("\n") for r in refs]
     tabs = [_open(browser, url, wait=False) for _ in range(STUDENTS)]
     for _, page in tabs:
         _ready(page)
     for (_, page), q in zip(tabs, QUESTIONS):
         run_in(page, q)
+    yield refs, tabs
+    for ctx, _ in tabs:
+        ctx.close()
+
+
+def test_eight_students_press_run_at_once(klass, typed):
+    url, proc, log, model_dir = klass
+    refs, tabs = typed
+    want = [r.result.text.strip("\n") for r in refs]
     press_run_in(tabs)
     assert arrivals(tabs) == [0] * STUDENTS           # nobody queued: all eight generated at once
     for k, (_, page) in enumerate(tabs):
@@ -61,8 +72,6 @@ def test_eight_students_press_run_at_once(klass, browser):
     assert any("shared one forward" in note for t in records for note in t.notes)     # the batch did step them
     for k, trace in enumerate(records):
         _same_statistics(trace, refs[k], k)
-    for ctx, _ in tabs:
-        ctx.close()
     assert proc.poll() is None and "Traceback" not in log.read_text()
 
 

@@ -25,10 +25,7 @@ from tests.browser.test_load_server import TIMEOUT_S, _open, _ready, _set_max_ne
 from tests.helpers import RUNNING, streamlit_server, tiny_config, write_model_dir
 from tests.st_client import AppClient
 
-pytestmark = pytest.mark.browser
-# The room of thirty checks texts and a memory bound (the server's own process: what runs beside it cannot change
-# what the server holds, and the bound must hold however fast the sessions are served), so it runs beside other
-# tests; the ten tabs' queue places are a schedule, taken by itself (tests/alone.py).
+pytestmark = [pytest.mark.browser, pytest.mark.alone]      # its delays, schedule or memory: by itself (tests/alone.py)
 SESSIONS = int(os.environ.get("LLM_INSPECTOR_ROOM_SESSIONS", "30"))
 TABS = min(SESSIONS, int(os.environ.get("LLM_INSPECTOR_ROOM_TABS", "3")))     # of SESSIONS: Chromium tabs
 BUSY = re.compile("Running|Computing")
@@ -340,7 +337,6 @@ def press_run_clients(clients, also=()) -> float:
     return took
 
 
-@pytest.mark.alone
 def test_ten_tabs_of_one_browser_delay_the_others_by_at_most_one_run(room):
     """Four students and one browser whose ten tabs share its cookie press Run within milliseconds, all of them
     protocol sessions (tests/st_client.py: the server's schedule is the point, not the painting). Measured by the
