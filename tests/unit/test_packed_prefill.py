@@ -66,9 +66,12 @@ def test_packed_prefills_then_each_run_match_each_alone(tiny_model):
         logits_rec[0].values.shape[0] == len(together[1].prompt_ids)
 
 
-def test_a_stop_in_one_runs_prefill_ends_that_run_as_alone_and_no_other(tiny_model):
+@pytest.mark.parametrize("at", [1, 2], ids=["before block 1", "after the last block"])
+def test_a_stop_in_one_runs_prefill_ends_that_run_as_alone_and_no_other(tiny_model, at):
+    assert tiny_model.config.num_layers == 2
+
     def stop_before_block_1(p):
-        return STOP if p.layer == 1 else None
+        return STOP if p.layer == at else None
     specs_stop = [None, stop_before_block_1, None, None]
 
     def runs():
@@ -80,8 +83,9 @@ def test_a_stop_in_one_runs_prefill_ends_that_run_as_alone_and_no_other(tiny_mod
         r.run()
     together = runs()
     out = prefill_together(together)
-    assert out[1] is None and together[1].stop_reason == "stopped" and together[1].cache.get_pos() == 0
-    assert {r.layer for r in together[1].probe.recording.stat_records() if r.layer is not None} == {0}
+    assert out[1] is None and together[1].stop_reason == "stopped"
+    assert together[1].cache.get_pos() == (0 if at == 1 else len(together[1].prompt_ids))   # as alone
+    assert {r.layer for r in together[1].probe.recording.stat_records() if r.layer is not None} == set(range(at))
     for r in together:
         r.run()
     _same(alone, together)
@@ -100,6 +104,14 @@ def test_a_nan_in_one_runs_prompt_stays_in_that_run(tiny_model_dir):
         r.run()
     assert alone[2].stop_reason == "non-finite logits" and alone[0].stop_reason == "max_new_tokens"
     _same(alone, together)
+
+
+def test_runs_of_two_models_are_not_packed_together(tiny_model):
+    from engine.accelerator import PLAIN
+    runs = [GenerationRun(tiny_model, "hello", max_new_tokens=2),
+            GenerationRun(tiny_model.with_accelerator(PLAIN), "hello", max_new_tokens=2)]
+    with pytest.raises(ValueError, match="share one model"):
+        prefill_together(runs)
 
 
 def test_a_probe_that_changes_the_forward_is_not_packed(tiny_model):
@@ -152,6 +164,37 @@ def test_the_gate_packs_the_prefills_that_wait_while_one_is_under_way(tiny_model
         r.run()
     _same(alone[:1], together[:1], exact=True)
     _same(alone[1:], together[1:])
+
+
+def test_a_packed_runs_error_is_raised_in_its_own_thread_only(tiny_model):
+    """A run whose prefill step raises (here its on_token) in a pack: the gate raises it in that run's thread; the
+    pack's other run has its step."""
+    gate, waiting, out = PrefillGate(), threading.Event(), {}
+    runs = _runs(tiny_model)[:3]
+    runs[0].on_progress = lambda p: (waiting.wait(30), None)[1]
+
+    def planted(step):
+        raise RuntimeError("planted in on_token")
+    runs[2].on_token = planted
+
+    def work(n: int) -> None:
+        try:
+            out[n] = gate.prefill(runs[n])
+        except RuntimeError as e:
+            out[n] = e
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(3)]
+    threads[0].start()
+    while gate.waiting or not gate.serving:            # run 0 leads alone first
+        threading.Event().wait(0.005)
+    for t in threads[1:]:
+        t.start()
+    while gate.waiting < 2:
+        threading.Event().wait(0.005)
+    waiting.set()
+    for t in threads:
+        t.join(60)
+    assert gate.packs == 1 and out[0].index == 0 and out[1].index == 0
+    assert isinstance(out[2], RuntimeError) and "planted" in str(out[2])
 
 
 def test_the_exact_switch_prefills_every_run_alone(tiny_model):
