@@ -1,0 +1,79 @@
+"""What a batched decode step does when something fails (engine.batch): a failed shared forward (memory) is every
+run's error with no cache advanced, in step_together and at the step barrier (each run's own thread raises it); a
+run whose own step raises (its on_token) fails alone and the others of its step go on; runs of two models never
+share a forward."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine import GenerationRun
+from engine.accelerator import PLAIN
+from engine.batch import StepBarrier, forward_together, step_together
+
+pytestmark = pytest.mark.unit
+
+PROMPTS = ["hello there", "a longer prompt with more words", "x"]
+
+
+def _prefilled(model, **kw) -> list[GenerationRun]:
+    runs = [GenerationRun(model, p, max_new_tokens=4, ignore_eos=True, seed=n, **kw) for n, p in enumerate(PROMPTS)]
+    for r in runs:
+        r.step()
+    return runs
+
+
+def _out_of_memory(*a, **k):
+    raise MemoryError("no room for the batched forward")
+
+
+def test_a_failed_shared_forward_is_every_runs_error_and_advances_no_cache(tiny_model, monkeypatch):
+    runs = _prefilled(tiny_model)
+    before = [r.cache.get_pos() for r in runs]
+    monkeypatch.setattr(type(tiny_model), "forward_rows", _out_of_memory)
+    out = step_together(runs)
+    assert all(isinstance(o, MemoryError) for o in out)
+    assert [r.cache.get_pos() for r in runs] == before and all(len(r.steps) == 1 for r in runs)
+
+
+def test_runs_of_two_models_share_no_forward(tiny_model):
+    runs = _prefilled(tiny_model)[:1] + _prefilled(tiny_model.with_accelerator(PLAIN))[:1]
+    with pytest.raises(ValueError, match="share one model"):
+        forward_together(runs)
+
+
+def _drive(barrier: StepBarrier, runs: list[GenerationRun]) -> list:
+    out: list = [None] * len(runs)
+
+    def work(n: int) -> None:
+        try:
+            out[n] = barrier.drive(runs[n])
+        except Exception as e:          # what the run's own thread raises
+            out[n] = e
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(len(runs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_at_the_barrier_a_failed_forward_is_raised_in_every_runs_own_thread(tiny_model, monkeypatch):
+    runs = _prefilled(tiny_model)
+    monkeypatch.setattr(type(tiny_model), "forward_rows", _out_of_memory)
+    out = _drive(StepBarrier(window_s=0.5), runs)
+    assert all(isinstance(o, MemoryError) for o in out), out
+    # (a run that arrived first may have stepped alone before the others came) the failed step advanced no cache
+    assert all(r.cache.get_pos() == len(r.prompt_ids) + len(r.steps) - 1 and not r.done for r in runs)
+
+
+def test_at_the_barrier_a_runs_own_failing_step_ends_only_that_run(tiny_model):
+    def planted(step):
+        if step.index == 2:
+            raise RuntimeError("planted in on_token")
+    runs = _prefilled(tiny_model)
+    runs[1].on_token = planted
+    out = _drive(StepBarrier(window_s=0.5), runs)
+    assert isinstance(out[1], RuntimeError) and "planted" in str(out[1])
+    assert [len(o.token_ids) for o in (out[0], out[2])] == [4, 4]
