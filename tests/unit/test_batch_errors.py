@@ -63,9 +63,13 @@ def test_at_the_barrier_a_failed_forward_is_raised_in_every_runs_own_thread(tiny
     runs = _prefilled(tiny_model)
     monkeypatch.setattr(type(tiny_model), "forward_rows", _out_of_memory)
     out = _drive(StepBarrier(window_s=0.5), runs)
-    assert all(isinstance(o, MemoryError) for o in out), out
-    # (a run that arrived first may have stepped alone before the others came) the failed step advanced no cache
-    assert all(r.cache.get_pos() == len(r.prompt_ids) + len(r.steps) - 1 and not r.done for r in runs)
+    failed = [isinstance(o, MemoryError) for o in out]
+    assert sum(failed) >= 2, out             # the runs that met in a step (a run alone steps on its own path)
+    for r, f in zip(runs, failed):
+        if f:       # its failed step advanced no cache
+            assert r.cache.get_pos() == len(r.prompt_ids) + len(r.steps) - 1 and not r.done
+        else:       # it never shared a forward: every step of it alone
+            assert r.batched_steps == 0 and r.done
 
 
 def test_at_the_barrier_a_runs_own_failing_step_ends_only_that_run(tiny_model):
