@@ -253,3 +253,24 @@ def assert_same_stats(alone, together, rtol: float, atol: float) -> None:
     assert [(r.step, r.name, r.pos0) for r in ra] == [(r.step, r.name, r.pos0) for r in rb]
     for x, y in zip(ra, rb):
         assert torch.allclose(x.values, y.values, rtol=rtol, atol=atol, equal_nan=True), (x.name, x.step)
+
+
+def drive_together(barrier, runs) -> list:
+    """Each run driven to its end by `barrier` (engine.batch.StepBarrier) in a thread of its own, the threads started
+    together: each run's GenerationResult, or the exception its thread raised."""
+    import threading
+    out: list = [None] * len(runs)
+    gate = threading.Barrier(len(runs))
+
+    def work(n: int) -> None:
+        gate.wait()
+        try:
+            out[n] = barrier.drive(runs[n])
+        except Exception as e:          # what the run's own thread raises
+            out[n] = e
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(len(runs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out

@@ -4,13 +4,12 @@ run whose own step raises (its on_token) fails alone and the others of its step 
 share a forward."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from engine import GenerationRun
 from engine.accelerator import PLAIN
 from engine.batch import StepBarrier, forward_together, step_together
+from tests.helpers import drive_together
 
 pytestmark = pytest.mark.unit
 
@@ -43,26 +42,10 @@ def test_runs_of_two_models_share_no_forward(tiny_model):
         forward_together(runs)
 
 
-def _drive(barrier: StepBarrier, runs: list[GenerationRun]) -> list:
-    out: list = [None] * len(runs)
-
-    def work(n: int) -> None:
-        try:
-            out[n] = barrier.drive(runs[n])
-        except Exception as e:          # what the run's own thread raises
-            out[n] = e
-    threads = [threading.Thread(target=work, args=(n,)) for n in range(len(runs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
-
-
 def test_at_the_barrier_a_failed_forward_is_raised_in_every_runs_own_thread(tiny_model, monkeypatch):
     runs = _prefilled(tiny_model)
     monkeypatch.setattr(type(tiny_model), "forward_rows", _out_of_memory)
-    out = _drive(StepBarrier(window_s=0.5), runs)
+    out = drive_together(StepBarrier(window_s=0.5), runs)
     failed = [isinstance(o, MemoryError) for o in out]
     assert sum(failed) >= 2, out             # the runs that met in a step (a run alone steps on its own path)
     for r, f in zip(runs, failed):
@@ -78,6 +61,6 @@ def test_at_the_barrier_a_runs_own_failing_step_ends_only_that_run(tiny_model):
             raise RuntimeError("planted in on_token")
     runs = _prefilled(tiny_model)
     runs[1].on_token = planted
-    out = _drive(StepBarrier(window_s=0.5), runs)
+    out = drive_together(StepBarrier(window_s=0.5), runs)
     assert isinstance(out[1], RuntimeError) and "planted" in str(out[1])
     assert [len(o.token_ids) for o in (out[0], out[2])] == [4, 4]

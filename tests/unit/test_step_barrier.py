@@ -17,6 +17,7 @@ from engine.inspection.probe import inspection_probe
 from inspector.session.admission import Admission
 from inspector.session.limits import Limits
 from inspector.session.run import inspect_run
+from tests.helpers import drive_together
 
 pytestmark = [pytest.mark.unit, pytest.mark.alone]      # its barrier waits in milliseconds: by itself (tests/alone.py)
 
@@ -26,21 +27,6 @@ PROMPTS = ["hello there", "a longer prompt with some more words in it", "x", "on
 def _run(model, n: int, **kw) -> GenerationRun:
     return GenerationRun(model, PROMPTS[n % 4], seed=n, max_new_tokens=5 + n, ignore_eos=True,
                          params=SamplingParams(temperature=0.7 + 0.1 * n, top_k=30), probe=inspection_probe(), **kw)
-
-
-def _drive_all(barrier: StepBarrier, runs: list[GenerationRun]) -> list:
-    results: list = [None] * len(runs)
-    gate = threading.Barrier(len(runs))
-
-    def work(n: int) -> None:
-        gate.wait()
-        results[n] = barrier.drive(runs[n])
-    threads = [threading.Thread(target=work, args=(n,)) for n in range(len(runs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return results
 
 
 def _close(a, b, exact: bool) -> None:
@@ -58,7 +44,7 @@ def test_threads_batch_their_steps_and_each_ends_as_alone(tiny_model):
     for r in alone:
         r.run()
     barrier = StepBarrier(window_s=0.5)
-    results = _drive_all(barrier, [_run(model, n) for n in range(4)])
+    results = drive_together(barrier, [_run(model, n) for n in range(4)])
     assert barrier.steps > 0 and barrier.rows / barrier.steps > 1.5     # they did step together
     for a, r in zip(alone, results):
         assert r.token_ids == a.token_ids and r.stop_reason == "max_new_tokens"
@@ -70,7 +56,7 @@ def test_one_row_at_a_time_is_each_run_alone_bit_for_bit(tiny_model):
     for r in alone:
         r.run()
     barrier = StepBarrier(max_rows=1)
-    results = _drive_all(barrier, [_run(tiny_model, n) for n in range(3)])
+    results = drive_together(barrier, [_run(tiny_model, n) for n in range(3)])
     assert barrier.steps == 0
     for a, r in zip(alone, results):
         assert r.token_ids == a.token_ids
@@ -85,7 +71,7 @@ def test_stop_ends_only_its_own_run(tiny_model):
         stop_after["n"] += 1
         return STOP if stop_after["n"] == 2 else None
     runs = [_run(model, 0, on_token=stopper), _run(model, 1), _run(model, 2)]
-    results = _drive_all(StepBarrier(window_s=0.5), runs)
+    results = drive_together(StepBarrier(window_s=0.5), runs)
     assert results[0].stop_reason == "stopped" and len(results[0].token_ids) == 2
     assert [len(r.token_ids) for r in results[1:]] == [6, 7]
 
@@ -135,7 +121,7 @@ def test_a_class_larger_than_one_step_is_served_in_turns(tiny_model):
     for r in alone:
         r.run()
     barrier = StepBarrier(max_rows=2, window_s=0.2)
-    results = _drive_all(barrier, [_run(model, n) for n in range(6)])
+    results = drive_together(barrier, [_run(model, n) for n in range(6)])
     assert barrier.steps > 0 and barrier.rows / barrier.steps <= 2
     for a, r in zip(alone, results):
         assert r.token_ids == a.token_ids
@@ -154,5 +140,5 @@ def test_runs_that_come_back_one_after_another_still_share_each_step(tiny_model)
     runs = [GenerationRun(model, PROMPTS[n], seed=n, max_new_tokens=6, ignore_eos=True, probe=inspection_probe(),
                           on_token=slow(n)) for n in range(4)]
     barrier = StepBarrier(window_s=0.1)
-    _drive_all(barrier, runs)
+    drive_together(barrier, runs)
     assert barrier.rows / barrier.steps > 3.5, (barrier.rows, barrier.steps)
