@@ -131,10 +131,13 @@ def server_process(cmd: list[str], cwd: Path, env: dict, log: Path, port: int):
 
 
 @contextmanager
-def streamlit_server(env: dict, log: Path, *args: str):
-    """`streamlit run app.py` on a free 127.0.0.1 port; yields (url, process) once healthy; always stopped."""
+def streamlit_server(env: dict, log: Path, *args: str, classroom: bool = False):
+    """`streamlit run app.py` on a free 127.0.0.1 port (the README's command: one person); with classroom, as
+    scripts/serve.sh starts it for a class (`python -m inspector.ui.serve run app.py`: the app's modules imported and
+    frozen out of garbage collection first). Yields (url, process) once healthy; always stopped."""
     port = free_port()
-    cmd = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port",
+    main = ["inspector.ui.serve"] if classroom else ["streamlit"]
+    cmd = [sys.executable, "-m", *main, "run", "app.py", "--server.headless", "true", "--server.port",
            str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false", *args]
     with server_process(cmd, ROOT, env, log, port) as (url, proc):
         yield url, proc

@@ -1,5 +1,5 @@
 """Eight students (each a Playwright context of its own: its own cookies, its own browser) press Run within a second
-on one server whose decode steps batch across runs (engine.batch, the default MAX_CONCURRENT_RUNS and
+on one server (started as scripts/serve.sh starts it for a class) whose decode steps batch across runs (engine.batch, the default MAX_CONCURRENT_RUNS and
 MAX_BATCH_ROWS): nobody waits in the queue, each tab shows its own text, equal to its single-user run with the
 batch off (MAX_BATCH_ROWS=1: each run alone), and nobody else's; and each tab's run record, downloaded from its
 Trace files page, holds every probe statistic of its single-user run, stage by stage and step by step, within
@@ -34,7 +34,7 @@ def klass(tmp_path_factory, tokenizer_files):
     log = tmp_path_factory.mktemp("klass-log") / "streamlit.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_INSPECTOR_MAX_")}
     env.update(LLM_INSPECTOR_MODEL=str(d), LLM_INSPECTOR_MODEL_ROOTS="", LLM_INSPECTOR_HUB_CACHE="off")
-    with streamlit_server(env, log, "--server.fileWatcherType", "none") as (url, proc):
+    with streamlit_server(env, log, "--server.fileWatcherType", "none", classroom=True) as (url, proc):
         yield url, proc, log, d
 
 

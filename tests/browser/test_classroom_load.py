@@ -7,7 +7,8 @@ students by at most one run's time.
 Of the thirty, TABS are Chromium tabs (each its own Playwright context) and the rest speak Streamlit's WebSocket
 protocol without painting (tests/st_client.py): the server does the same work for each and sends each the same
 page; in a class each laptop paints its own page, where here thirty tabs painting on the server's two cores took
-six of the test's eight minutes (README, Tests). The Chromium tabs keep the browser's own path in the class.
+six of the test's eight minutes (README, Tests). The Chromium tabs keep the browser's own path in the class. The
+server is started as scripts/serve.sh starts it for a class (inspector.ui.serve).
 A 4-layer random model keeps this inside CI's time on 2 cores; the paths are the ones the bundled model takes."""
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def room(tmp_path_factory, tokenizer_files):
                # the ten-tab test opens ten sessions in one browser (its fair turns), past the default cap of 8
                LLM_INSPECTOR_MAX_SESSIONS_PER_CLIENT="12")
     # the shipped disconnectedSessionTTL (120 s): a tab whose connection drops under load gets its session back
-    with streamlit_server(env, log, "--server.fileWatcherType", "none") as (url, proc):
+    with streamlit_server(env, log, "--server.fileWatcherType", "none", classroom=True) as (url, proc):
         yield url, proc, log, d
 
 
@@ -242,14 +243,17 @@ def client_texts(client) -> list[str]:
     return client.codes()
 
 
-def test_a_room_of_thirty(room, browser, tiny_model):
+@pytest.fixture
+def seated(room, browser):
+    """What the test does not measure, done in its setup (beside the other workers' tests): each student's
+    single-user text (the references), the teacher's check before class (the memory bound's base: the server with
+    the model loaded and every page used once, on a short prompt: the modules a page imports on first use, torch's
+    kernels and thread pools), and the thirty sessions opened with their prompts typed."""
     url, proc, log, model_dir = room
     from engine import load_model
     model = load_model(model_dir, device="cpu", dtype="float32")
     prompts = [prompt_of(k, model.tokenizer) for k in range(SESSIONS)]
-    want = [inspect_run(model, RunSettings(prompt=p, max_new_tokens=NEW)).result.text for p in prompts]
-    # the bound's base: the server with the model loaded and every page used once (a teacher's check before
-    # class, on a short prompt: the modules a page imports on first use, torch's kernels and thread pools)
+    want = [inspect_run(model, RunSettings(prompt=p, max_new_tokens=NEW)).result.text.strip("\n") for p in prompts]
     teacher = _open(browser, url)
     run_in(teacher[1], "Hello, class.")
     press_run_in([teacher])
@@ -264,13 +268,24 @@ def test_a_room_of_thirty(room, browser, tiny_model):
     for k, client in enumerate(clients):
         client.wait_for("Run", f"student {k}'s first page")
         client.wait_idle(f"student {k}'s first page")
-    pages = [page for _, page in tabs]
     t_open = time.monotonic()
-    run_in_all(pages, clients, prompts)
+    run_in_all([page for _, page in tabs], clients, prompts)
+    print(f"room of {SESSIONS} ({TABS} Chromium tabs): {t_open - t0:.0f} s to open the sessions, "
+          f"{time.monotonic() - t_open:.0f} s to type the prompts")
+    yield prompts, want, rss0, tabs, clients
+    for client in clients:
+        client.close()
+    for ctx, _ in tabs + [teacher]:
+        ctx.close()
+
+
+def test_a_room_of_thirty(room, seated):
+    url, proc, log, model_dir = room
+    prompts, want, rss0, tabs, clients = seated
+    pages = [page for _, page in tabs]
     t_typed = time.monotonic()
     press_run_all(tabs, clients)
     t_runs = time.monotonic()
-    want = [w.strip("\n") for w in want]
     shown_all = [shown_texts(page) for page in pages] + [client_texts(client) for client in clients]
     for k, shown in enumerate(shown_all):
         where = seen(pages[k]) if k < TABS else clients[k - TABS].text()[-400:]
@@ -283,15 +298,10 @@ def test_a_room_of_thirty(room, browser, tiny_model):
     peak = max(peaks)
     t_end = time.monotonic()
     bound = rss0 + SESSIONS * BUDGET_MB * 2**20
-    print(f"room of {SESSIONS} ({TABS} Chromium tabs): server RSS {rss0 / 2**20:.0f} MiB before, peak "
-          f"{peak / 2**20:.0f} MiB (bound {bound / 2**20:.0f} MiB); {t_open - t0:.0f} s to open the sessions, "
-          f"{t_typed - t_open:.0f} s to type the prompts, {t_runs - t_typed:.0f} s to run, {t_checked - t_runs:.0f} s "
-          f"to check the texts, {t_end - t_checked:.0f} s to tour")
+    print(f"room of {SESSIONS}: server RSS {rss0 / 2**20:.0f} MiB before, peak {peak / 2**20:.0f} MiB (bound "
+          f"{bound / 2**20:.0f} MiB); {t_runs - t_typed:.0f} s to run, {t_checked - t_runs:.0f} s to check the texts, "
+          f"{t_end - t_checked:.0f} s to tour")
     assert peak < bound
-    for client in clients:
-        client.close()
-    for ctx, _ in tabs + [teacher]:
-        ctx.close()
     assert proc.poll() is None and "Traceback" not in log.read_text()
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import time
 from ast import literal_eval
 from contextlib import contextmanager
@@ -38,11 +37,10 @@ from tests.browser.room_tabs import (
     start_room,
     wait_text,
 )
-from tests.helpers import free_port, screenshots_dir, server_process
+from tests.helpers import screenshots_dir, streamlit_server
 from tests.redis_server import redis_server
 
 pytestmark = [pytest.mark.browser, pytest.mark.alone]      # its delays, schedule or memory: by itself (tests/alone.py)
-ROOT = Path(__file__).resolve().parents[2]
 STUDENTS = int(os.environ.get("LLM_INSPECTOR_ROOM_STUDENTS", "10"))
 TABS = int(os.environ.get("LLM_INSPECTOR_ROOM_TABS", "3"))      # of STUDENTS: Chromium tabs; the rest WireStudents
 # The issue asks for a p95 under 1.5 s from the teacher's change to every student's screen. Measured here (with 11
@@ -75,10 +73,7 @@ SERVER_ARGS = ("--server.fileWatcherType", "none", "--server.disconnectedSession
 def room_server(env: dict, log: Path, *args: str):
     """The app on a free 127.0.0.1 port, started as scripts/serve.sh starts it (python -m inspector.ui.serve run
     app.py); yields (url, process) once healthy; always stopped."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "inspector.ui.serve", "run", "app.py", "--server.headless", "true",
-           "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false", *args]
-    with server_process(cmd, ROOT, env, log, port) as served:
+    with streamlit_server(env, log, *args, classroom=True) as served:
         yield served
 
 
