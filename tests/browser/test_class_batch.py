@@ -1,9 +1,9 @@
-"""Eight students (each a Playwright context of its own: its own cookies, its own browser) press Run within a second
-on one server (started as scripts/serve.sh starts it for a class) whose decode steps batch across runs (engine.batch, the default MAX_CONCURRENT_RUNS and
-MAX_BATCH_ROWS): nobody waits in the queue, each tab shows its own text, equal to its single-user run with the
-batch off (MAX_BATCH_ROWS=1: each run alone), and nobody else's; and each tab's run record, downloaded from its
-Trace files page, holds every probe statistic of its single-user run, stage by stage and step by step, within
-engine.batch's stated rounding (tests/model/test_batch_bundled.py: rtol 1e-4, atol 2e-3)."""
+"""Eight students (each a Playwright context of its own: its own cookies, its own browser) press Run within a second on
+one server (started as scripts/serve.sh starts it for a class) whose decode steps batch across runs (engine.batch,
+the default MAX_CONCURRENT_RUNS and MAX_BATCH_ROWS): nobody waits in the queue, each tab shows its own text, equal
+to its single-user run with the batch off (MAX_BATCH_ROWS=1: each run alone), and nobody else's; and each tab's run
+record, downloaded from its Trace files page, holds every probe statistic of its single-user run, stage by stage and
+step by step, within engine.batch's stated rounding (tests/model/test_batch_bundled.py: rtol 1e-4, atol 2e-3)."""
 from __future__ import annotations
 
 import os

@@ -145,18 +145,24 @@ def cpu(procs) -> float:
     return sum(sum(psutil.Process(p.pid).cpu_times()[:2]) for p in procs)
 
 
-def lesson(browser, teacher_url: str, student_url: str, redis_url: str | None, procs) -> dict:
-    tctx, teacher, code = set_up_teacher(browser, teacher_url)
-    sctx, chromium = open_tab(browser, f"{student_url}/?room={code}")
-    wait_text(chromium, f"Room {code} · following the teacher")
-    idle(chromium)
-    assert NOTHING_YET in chromium.locator('[data-testid="stSidebar"]').inner_text()   # the room has no run yet
-    followers = [Follower(student_url, code) for _ in range(FOLLOWERS - 1)]
-    browsers_behind_servers()
-    out: dict = {}
-    timeline: list[tuple[float, int]] = []
-    halt = threading.Event()
+@contextmanager
+def class_seated(browser, teacher_url: str, student_url: str):
+    """The lesson's opening, which it does not measure (the test's setup, beside the other workers' tests):
+    set_up_teacher's warm-up run and room, one Chromium student and FOLLOWERS - 1 WebSocket students joined. Yields
+    {"teacher", "code", "chromium", "students"}: "students" holds (close, what) pairs that leave() empties;
+    whatever is still open is closed afterwards."""
+    students: list = []
+    tctx = None
     try:
+        tctx, teacher, code = set_up_teacher(browser, teacher_url)
+        sctx, chromium = open_tab(browser, f"{student_url}/?room={code}")
+        students.append(sctx)
+        wait_text(chromium, f"Room {code} · following the teacher")
+        idle(chromium)
+        assert NOTHING_YET in chromium.locator('[data-testid="stSidebar"]').inner_text()   # the room has no run yet
+        followers = [Follower(student_url, code) for _ in range(FOLLOWERS - 1)]
+        students += followers
+        browsers_behind_servers()
         end = time.monotonic() + 300
         for s in followers:
             with s.cond:
@@ -164,6 +170,25 @@ def lesson(browser, teacher_url: str, student_url: str, redis_url: str | None, p
                     s.cond.wait(0.1)
         missing = [k for k, s in enumerate(followers) if not s.joined]
         assert not missing, f"students {missing} never joined the room"
+        yield {"teacher": teacher, "code": code, "chromium": chromium, "followers": followers, "students": students}
+    finally:
+        leave(students)
+        if tctx is not None:
+            tctx.close()
+
+
+def leave(students: list) -> None:
+    """The students close their tabs and connections (once: the list is emptied)."""
+    while students:
+        students.pop().close()
+
+
+def lesson(seated: dict, redis_url: str | None, procs) -> dict:
+    teacher, code, chromium, followers = (seated[k] for k in ("teacher", "code", "chromium", "followers"))
+    out: dict = {}
+    timeline: list[tuple[float, int]] = []
+    halt = threading.Event()
+    try:
         time.sleep(1.0)
         reader = threading.Thread(target=read_live, args=(redis_url, code, timeline, halt), daemon=True)
         if redis_url:
@@ -177,16 +202,13 @@ def lesson(browser, teacher_url: str, student_url: str, redis_url: str | None, p
         time.sleep(1.5)                               # the end of the run reaches every screen
     finally:
         halt.set()
-        for s in followers:
-            s.close()
+        leave(seated["students"])
     out["counts"] = [sorted(s.firsts) for s in followers]
     out["behind"], out["behind_s"] = behind(timeline, followers) if redis_url else (None, None)
-    sctx.close()
     time.sleep(3)
     c0 = cpu(procs)
     out["alone"] = run_time(teacher, press_run(teacher))      # the same prompt and seed, nobody following
     out["cpu_alone"] = cpu(procs) - c0
-    tctx.close()
     return out
 
 
@@ -258,17 +280,32 @@ def check(r: dict, setup: str) -> None:
     assert ratio <= RATIO, f"{FOLLOWERS} followers made the teacher's run {ratio:.2f} times slower"
 
 
-def test_followers_cost_the_teacher_little_on_one_process(browser, tmp_path):
-    with serve(tmp_path / "a.log") as (url, proc):
-        r = lesson(browser, url, url, None, [proc])
-        assert proc.poll() is None and "Traceback" not in (tmp_path / "a.log").read_text()
+@pytest.fixture
+def one_process(browser, tmp_path):
+    """One server (rooms in process): the teacher and the students on it, seated."""
+    with serve(tmp_path / "a.log") as (url, proc), class_seated(browser, url, url) as seated:
+        yield seated, None, [(proc, tmp_path / "a.log")]
+
+
+@pytest.fixture
+def two_processes(browser, tmp_path):
+    """Two servers sharing one redis-server: the teacher on the first, the students on the second, seated."""
+    with redis_server() as rurl, serve(tmp_path / "a.log", LLM_INSPECTOR_ROOMS=rurl) as (a, pa), \
+            serve(tmp_path / "b.log", LLM_INSPECTOR_ROOMS=rurl) as (b, pb), class_seated(browser, a, b) as seated:
+        yield seated, rurl, [(pa, tmp_path / "a.log"), (pb, tmp_path / "b.log")]
+
+
+def test_followers_cost_the_teacher_little_on_one_process(one_process):
+    seated, _, servers = one_process
+    r = lesson(seated, None, [p for p, _ in servers])
+    for p, log in servers:
+        assert p.poll() is None and "Traceback" not in log.read_text()
     check(r, "one process")
 
 
-def test_followers_on_another_process_keep_up(browser, tmp_path):
-    with redis_server() as rurl, serve(tmp_path / "a.log", LLM_INSPECTOR_ROOMS=rurl) as (a, pa), \
-            serve(tmp_path / "b.log", LLM_INSPECTOR_ROOMS=rurl) as (b, pb):
-        r = lesson(browser, a, b, rurl, [pa, pb])
-        for p, log in ((pa, "a.log"), (pb, "b.log")):
-            assert p.poll() is None and "Traceback" not in (tmp_path / log).read_text()
+def test_followers_on_another_process_keep_up(two_processes):
+    seated, rurl, servers = two_processes
+    r = lesson(seated, rurl, [p for p, _ in servers])
+    for p, log in servers:
+        assert p.poll() is None and "Traceback" not in log.read_text()
     check(r, "two processes, one Redis")

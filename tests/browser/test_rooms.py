@@ -129,19 +129,35 @@ def shot(page, name: str) -> None:
 
 
 # ---- the lesson ----------------------------------------------------------------------------------------------
-def lesson(browser, teacher_url: str, student_url: str, tokenizer, screenshots: bool = False) -> dict:
-    """The whole lesson; returns what the tests assert on."""
-    out: dict = {"delays": {}}
+@contextmanager
+def class_seated(browser, teacher_url: str, student_url: str):
+    """The lesson's opening, which the lesson does not time (a test's setup: beside the other workers' tests): the
+    teacher's tab starts a room and the students join it. Yields {"teacher", "code", "students", "open_s", ...};
+    every tab and student closed afterwards."""
     tctx, teacher = open_tab(browser, teacher_url, viewport=(1280, 860))
-    code = start_room(teacher)
-    link = f"{student_url}/?room={code}"
-    students = [TabStudent(browser, link) if k < TABS else WireStudent(link, TIMEOUT_S) for k in range(STUDENTS)]
-    browsers_behind_servers()
-    t_open = time.monotonic()
-    for student in students:
-        student.wait_text(f"Room {code} · following the teacher")
-    out["open_s"] = time.monotonic() - t_open
+    students = []
+    try:
+        code = start_room(teacher)
+        link = f"{student_url}/?room={code}"
+        students = [TabStudent(browser, link) if k < TABS else WireStudent(link, TIMEOUT_S)
+                    for k in range(STUDENTS)]
+        browsers_behind_servers()
+        t_open = time.monotonic()
+        for student in students:
+            student.wait_text(f"Room {code} · following the teacher")
+        yield {"browser": browser, "student_url": student_url, "teacher": teacher, "code": code,
+               "students": students, "open_s": time.monotonic() - t_open}
+    finally:
+        tctx.close()
+        for student in students:
+            student.close()
 
+
+def lesson(seated: dict, tokenizer, screenshots: bool = False) -> dict:
+    """The lesson in a seated class (class_seated); returns what the tests assert on."""
+    browser, student_url, teacher, code, students = (seated[k] for k in
+                                                      ("browser", "student_url", "teacher", "code", "students"))
+    out: dict = {"delays": {}, "open_s": seated["open_s"]}
     texts: list[str] = []
     runs = [(lambda p=p: texts.append(run_prompt(teacher, p)), p) for p in PROMPTS]
     act, prompt = runs[0]
@@ -188,9 +204,6 @@ def lesson(browser, teacher_url: str, student_url: str, tokenizer, screenshots: 
     out["code"] = code
     out["exceptions"] = teacher.locator('[data-testid="stException"]').count() + \
         sum(student.exceptions() for student in students)
-    tctx.close()
-    for student in students:
-        student.close()
     return out
 
 
@@ -319,9 +332,16 @@ def check_lesson(r: dict, tokenizer) -> dict:
     return d
 
 
-def test_a_teacher_and_ten_students(server, browser, tiny_model):
+@pytest.fixture
+def seated(server, browser):
     url, proc, log = server
-    r = lesson(browser, url, url, tiny_model.tokenizer, screenshots=SHOTS is not None)
+    with class_seated(browser, url, url) as seated:
+        yield seated
+
+
+def test_a_teacher_and_ten_students(server, seated, tiny_model):
+    url, proc, log = server
+    r = lesson(seated, tiny_model.tokenizer, screenshots=SHOTS is not None)
     check_lesson(r, tiny_model.tokenizer)
     assert r["teacher_generations"] == 2 == r["teacher_generations_end"]     # the teacher's runs, nobody else's
     assert proc.poll() is None and "Traceback" not in log.read_text()

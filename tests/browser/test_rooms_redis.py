@@ -10,7 +10,7 @@ import pytest
 from inspector.session.rooms import RoomStore
 from inspector.session.rooms_redis import RedisBackend
 from inspector.session.rooms_state import Forbidden, View
-from tests.browser.test_rooms import check_lesson, lesson, redis_room_servers
+from tests.browser.test_rooms import check_lesson, class_seated, lesson, redis_room_servers
 
 pytestmark = [pytest.mark.browser, pytest.mark.alone]      # its delays, schedule or memory: by itself (tests/alone.py)
 
@@ -21,9 +21,17 @@ def two_servers(tmp_path_factory, tiny_model_dir):
         yield url, *servers
 
 
-def test_teacher_on_one_server_students_on_another(two_servers, browser, tiny_model):
+@pytest.fixture
+def seated(two_servers, browser):
+    """The teacher on the first server, the students joining on the second (the lesson's opening, untimed)."""
+    url, (a, _, _), (b, _, _) = two_servers
+    with class_seated(browser, a, b) as seated:
+        yield seated
+
+
+def test_teacher_on_one_server_students_on_another(two_servers, seated, tiny_model):
     url, (a, proc_a, log_a), (b, proc_b, log_b) = two_servers
-    r = lesson(browser, a, b, tiny_model.tokenizer)
+    r = lesson(seated, tiny_model.tokenizer)
     check_lesson(r, tiny_model.tokenizer)
     assert r["teacher_generations"] == 2 == r["teacher_generations_end"]     # the teacher's process: its runs
     assert r["student_generations"] == 0                                      # the students' process: none
