@@ -37,6 +37,7 @@ exec "${PYTHON:-python3}" -m inspector.ui.serve run app.py \
   --server.enableCORS true \
   --server.maxUploadSize "$upload_mb" \
   --server.enableAgentApi false \
+  --server.fileWatcherType none \
   --client.showErrorDetails type \
   --client.toolbarMode minimal \
   --client.showSidebarNavigation false \

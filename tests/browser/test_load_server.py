@@ -38,6 +38,7 @@ def test_config_serves_localhost_with_xsrf_on():
     assert server["address"] == "127.0.0.1"
     assert server["enableXsrfProtection"] is True and server["enableCORS"] is True
     assert server.get("enableAgentApi", False) is False
+    assert server["fileWatcherType"] == "none"          # no source watching after every script run
     assert cfg["client"]["showErrorDetails"] in ("type", "none")
     doc = (ROOT / "docs" / "CLASSROOM.md").read_text()
     assert "--server.address 0.0.0.0" in doc and "--server.port" in doc and "LLM_INSPECTOR_MODEL_ROOTS" in doc
