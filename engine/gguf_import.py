@@ -102,7 +102,7 @@ def config_from_gguf(reader) -> dict:
         return v
 
     heads, hidden = int(need("attention.head_count")), int(need("embedding_length"))
-    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = get("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
     names = {t.name for t in reader.tensors}
     cfg = {
         "architectures": [fam.architecture],
@@ -285,8 +285,7 @@ def dequantized_tensors(reader, cfg: dict, progress: Progress | None = None) -> 
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress | None = None) -> Path:
     """Write an HF-layout directory for gguf_path at out_dir (atomically). Returns out_dir."""
-    import gguf
-
+    from engine.gguf_file import open_gguf
     from engine.gguf_tokenizer import tokenizer_files_from_gguf
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -295,7 +294,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress |
     progress = progress or (lambda f, m: None)
     progress(0.0, f"reading {gguf_path.name}")
     try:
-        reader = gguf.GGUFReader(str(gguf_path))
+        reader = open_gguf(gguf_path)
     except Exception as e:
         raise ModelLoadError(f"{gguf_path}: not a readable GGUF file: {e}") from None
     cfg = config_from_gguf(reader)

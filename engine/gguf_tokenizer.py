@@ -21,6 +21,7 @@ import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from engine.errors import UnsupportedModelError
+from engine.gguf_file import GGUFFile
 
 
 class UnsupportedTokenizerError(UnsupportedModelError, ValueError):
@@ -59,12 +60,12 @@ BYTE_TO_CHAR: dict[int, str] = _bytes_to_unicode()
 CHAR_TO_BYTE: dict[str, int] = {c: b for b, c in BYTE_TO_CHAR.items()}
 
 
-def _field(reader: gguf.GGUFReader, name: str, default: Any = None) -> Any:
+def _field(reader: GGUFFile, name: str, default: Any = None) -> Any:
     field = reader.fields.get(name)
     return default if field is None else field.contents()
 
 
-def _required(reader: gguf.GGUFReader, name: str) -> Any:
+def _required(reader: GGUFFile, name: str) -> Any:
     value = _field(reader, name)
     if value is None:
         raise UnsupportedTokenizerError(f"GGUF tokenizer metadata is missing the field {name!r}")
@@ -107,7 +108,7 @@ def _post_processor(bos: str | None, eos: str | None, add_bos: bool, add_eos: bo
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
-def tokenizer_files_from_gguf(reader: gguf.GGUFReader) -> tuple[str, dict]:
+def tokenizer_files_from_gguf(reader: GGUFFile) -> tuple[str, dict]:
     """(tokenizer.json text, tokenizer_config dict) equivalent to the tokenizer this GGUF describes."""
     model = _required(reader, "tokenizer.ggml.model")
     if model not in SUPPORTED_MODELS:
@@ -188,7 +189,7 @@ def tokenizer_files_from_gguf(reader: gguf.GGUFReader) -> tuple[str, dict]:
     return tok.to_str(), config
 
 
-def write_tokenizer_dir(reader: gguf.GGUFReader, out_dir: str | Path) -> None:
+def write_tokenizer_dir(reader: GGUFFile, out_dir: str | Path) -> None:
     """Write tokenizer.json and tokenizer_config.json into `out_dir` (which must exist)."""
     tokenizer_json, config = tokenizer_files_from_gguf(reader)
     out = Path(out_dir)

@@ -177,9 +177,9 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """Build straight from a GGUF file's metadata (see engine.gguf_tokenizer)."""
-        import gguf
+        from engine.gguf_file import open_gguf
 
-        tokenizer_json, config = tokenizer_files_from_gguf(gguf.GGUFReader(str(path)))
+        tokenizer_json, config = tokenizer_files_from_gguf(open_gguf(path))
         return cls(tokenizer_json, config)
 
     # ---- ids <-> text ---------------------------------------------------------------------------------------

@@ -68,11 +68,20 @@ def bundled_gguf_reader():
 
 
 @pytest.fixture(scope="session")
-def tokenizer_files(tmp_path_factory, bundled_gguf_reader) -> Path:
+def bundled_gguf_file():
+    """The bundled GGUF file as the engine reads it (engine.gguf_file: its metadata decoded, its tensors mapped),
+    opened once per session. bundled_gguf_reader is gguf-py's reader of it: the reference, and what transformers
+    reads."""
+    from engine.gguf_file import open_gguf
+    return open_gguf(bundled_gguf())
+
+
+@pytest.fixture(scope="session")
+def tokenizer_files(tmp_path_factory, bundled_gguf_file) -> Path:
     """tokenizer.json + tokenizer_config.json of the bundled model, built from its GGUF once."""
     from engine.gguf_tokenizer import write_tokenizer_dir
     out = tmp_path_factory.mktemp("tokenizer")
-    write_tokenizer_dir(bundled_gguf_reader, out)
+    write_tokenizer_dir(bundled_gguf_file, out)
     return out
 
 

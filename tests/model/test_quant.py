@@ -56,13 +56,13 @@ def test_requantizing_with_the_files_own_q4_1_reproduces_the_bundled_weights(bun
     assert report.result("Q4_1").kld_mean < 1e-9                      # the same weights run the same
 
 
-def test_q4_1_bytes_of_a_file_tensor_are_reproduced_exactly(bundled_model, bundled_gguf_reader):
+def test_q4_1_bytes_of_a_file_tensor_are_reproduced_exactly(bundled_model, bundled_gguf_file):
     """ffn_down of layer 0 is stored unpermuted: (576 rows out, 1536 in); our quantization of the engine's
     (in, out) matrix, transposed back, gives the file's bytes (the bundled file, opened once per session)."""
     import gguf
     from gguf.quants import quantize
 
-    t = next(t for t in bundled_gguf_reader.tensors if t.name == "blk.0.ffn_down.weight")
+    t = next(t for t in bundled_gguf_file.tensors if t.name == "blk.0.ffn_down.weight")
     rows = bundled_model.weights.layers[0].w_down.t().contiguous().numpy()
     assert np.array_equal(quantize(rows, gguf.GGMLQuantizationType.Q4_1), np.asarray(t.data))
 

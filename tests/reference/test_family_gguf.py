@@ -53,9 +53,9 @@ def first_key_value(path) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def bundled_reader(bundled_gguf_reader):
-    """The session's reader of the bundled GGUF (tests/conftest.py: opening one takes seconds)."""
-    return bundled_gguf_reader
+def bundled_reader(bundled_gguf_file):
+    """The session's bundled GGUF (tests/conftest.py), whose tokenizer fields each family's file copies."""
+    return bundled_gguf_file
 
 
 @pytest.mark.parametrize("name", GGUF_CASES)

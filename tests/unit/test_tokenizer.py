@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 gguf = pytest.importorskip("gguf")
 
+from engine.gguf_file import open_gguf  # noqa: E402
 from engine.gguf_tokenizer import (  # noqa: E402
     BYTE_TO_CHAR,
     UnsupportedTokenizerError,
@@ -110,6 +111,8 @@ CHATS = [
 # ---- GGUF -> tokenizer files ---------------------------------------------------------------------------------
 
 def test_gguf_config(tok_dir, gguf_reader):
+    """The session's tokenizer files (from engine.gguf_file's reading of the bundled GGUF) are the ones gguf-py's
+    reader of the same file gives."""
     json_text, config = tokenizer_files_from_gguf(gguf_reader)
     assert (tok_dir / "tokenizer.json").read_text(encoding="utf-8") == json_text
     assert json.loads((tok_dir / "tokenizer_config.json").read_text(encoding="utf-8")) == config
@@ -163,7 +166,7 @@ def _write_tiny_gguf(path: Path, *, model: str = "gpt2", pre: str | None = "llam
 @pytest.mark.parametrize("pre", ["llama-bpe", "gpt2", "default", None])
 def test_tiny_gguf_variants(tmp_path, pre):
     _write_tiny_gguf(tmp_path / "t.gguf", pre=pre, add_bos=True)
-    t = Tokenizer(*tokenizer_files_from_gguf(gguf.GGUFReader(str(tmp_path / "t.gguf"))))
+    t = Tokenizer(*tokenizer_files_from_gguf(open_gguf(tmp_path / "t.gguf")))
     ids = t.encode("hello hello 1<|end|>", allow_special=True)
     assert [t.token_text(i) for i in ids] == ["hello", "Ġhello", "Ġ", "1", "<|end|>"]
     assert t.encode("hello", add_special_tokens=True) == [1, t.encode("hello")[0]]  # add_bos_token honoured
@@ -176,7 +179,7 @@ def test_tiny_gguf_variants(tmp_path, pre):
 def test_unsupported_gguf_tokenizer(tmp_path, field, kwargs):
     _write_tiny_gguf(tmp_path / "t.gguf", **kwargs)
     with pytest.raises(UnsupportedTokenizerError, match=field) as err:
-        tokenizer_files_from_gguf(gguf.GGUFReader(str(tmp_path / "t.gguf")))
+        tokenizer_files_from_gguf(open_gguf(tmp_path / "t.gguf"))
     assert isinstance(err.value, ValueError)
 
 
