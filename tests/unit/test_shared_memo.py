@@ -81,6 +81,7 @@ def test_only_a_rooms_run_is_shared_and_its_key_is_its_content(tiny_model):
 
 
 def test_a_figure_is_styled_once_per_mode_while_it_lives(monkeypatch):
+    gc.collect()            # earlier tests' figures that are garbage already (in cycles) leave the memo first
     made = []
     monkeypatch.setattr(memo_module, "styled", lambda fig, projector=False: made.append(projector) or styled(
         fig, projector=projector))
