@@ -295,17 +295,19 @@ def two_processes(browser, tmp_path):
         yield seated, rurl, [(pa, tmp_path / "a.log"), (pb, tmp_path / "b.log")]
 
 
-def test_followers_cost_the_teacher_little_on_one_process(one_process):
-    seated, _, servers = one_process
-    r = lesson(seated, None, [p for p, _ in servers])
-    for p, log in servers:
-        assert p.poll() is None and "Traceback" not in log.read_text()
-    check(r, "one process")
-
-
-def test_followers_on_another_process_keep_up(two_processes):
-    seated, rurl, servers = two_processes
+def followed_and_checked(setup, label: str) -> None:
+    """The lesson in a seated class (one_process or two_processes), its servers alive and without a traceback
+    afterwards, then check()."""
+    seated, rurl, servers = setup
     r = lesson(seated, rurl, [p for p, _ in servers])
     for p, log in servers:
         assert p.poll() is None and "Traceback" not in log.read_text()
-    check(r, "two processes, one Redis")
+    check(r, label)
+
+
+def test_followers_cost_the_teacher_little_on_one_process(one_process):
+    followed_and_checked(one_process, "one process")
+
+
+def test_followers_on_another_process_keep_up(two_processes):
+    followed_and_checked(two_processes, "two processes, one Redis")
