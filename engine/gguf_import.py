@@ -102,7 +102,7 @@ def config_from_gguf(reader) -> dict:
         return v
 
     heads, hidden = int(need("attention.head_count")), int(need("embedding_length"))
-    vocab = get("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    vocab = get("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
     names = {t.name for t in reader.tensors}
     cfg = {
         "architectures": [fam.architecture],
@@ -297,10 +297,10 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress |
         reader = open_gguf(gguf_path)
     except Exception as e:
         raise ModelLoadError(f"{gguf_path}: not a readable GGUF file: {e}") from None
-    cfg = config_from_gguf(reader)
-    tensors = dequantized_tensors(reader, cfg, progress)
     if "tokenizer.ggml.tokens" not in reader.fields:
         raise ModelLoadError(f"{gguf_path.name}: the GGUF file carries no tokenizer (tokenizer.ggml.tokens)")
+    cfg = config_from_gguf(reader)
+    tensors = dequantized_tensors(reader, cfg, progress)
     tok_json, tok_cfg = tokenizer_files_from_gguf(reader)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)

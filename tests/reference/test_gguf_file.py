@@ -72,6 +72,12 @@ def test_every_value_type_and_tensor_type_reads_as_gguf_py_reads_it(tmp_path):
     assert ours.fields["test.scalar8"].contents() == 2**63 + 5 and ours.fields["test.scalar7"].contents() is True
 
 
+def test_a_file_without_a_tokenizer_is_refused_before_its_tensors_are_read(tmp_path):
+    with pytest.raises(ModelLoadError, match="carries no tokenizer"):
+        import_gguf(every_kind(tmp_path / "kinds.gguf"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_truncated_file_is_refused_naming_where_it_ends(tmp_path):
     data = every_kind(tmp_path / "kinds.gguf").read_bytes()
     header_end = data.index(b"q4") + 40                      # past the tensor table, into the tensors' data
