@@ -97,6 +97,21 @@ def tiny_model(tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_looping_model(tmp_path_factory, tokenizer_files):
+    """The tiny random Llama with tied embeddings (weights' seed 13): its greedy runs fall into loops, as the
+    bundled model's do, for a 2-layer model's cost. On "I like apples. I like apples. I like" (raw, greedy, 64
+    tokens) it writes 9 tokens and then one token over and over; zeroing its top 1, 2, 4 or 8 copy heads changes
+    the run (from step 8 or 9), and so does each sampler penalty tried before the loop shows (a repetition penalty
+    of 1.05 and a frequency penalty of 0.5 from step 4, no repeated 3-grams from step 2)."""
+    from engine import load_model
+    from tests.helpers import tiny_config, tiny_tensors
+    cfg = tiny_config(tie_word_embeddings=True)
+    path = write_model_dir(tmp_path_factory.mktemp("tiny-looping") / "tiny-looping", tokenizer_files, cfg,
+                           tiny_tensors(cfg, seed=13))
+    return load_model(path, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def bundled_model():
     from engine import load_model
     return load_model(None, device="cpu", dtype="float32")

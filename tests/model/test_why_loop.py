@@ -1,7 +1,8 @@
 """Why the bundled model loops on "I like apples. I like apples. I like" (raw, greedy): every listed cause
-carries its rerun, at least one copy-head or sampler change breaks the loop for the run's 32 tokens, the same
-report comes out twice, and a loop-free prompt gets no causes; an ordinary answer ("The capital of France is",
-issue 33) is no loop, neither in the user's 8 tokens nor when looked at further."""
+carries its rerun, at least one copy-head or sampler change breaks the loop for the run's 32 tokens, and a
+loop-free prompt gets no causes; an ordinary answer ("The capital of France is", issue 33) is no loop, neither in
+the user's 8 tokens nor when looked at further. That the same report comes out twice is checked on the tiny
+looping model (tests/unit/test_why_loop_twice.py)."""
 from __future__ import annotations
 
 import time
@@ -64,11 +65,6 @@ def test_every_cause_carries_its_rerun_and_the_breaking_ones_come_first(timed):
             assert c.stopped == "loop" and c.tokens <= LOOPING.max_new_tokens
         elif c.outcome == "stopped":
             assert c.stopped in ("eos", "context") and c.tokens < LOOPING.max_new_tokens
-
-
-def test_the_same_report_twice_is_identical(timed, bundled_model):
-    report, _ = timed
-    assert why_loop(bundled_model, LOOPING).as_dict() == report.as_dict()
 
 
 def test_a_loop_free_prompt_gets_no_causes(bundled_model):

@@ -1,7 +1,8 @@
 """The why-loop's head reruns run on engine.variants.without_heads (the native decode step kept); before, they ran
-the model with engine.inspection.probe.zero_heads at blocks.{i}.attn.z (the PyTorch forward at every step). On the
-bundled model's looping prompt, each of the report's head reruns gives the tokens and text the hooked rerun
-gives, 64 tokens each (the report is the same as before)."""
+the model with engine.inspection.probe.zero_heads at blocks.{i}.attn.z (the PyTorch forward at every step). On a
+looping model's prompt (the tiny looping model: the same code paths as the bundled model's, for a 2-layer model's
+cost), each of the report's head reruns gives the tokens and text the hooked rerun gives, 64 tokens each; and each
+changes the run, so that a variant that zeroed nothing (or the wrong heads) would not pass."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,7 @@ from engine.inspection.probe import Probe
 from engine.tools.why_loop import HEAD_KS, HORIZON, copy_head_scores
 from engine.variants import without_heads
 
-pytestmark = pytest.mark.model
+pytestmark = pytest.mark.unit
 LOOPING = RunSettings(prompt="I like apples. I like apples. I like", chat=False)
 
 
@@ -23,11 +24,12 @@ def _run(model, probe=None) -> GenerationRun:
                          chat=False, probe=probe).run()
 
 
-def test_each_head_rerun_on_the_variant_is_the_hooked_rerun(bundled_model):
-    base = _run(bundled_model)
+def test_each_head_rerun_on_the_variant_is_the_hooked_rerun(tiny_looping_model):
+    model = tiny_looping_model
+    base = _run(model)
     loop = tail_loop(base.token_ids)
     assert loop is not None
-    scores = copy_head_scores(bundled_model, base.prompt_ids + base.token_ids, len(base.prompt_ids), loop)
+    scores = copy_head_scores(model, base.prompt_ids + base.token_ids, len(base.prompt_ids), loop)
     H = scores.shape[1]
     top = [(i // H, i % H) for i in scores.flatten().argsort(descending=True, stable=True)[:max(HEAD_KS)].tolist()]
     for k in HEAD_KS:
@@ -35,7 +37,8 @@ def test_each_head_rerun_on_the_variant_is_the_hooked_rerun(bundled_model):
         probe = Probe()
         for layer in sorted({layer for layer, _ in heads}):
             probe.replace(f"blocks.{layer}.attn.z", zero_heads(*[h for lay, h in heads if lay == layer]))
-        variant = without_heads(bundled_model, heads)
-        assert variant.accelerator.decode is not None or bundled_model.accelerator.decode is None
-        hooked, fast = _run(bundled_model, probe), _run(variant)
+        variant = without_heads(model, heads)
+        assert variant.accelerator.decode is not None or model.accelerator.decode is None
+        hooked, fast = _run(model, probe), _run(variant)
         assert fast.token_ids == hooked.token_ids and fast.text == hooked.text, heads
+        assert hooked.token_ids != base.token_ids, heads                 # the zeroed heads do change this run

@@ -1,7 +1,8 @@
 """The why-loop's reruns share the forwards they have in common (engine.tools.why_loop.SharedForwards): a
 sampler rerun draws the baseline's tokens until its change first picks another one, and those forwards (the
 prefill included) are answered from the baseline's, KV cache rows and all. The rerun's tokens and text are
-those of a fresh GenerationRun on the model itself, and fewer positions are computed than the two runs hold."""
+those of a fresh GenerationRun on the model itself, and fewer positions are computed than the two runs hold. On
+the tiny looping model: the same code paths as the bundled model's, for a 2-layer model's cost."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ from engine.generate import GenerationRun
 from engine.sampling import SamplingParams
 from engine.tools.why_loop import HORIZON, SharedForwards, loops_in
 
-pytestmark = pytest.mark.model
+pytestmark = pytest.mark.unit
 LOOPING = RunSettings(prompt="I like apples. I like apples. I like", chat=False)
 
 
@@ -27,12 +28,13 @@ def rerun(model, params: SamplingParams, early_stop: bool) -> GenerationRun:
 
 @pytest.mark.parametrize("change", [dict(repetition_penalty=1.05), dict(frequency_penalty=0.5),
                                     dict(no_repeat_ngram=3)])
-def test_a_sampler_rerun_through_the_shared_forwards_is_a_fresh_rerun_for_fewer_forwards(bundled_model, change):
-    shared = SharedForwards(bundled_model)
+def test_a_sampler_rerun_through_the_shared_forwards_is_a_fresh_rerun_for_fewer_forwards(tiny_looping_model, change):
+    model = tiny_looping_model
+    shared = SharedForwards(model)
     base = rerun(shared, LOOPING.params, early_stop=False)
     before = shared.computed
     params = dataclasses.replace(LOOPING.params, **change)
-    got, fresh = rerun(shared, params, early_stop=True), rerun(bundled_model, params, early_stop=True)
+    got, fresh = rerun(shared, params, early_stop=True), rerun(model, params, early_stop=True)
     assert got.token_ids == fresh.token_ids and got.text == fresh.text and got.stop_reason == fresh.stop_reason
     assert base.token_ids != got.token_ids                         # the change did change the run
     n = len(got.prompt_ids) + len(got.token_ids) - 1               # positions the rerun puts through the model
