@@ -158,7 +158,8 @@ def _runs_in_memory(url: str) -> int:
         observer.close()
 
 
-def _round(browser, url: str, tiny_model, tag: str) -> dict:
+def _open_round(browser, url: str, tiny_model, tag: str) -> dict:
+    """A round's tabs opened (side by side) and its single-user references computed: what a round prepares."""
     prompts = [f"Student {k} of round {tag}: explain attention in one line." for k in range(TABS)]
     n_new = [LONG, LONG] + [SHORT] * (TABS - 2)
     want = [inspect_run(tiny_model, RunSettings(prompt=p, max_new_tokens=n)).result.text for p, n in zip(prompts,
@@ -167,7 +168,14 @@ def _round(browser, url: str, tiny_model, tag: str) -> dict:
     tabs = [_open(browser, url, wait=False) for _ in range(TABS)]      # they load side by side
     for _, page in tabs:
         _ready(page)
-    t_open = time.monotonic() - t0
+    return {"tag": tag, "prompts": prompts, "n_new": n_new, "want": want, "tabs": tabs,
+            "open_s": time.monotonic() - t0}
+
+
+def _round(url: str, opened: dict) -> dict:
+    """The round's tabs type their prompts and press Run one after the other; what each shows, then closed."""
+    tag, prompts, n_new, tabs = opened["tag"], opened["prompts"], opened["n_new"], opened["tabs"]
+    t0 = time.monotonic()
     end = time.monotonic() + TIMEOUT_S
     for (_ctx, page), prompt, n in zip(tabs, prompts, n_new):
         _set_max_new(page, n)
@@ -187,7 +195,7 @@ def _round(browser, url: str, tiny_model, tag: str) -> dict:
             if page.get_by_text("Generated text", exact=True).count():
                 done.add(k)
         time.sleep(0.05)
-    t_run = time.monotonic() - t0 - t_open
+    t_run = time.monotonic() - t0
     places = {k: page.evaluate("() => window.__places") for k, (_, page) in enumerate(tabs)}
     waited = {k for k, (_, page) in enumerate(tabs)
               if page.get_by_text(re.compile(r"This run waited [0-9.]+ s in the queue")).count()}
@@ -200,7 +208,8 @@ def _round(browser, url: str, tiny_model, tag: str) -> dict:
     held = _runs_in_memory(url)                  # the observer's own session has no run
     for ctx, _ in tabs:
         ctx.close()
-    return {"want": want, "got": got, "queued": queued, "held": held, "open_s": t_open, "run_s": t_run}
+    return {"want": opened["want"], "got": got, "queued": queued, "held": held, "open_s": opened["open_s"],
+            "run_s": t_run}
 
 
 def _released(url: str) -> int:
@@ -212,13 +221,22 @@ def _released(url: str) -> int:
     return n
 
 
+@pytest.fixture
+def round_a(server, browser, tiny_model):
+    """Round A's tabs opened before the test's turn alone (tests/alone.py): what it measures starts at the runs."""
+    opened = _open_round(browser, server[0], tiny_model, "A")
+    yield opened
+    for ctx, _ in opened["tabs"]:
+        ctx.close()                               # a no-op for the contexts the round closed
+
+
 @pytest.mark.browser
 @pytest.mark.alone          # its memory and delays: by itself (tests/alone.py)
-def test_browser_sessions_at_once(server, browser, tiny_model):
+def test_browser_sessions_at_once(server, browser, tiny_model, round_a):
     url, proc, log = server
     rss = []
     for tag in ("A", "B"):
-        r = _round(browser, url, tiny_model, tag)
+        r = _round(url, round_a if tag == "A" else _open_round(browser, url, tiny_model, tag))
         bad = [(k, w[:80], g[:80]) for k, (g, w) in enumerate(zip(r["got"], r["want"]))
                if g.strip("\n") != w.strip("\n")]
         assert not bad, f"round {tag}: (tab, single-user text, the tab's text): {bad}"
