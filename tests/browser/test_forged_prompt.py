@@ -66,7 +66,10 @@ class ForgedSession:
         self.ws.close()
 
 
-def test_a_two_megabyte_prompt_from_a_forged_session_keeps_the_server_answering(tmp_path, tiny_model_dir):
+@pytest.fixture
+def seated(tmp_path, tiny_model_dir):
+    """The server started and the forged session's first run ended (the model loaded), before the test's turn
+    alone (tests/alone.py): (url, the session, the prompt widget's id)."""
     import os
     env = dict(os.environ, LLM_INSPECTOR_MODEL=str(tiny_model_dir), LLM_INSPECTOR_MODEL_ROOTS="",
                LLM_INSPECTOR_HUB_CACHE="off", OMP_NUM_THREADS="1")
@@ -76,25 +79,30 @@ def test_a_two_megabyte_prompt_from_a_forged_session_keeps_the_server_answering(
             forged.rerun()
             wid = forged.widget_id(PROMPT_KEY, time.monotonic() + 120)
             list(forged.messages(time.monotonic() + 60))          # the first run ends (the model is loaded)
-            delays, stop = [], threading.Event()
-
-            def ask():
-                while not stop.is_set():
-                    t0 = time.perf_counter()
-                    assert urllib.request.urlopen(url + "/_stcore/health", timeout=30).read() == b"ok"
-                    delays.append(time.perf_counter() - t0)
-                    time.sleep(0.05)
-
-            health = threading.Thread(target=ask, daemon=True)
-            health.start()
-            time.sleep(0.5)
-            forged.rerun({wid: "The cat sat, " * 160_000})            # 2.1 MB, as the issue's paste
-            finished = [m.WhichOneof("type") for m in forged.messages(time.monotonic() + 60)][-1:]
-            time.sleep(0.5)
-            stop.set()
-            health.join(35)
+            yield url, forged, wid
         finally:
             forged.close()
+
+
+def test_a_two_megabyte_prompt_from_a_forged_session_keeps_the_server_answering(seated):
+    url, forged, wid = seated
+    delays, stop = [], threading.Event()
+
+    def ask():
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            assert urllib.request.urlopen(url + "/_stcore/health", timeout=30).read() == b"ok"
+            delays.append(time.perf_counter() - t0)
+            time.sleep(0.05)
+
+    health = threading.Thread(target=ask, daemon=True)
+    health.start()
+    time.sleep(0.5)
+    forged.rerun({wid: "The cat sat, " * 160_000})            # 2.1 MB, as the issue's paste
+    finished = [m.WhichOneof("type") for m in forged.messages(time.monotonic() + 60)][-1:]
+    time.sleep(0.5)
+    stop.set()
+    health.join(35)
     assert finished == ["script_finished"], "the forged session's run did not finish within 60 s"
     assert delays and max(delays) < HEALTH_S, f"/_stcore/health took up to {max(delays):.2f} s during the paste"
     print(f"\n/_stcore/health during a forged 2.1 MB prompt: {len(delays)} answers, "
