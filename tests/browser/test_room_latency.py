@@ -147,7 +147,10 @@ def two_servers(tmp_path_factory, tiny_model_dir):
         yield url, servers
 
 
-def test_thirty_websocket_students_follow_within_a_second(two_servers, tiny_model):
+@pytest.fixture
+def joined(two_servers, tiny_model):
+    """The room made, its first run published and the class joined while the store paused, before the test's
+    turn alone (tests/alone.py): (store, code, token, students, runs, seconds paused, students told)."""
     url, servers = two_servers
     store = RoomStore(RedisBackend.from_url(url, timeout=5))
     code, token = store.create()
@@ -169,16 +172,21 @@ def test_thirty_websocket_students_follow_within_a_second(two_servers, tiny_mode
         told = sum(s.outage for s in students)
         assert told, "no student's screen met the store's pause: the join under a pause was not exercised"
         time.sleep(1.0)
-        delays: dict[str, list[float]] = {}
-        for view in CHANGES:
-            delays[line(view).split(": ", 1)[1]] = change(store, code, token, students, {"view": view}, line(view))
-        delays["a new run"] = change(store, code, token, students, {"run": to_bytes(runs[1])},
-                                     runs[1].settings.prompt)
+        yield store, code, token, students, runs, paused[0], told
     finally:
         for s in students:
             s.close()
+
+
+def test_thirty_websocket_students_follow_within_a_second(two_servers, joined):
+    _, servers = two_servers
+    store, code, token, students, runs, paused, told = joined
+    delays: dict[str, list[float]] = {}
+    for view in CHANGES:
+        delays[line(view).split(": ", 1)[1]] = change(store, code, token, students, {"view": view}, line(view))
+    delays["a new run"] = change(store, code, token, students, {"run": to_bytes(runs[1])}, runs[1].settings.prompt)
     every = [d for ds in delays.values() for d in ds]
-    print(f"\nThe store paused {paused[0]:.1f} s while they joined: {told} students were told it does not answer; all "
+    print(f"\nThe store paused {paused:.1f} s while they joined: {told} students were told it does not answer; all "
           f"joined. {STUDENTS} WebSocket students on two servers, one Redis, {len(delays)} changes: from the publish "
           f"to each student's session drawing it, p95 {p95(every):.3f} s, median "
           f"{sorted(every)[len(every) // 2]:.3f} s, max {max(every):.3f} s. Per change (p95): "
