@@ -86,38 +86,46 @@ def two_servers(tmp_path_factory, tiny_model_dir):
         yield url, servers
 
 
-def test_students_see_the_teachers_run_grow_token_by_token(two_servers, tiny_model):
-    url, servers = two_servers
+@pytest.fixture
+def joined(two_servers, tiny_model):
+    """The room made, a first run published and the students joined, before the test's turn alone
+    (tests/alone.py): (store, code, token, students)."""
+    url, _ = two_servers
     store = RoomStore(RedisBackend.from_url(url, timeout=5))
     code, token = store.create()
     first = inspect_run(tiny_model, RunSettings(prompt="What is the capital of France?", chat=False, max_new_tokens=4))
     store.publish(code, token, run=to_bytes(first), view=View())
     t0 = time.monotonic()
-    students = [LiveStudent(servers[k % 2][0], code, "following the teacher") for k in range(STUDENTS)]
+    students = [LiveStudent(two_servers[1][k % 2][0], code, "following the teacher") for k in range(STUDENTS)]
     try:
         missing = [k for k, s in enumerate(students) if s.wait(t0 + 180) is None]
         assert not missing, f"students {missing} never joined the room"
         time.sleep(1.0)
-
-        settings = RunSettings(prompt="Tell me a story about a lighthouse.", chat=False, max_new_tokens=MAX_NEW,
-                               ignore_eos=True)
-        live = store.start_live(code, token, settings.prompt, MAX_NEW)
-        paced = Paced(LivePublisher(live.seq, settings.prompt, MAX_NEW,
-                                    publish=lambda doc: store.publish_live(code, token, doc),
-                                    end=lambda seq: store.end_live(code, token, seq)))
-        run = LiveRun(settings, tiny_model.name, 0, observer=paced).start(tiny_model, Limits())
-        assert run.wait(120) and run.error is None, run.error
-        time.sleep(1.5)                                    # the last token reaches every screen
-        for s in students:
-            s.expect(settings.prompt)
-        store.publish(code, token, run=to_bytes(run.record))   # the whole run, as the teacher's screen publishes it
-        deadline = time.monotonic() + 30
-        late = [k for k, s in enumerate(students) if s.wait(deadline) is None]
-        assert not late, f"students {late} never drew the finished run"
+        yield store, code, token, students
     finally:
         for s in students:
             s.close()
         threading.Event().wait(0.1)
+
+
+def test_students_see_the_teachers_run_grow_token_by_token(two_servers, tiny_model, joined):
+    _, servers = two_servers
+    store, code, token, students = joined
+    settings = RunSettings(prompt="Tell me a story about a lighthouse.", chat=False, max_new_tokens=MAX_NEW,
+                           ignore_eos=True)
+    live = store.start_live(code, token, settings.prompt, MAX_NEW)
+    paced = Paced(LivePublisher(live.seq, settings.prompt, MAX_NEW,
+                                publish=lambda doc: store.publish_live(code, token, doc),
+                                end=lambda seq: store.end_live(code, token, seq)))
+    run = LiveRun(settings, tiny_model.name, 0, observer=paced).start(tiny_model, Limits())
+    assert run.wait(120) and run.error is None, run.error
+    time.sleep(1.5)                                    # the last token reaches every screen
+    for s in students:
+        s.expect(settings.prompt)
+    store.publish(code, token, run=to_bytes(run.record))   # the whole run, as the teacher's screen publishes it
+    deadline = time.monotonic() + 30
+    late = [k for k, s in enumerate(students) if s.wait(deadline) is None]
+    assert not late, f"students {late} never drew the finished run"
     delays = [s.firsts[k] - paced.published[k] for s in students for k in s.firsts if k in paced.published]
     for k, s in enumerate(students):
         seen = sorted(s.firsts)
