@@ -66,26 +66,31 @@ class ForgedSession:
         self.ws.close()
 
 
+def first_run(url: str) -> tuple[ForgedSession, str]:
+    """A forged session whose first run has ended: (the session, the prompt widget's id)."""
+    forged = ForgedSession(url)
+    forged.rerun()
+    wid = forged.widget_id(PROMPT_KEY, time.monotonic() + 120)
+    list(forged.messages(time.monotonic() + 60))
+    return forged, wid
+
+
 @pytest.fixture
-def seated(tmp_path, tiny_model_dir):
-    """The server started and the forged session's first run ended (the model loaded), before the test's turn
-    alone (tests/alone.py): (url, the session, the prompt widget's id)."""
+def warm_server(tmp_path, tiny_model_dir):
+    """The server started and a first session's run ended (the model loaded, the pages' modules imported), before
+    the test's turn alone (tests/alone.py). That session is closed: a WebSocket left unread while the test waits
+    for its turn can miss its keepalive (it did, once, after 36 s)."""
     import os
     env = dict(os.environ, LLM_INSPECTOR_MODEL=str(tiny_model_dir), LLM_INSPECTOR_MODEL_ROOTS="",
                LLM_INSPECTOR_HUB_CACHE="off", OMP_NUM_THREADS="1")
     with streamlit_server(env, tmp_path / "streamlit.log", "--server.fileWatcherType", "none") as (url, _):
-        forged = ForgedSession(url)
-        try:
-            forged.rerun()
-            wid = forged.widget_id(PROMPT_KEY, time.monotonic() + 120)
-            list(forged.messages(time.monotonic() + 60))          # the first run ends (the model is loaded)
-            yield url, forged, wid
-        finally:
-            forged.close()
+        first_run(url)[0].close()
+        yield url
 
 
-def test_a_two_megabyte_prompt_from_a_forged_session_keeps_the_server_answering(seated):
-    url, forged, wid = seated
+def test_a_two_megabyte_prompt_from_a_forged_session_keeps_the_server_answering(warm_server):
+    url = warm_server
+    forged, wid = first_run(url)
     delays, stop = [], threading.Event()
 
     def ask():
@@ -97,12 +102,15 @@ def test_a_two_megabyte_prompt_from_a_forged_session_keeps_the_server_answering(
 
     health = threading.Thread(target=ask, daemon=True)
     health.start()
-    time.sleep(0.5)
-    forged.rerun({wid: "The cat sat, " * 160_000})            # 2.1 MB, as the issue's paste
-    finished = [m.WhichOneof("type") for m in forged.messages(time.monotonic() + 60)][-1:]
-    time.sleep(0.5)
-    stop.set()
-    health.join(35)
+    try:
+        time.sleep(0.5)
+        forged.rerun({wid: "The cat sat, " * 160_000})            # 2.1 MB, as the issue's paste
+        finished = [m.WhichOneof("type") for m in forged.messages(time.monotonic() + 60)][-1:]
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        health.join(35)
+        forged.close()
     assert finished == ["script_finished"], "the forged session's run did not finish within 60 s"
     assert delays and max(delays) < HEALTH_S, f"/_stcore/health took up to {max(delays):.2f} s during the paste"
     print(f"\n/_stcore/health during a forged 2.1 MB prompt: {len(delays)} answers, "
