@@ -174,7 +174,7 @@ def joined(two_servers, tiny_model):
         time.sleep(1.0)
         yield store, code, token, students, runs, paused[0], told
     finally:
-        for s in students:
+        for s in students:                    # the test closes them itself; again here if it did not get to
             s.close()
 
 
@@ -182,9 +182,14 @@ def test_thirty_websocket_students_follow_within_a_second(two_servers, joined):
     _, servers = two_servers
     store, code, token, students, runs, paused, told = joined
     delays: dict[str, list[float]] = {}
-    for view in CHANGES:
-        delays[line(view).split(": ", 1)[1]] = change(store, code, token, students, {"view": view}, line(view))
-    delays["a new run"] = change(store, code, token, students, {"run": to_bytes(runs[1])}, runs[1].settings.prompt)
+    try:
+        for view in CHANGES:
+            delays[line(view).split(": ", 1)[1]] = change(store, code, token, students, {"view": view}, line(view))
+        delays["a new run"] = change(store, code, token, students, {"run": to_bytes(runs[1])},
+                                     runs[1].settings.prompt)
+    finally:
+        for s in students:                    # closed in the call, not left open while others' calls measure
+            s.close()
     every = [d for ds in delays.values() for d in ds]
     print(f"\nThe store paused {paused:.1f} s while they joined: {told} students were told it does not answer; all "
           f"joined. {STUDENTS} WebSocket students on two servers, one Redis, {len(delays)} changes: from the publish "

@@ -111,21 +111,25 @@ def joined(two_servers, tiny_model):
 def test_students_see_the_teachers_run_grow_token_by_token(two_servers, tiny_model, joined):
     _, servers = two_servers
     store, code, token, students = joined
-    settings = RunSettings(prompt="Tell me a story about a lighthouse.", chat=False, max_new_tokens=MAX_NEW,
-                           ignore_eos=True)
-    live = store.start_live(code, token, settings.prompt, MAX_NEW)
-    paced = Paced(LivePublisher(live.seq, settings.prompt, MAX_NEW,
-                                publish=lambda doc: store.publish_live(code, token, doc),
-                                end=lambda seq: store.end_live(code, token, seq)))
-    run = LiveRun(settings, tiny_model.name, 0, observer=paced).start(tiny_model, Limits())
-    assert run.wait(120) and run.error is None, run.error
-    time.sleep(1.5)                                    # the last token reaches every screen
-    for s in students:
-        s.expect(settings.prompt)
-    store.publish(code, token, run=to_bytes(run.record))   # the whole run, as the teacher's screen publishes it
-    deadline = time.monotonic() + 30
-    late = [k for k, s in enumerate(students) if s.wait(deadline) is None]
-    assert not late, f"students {late} never drew the finished run"
+    try:
+        settings = RunSettings(prompt="Tell me a story about a lighthouse.", chat=False, max_new_tokens=MAX_NEW,
+                               ignore_eos=True)
+        live = store.start_live(code, token, settings.prompt, MAX_NEW)
+        paced = Paced(LivePublisher(live.seq, settings.prompt, MAX_NEW,
+                                    publish=lambda doc: store.publish_live(code, token, doc),
+                                    end=lambda seq: store.end_live(code, token, seq)))
+        run = LiveRun(settings, tiny_model.name, 0, observer=paced).start(tiny_model, Limits())
+        assert run.wait(120) and run.error is None, run.error
+        time.sleep(1.5)                                    # the last token reaches every screen
+        for s in students:
+            s.expect(settings.prompt)
+        store.publish(code, token, run=to_bytes(run.record))   # the whole run, as the teacher's screen publishes it
+        deadline = time.monotonic() + 30
+        late = [k for k, s in enumerate(students) if s.wait(deadline) is None]
+        assert not late, f"students {late} never drew the finished run"
+    finally:
+        for s in students:                    # closed in the call, not left open while others' calls measure
+            s.close()
     delays = [s.firsts[k] - paced.published[k] for s in students for k in s.firsts if k in paced.published]
     for k, s in enumerate(students):
         seen = sorted(s.firsts)
