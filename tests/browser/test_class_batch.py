@@ -76,17 +76,23 @@ def test_eight_students_press_run_at_once(klass, typed):
     assert proc.poll() is None and "Traceback" not in log.read_text()
 
 
-CLICK_AT = """at => setTimeout(() => [...document.querySelectorAll('button')]
-  .find(b => b.innerText.trim() === 'Run').click(), at - Date.now())"""
+CLICK_AT = """at => {
+  const run = () => [...document.querySelectorAll('button')].find(b => b.innerText.trim() === 'Run');
+  const now = run();
+  if (now && !now.disabled) setTimeout(() => run().click(), at - Date.now());
+  return {found: !!now, disabled: !!(now && now.disabled), lead: at - Date.now()};
+}"""
 
 
 def press_run_together(tabs, ahead_s: float = 0.5) -> None:
     """Every tab presses Run at the same moment, ahead_s from now (each tab's own timer): as eight students pressing
     at once. Pressed one tab after another (each click awaited), a four-token run could end before the next one
-    began, and the batch then had nothing to step together: 2 failures in 7 runs on 2026-12-05, none in 5 since."""
+    began, and the batch then had nothing to step together: 2 failures in 7 runs on 2026-12-05, none in 5 since.
+    Each tab's Run button must be there and enabled, and its timer still ahead when set."""
     at = tabs[0][1].evaluate("() => Date.now()") + ahead_s * 1000
-    for _, page in tabs:
-        page.evaluate(CLICK_AT, at)
+    for k, (_, page) in enumerate(tabs):
+        got = page.evaluate(CLICK_AT, at)
+        assert got["found"] and not got["disabled"] and got["lead"] > 0, (k, got)
 
 
 def _record_of(page):

@@ -96,8 +96,10 @@ def joined(two_servers, tiny_model):
     first = inspect_run(tiny_model, RunSettings(prompt="What is the capital of France?", chat=False, max_new_tokens=4))
     store.publish(code, token, run=to_bytes(first), view=View())
     t0 = time.monotonic()
-    students = [LiveStudent(two_servers[1][k % 2][0], code, "following the teacher") for k in range(STUDENTS)]
+    students = []
     try:
+        for k in range(STUDENTS):
+            students.append(LiveStudent(two_servers[1][k % 2][0], code, "following the teacher"))
         missing = [k for k, s in enumerate(students) if s.wait(t0 + 180) is None]
         assert not missing, f"students {missing} never joined the room"
         time.sleep(1.0)
