@@ -90,7 +90,7 @@ def two_servers(tmp_path_factory, tiny_model_dir):
 def joined(two_servers, tiny_model):
     """The room made, a first run published and the students joined, before the test's turn alone
     (tests/alone.py): (store, code, token, students)."""
-    url, _ = two_servers
+    url, servers = two_servers
     store = RoomStore(RedisBackend.from_url(url, timeout=5))
     code, token = store.create()
     first = inspect_run(tiny_model, RunSettings(prompt="What is the capital of France?", chat=False, max_new_tokens=4))
@@ -99,7 +99,7 @@ def joined(two_servers, tiny_model):
     students = []
     try:
         for k in range(STUDENTS):
-            students.append(LiveStudent(two_servers[1][k % 2][0], code, "following the teacher"))
+            students.append(LiveStudent(servers[k % 2][0], code, "following the teacher"))
         missing = [k for k, s in enumerate(students) if s.wait(t0 + 180) is None]
         assert not missing, f"students {missing} never joined the room"
         time.sleep(1.0)
