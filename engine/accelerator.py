@@ -39,11 +39,12 @@ def stats_backend(device: torch.device) -> StatsBackend:
 def choose(model, decode: bool) -> Accelerator:
     """The accelerator of a model just built. decode: whether this model may have its own native decode step
     (engine.loader's models; variants made from another model, such as precision plans and quantised or cast
-    copies, do not get their own copy of the weights; engine.variants.without_heads keeps its model's step through
-    NativeDecoder.sharing, which shares the packed panels and packs only the changed wo)."""
+    copies, do not: engine.variants sets their attributes after they are built; engine.variants.without_heads keeps
+    its model's step through NativeDecoder.sharing, which reads the variant's weights: its changed wo, every other
+    one shared)."""
     stats = stats_backend(model.device)
     if not decode:
-        return Accelerator(None, stats, "a model made from another one (no copy of its weights for the native step)")
+        return Accelerator(None, stats, "a model made from another one (engine.variants: no native step of its own)")
     lib, why = build.load()
     if lib is None:
         return Accelerator(None, stats, why)

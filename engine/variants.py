@@ -1,9 +1,10 @@
 """Model variants, made in one place: a precision plan (some units in fp32), a cast to another dtype, a copy
 with other weights (quantised round trips, engine.tools.quant), a copy with some attention heads' outputs zeroed
 (the why-loop's head reruns). Every variant shares the model's config and tokenizer, gets its own weights where
-they differ (the rest are shared), and gets no native decode step of its own (engine.accelerator: no second copy
-of the weights), except the zeroed heads' variant, which shares the model's native step with its own panels of the
-changed `wo` matrices (NativeDecoder.sharing); its statistics backend is chosen as for any model."""
+they differ (the rest are shared), and gets no native decode step of its own (engine.accelerator: a variant's
+attributes are set after it is built, so its eligibility is not known there), except the zeroed heads' variant,
+whose step is checked against the model's (NativeDecoder.sharing: it differs only in the changed `wo` matrices);
+its statistics backend is chosen as for any model."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,7 +37,8 @@ def cast_model(model: Model, dtype: str | torch.dtype) -> Model:
     def cv(t):
         return None if t is None else t.to(dt, copy=True)
     layers = [LayerWeights(**{f.name: cv(getattr(lw, f.name)) for f in dataclasses.fields(lw)}) for lw in w.layers]
-    weights = Weights(cv(w.embed), layers, cv(w.norm), cv(w.lm_head))
+    head = cv(w.lm_head)
+    weights = Weights(head.t() if w.tied() else cv(w.embed), layers, cv(w.norm), head)
     return derive(model, weights, dtype=dt, name=f"{model.name} [{str(dt).removeprefix('torch.')}]")
 
 
@@ -45,8 +47,8 @@ def without_heads(model: Model, heads) -> Model:
     zero_heads at blocks.{layer}.attn.z zeroes them: attn_out = z (T, H*hd) @ wo (H*hd, d), so zeroing head h's
     slice of z is zeroing rows h*hd .. (h+1)*hd of wo (each such product term is exactly 0 either way, for finite
     values). Only the changed layers' wo are copied; every other weight is shared. A float32 model with a native
-    decode step keeps it (its panels shared, the changed wo packed anew), so the variant decodes as fast as the
-    model; the PyTorch forward computes the same numbers as the hooked model's."""
+    decode step keeps it (reading the variant's weights: the changed wo, every other one shared), so the variant
+    decodes as fast as the model; the PyTorch forward computes the same numbers as the hooked model's."""
     hd, H, L = model.config.head_dim, model.config.num_heads, model.config.num_layers
     by_layer: dict[int, set[int]] = {}
     for layer, head in heads:

@@ -55,7 +55,11 @@ class Weights:
     embed: torch.Tensor          # (V, d)  rows looked up by token id
     layers: list[LayerWeights]
     norm: torch.Tensor           # (d,)
-    lm_head: torch.Tensor        # (d, V)  a transposed copy of embed when tied
+    lm_head: torch.Tensor        # (d, V)  when tied, embed is this matrix's transpose (one copy: tied())
+
+    def tied(self) -> bool:
+        """Whether embed is a view of lm_head (a tied checkpoint's one matrix, read both ways)."""
+        return self.embed.data_ptr() == self.lm_head.data_ptr() and self.embed.shape == self.lm_head.t().shape
 
     def nbytes(self) -> int:
         seen, total = set(), 0
@@ -200,12 +204,22 @@ def _assemble(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> Weights:
                 slots[slot] = torch.cat(ts)
         layers.append(LayerWeights(**slots))
     embed = raw.pop("model.embed_tokens.weight")
-    lm_head = _t(embed if cfg.tie_word_embeddings else raw.pop("lm_head.weight"))
+    if cfg.tie_word_embeddings:     # one matrix: the lm_head (d, V), and the embedding its transposed view (V, d)
+        lm_head = _t(embed)
+        embed = lm_head.t()
+    else:
+        embed, lm_head = _own(embed), _t(raw.pop("lm_head.weight"))
     return Weights(embed=embed, layers=layers, norm=_offset(raw.pop("model.norm.weight"), off), lm_head=lm_head)
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """t in memory of its own: safetensors hands out views of the file's memory map, which would keep the whole file
+    mapped (and the pages read counted in the process's resident memory) for as long as one such view lives."""
+    return t if t.untyped_storage().resizable() else t.clone()
+
+
 def _offset(w: torch.Tensor, off: float) -> torch.Tensor:
-    return w if not off else (w.float() + off).to(w.dtype)
+    return _own(w) if not off else (w.float() + off).to(w.dtype)
 
 
 def _t(w: torch.Tensor) -> torch.Tensor:

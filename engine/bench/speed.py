@@ -201,7 +201,7 @@ def report(model, a: argparse.Namespace, m: dict) -> dict:
         f"{a.repeats} rounds (a and b step by step, a large read after each pair)")
     nat = model.accelerator.decode
     why = model.accelerator.why_not
-    say("decode steps: " + ("native (engine/native: one C call a token, weights read as panels)" if nat is not None
+    say("decode steps: " + ("native (engine/native: one C call a token, reading the model's own weights)" if nat is not None
                             else f"PyTorch forward ({why})"))
     out["native_decode"] = nat is not None
     out["decode_path"] = "native" if nat is not None else f"PyTorch forward: {why}"

@@ -5,7 +5,7 @@
  *
  * Why: a batched step on the PyTorch path spent most of its time around the matrix products, in a few torch calls
  * per row per layer (each row's cache write, its padded keys, its statistics), ~4.5 ms a row a step for the
- * bundled model. Here the products read each weight panel once for all rows (pairs of column blocks split between
+ * bundled model. Here the products read each weight once for all rows (chunks of column blocks split between
  * threads, an R x 16 register tile for eight rows at a time), and every per-row operation is a plain loop, rows spread
  * over the team.
  *
@@ -24,12 +24,12 @@ typedef struct {
     int L, d, H, K, hd, F, V, B, nth;  /* layers, hidden, query heads, KV heads, head dim, MLP width, vocab, rows */
     float eps, scale;                   /* RMSNorm epsilon, attention scale (hd^-0.5) */
     const float *x_in;                  /* (B, d) the rows' embeddings */
-    const float *const *attn_norm, *const *wqkv, *const *wo;      /* L pointers each; matrices as panels */
+    const float *const *attn_norm, *const *wqkv, *const *wo;      /* L pointers each; matrices (in, out) */
     const float *const *mlp_norm, *const *wgu, *const *wdown;
     float *const *kc, *const *vc;       /* B pointers: row b's caches, (L, K, max_len[b], hd) each */
     const int *max_len, *pos;           /* (B) each row's cache length and this token's position */
     const float *cos, *sin;             /* (B, hd) rotary rows at each row's position */
-    const float *final_norm, *lm_head;  /* (d), (d, V) as panels */
+    const float *final_norm, *lm_head;  /* (d), (d, V) */
     float *logits;                      /* (B, V) out */
     float *work;                        /* scratch, llmi_rows_work_floats() floats */
     float *stats;                       /* NULL, or (B, 1 + 17 L + 2, 7) out */
@@ -47,18 +47,18 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));      /* eight flo
 typedef float v16 __attribute__((vector_size(64), aligned(4)));     /* sixteen: one AVX-512 register */
 enum { ROWS = 8 };      /* rows a tile takes at once */
 
-/* out[0:R] (row stride N), column blocks b .. b + C - 1 (C = 1, 2 or 4) = x[0:R] (row stride Kd) @ those columns of
- * W (panels: P[g][b][r][c] = W[8 g + r][8 b + c]): an R x 8C tile of sums held in registers over all of Kd, each
- * weight vector loaded once for the R rows (the usual register-blocked micro-kernel). Inlined with R and C constant
- * (ROWS_CASES). Two column blocks' weights are joined into one 16-wide vector, so that sixteen of a row's sums are
- * one AVX-512 multiply-add (GCC's -march=native keeps its own loops at 256 bits on this CPU), and four blocks give
- * 2 R independent sums to hide the multiply-add's latency: each sum gets the same products in the same order as
- * with 8-wide vectors. pf: the next chunk's panels, a line of which is asked for with each weight vector (see
- * product_rows; q: this tile's place in its chunk). Measured on this machine (2 cores, AVX-512), the layers of a
- * 30-row step: 2.1 ms each with 8 x 16 tiles of 8-wide vectors, 1.9-2.0 with 16-wide ones and the next chunk asked
- * for. */
+/* out[0:R] (row stride N), column blocks b .. b + C - 1 (C = 1, 2 or 4; a block is eight columns) = x[0:R] (row
+ * stride Kd) @ those columns of W (Kd, N), row-major as the model stores it ((in, out): the step reads the model's own
+ * matrices, no second copy): an R x 8C tile of sums held in registers over all of Kd, each weight vector loaded once
+ * for the R rows (the usual register-blocked micro-kernel). Inlined with R and C constant (ROWS_CASES). Two column
+ * blocks' weights are joined into one 16-wide vector, so that sixteen of a row's sums are one AVX-512 multiply-add
+ * (GCC's -march=native keeps its own loops at 256 bits on this CPU), and four blocks give 2 R independent sums to hide
+ * the multiply-add's latency: each sum gets the same products in the same order as with 8-wide vectors. A tile walks
+ * W's rows with a stride of N floats, 32 C bytes a row; pf: the next chunk's columns (pf = W + 8 b_next), whose two
+ * lines of row k are asked for with row k's weights (q: this tile's half of its chunk), so that reading memory and
+ * multiplying overlap (see product_rows). */
 static inline __attribute__((always_inline)) void tile(const int R, const int C, const float *x, int Kd,
-                                                       const float *P, int NB, int b, float *out, int N,
+                                                       const float *W, int N, int b, float *out,
                                                        const float *pf, int q) {
     v16 acc[ROWS][2];
     v8 acc1[ROWS];
@@ -66,32 +66,28 @@ static inline __attribute__((always_inline)) void tile(const int R, const int C,
         if (C == 1) acc1[i] = (v8){0};
         else for (int j = 0; j < C / 2; j++) acc[i][j] = (v16){0};
     }
-    const int G = Kd / 8;
-    for (int g = 0; g < G; g++) {
-        const float *w = P + ((size_t)g * NB + b) * 64;
-        for (int r = 0; r < 8; r++) {
-            if (pf) {      /* two lines of the next chunk's panels (a chunk: 32 G lines; 2 tiles of 8 G vectors) */
-                const int j = ((q * G + g) * 8 + r) * 2;
-                __builtin_prefetch(pf + (size_t)(j >> 5) * NB * 64 + (j & 31) * 16, 0, 3);
-                __builtin_prefetch(pf + (size_t)(j >> 5) * NB * 64 + ((j + 1) & 31) * 16, 0, 3);
-            }
-            const v8 w0 = *(const v8 *)(w + r * 8);
-            if (C == 1) {
-                for (int i = 0; i < R; i++) acc1[i] += x[(size_t)i * Kd + 8 * g + r] * w0;
-                continue;
-            }
-            const v8 w1 = *(const v8 *)(w + 64 + r * 8);
-            const v16 ww0 = __builtin_shufflevector(w0, w1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            v16 ww1 = ww0;
-            if (C == 4) {
-                const v8 w2 = *(const v8 *)(w + 128 + r * 8), w3 = *(const v8 *)(w + 192 + r * 8);
-                ww1 = __builtin_shufflevector(w2, w3, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            }
-            for (int i = 0; i < R; i++) {
-                const float a = x[(size_t)i * Kd + 8 * g + r];
-                acc[i][0] += a * ww0;
-                if (C == 4) acc[i][1] += a * ww1;
-            }
+    for (int k = 0; k < Kd; k++) {
+        const float *w = W + (size_t)k * N + 8 * b;
+        if (pf) {      /* two lines of the next chunk's row k (a chunk: 8 blocks = 4 lines a row; 2 tiles) */
+            __builtin_prefetch(pf + (size_t)k * N + 32 * q, 0, 3);
+            __builtin_prefetch(pf + (size_t)k * N + 32 * q + 16, 0, 3);
+        }
+        const v8 w0 = *(const v8 *)w;
+        if (C == 1) {
+            for (int i = 0; i < R; i++) acc1[i] += x[(size_t)i * Kd + k] * w0;
+            continue;
+        }
+        const v8 w1 = *(const v8 *)(w + 8);
+        const v16 ww0 = __builtin_shufflevector(w0, w1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        v16 ww1 = ww0;
+        if (C == 4) {
+            const v8 w2 = *(const v8 *)(w + 16), w3 = *(const v8 *)(w + 24);
+            ww1 = __builtin_shufflevector(w2, w3, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        }
+        for (int i = 0; i < R; i++) {
+            const float a = x[(size_t)i * Kd + k];
+            acc[i][0] += a * ww0;
+            if (C == 4) acc[i][1] += a * ww1;
         }
     }
     for (int i = 0; i < R; i++) {
@@ -102,48 +98,47 @@ static inline __attribute__((always_inline)) void tile(const int R, const int C,
 
 #define ROWS_CASES(C) \
     switch (nr) { \
-    case 8: tile(8, C, xr, Kd, P, NB, b, o, N, pf, q); break; \
-    case 7: tile(7, C, xr, Kd, P, NB, b, o, N, pf, q); break; \
-    case 6: tile(6, C, xr, Kd, P, NB, b, o, N, pf, q); break; \
-    case 5: tile(5, C, xr, Kd, P, NB, b, o, N, pf, q); break; \
-    case 4: tile(4, C, xr, Kd, P, NB, b, o, N, pf, q); break; \
-    case 3: tile(3, C, xr, Kd, P, NB, b, o, N, pf, q); break; \
-    case 2: tile(2, C, xr, Kd, P, NB, b, o, N, pf, q); break; \
-    default: tile(1, C, xr, Kd, P, NB, b, o, N, pf, q); \
+    case 8: tile(8, C, xr, Kd, W, N, b, o, pf, q); break; \
+    case 7: tile(7, C, xr, Kd, W, N, b, o, pf, q); break; \
+    case 6: tile(6, C, xr, Kd, W, N, b, o, pf, q); break; \
+    case 5: tile(5, C, xr, Kd, W, N, b, o, pf, q); break; \
+    case 4: tile(4, C, xr, Kd, W, N, b, o, pf, q); break; \
+    case 3: tile(3, C, xr, Kd, W, N, b, o, pf, q); break; \
+    case 2: tile(2, C, xr, Kd, W, N, b, o, pf, q); break; \
+    default: tile(1, C, xr, Kd, W, N, b, o, pf, q); \
     }
 
-/* A tile of one or two column blocks (the end of a row of panels when N / 8 is no multiple of 4: none of the
+/* A tile of one or two column blocks (the end of a row of W when N / 8 is no multiple of 4: none of the
  * bundled model's products), not specialised for each row count (a smaller library, built faster). */
-static __attribute__((noinline)) void tile_any(int R, int C, const float *x, int Kd, const float *P, int NB, int b,
-                                               float *out, int N) {
-    if (C == 2) tile(R, 2, x, Kd, P, NB, b, out, N, 0, 0);
-    else tile(R, 1, x, Kd, P, NB, b, out, N, 0, 0);
+static __attribute__((noinline)) void tile_any(int R, int C, const float *x, int Kd, const float *W, int N, int b,
+                                               float *out) {
+    if (C == 2) tile(R, 2, x, Kd, W, N, b, out, 0, 0);
+    else tile(R, 1, x, Kd, W, N, b, out, 0, 0);
 }
 
-/* out (B, N) = x (B, Kd) @ W (Kd, N) as panels; every thread of the team calls it. A thread takes CHUNK column
+/* out (B, N) = x (B, Kd) @ W (Kd, N), row-major; every thread of the team calls it. A thread takes CHUNK column
  * blocks at a time and multiplies them for all rows, four column blocks and ROWS rows at a time (the chunk stays in
- * cache between the row blocks). Its first chunk it first asks for row group by row group (runs of CHUNK x 256
- * bytes; the tiles alone walk them with a stride the hardware prefetcher does not follow, and a step of a few rows
- * was bound by memory latency: the lm_head for 8 rows 9.5 ms, 5.0 ms with this); each next chunk it asks for while
- * it multiplies the one before, two lines with each weight vector of its first row block's tiles (2 tiles of 8 G
- * vectors: the 32 G lines of a chunk), so that reading memory and multiplying overlap (asked for whole before its
- * products, a third of the products' time went to waiting on the requests). Each weight is read from memory once
- * a step, and no partial sums are added. */
+ * cache between the row blocks). Its first chunk it first asks for row by row (runs of CHUNK x 32 bytes; the tiles
+ * alone walk them with a stride the hardware prefetcher follows badly, and a step of a few rows was bound by memory
+ * latency: the lm_head for 8 rows 9.5 ms, 5.0 ms with this); each next chunk it asks for while it multiplies the one
+ * before, two lines a row with each row of its first row block's tiles (2 tiles: the 4 lines of a chunk's row), so that
+ * reading memory and multiplying overlap (asked for whole before its products, a third of the products' time went to
+ * waiting on the requests). Each weight is read from memory once a step, and no partial sums are added. */
 enum { CHUNK = 8 };
-static void product_rows(const float *x, int B, const float *P, int Kd, int N, float *out) {
-    const int NB = N / 8, G = Kd / 8;
+static void product_rows(const float *x, int B, const float *W, int Kd, int N, float *out) {
+    const int NB = N / 8;
     int first = 1;
 #pragma omp for schedule(static)
     for (int b0 = 0; b0 < NB; b0 += CHUNK) {
         const int b1 = b0 + CHUNK < NB ? b0 + CHUNK : NB;
         if (first) {
-            for (int g = 0; g < G; g++) {
-                const float *w = P + ((size_t)g * NB + b0) * 64;
-                for (int l = 0; l < (b1 - b0) * 64; l += 16) __builtin_prefetch(w + l, 0, 3);
+            for (int k = 0; k < Kd; k++) {
+                const float *w = W + (size_t)k * N + 8 * b0;
+                for (int l = 0; l < (b1 - b0) * 8; l += 16) __builtin_prefetch(w + l, 0, 3);
             }
             first = 0;
         }
-        const float *next = b1 + CHUNK <= NB ? P + (size_t)b1 * 64 : NULL;     /* a whole next chunk */
+        const float *next = b1 + CHUNK <= NB ? W + (size_t)b1 * 8 : NULL;     /* a whole next chunk */
         for (int b = b0; b < b1;) {
             const int C = b + 4 <= b1 ? 4 : b + 2 <= b1 ? 2 : 1, q = (b - b0) / 4;
             for (int r0 = 0; r0 < B; r0 += ROWS) {
@@ -153,7 +148,7 @@ static void product_rows(const float *x, int B, const float *P, int Kd, int N, f
                 if (C == 4) {
                     ROWS_CASES(4)
                 } else {
-                    tile_any(nr, C, xr, Kd, P, NB, b, o, N);
+                    tile_any(nr, C, xr, Kd, W, N, b, o);
                 }
             }
             b += C;

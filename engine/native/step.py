@@ -12,10 +12,9 @@ replacement, weight override or run-only epsilon. Anything else, or a library th
 PyTorch forward, which stays the reference: tests hold the
 two to each other and to transformers.
 
-The native step reads its own copy of the weight matrices, laid out as panels of eight rows (see decode.c):
-a one-row product then streams each matrix as one contiguous run, ~25 % faster here than the row-major
-matrices the PyTorch forward multiplies. The copy costs the matrices' size again in memory (545 MB for the
-bundled model in fp32) and is made on the model's first decode step (about half a second). With statistics,
+The native step reads the model's own weight matrices, row-major (in, out) as engine/weights.py stores them and the
+PyTorch forward multiplies them: there is one copy of every weight in memory (an earlier version kept a second copy
+laid out as panels of eight rows, the matrices' size again: 545 MB for the bundled model in fp32). With statistics,
 a step that meets a NaN or an Inf is redone by the PyTorch forward (it rewrites the same cache position),
 whose accounting of non-finite values is the reference.
 """
@@ -43,7 +42,7 @@ _FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_
 # one value it implements. Anything else decodes on the PyTorch forward (a debugger never computes another model).
 NATIVE_FAMILIES = ("llama", "mistral", "qwen2")
 LAYER_SLOTS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
-MATRICES = tuple(f for f in SLOT_MATRICES if f in LAYER_SLOTS)      # the products it streams as panels
+MATRICES = tuple(f for f in SLOT_MATRICES if f in LAYER_SLOTS)      # the products it streams
 VARIATIONS = {"activation": "silu", "embed_scale": 1.0, "residual_scale": 1.0, "logits_divisor": 1.0,
               "attn_softcap": None, "final_softcap": None, "num_experts": 0, "rope_local_theta": None}
 
@@ -66,21 +65,11 @@ def refusal(model) -> str | None:
             or model.resid_fp32_from is not None:
         return "not float32 on the CPU, or a precision plan"
     mats = [getattr(lw, f) for lw in w.layers for f in LAYER_SLOTS]
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in [*mats, w.norm, w.lm_head, w.embed]) \
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in [*mats, w.norm, w.lm_head]) \
             or any(n % 8 for t in [*mats, w.lm_head] if t.dim() == 2 for n in t.shape) \
             or cfg.head_dim % 2 or cfg.num_heads % cfg.num_kv_heads:
         return "weights that are not contiguous float32 matrices in multiples of 8"
     return None
-
-
-def panels(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """w (K, N), K and N multiples of 8 -> its panels, flat: P[g][b][r][c] = w[8 g + r][8 b + c]."""
-    K, N = w.shape
-    src = w.reshape(K // 8, 8, N // 8, 8).permute(0, 2, 1, 3)
-    if out is None:
-        return src.contiguous().reshape(-1)
-    out.view(K // 8, N // 8, 8, 8).copy_(src)
-    return out
 
 
 class StepArgs(ctypes.Structure):
@@ -103,26 +92,18 @@ class NativeDecoder:
         self.names = forward_stages(model.config.num_layers)    # its statistics rows, in order
         self.layers = [None] + [i for i in range(model.config.num_layers) for _ in PLAIN_STAGES] + [None, None]
         self.mark_labels = ["embed", *(f"blocks.{i}" for i in range(model.config.num_layers)), "logits"]
-        self._packed = False
-        self._pack_lock = threading.Lock()    # one copy of the weights, however many runs start at once
+        self._layer_ptrs, self._lock = None, threading.Lock()    # made once, however many runs start at once
 
-    def _pack(self) -> None:
-        """The panel copy of the weight matrices, made at the first decode step (not at load: a model that never
-        decodes natively never pays for it)."""
-        w = self.model.weights
-        self._keep = []      # ctypes arrays the StepArgs point into
-        mats = [getattr(lw, f) for lw in w.layers for f in MATRICES] + [w.lm_head]
-        self.panels = torch.empty(sum(m.numel() for m in mats))
-        views, at = [], 0
-        for m in mats:
-            views.append(panels(m, out=self.panels[at:at + m.numel()]))
-            at += m.numel()
-        self.lm_head = views[-1]
-        self.layer_ptrs = {f: self._ptrs([getattr(lw, f) for lw in w.layers]) for f in LAYER_SLOTS if f not in MATRICES}
-        self.views = {f: views[j:-1:len(MATRICES)] for j, f in enumerate(MATRICES)}    # field -> per-layer panels
-        for f in MATRICES:
-            self.layer_ptrs[f] = self._ptrs(self.views[f])
-        self._packed = True
+    @property
+    def layer_ptrs(self) -> dict:
+        """Slot -> a C array of the layers' weight pointers, made at the first decode step (the weights as they are
+        then: a model whose layers are replaced before it decodes is read as replaced)."""
+        with self._lock:
+            if self._layer_ptrs is None:
+                self._keep = []      # ctypes arrays the StepArgs point into
+                self._layer_ptrs = {f: self._ptrs([getattr(lw, f) for lw in self.model.weights.layers])
+                                    for f in LAYER_SLOTS}
+        return self._layer_ptrs
 
     def _ptrs(self, tensors) -> ctypes.c_void_p:
         """A C array of the tensors' data pointers (kept alive with this decoder)."""
@@ -130,17 +111,11 @@ class NativeDecoder:
         self._keep.append(arr)
         return ctypes.cast(arr, _P)
 
-    def _ensure_packed(self) -> None:
-        if not self._packed:
-            with self._pack_lock:
-                if not self._packed:
-                    self._pack()
-
     def sharing(self, variant, field: str, layers: dict[int, torch.Tensor]) -> "NativeDecoder | None":
         """The decode step of `variant`, a model that differs from this decoder's model only in some layers' `field`
-        matrix (one of MATRICES; layers: layer -> the variant's matrix, as the weights store it): it reads this
-        decoder's panel copy of every other matrix (no second copy of the weights) and panels of its own for these.
-        None when the variant differs in anything else (another tensor, dtype, config or device)."""
+        matrix (one of MATRICES; layers: layer -> the variant's matrix, as the weights store it): it reads the
+        variant's own weights, every other one of which is this model's (no copy). None when the variant differs in
+        anything else (another tensor, dtype, config or device)."""
         mine, theirs = self.model.weights, variant.weights
         same = [(getattr(a, f), getattr(b, f)) for i, (a, b) in enumerate(zip(mine.layers, theirs.layers))
                 for f in (f.name for f in dataclasses.fields(a)) if not (f == field and i in layers)]
@@ -152,15 +127,7 @@ class NativeDecoder:
                        or w.dtype != torch.float32 or not w.is_contiguous()
                        for i, w in layers.items() for lw in [mine.layers[i]])):
             return None
-        self._ensure_packed()
-        twin = NativeDecoder(variant, self.lib)
-        twin._keep, twin.panels, twin.lm_head = [], self.panels, self.lm_head
-        twin.views = {f: list(v) for f, v in self.views.items()}
-        for i, w in layers.items():
-            twin.views[field][i] = panels(w)
-        twin.layer_ptrs = dict(self.layer_ptrs, **{field: twin._ptrs(twin.views[field])})
-        twin._packed = True
-        return twin
+        return NativeDecoder(variant, self.lib)
 
     @classmethod
     def for_model(cls, model) -> "NativeDecoder | None":
@@ -179,10 +146,9 @@ class NativeDecoder:
         """One token at pos -> (logits (1, V), statistics (G, 1, 7) or None, status: 0, or 1 = a NaN/Inf met,
         marks: with timing, (label, seconds since the call began) after the embedding, each layer and the logits
         (`mark_labels`), else None)."""
-        self._ensure_packed()
         m, c = self.model, self.model.config
         w = m.weights
-        x = w.embed[token]
+        x = w.embed[token].contiguous()     # (d,): a row of a tied model's embedding is a strided column
         logits = torch.empty(1, c.vocab_size)
         st = torch.empty(len(self.names), 1, 7) if stats else None
         marks = torch.empty(c.num_layers + 2, dtype=torch.float64) if timing else None
@@ -193,7 +159,7 @@ class NativeDecoder:
                  self.layer_ptrs["attn_norm"], self.layer_ptrs["wqkv"], self.layer_ptrs["wo"],
                  self.layer_ptrs["mlp_norm"], self.layer_ptrs["w_gate_up"], self.layer_ptrs["w_down"],
                  cache.k.data_ptr(), cache.v.data_ptr(), m.cos[pos].data_ptr(), m.sin[pos].data_ptr(),
-                 w.norm.data_ptr(), self.lm_head.data_ptr(), logits.data_ptr(), work.data_ptr(),
+                 w.norm.data_ptr(), w.lm_head.data_ptr(), logits.data_ptr(), work.data_ptr(),
                  st.data_ptr() if stats else None, marks.data_ptr() if timing else None)
         status = self.lib.llmi_decode_step(ctypes.byref(s))
         return logits, st, status, (list(zip(self.mark_labels, marks.tolist())) if timing else None)
@@ -204,10 +170,9 @@ class NativeDecoder:
         block layout: this model has no windows) -> (logits (B, V), statistics (B, G, 7) or None (row b's in the
         order of `names`, as __call__ gives one row's), how many rows met a NaN/Inf, marks as __call__'s). Each
         row's cache is written at its position; its attention reads only its own cache."""
-        self._ensure_packed()
         m, c = self.model, self.model.config
         B = len(tokens)
-        x = m.weights.embed[torch.tensor(tokens)]                                       # (B, d)
+        x = m.weights.embed[torch.tensor(tokens)].contiguous()                          # (B, d)
         at = torch.tensor(positions)
         cos, sin = m.cos[at].contiguous(), m.sin[at].contiguous()                       # (B, hd)
         logits = torch.empty(B, c.vocab_size)
@@ -226,7 +191,7 @@ class NativeDecoder:
                      self.layer_ptrs["attn_norm"], self.layer_ptrs["wqkv"], self.layer_ptrs["wo"],
                      self.layer_ptrs["mlp_norm"], self.layer_ptrs["w_gate_up"], self.layer_ptrs["w_down"],
                      ctypes.cast(kc, _P), ctypes.cast(vc, _P), lens.data_ptr(), pos.data_ptr(), cos.data_ptr(),
-                     sin.data_ptr(), m.weights.norm.data_ptr(), self.lm_head.data_ptr(), logits.data_ptr(),
+                     sin.data_ptr(), m.weights.norm.data_ptr(), m.weights.lm_head.data_ptr(), logits.data_ptr(),
                      work.data_ptr(), st.data_ptr() if stats else None, marks.data_ptr() if timing else None,
                      bad.data_ptr())
         failed = self.lib.llmi_decode_rows(ctypes.byref(r))

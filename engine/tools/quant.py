@@ -96,7 +96,11 @@ def quantized_model(model: Model, fmt: str, *, embed: bool = False) -> Model:
     emb, head = w.embed, w.lm_head
     if embed:
         emb = requantize(w.embed.t(), fmt).t().contiguous()             # (V, d): rows are token vectors
-        head = emb.t().contiguous() if model.config.tie_word_embeddings else requantize(w.lm_head, fmt)
+        if w.tied():            # one matrix read both ways, as loaded (engine.weights)
+            head = emb.t().contiguous()
+            emb = head.t()
+        else:
+            head = requantize(w.lm_head, fmt)
     return derive(model, Weights(emb, layers, w.norm, head), dtype=torch.float32, name=f"{model.name} [{fmt.upper()}]")
 
 

@@ -2,6 +2,7 @@
 the same logits, KV cache and statistics of every stage; which calls take it; the fallbacks."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import pytest
@@ -13,7 +14,7 @@ from engine.inspection.probe import Probe, inspection_probe
 from engine.inspection.reference_stats import dense_stats
 from engine.inspection.stages import forward_stages
 from engine.native import build
-from engine.native.step import NativeDecoder, panels
+from engine.native.step import LAYER_SLOTS, NativeDecoder
 from engine.variants import precision_plan
 
 pytestmark = pytest.mark.unit
@@ -43,11 +44,13 @@ def _by_stage(probe) -> dict:
     return {(b.step, b.pos0, n): b.values[g] for b in probe.recording.stats for g, n in enumerate(b.names)}
 
 
-def test_panels_hold_the_matrix():
-    w = torch.arange(16 * 24, dtype=torch.float32).view(16, 24)
-    p = panels(w).view(2, 3, 8, 8)          # [g][b][r][c] = w[8g + r][8b + c]
-    for g, b, r, c in [(0, 0, 0, 0), (1, 2, 7, 7), (0, 1, 3, 5), (1, 0, 6, 2)]:
-        assert p[g, b, r, c] == w[8 * g + r, 8 * b + c]
+def test_the_native_step_reads_the_models_own_weights(tiny_model):
+    """No second copy of the weights: each layer pointer the step hands decode.c is the model's own tensor's."""
+    nat = _native_or_skip(tiny_model)
+    for f in LAYER_SLOTS:
+        ptrs = ctypes.cast(nat.layer_ptrs[f], ctypes.POINTER(ctypes.c_void_p))
+        assert [ptrs[i] for i in range(tiny_model.config.num_layers)] == [
+            getattr(lw, f).data_ptr() for lw in tiny_model.weights.layers]
 
 
 def test_logits_and_cache_equal_the_pytorch_forward(tiny_model):

@@ -1,8 +1,10 @@
 """engine.variants.without_heads: the model with some heads' outputs zeroed through its wo matrix, held to the
 hook it stands in for (engine.inspection.probe.zero_heads at blocks.{i}.attn.z) on the tiny random model: the
 PyTorch forward gives the same numbers bit for bit, the variant keeps a native decode step that reads the model's
-own panels (only the changed wo packed anew) and agrees with the hooked PyTorch decode, and the model is untouched."""
+own weights (only the changed wo its own) and agrees with the hooked PyTorch decode, and the model is untouched."""
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
@@ -38,7 +40,7 @@ def test_the_pytorch_forward_equals_the_hook_bit_for_bit(tiny_model):
     assert not torch.equal(hooked, _run(tiny_model.with_accelerator(PLAIN)))     # the heads did matter
 
 
-def test_the_native_decode_step_is_kept_and_shares_the_models_panels(tiny_model):
+def test_the_native_decode_step_is_kept_and_reads_the_models_weights(tiny_model):
     if tiny_model.accelerator.decode is None:
         pytest.skip("no native decode step here")
     wo_before = [lw.wo.clone() for lw in tiny_model.weights.layers]
@@ -55,8 +57,11 @@ def test_the_native_decode_step_is_kept_and_shares_the_models_panels(tiny_model)
     assert calls == [step] * len(STEPS)                                 # every decode step took it
     torch.testing.assert_close(native, _run(tiny_model.with_accelerator(PLAIN), _hooked()), rtol=1e-5, atol=1e-5)
     mine = tiny_model.accelerator.decode
-    assert step.panels is mine.panels                                   # no second copy of the weights
-    assert step.views["wo"][0] is mine.views["wo"][0] and step.views["wo"][1] is not mine.views["wo"][1]
+    wo = ctypes.cast(step.layer_ptrs["wo"], ctypes.POINTER(ctypes.c_void_p))
+    assert [wo[i] for i in range(tiny_model.config.num_layers)] == [lw.wo.data_ptr() for lw in variant.weights.layers]
+    assert wo[0] == tiny_model.weights.layers[0].wo.data_ptr()             # no copy of an unchanged matrix
+    assert wo[1] != tiny_model.weights.layers[1].wo.data_ptr()             # the changed one, the variant's own
+    assert mine is not step
     assert all(torch.equal(a, lw.wo) for a, lw in zip(wo_before, tiny_model.weights.layers))
     assert torch.equal(_run(tiny_model), _run(tiny_model))                # the model itself decodes as before
 
