@@ -8,6 +8,7 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import EngineError, ModelLoadError
 from engine.gguf_import import Progress
+from engine.memory import check_fits
 from engine.model import Model
 from engine.sources import resolve
 from engine.weights import load_weights
@@ -52,6 +53,7 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
     dt = pick_dtype(dtype, dev)
     model_dir, name = resolve(source, progress)
     cfg = ModelConfig.from_json(model_dir / "config.json")
+    check_fits(cfg, dt, str(model_dir))            # refused before a byte of the weights is read
     if progress:
         progress(0.95, "loading weights")
     weights = load_weights(model_dir, cfg, dev, dt, progress)
