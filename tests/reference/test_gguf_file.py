@@ -12,6 +12,7 @@ import pytest
 from engine.errors import ModelLoadError
 from engine.gguf_file import GGUFError, open_gguf
 from engine.gguf_import import import_gguf
+from tests.unit.test_gguf_bounds import crafted, kv
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.reference
@@ -85,14 +86,6 @@ def test_a_truncated_file_is_refused_naming_where_it_ends(tmp_path):
         (tmp_path / "cut.gguf").write_bytes(data[:cut])
         with pytest.raises(GGUFError, match="not a GGUF file|ends inside|past the file's end"):
             open_gguf(tmp_path / "cut.gguf")
-
-
-def crafted(*parts: bytes) -> bytes:
-    return b"GGUF" + struct.pack("<I", 3) + b"".join(parts)
-
-
-def kv(key: bytes, kind: int, value: bytes) -> bytes:
-    return struct.pack("<Q", len(key)) + key + struct.pack("<I", kind) + value
 
 
 @pytest.mark.parametrize(("content", "message"), [
