@@ -26,8 +26,10 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from engine.config import ModelConfig
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.family import FAMILIES, Family, family_for_gguf
+from engine.memory import check_fits, gb
 
 IMPORT_VERSION = 1
 Progress = Callable[[float, str], None]
@@ -300,6 +302,9 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress |
     if "tokenizer.ggml.tokens" not in reader.fields:
         raise ModelLoadError(f"{gguf_path.name}: the GGUF file carries no tokenizer (tokenizer.ggml.tokens)")
     cfg = config_from_gguf(reader)
+    # The import holds every tensor dequantised to float32 before it writes them: refused before that if they cannot fit
+    check_fits(ModelConfig.from_dict(cfg, where=gguf_path.name), torch.float32,
+               f"{gguf_path.name} (a GGUF file of {gb(gguf_path.stat().st_size)}, imported as float32)")
     tensors = dequantized_tensors(reader, cfg, progress)
     tok_json, tok_cfg = tokenizer_files_from_gguf(reader)
 

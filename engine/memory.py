@@ -53,6 +53,10 @@ def check_fits(cfg: ModelConfig, dtype: torch.dtype, where: str, available: int 
 
 
 def gb(n: int) -> str:
+    """Bytes for a person: 43.1 kB, 512.0 MB, 4.71 GB, 32.1 GB."""
+    for unit, scale in (("kB", 1e3), ("MB", 1e6)):
+        if n < scale * 1e3:
+            return f"{n / scale:.1f} {unit}"
     return f"{n / 1e9:.2f} GB" if n < 10e9 else f"{n / 1e9:.1f} GB"
 
 

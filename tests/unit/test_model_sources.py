@@ -156,6 +156,28 @@ def test_the_first_gguf_imports_progress_names_the_model_not_a_server_folder(tmp
     assert not leaks, leaks
 
 
+def test_a_gguf_too_large_for_memory_once_dequantised_is_refused_before_it_is_dequantised(tmp_path, monkeypatch):
+    """The import holds every tensor in float32 before writing them: with less memory available than that (here a
+    machine that reports 1 MB), the file is refused naming that size, before one tensor is dequantised."""
+    import gguf.quants
+
+    import engine.memory
+    from engine.errors import ModelLoadError
+    from engine.gguf_import import import_gguf
+    gguf_file = tmp_path / "tiny-llama.gguf"
+    _write_tiny_llama_gguf(gguf_file)
+    monkeypatch.setattr(engine.memory, "available_bytes", lambda: 1 << 20)
+    calls = []
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: calls.append(a) or pytest.fail("dequantised"))
+    d, f, vocab = 16, 32, 263
+    attn = 16 * 16 + 8 * 16 + 8 * 16 + 16 * 16                         # q, k, v, o: 4 heads (2 KV heads) of 4
+    need = 4 * (2 * vocab * d + d + 2 * d + attn + 3 * d * f)          # embedding, output, norms, one layer
+    with pytest.raises(ModelLoadError) as e:
+        import_gguf(gguf_file, tmp_path / "out")
+    assert "tiny-llama.gguf" in str(e.value) and "imported as float32" in str(e.value)
+    assert need == 43_072 and "43.1 kB in float32" in str(e.value) and calls == [] and not (tmp_path / "out").exists()
+
+
 def test_the_engines_import_progress_names_no_folder(tmp_path, monkeypatch):
     """The engine's own messages (the CLI's too), before the app's redaction."""
     from engine.sources import imported_dir
