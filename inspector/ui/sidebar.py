@@ -139,12 +139,18 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
         st.error(f"{problem}. Run starts nothing until it is corrected (Generation settings).")
     # Run's slot, Stop's while a run goes (watch). Run sits in a block: the browser keeps showing a widget of the last
     # script run that another element replaced until the script run ends (a click's: the run's end); a block goes.
+    # The click is taken from Run's callback, which runs before this script run draws anything: so the click's own
+    # script run draws Run greyed, the same button in the same place (its key is its identity), until Stop replaces
+    # it. (Drawn enabled, as the button's return value would have it, Run stayed clickable while the run started.)
     run_slot, off = st.empty(), model is None or follows
-    clicked = live is None and run_slot.container().button("Run", type="primary", key="sb_run", disabled=off,
-                                                           use_container_width=True) and not follows
+    pressed, ss.run_pressed = ss.run_pressed, False         # a click during a run is dropped: Stop is in its place
     demo = None
     if not follows and model is not None:
         demo, ss.demo = ss.demo, None
+    starts = live is None and model is not None and not follows and (pressed or demo is not None) and not problems
+    if live is None:
+        run_slot.container().button("Run", type="primary", key="sb_run", disabled=off or starts,
+                                    on_click=press_run, use_container_width=True)
     if follows:
         st.caption("Following the teacher's room: press **Explore on my own** above the page to run your own.")
         if live is None:
@@ -152,13 +158,19 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
     notices, ss.notices = ss.notices, []
     for kind, text in notices:   # the end of the run a previous script run watched
         getattr(st, kind)(text)
-    if live is None and model is not None and (clicked or demo) and not problems:
+    if starts:
         live = start_run(model, limits, demo)
-        if live is not None:     # Run was drawn for this click: Stop takes its place once the sidebar is drawn
-            run_slot.empty()
+        if live is None:         # refused (said in notices): Run is drawn again, enabled, by a new script run
+            st.rerun()
+        run_slot.empty()         # Stop takes Run's place once the sidebar is drawn
     elif live is None and model is not None and not problems:
         estimate_caption(model, limits)          # the widgets were checked above (problems): not again
     return live, run_slot
+
+
+def press_run() -> None:
+    """Run's callback: Streamlit calls it once per click, before the click's script run draws the sidebar."""
+    session().run_pressed = True
 
 
 def generation_problems() -> list[str]:
@@ -229,16 +241,17 @@ def estimate_caption(model: Model, limits: Limits) -> None:
 
 
 def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
-    """Check the settings here (a bad prompt is a message at once), then generate in the background."""
+    """Check the settings here (a bad prompt is said at once: in notices, for the script run that draws Run again),
+    then generate in the background."""
     try:
         settings = settings_from_sidebar(checked=True)     # prompt_and_run starts a run only without problems
     except (TypeError, ValueError, InputError) as e:
-        st.error(f"Invalid generation setting: {e}")
+        session().notices.append(("error", f"Invalid generation setting: {e}"))
         return None
     try:
         checked = check_settings(model, settings, limits)     # the one check and tokenisation of this Run
     except EngineError as e:
-        st.error(str(e))
+        session().notices.append(("error", str(e)))
         return None
     n_prompt = len(checked.prompt_ids)
     session().prompt_tokens.clear()
