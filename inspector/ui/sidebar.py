@@ -5,13 +5,13 @@ device slot (a waiting user sees their place in the queue), then generates in a 
 live_run) so that Stop and page changes work; Stop takes Run's place meanwhile. The run (engine.Trace) lives in this
 session's SessionState only; when it ends, the app is drawn again (Run and the demos enabled). A number outside its
 range is named above Run, and Run starts nothing until it is corrected. One click at a time per session draws its page
-(own_turn, app.py). While the model loads (a fresh server's first visitors), the sidebar shows its progress, Run waits.
+(inspector.ui.turn, app.py). While the model loads (a fresh server's first visitors), the sidebar shows its progress,
+Run waits.
 """
 from __future__ import annotations
 
-import threading
 import time
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 
 import streamlit as st
 import torch
@@ -30,12 +30,11 @@ from inspector.ui import common, demos, room_live, st_internals
 from inspector.ui.common import client_key, current_run, get_model, log, plain, server_limits
 from inspector.ui.room_sync import following
 from inspector.ui.state import session
+from inspector.ui.turn import page_turn
 from inspector.ui.widgets import PROJECTOR, navigation_links, sampler_problems, sampling_params_from, sampling_widgets
 
 LONG_S = 20.0                # runs estimated longer than this say so before they start
 SEED_MAX = 2**31 - 1
-PREVIOUS_WAIT_S = 30.0       # how long a click waits for this session's previous one to finish its page
-STILL_FINISHING = StillFinishing.message
 
 
 def sidebar(app_pages: list | None = None) -> Model | None:
@@ -377,37 +376,3 @@ def history(limits: Limits) -> None:
 
     st.sidebar.selectbox(f"Run shown (this session keeps {limits.max_runs_kept})", list(reversed(by_time)),
                          format_func=labels.get, key="sb_history", on_change=show, disabled=following())
-
-
-# ---- one click at a time per session ----------------------------------------------------------------------
-def page_turn() -> threading.Lock:
-    """This session's turn to draw a page (and do its model work)."""
-    return session().turn
-
-
-@contextmanager
-def own_turn(wait_s: float | None = None):
-    """Hold this session's turn while the page runs (app.py). A click while the page still computes starts a
-    new script run at once (Streamlit's fast reruns), and the previous one ends only at its next Streamlit call
-    (the next token or layer), holding its device slot until then. Without a turn, a quick Continue, Run to
-    end, Step gave three script runs of one tab in the queue, and the third was refused as if another tab held
-    the first two. So a new click waits here for the previous one, saying so; after wait_s (PREVIOUS_WAIT_S)
-    it says to try again and stops. A still newer click ends the waiting one at its next note."""
-    turn, wait_s = page_turn(), PREVIOUS_WAIT_S if wait_s is None else wait_s
-    held = turn.acquire(blocking=False)
-    try:
-        if not held:
-            note, end = st.empty(), time.monotonic() + wait_s
-            while not held:
-                left = end - time.monotonic()
-                if left <= 0:
-                    note.warning(STILL_FINISHING)
-                    st.stop()
-                note.info(f"Your previous click is still finishing; this one follows as soon as it has "
-                          f"(waiting at most {left:,.0f} s more).")
-                held = turn.acquire(timeout=min(0.25, left))
-            note.empty()
-        yield
-    finally:
-        if held:
-            turn.release()
