@@ -35,8 +35,9 @@ from inspector.session.clients import sessions  # noqa: E402
 from inspector.ui import room  # noqa: E402
 from inspector.ui.common import admission_key, finish_load, forget_load_box, keep_within_budget, server_limits  # noqa: E402,E501
 from inspector.ui.frame import frame  # noqa: E402
-from inspector.ui.sidebar import own_turn, sidebar  # noqa: E402
+from inspector.ui.sidebar import sidebar  # noqa: E402
 from inspector.ui.state import session  # noqa: E402
+from inspector.ui.turn import own_turn  # noqa: E402
 from inspector.ui.widgets import PROJECTOR, projector  # noqa: E402
 
 if _starting is not None:
@@ -99,7 +100,7 @@ def after_page() -> None:
 
 
 try:
-    with own_turn(), frame():   # this session's previous click finishes its page first (inspector.ui.sidebar.own_turn)
+    with own_turn(), frame():   # this session's previous click finishes its page first (inspector.ui.turn.own_turn)
         room.bar()
         nav.run()
 except StopException:        # a page that stopped early (st.stop) still shows what it shows to the room

@@ -66,6 +66,7 @@ class SessionState:
     selected_step: int | None = None        # the step the debugger shows; other pages start there
     live: LiveRun | None = None             # this session's run while it generates
     notices: list[tuple[str, str]] = field(default_factory=list)   # (st function, text) the end of a run said
+    run_pressed: bool = False               # Run was clicked: its callback, before the script draws it
     history_newest: float | None = None     # the newest kept run the history box has shown
     own_prompt: str | None = None           # a student's own prompt while the sidebar shows the teacher's
     prompt_tokens: dict = field(default_factory=dict)   # (model, prompt, chat, special) -> its token count

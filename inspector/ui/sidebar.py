@@ -5,13 +5,13 @@ device slot (a waiting user sees their place in the queue), then generates in a 
 live_run) so that Stop and page changes work; Stop takes Run's place meanwhile. The run (engine.Trace) lives in this
 session's SessionState only; when it ends, the app is drawn again (Run and the demos enabled). A number outside its
 range is named above Run, and Run starts nothing until it is corrected. One click at a time per session draws its page
-(own_turn, app.py). While the model loads (a fresh server's first visitors), the sidebar shows its progress, Run waits.
+(inspector.ui.turn, app.py). While the model loads (a fresh server's first visitors), the sidebar shows its progress,
+Run waits.
 """
 from __future__ import annotations
 
-import threading
 import time
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 
 import streamlit as st
 import torch
@@ -30,12 +30,11 @@ from inspector.ui import common, demos, room_live, st_internals
 from inspector.ui.common import client_key, current_run, get_model, log, plain, server_limits
 from inspector.ui.room_sync import following
 from inspector.ui.state import session
+from inspector.ui.turn import page_turn
 from inspector.ui.widgets import PROJECTOR, navigation_links, sampler_problems, sampling_params_from, sampling_widgets
 
 LONG_S = 20.0                # runs estimated longer than this say so before they start
 SEED_MAX = 2**31 - 1
-PREVIOUS_WAIT_S = 30.0       # how long a click waits for this session's previous one to finish its page
-STILL_FINISHING = StillFinishing.message
 
 
 def sidebar(app_pages: list | None = None) -> Model | None:
@@ -139,12 +138,18 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
         st.error(f"{problem}. Run starts nothing until it is corrected (Generation settings).")
     # Run's slot, Stop's while a run goes (watch). Run sits in a block: the browser keeps showing a widget of the last
     # script run that another element replaced until the script run ends (a click's: the run's end); a block goes.
+    # The click is taken from Run's callback, which runs before this script run draws anything: so the click's own
+    # script run draws Run greyed, the same button in the same place (its key is its identity), until Stop replaces
+    # it. (Drawn enabled, as the button's return value would have it, Run stayed clickable while the run started.)
     run_slot, off = st.empty(), model is None or follows
-    clicked = live is None and run_slot.container().button("Run", type="primary", key="sb_run", disabled=off,
-                                                           use_container_width=True) and not follows
+    pressed, ss.run_pressed = ss.run_pressed, False         # a click during a run is dropped: Stop is in its place
     demo = None
     if not follows and model is not None:
         demo, ss.demo = ss.demo, None
+    starts = live is None and model is not None and not follows and (pressed or demo is not None) and not problems
+    if live is None:
+        run_slot.container().button("Run", type="primary", key="sb_run", disabled=off or starts,
+                                    on_click=press_run, use_container_width=True)
     if follows:
         st.caption("Following the teacher's room: press **Explore on my own** above the page to run your own.")
         if live is None:
@@ -152,13 +157,19 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
     notices, ss.notices = ss.notices, []
     for kind, text in notices:   # the end of the run a previous script run watched
         getattr(st, kind)(text)
-    if live is None and model is not None and (clicked or demo) and not problems:
+    if starts:
         live = start_run(model, limits, demo)
-        if live is not None:     # Run was drawn for this click: Stop takes its place once the sidebar is drawn
-            run_slot.empty()
+        if live is None:         # refused (said in notices): Run is drawn again, enabled, by a new script run
+            st.rerun()
+        run_slot.empty()         # Stop takes Run's place once the sidebar is drawn
     elif live is None and model is not None and not problems:
         estimate_caption(model, limits)          # the widgets were checked above (problems): not again
     return live, run_slot
+
+
+def press_run() -> None:
+    """Run's callback: Streamlit calls it once per click, before the click's script run draws the sidebar."""
+    session().run_pressed = True
 
 
 def generation_problems() -> list[str]:
@@ -229,16 +240,17 @@ def estimate_caption(model: Model, limits: Limits) -> None:
 
 
 def start_run(model: Model, limits: Limits, demo: str | None) -> LiveRun | None:
-    """Check the settings here (a bad prompt is a message at once), then generate in the background."""
+    """Check the settings here (a bad prompt is said at once: in notices, for the script run that draws Run again),
+    then generate in the background."""
     try:
         settings = settings_from_sidebar(checked=True)     # prompt_and_run starts a run only without problems
     except (TypeError, ValueError, InputError) as e:
-        st.error(f"Invalid generation setting: {e}")
+        session().notices.append(("error", f"Invalid generation setting: {e}"))
         return None
     try:
         checked = check_settings(model, settings, limits)     # the one check and tokenisation of this Run
     except EngineError as e:
-        st.error(str(e))
+        session().notices.append(("error", str(e)))
         return None
     n_prompt = len(checked.prompt_ids)
     session().prompt_tokens.clear()
@@ -364,37 +376,3 @@ def history(limits: Limits) -> None:
 
     st.sidebar.selectbox(f"Run shown (this session keeps {limits.max_runs_kept})", list(reversed(by_time)),
                          format_func=labels.get, key="sb_history", on_change=show, disabled=following())
-
-
-# ---- one click at a time per session ----------------------------------------------------------------------
-def page_turn() -> threading.Lock:
-    """This session's turn to draw a page (and do its model work)."""
-    return session().turn
-
-
-@contextmanager
-def own_turn(wait_s: float | None = None):
-    """Hold this session's turn while the page runs (app.py). A click while the page still computes starts a
-    new script run at once (Streamlit's fast reruns), and the previous one ends only at its next Streamlit call
-    (the next token or layer), holding its device slot until then. Without a turn, a quick Continue, Run to
-    end, Step gave three script runs of one tab in the queue, and the third was refused as if another tab held
-    the first two. So a new click waits here for the previous one, saying so; after wait_s (PREVIOUS_WAIT_S)
-    it says to try again and stops. A still newer click ends the waiting one at its next note."""
-    turn, wait_s = page_turn(), PREVIOUS_WAIT_S if wait_s is None else wait_s
-    held = turn.acquire(blocking=False)
-    try:
-        if not held:
-            note, end = st.empty(), time.monotonic() + wait_s
-            while not held:
-                left = end - time.monotonic()
-                if left <= 0:
-                    note.warning(STILL_FINISHING)
-                    st.stop()
-                note.info(f"Your previous click is still finishing; this one follows as soon as it has "
-                          f"(waiting at most {left:,.0f} s more).")
-                held = turn.acquire(timeout=min(0.25, left))
-            note.empty()
-        yield
-    finally:
-        if held:
-            turn.release()

@@ -93,6 +93,7 @@ def test_app_bad_prompt(monkeypatch, app_file, tiny_model_dir, prompt, msg, good
     (err,) = at.sidebar.error
     assert re.search(msg, err.value), err.value
     assert session_of(at.session_state).run is None
+    assert not at.sidebar.button(key="sb_run").disabled      # greyed for the click, enabled again by the refusal
     app_still_works(at, good_answer)
 
 

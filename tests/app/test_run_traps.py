@@ -15,7 +15,7 @@ import pytest
 from streamlit.runtime.pages_manager import PagesManager
 from streamlit.testing.v1 import AppTest
 
-import inspector.ui.sidebar as sidebar
+import inspector.ui.turn as turn
 from engine import RunSettings
 from inspector.session.admission import ServerBusyError, shared_admission
 from inspector.session.limits import Limits
@@ -229,7 +229,7 @@ def test_a_click_waits_for_the_previous_click_then_runs(monkeypatch, app_file, t
 
 
 def test_a_click_says_the_previous_click_is_still_finishing(monkeypatch, app_file, tiny_model_dir):
-    monkeypatch.setattr(sidebar, "PREVIOUS_WAIT_S", 0.5)
+    monkeypatch.setattr(turn, "PREVIOUS_WAIT_S", 0.5)
     at = fresh_app(monkeypatch, app_file, tiny_model_dir)
     t = _hold_turn(at, 4.0)
     at.run()
