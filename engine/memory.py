@@ -52,6 +52,17 @@ def check_fits(cfg: ModelConfig, dtype: torch.dtype, where: str, available: int 
     return need
 
 
+def process_rss() -> int:
+    """This process's resident memory in bytes (VmRSS: anonymous and file-backed pages it has mapped)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def gb(n: int) -> str:
     """Bytes for a person: 43.1 kB, 512.0 MB, 4.71 GB, 32.1 GB."""
     for unit, scale in (("kB", 1e3), ("MB", 1e6)):

@@ -62,13 +62,18 @@ class Weights:
         return self.embed.data_ptr() == self.lm_head.data_ptr() and self.embed.shape == self.lm_head.t().shape
 
     def nbytes(self) -> int:
-        seen, total = set(), 0
-        for t in [self.embed, self.norm, self.lm_head] + [
-                x for lw in self.layers for x in lw.present().values()]:
+        return sum(self.bytes_by_dtype().values())
+
+    def bytes_by_dtype(self) -> dict[str, int]:
+        """The bytes held, by dtype name ("float32", "bfloat16", ...): each tensor's memory once (a tied lm_head and
+        embedding are one matrix; a variant's shared tensors are the model's)."""
+        seen, out = set(), {}
+        for t in [self.embed, self.norm, self.lm_head] + [x for lw in self.layers for x in lw.present().values()]:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
+                name = str(t.dtype).removeprefix("torch.")
+                out[name] = out.get(name, 0) + t.numel() * t.element_size()
+        return out
 
 
 def layer_parts(cfg: ModelConfig, i: int) -> dict[str, list[tuple[str, tuple[int, ...]]]]:

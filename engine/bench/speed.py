@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from engine.bench.held import held_line
 from engine.bench.inspection import run_inspection_bench
 from engine.bench.prefill import LENGTHS, prefill_vs_transformers
 from engine.family.slots import MATRICES
@@ -240,9 +241,14 @@ def report(model, a: argparse.Namespace, m: dict) -> dict:
     return out
 
 
-def run_bench(model, a: argparse.Namespace) -> int:
+def run_bench(model, a: argparse.Namespace, held: dict | None = None) -> int:
+    """held: engine.bench.held's figures of this model, measured before anything else was loaded beside it."""
     a.json = getattr(a, "json", False)
     out = report(model, a, measure(model, a))
+    if held is not None:
+        out.update(held)
+        if not a.json:
+            print(held_line(held))
     if getattr(a, "app", False):
         out.update(run_inspection_bench(model, tuple(getattr(a, "app_lengths", (512, 2048, 8000))), quiet=a.json,
                                         app_run_tokens=getattr(a, "app_run_tokens", 2048),

@@ -8,10 +8,12 @@ import json
 import torch
 
 from engine.bench.class_run import class_bench
+from engine.bench.held import held_figures
 from engine.bench.speed import run_bench
 from engine.bench.tools import TARGETS, run_tools_bench
 from engine.cli.args import load, model_args
 from engine.errors import InputError
+from engine.memory import process_rss
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -33,7 +35,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise InputError(f"--repeats must be >= 1, got {a.repeats}")
     if any(n < 2 for n in a.app_lengths):
         raise InputError(f"--app-lengths must be >= 2 tokens each, got {a.app_lengths}")
-    return run_bench(load(a), a)
+    before = process_rss()
+    model = load(a)
+    return run_bench(model, a, held=held_figures(model, before))
 
 
 def _tools(a: argparse.Namespace) -> int:
