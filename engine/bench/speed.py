@@ -81,7 +81,8 @@ def hf_load(model):
 
 
 @torch.inference_mode()
-def _hf(hf, ids: list[int], new_tokens: int, device) -> tuple[float, float]:
+def hf_speed(hf, ids: list[int], new_tokens: int, device) -> tuple[float, float]:
+    """transformers' prefill and decode tokens/s of ids then new_tokens greedy tokens (its own generate)."""
     x = torch.tensor([ids], device=device)
     _sync(device)
     t0 = time.perf_counter()
@@ -167,12 +168,12 @@ def measure(model, a: argparse.Namespace) -> dict:
     read, mats = ReadBandwidth(model.device), MatrixReads(model)
     _round(model, ids, 4, read, mats)                 # warm-up: first touches of weights and kernels
     if hf is not None:
-        _hf(hf, ids, 4, model.device)
+        hf_speed(hf, ids, 4, model.device)
     rounds, c = [], (0.0, 0.0)
     for _ in range(a.repeats):
         rounds.append(_round(model, ids, a.new_tokens, read, mats))
         if hf is not None:
-            p, d = _hf(hf, ids, a.new_tokens, model.device)
+            p, d = hf_speed(hf, ids, a.new_tokens, model.device)
             c = (max(c[0], p), max(c[1], d))
     n, nbytes = len(ids), bytes_per_decoded_token(model, a.prompt_tokens + a.new_tokens / 2)
     buf = read.buf.numel() * read.buf.element_size()

@@ -9,6 +9,7 @@ import torch
 
 from engine.bench.class_run import class_bench
 from engine.bench.held import held_figures
+from engine.bench.sizes import SHAPES, sizes_bench
 from engine.bench.speed import run_bench
 from engine.bench.tools import TARGETS, run_tools_bench
 from engine.cli.args import load, model_args
@@ -30,6 +31,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         return _tools(a)
     if a.class_:
         return _class(a)
+    if a.sizes:
+        return _sizes(a)
     a.repeats = 5 if a.repeats is None else a.repeats
     if a.repeats < 1:
         raise InputError(f"--repeats must be >= 1, got {a.repeats}")
@@ -52,6 +55,16 @@ def _tools(a: argparse.Namespace) -> int:
         for name in a.tool_names or TARGETS:
             print(f"{name}_over_plain {out[name + '_over_plain']:.2f} (target {TARGETS[name]:g}, "
                   f"{'met' if out[name + '_meets'] else 'NOT met'})")
+    return 0
+
+
+def _sizes(a: argparse.Namespace) -> int:
+    names = tuple(a.size_names or SHAPES)
+    out = sizes_bench(names, gguf=not a.size_names or "llama-3.1-8b-q4_k" in a.size_names,
+                      say=(lambda *_: None) if a.json else print)
+    if a.json:
+        print(json.dumps({k: {n: (round(v, 4) if isinstance(v, float) else v) for n, v in r.items()}
+                          for k, r in out.items()}))
     return 0
 
 
@@ -94,5 +107,11 @@ def add_commands(sub) -> None:
                         "32 tokens: the last finish over one alone; engine.bench.class_run)")
     b.add_argument("--class-sizes", type=int, nargs="+", default=[8, 30], metavar="N",
                    help="with --class: class sizes beside the lone student")
+    b.add_argument("--sizes", action="store_true",
+                   help="instead: models of public shapes (Qwen3-0.6B, Llama-3.2-1B, Gemma-3-1B in fp32 and bf16, a "
+                        "Llama-3.1-8B Q4_K GGUF), each in a fresh process: bytes held over the weights', decode over "
+                        "the floor, over transformers (engine.bench.sizes; writes the weights once, ~15 GB of disk)")
+    b.add_argument("--size", dest="size_names", action="append", choices=[*SHAPES, "llama-3.1-8b-q4_k"],
+                   default=None, help="with --sizes: only this model (repeatable)")
     b.add_argument("--json", action="store_true", help="print the figures as one JSON object instead of tables")
     b.set_defaults(fn=cmd_bench)

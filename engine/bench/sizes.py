@@ -1,0 +1,227 @@
+"""python -m engine bench --sizes: what models of the sizes people run cost here (issue 44): models of public
+configs' shapes with random weights, each opened in a fresh process per dtype, reporting the bytes held after
+loading and after a first decode over the weights' bytes in that dtype, decode tokens/s over the memory floor of
+that dtype (the bytes a token reads over this machine's read speed, measured in the same process), and transformers'
+`generate` in the same dtype, in a process of its own, as the peer.
+
+The weights are written once per shape into the bench's folder ($LLM_INSPECTOR_CACHE/bench-sizes), every tensor the
+engine expects for the config (engine.weights.expected_tensors), random normal scaled by 1/sqrt(fan-in) so that
+activations stay finite, in float32 (one file; a bf16 run converts at load). The tokenizer is the bundled model's
+(its 49,152 tokens fit inside each vocabulary; the bench feeds token ids). A Llama-3.1-8B-shaped GGUF in Q4_K is
+written too, layer by layer (random block bytes with small finite scales are valid blocks: gguf-py can dequantise
+K-quants but not quantise them), and opened as the app opens a GGUF: the engine still imports a GGUF as float32,
+so today it is refused before loading for its size (engine.memory), which the bench reports as it is."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SHAPES = {   # the public config.json of each model, the fields the engine reads (bos/eos set inside the tokenizer's)
+    "qwen3-0.6b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+                   "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+                   "rope_theta": 1000000, "max_position_embeddings": 40960, "tie_word_embeddings": True,
+                   "hidden_act": "silu", "attention_bias": False, "use_sliding_window": False},
+    "llama-3.2-1b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+                     "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+                     "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+                     "hidden_act": "silu", "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0,
+                                                            "low_freq_factor": 1.0, "rope_type": "llama3",
+                                                            "original_max_position_embeddings": 8192}},
+    "gemma-3-1b": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
+                   "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+                   "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144, "rms_norm_eps": 1e-6,
+                   "rope_theta": 1000000, "rope_local_base_freq": 10000, "max_position_embeddings": 32768,
+                   "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6,
+                   "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+}
+DTYPES = ("float32", "bfloat16")
+PROMPT, NEW = 32, 16          # a run's prompt and decoded tokens in each process
+Q4_K_8B = {"hidden": 4096, "ffn": 14336, "layers": 32, "heads": 32, "kv": 8, "vocab": 128256}
+
+
+def folder() -> Path:
+    root = os.environ.get("LLM_INSPECTOR_CACHE") or Path.home() / ".cache" / "llm-inspector"
+    return Path(root) / "bench-sizes"
+
+
+def make_model(name: str, raw: dict, out: Path) -> Path:
+    """The model folder of this shape (written once: config.json, model.safetensors, the bundled tokenizer)."""
+    from safetensors.torch import save_file
+
+    from engine.config import ModelConfig
+    from engine.gguf_file import open_gguf
+    from engine.gguf_tokenizer import write_tokenizer_dir
+    from engine.sources import bundled_gguf
+    from engine.weights import expected_tensors
+    path = out / name
+    if (path / "model.safetensors").is_file():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    raw = {**raw, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for n, shape in expected_tensors(ModelConfig.from_dict(raw, where=name)).items():
+        t = torch.randn(*shape, generator=g) * (shape[-1] ** -0.5 if len(shape) == 2 else 0.1)
+        tensors[n] = t + 1.0 if n.endswith("norm.weight") and raw["model_type"] != "gemma3_text" else t
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(raw))
+    write_tokenizer_dir(open_gguf(bundled_gguf()), path)
+    return path
+
+
+def make_q4k_gguf(out: Path) -> Path:
+    """A Llama-3.1-8B-shaped GGUF, every matrix in Q4_K (embedding and output too), written tensor by tensor from
+    random block bytes whose fp16 scales (d, dmin) are set small and finite: never 32 GB of float32."""
+    import gguf
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+    path = out / "llama-3.1-8b.Q4_K.gguf"
+    if path.is_file():
+        return path
+    s = Q4_K_8B
+    d, f, hd = s["hidden"], s["ffn"], s["hidden"] // s["heads"]
+    block, size = GGML_QUANT_SIZES[Q.Q4_K]
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path) + ".tmp", "llama")
+    for key, value in (("context_length", 8192), ("embedding_length", d), ("feed_forward_length", f),
+                       ("block_count", s["layers"]), ("head_count", s["heads"]), ("head_count_kv", s["kv"]),
+                       ("layer_norm_rms_eps", 1e-5), ("rope_freq_base", 500000.0)):
+        getattr(w, f"add_{key}")(value)
+    _tokenizer(w)
+    shapes = {"token_embd.weight": (s["vocab"], d), "output.weight": (s["vocab"], d), "output_norm.weight": (d,)}
+    for i in range(s["layers"]):
+        shapes |= {f"blk.{i}.attn_norm.weight": (d,), f"blk.{i}.ffn_norm.weight": (d,),
+                   f"blk.{i}.attn_q.weight": (s["heads"] * hd, d), f"blk.{i}.attn_k.weight": (s["kv"] * hd, d),
+                   f"blk.{i}.attn_v.weight": (s["kv"] * hd, d), f"blk.{i}.attn_output.weight": (d, d),
+                   f"blk.{i}.ffn_gate.weight": (f, d), f"blk.{i}.ffn_up.weight": (f, d),
+                   f"blk.{i}.ffn_down.weight": (d, f)}
+    scale = np.frombuffer(np.array([0.001, 0.0005], dtype=np.float16).tobytes(), dtype=np.uint8)
+    for n, shape in shapes.items():
+        if len(shape) == 1:
+            w.add_tensor(n, np.ones(shape, dtype=np.float32))
+            continue
+        rows, cols = shape
+        blocks = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+        blocks[..., :4] = scale                     # d, dmin: the super-block's fp16 scales
+        w.add_tensor(n, blocks.reshape(rows, -1), raw_dtype=Q.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(str(path) + ".tmp", path)
+    return path
+
+
+def _tokenizer(w) -> None:
+    from engine.gguf_file import open_gguf
+    from engine.sources import bundled_gguf
+    src = open_gguf(bundled_gguf())
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(src.fields["tokenizer.ggml.pre"].contents())
+    w.add_token_list(src.fields["tokenizer.ggml.tokens"].contents())
+    w.add_token_types(src.fields["tokenizer.ggml.token_type"].contents())
+    w.add_token_merges(src.fields["tokenizer.ggml.merges"].contents())
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
+def probe(path: str, dtype: str) -> dict:
+    """In a fresh process: load, held figures, decode speed over this dtype's floor (engine.bench.held / speed)."""
+    from engine import load_model
+    from engine.bench.held import held_figures
+    from engine.bench.speed import ReadBandwidth, bytes_per_decoded_token
+    from engine.errors import ModelLoadError
+    from engine.memory import process_rss
+    before = process_rss()
+    try:
+        model = load_model(path, device="cpu", dtype=dtype)
+    except ModelLoadError as e:
+        return {"refused": str(e).replace(str(Path(path).parent), "…")}
+    out = held_figures(model, before)
+    read = ReadBandwidth(model.device)
+    steps = []
+    for _ in range(3):
+        cache = model.new_cache(PROMPT + NEW)
+        logits = model.forward(torch.arange(100, 100 + PROMPT), cache, None, last_only=True)
+        for _ in range(NEW):
+            t0 = time.perf_counter()
+            logits = model.forward(logits[-1:].argmax(-1), cache, None)
+            steps.append(time.perf_counter() - t0)
+        read.measure()
+    tok_s = 1 / sorted(steps)[len(steps) // 2]
+    floor = read.bytes_per_second / bytes_per_decoded_token(model, PROMPT + NEW / 2)
+    return {**out, "decode_path": "native" if model.accelerator.decode is not None else "PyTorch: "
+            + model.accelerator.why_not, "decode_tok_s": tok_s, "floor_tok_s": floor,
+            "decode_over_floor": tok_s / floor, "read_gb_s": read.bytes_per_second / 1e9}
+
+
+def peer(path: str, dtype: str) -> dict:
+    """In a fresh process: transformers' generate of the same folder in the same dtype (decode tokens/s)."""
+    try:
+        import transformers
+    except ImportError:
+        return {"peer": "transformers not installed"}
+    from engine.bench.speed import hf_speed
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
+                                                           attn_implementation="sdpa").eval()
+    ids = list(range(100, 100 + PROMPT))
+    hf_speed(hf, ids, 4, "cpu")
+    return {"peer_decode_tok_s": max(hf_speed(hf, ids, NEW, "cpu")[1] for _ in range(2))}
+
+
+def _child(fn: str, path: Path, dtype: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "engine.bench.sizes", fn, str(path), dtype], capture_output=True,
+                         text=True, timeout=1800)
+    if out.returncode != 0:
+        return {f"{fn}_failed": out.stderr.strip().splitlines()[-1][:300] if out.stderr.strip() else "no output"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def sizes_bench(names: tuple[str, ...] = tuple(SHAPES), dtypes: tuple[str, ...] = DTYPES, gguf: bool = True,
+                say=print, shapes: dict | None = None) -> dict:
+    """Every shape x dtype (and the 8B Q4_K GGUF): figures keyed "<shape> <dtype>"."""
+    shapes = shapes or SHAPES
+    out, root = {}, folder()
+    for name in (n for n in names if n in shapes):
+        say(f"{name}: writing its weights (once)")
+        path = make_model(name, shapes[name], root)
+        for dtype in dtypes:
+            r = _child("probe", path, dtype)
+            if "refused" not in r:
+                r |= _child("peer", path, dtype)
+                if "peer_decode_tok_s" in r and "decode_tok_s" in r:
+                    r["over_peer_decode"] = r["decode_tok_s"] / r["peer_decode_tok_s"]
+            out[f"{name} {dtype}"] = r
+            say(line(f"{name} {dtype}", r))
+    if gguf:
+        say("llama-3.1-8b Q4_K GGUF: writing it (once, ~4.6 GB)")
+        r = _child("probe", make_q4k_gguf(root), "float32")
+        out["llama-3.1-8b Q4_K"] = r
+        say(line("llama-3.1-8b Q4_K", r))
+    return out
+
+
+def line(key: str, r: dict) -> str:
+    if "refused" in r:
+        return f"{key:22s} refused: {r['refused']}"
+    if "decode_tok_s" not in r:
+        return f"{key:22s} {r}"
+    peer_text = (f"{r['over_peer_decode']:.2f}x transformers ({r['peer_decode_tok_s']:.2f} tok/s)"
+                 if "over_peer_decode" in r else next((v for k, v in r.items() if k.startswith("peer")), ""))
+    return (f"{key:22s} held {r['held_after_load_over_weights']:.2f}x / {r['held_after_decode_over_weights']:.2f}x "
+            f"of {r['weights_bytes'] / 1e9:.2f} GB; decode {r['decode_tok_s']:.2f} tok/s = "
+            f"{r['decode_over_floor']:.2f} of the floor ({r['floor_tok_s']:.2f}, {r['read_gb_s']:.1f} GB/s); "
+            f"{peer_text}; {r['decode_path']}")
+
+
+if __name__ == "__main__":      # the children: python -m engine.bench.sizes probe|peer PATH DTYPE
+    import engine  # noqa: F401  (the thread policy, before torch's threads start)
+    print(json.dumps({"probe": probe, "peer": peer}[sys.argv[1]](sys.argv[2], sys.argv[3])))
