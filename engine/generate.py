@@ -233,12 +233,14 @@ class GenerationRun:
         n = len(self.prompt_ids)
         return self.on_progress(Progress(0, n, n, layer, self.model.config.num_layers))
 
-    def step(self, logits: torch.Tensor | None = None, *, seconds: float = 0.0) -> Step | None:
+    def step(self, logits: torch.Tensor | None = None, *, seconds: float = 0.0, tell: bool = True) -> Step | None:
         """Run one forward + sample + detokenize. None once the run has stopped (also when this step's logits
         held a NaN or Inf: then no token is drawn and the run stops with NONFINITE). logits (V,), seconds: this
         step's forward already done elsewhere for decode_input() (engine.batch: the cache advanced, the probe
         told) and what it took; or for the prefill, a packed forward's logits row for prefill_input() (its cache
-        advanced), or the Stopped it ended this run with (prefill_ask answered STOP)."""
+        advanced), or the Stopped it ended this run with (prefill_ask answered STOP). tell=False leaves on_token
+        to the caller's tell(step) (engine.batch: a step taken in another run's thread is told in the run's own,
+        so that no other run waits on its callback)."""
         if self.done:
             return None
         probe, index = self.probe, len(self.steps)
@@ -261,10 +263,16 @@ class GenerationRun:
         t1 = time.perf_counter()
         with one_thread():      # the sampler's small ops (vocabulary-wide vectors): a team's wake-up costs more
             step = self._sample(logits, t0, t1)
+        if tell:
+            self.tell(step)
+        return step
+
+    def tell(self, step: Step | None) -> None:
+        """on_token(step) for the step this run's step(tell=False) just took (None: it drew no token); an answer
+        STOP ends the run there."""
         if step is not None and self.on_token and self.on_token(step) is STOP and not self.done:
             self.stop_reason = STOPPED
             self.text += self.detok.flush()
-        return step
 
     def _sample(self, logits: torch.Tensor, t0: float, t1: float) -> Step | None:
         """step() after the forward: the sampler chain on this step's logits (V,), the token, its text, the stop

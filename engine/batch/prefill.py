@@ -3,17 +3,24 @@
 for one prompt's forty rows, ~370 at a thousand), each run's attention is computed against its own cache and its
 probe is offered its own rows (engine.batch.segments), and each run's on_progress is asked before every block as in
 its own prefill (a STOP ends that run alone). Then each run finishes its prefill step (sampling, detokenizing,
-on_token) with its own logits row, in the leader's thread, as engine.batch.barrier does for decode steps.
+on_token) with its own logits row, in its own thread.
 
     gate = PrefillGate()
     step = gate.prefill(run)      # run's prefill step (prefill_reason(run) is None), packed with those waiting
+    steps = prefill_together(runs)         # or in one thread: one forward, then each run's step
 
 Who waits: the first run to arrive while no packed prefill is under way leads at once (a run alone never waits and
 is prefilled exactly as alone, by its own step); the runs that arrive while it computes wait, and the first of them
 then leads them all (up to PACK_TOKENS prompt rows; the rest wait for the next). Arithmetic: each row's values
 come from the same operations as in its own prefill, except that the matmuls run over more rows, which a kernel may
 sum in another order (measured in tests/unit/test_packed_prefill.py and tests/model/test_batch_bundled.py);
-max_rows=1 on the barrier (the server's exact switch) prefills and steps every run alone."""
+max_rows=1 on the barrier (the server's exact switch) prefills and steps every run alone.
+
+One run's own failure (its on_progress, its probe, its sampler, its on_token) ends that run only: pack_forward keeps
+the other runs' rows (engine.batch.segments). What follows the packed forward for each run (its cache advanced, its
+last progress report, its sampling, its on_token: finish_prefill) is done in its own thread once the gate has handed
+it its row, so that a slow callback there holds up no other run's prefill. (Its on_progress before each block is
+asked in the leading thread, as the forward runs: a slow one there holds up the pack.)"""
 from __future__ import annotations
 
 import threading
@@ -37,43 +44,73 @@ def prefill_reason(run: GenerationRun) -> str | None:
 
 def prefill_together(runs: list[GenerationRun]) -> list[Outcome]:
     """Each run's prefill step (runs: prefill_reason None, one model), in order: its Step, None (it stopped), or the
-    exception its step raised. One forward over all their prompts; a failed forward (memory) is every run's
-    exception, with no cache advanced."""
+    exception its step raised: pack_forward, then each run's finish_prefill."""
+    rows, seconds = pack_forward(runs)
+    return [row if failed(row) else guarded(finish_prefill, run, row, seconds) for run, row in zip(runs, rows)]
+
+
+def pack_forward(runs: list[GenerationRun]) -> tuple[list[torch.Tensor | Stopped | BaseException], float]:
+    """The forward half of a packed prefill (runs: prefill_reason None, one model) -> (rows, seconds): rows[b] run
+    b's logits row (V,), Stopped (its on_progress answered STOP in the forward), or the exception that is its
+    outcome; run b then finishes with finish_prefill(runs[b], rows[b], seconds), in any thread (the gate: the run's
+    own). A failed forward (memory) is every run's exception, with no cache advanced. A run's own failure is its
+    outcome alone: its preparation's leaves it out of the forward; its on_progress's or its probe's in the forward
+    (engine.batch.segments, the fence of engine.batch.rows) leaves its cache where it was while the other runs' rows
+    stand."""
     model = runs[0].model
     if any(r.model is not model for r in runs):
         raise ValueError("runs of one packed prefill must share one model")
-    prompts = [r.prefill_input() for r in runs]
-    for run, ids in zip(runs, prompts):
-        run.cache.check_room(len(ids))
-        if run.probe is not None:
-            run.probe.step = 0
-    lengths, starts = [len(p) for p in prompts], [r.cache.get_pos() for r in runs]
-    probe = SegmentProbe([r.probe for r in runs], lengths, starts)
-    segments = Segments(model, [r.cache for r in runs], probe,
-                        [r.prefill_ask if r.on_progress is not None else None for r in runs])
+    rows: list = [guarded(_prepare, run) for run in runs]
+    go = [b for b, o in enumerate(rows) if o is None]       # the runs whose preparation went through
+    if not go:
+        return rows, 0.0
+    batch = [runs[b] for b in go]
+    prompts = [r.prefill_input() for r in batch]
+    lengths, starts = [len(p) for p in prompts], [r.cache.get_pos() for r in batch]
+    probe = SegmentProbe([r.probe for r in batch], lengths, starts)
+    segments = Segments(model, [r.cache for r in batch], probe,
+                        [r.prefill_ask if r.on_progress is not None else None for r in batch])
     positions = torch.cat([p + torch.arange(n) for p, n in zip(starts, lengths)])
     t0 = time.perf_counter()
     try:
         logits = model.forward_segments(torch.tensor([t for p in prompts for t in p]), positions, segments, probe)
     except Exception as e:
-        return [e] * len(runs)
-    seconds = time.perf_counter() - t0
-    out: list[Outcome] = []
-    for b, (run, n) in enumerate(zip(runs, lengths)):
-        got: torch.Tensor | Stopped = Stopped() if segments.stopped[b] else logits[b]
-        if not segments.stopped[b]:
-            run.cache.advance(n)
-            if run.on_progress is not None and run.prefill_ask(model.config.num_layers) is STOP:
-                got = Stopped()
-        out.append(guarded(run.step, got, seconds=seconds))
-    return out
+        return [e if o is None else o for o in rows], time.perf_counter() - t0
+    for g, b in enumerate(go):
+        rows[b] = probe.failed[g] if probe.failed[g] is not None else Stopped() if segments.stopped[g] else logits[g]
+    return rows, time.perf_counter() - t0
+
+
+def failed(row) -> bool:
+    """Whether a row of pack_forward is its run's failure (not its logits, nor the Stopped its STOP made)."""
+    return isinstance(row, BaseException) and not isinstance(row, Stopped)
+
+
+def _prepare(run: GenerationRun) -> None:
+    """A run's own part of a packed prefill before its forward: room in its cache, its probe told the step."""
+    run.cache.check_room(len(run.prompt_ids))
+    if run.probe is not None:
+        run.probe.step = 0
+
+
+def finish_prefill(run: GenerationRun, got: torch.Tensor | Stopped, seconds: float) -> Step | None:
+    """A run's prefill step after its packed forward (pack_forward's row): its cache advanced over its prompt (unless
+    it stopped in the forward), its on_progress asked after the last block as its own prefill asks it, then its
+    step (sampling, on_token)."""
+    if not isinstance(got, Stopped):
+        run.cache.advance(len(run.prompt_ids))
+        if run.on_progress is not None and run.prefill_ask(run.model.config.num_layers) is STOP:
+            got = Stopped()
+    return run.step(got, seconds=seconds)
 
 
 class _Waiter:
-    __slots__ = ("run", "outcome", "done", "wake")
+    """A run waiting at the gate: outcome (a Step or None of a prefill alone, or a row of pack_forward, with seconds),
+    done, wake."""
+    __slots__ = ("run", "outcome", "seconds", "done", "wake")
 
     def __init__(self, run: GenerationRun) -> None:
-        self.run, self.outcome, self.done, self.wake = run, None, False, threading.Event()
+        self.run, self.outcome, self.seconds, self.done, self.wake = run, None, 0.0, False, threading.Event()
 
 
 class PrefillGate:
@@ -95,7 +132,9 @@ class PrefillGate:
         return len(self._waiting)
 
     def prefill(self, run: GenerationRun) -> Step | None:
-        """`run`'s prefill step (prefill_reason(run) is None), packed with the prefills waiting beside it."""
+        """`run`'s prefill step (prefill_reason(run) is None), packed with the prefills waiting beside it. What
+        follows its forward (its last progress report, its sampling, its on_token) is done here, in the caller's
+        thread: the one that leads waits on no other run's callbacks."""
         me = _Waiter(run)
         with self._lock:
             self._waiting.append(me)
@@ -107,8 +146,11 @@ class PrefillGate:
             else:
                 me.wake.wait()
                 me.wake.clear()
+        if isinstance(me.outcome, (torch.Tensor, Stopped)):       # its row of a packed forward
+            return finish_prefill(run, me.outcome, me.seconds)
         if isinstance(me.outcome, BaseException):
             raise me.outcome
+        run.tell(me.outcome)
         return me.outcome
 
     def _serve(self) -> None:
@@ -121,16 +163,17 @@ class PrefillGate:
                 rows += len(batch[-1].run.prompt_ids)
             self.serving = len(batch)
         try:
+            seconds = 0.0
             if len(batch) == 1:
-                outcomes = [guarded(batch[0].run.step)]
+                outcomes = [guarded(batch[0].run.step, tell=False)]
             else:
-                outcomes = prefill_together([w.run for w in batch])
+                outcomes, seconds = pack_forward([w.run for w in batch])
                 self.packs, self.packed = self.packs + 1, self.packed + len(batch)
         except BaseException as e:     # an interrupt in the leader: every run of the batch hears it
             outcomes = [e] * len(batch)
         with self._lock:
             for w, outcome in zip(batch, outcomes):
-                w.outcome, w.done = outcome, True
+                w.outcome, w.seconds, w.done = outcome, seconds, True
                 w.wake.set()
             self.serving = 0
             self._leader = self._waiting[0] if self._waiting else None
