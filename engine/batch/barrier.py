@@ -163,6 +163,8 @@ class StepBarrier:
                     if r not in served and r.error is None:       # the leader itself failed (an interrupt)
                         r.error = RuntimeError("the batched step was interrupted before this run's turn")
                     r.done = True
+                    if r.error is not None or r.run.done:     # it takes no next step: no leader waits for it
+                        self._decoding.discard(r.run)
                     if r is not leader:
                         r.wake.set()
                 self._leader = self._pending[0] if self._pending else None
