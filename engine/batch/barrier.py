@@ -119,7 +119,7 @@ class StepBarrier:
             self._serve(req, batch)
         if req.error is not None:
             raise req.error
-        run.tell(req.step)
+        run.tell_token(req.step)
 
     def _gather(self) -> list[_Request]:
         """(Holding the lock, leading) wait for the decoding runs that are not late while they keep arriving: at most

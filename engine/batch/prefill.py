@@ -150,7 +150,7 @@ class PrefillGate:
             return finish_prefill(run, me.outcome, me.seconds)
         if isinstance(me.outcome, BaseException):
             raise me.outcome
-        run.tell(me.outcome)
+        run.tell_token(me.outcome)
         return me.outcome
 
     def _serve(self) -> None:
