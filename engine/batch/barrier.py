@@ -19,7 +19,8 @@ No run holds up the others (issue 49). One run's own failure in a shared forward
 sampler, its on_token) is raised in its own thread only (engine.batch.step, engine.batch.prefill). A run that is not
 back at the barrier within WINDOW_S of the last one to come (a slow on_token, a slow prefill) is left out of the
 step, and from then on it is late: the steps go on without waiting for it until it comes back, and it joins the next
-step after it arrives. The most a step waits on one run's callback is that window (GATHER_S while runs keep coming).
+step after it arrives. The most a step waits on one run's callback is that window (GATHER_S while runs keep coming),
+or PREFILL_WAIT_S for a prefill under way (a slow progress callback in it), after which its runs are late too.
 
     barrier = shared_barrier()
     result = barrier.drive(run)          # run: an engine.GenerationRun; returns its GenerationResult
@@ -37,6 +38,8 @@ WINDOW_S = 0.03            # the longest a step's leader waits for the next deco
                            # by then is late: no step waits for it until it comes back)
 GATHER_S = 0.25            # ... and for all of them, while they keep arriving
 LATENCY_S = 1.0            # a batched step should take at most this long (caps the batch by measured row cost)
+PREFILL_WAIT_S = 1.0       # the longest a step waits for a prefill under way at the gate (its runs would join the
+                           # step): past it the step goes on, and no step waits for that prefill again
 
 
 class _Request:
@@ -51,7 +54,7 @@ class _Request:
 
 class StepBarrier:
     def __init__(self, max_rows: int = 32, window_s: float = WINDOW_S, latency_s: float = LATENCY_S,
-                 gather_s: float = GATHER_S) -> None:
+                 gather_s: float = GATHER_S, prefill_wait_s: float = PREFILL_WAIT_S) -> None:
         """max_rows: most runs in one decode forward (1: every run prefills and steps alone, its own arithmetic bit for
         bit)."""
         self._cond = threading.Condition()     # the lock; only a gathering leader waits on it
@@ -61,7 +64,8 @@ class StepBarrier:
         self._late: set[GenerationRun] = set()       # ... but for these: not back within a window (see the docstring)
         self._leader: _Request | None = None
         self.max_rows, self.window_s, self.latency_s = max_rows, window_s, latency_s
-        self.gather_s = max(gather_s, window_s)
+        self.gather_s, self.prefill_wait_s = max(gather_s, window_s), prefill_wait_s
+        self._passed_serve = -1          # the gate's serve (PrefillGate.serves) no step waits for any more
         self.row_s = 0.0                 # measured seconds per row of a batched step (moving average)
         self.steps = self.rows = 0       # batched steps taken, rows they served (rows / steps: the mean batch)
         self.prefills = PrefillGate()    # the runs' prefills, packed when they wait at the same moment
@@ -123,19 +127,22 @@ class StepBarrier:
 
     def _gather(self) -> list[_Request]:
         """(Holding the lock, leading) wait for the decoding runs that are not late while they keep arriving: at most
-        window_s after the last one came (or the leader began), and at most gather_s in all; and while prefills are
-        under way at the gate (those runs join this step: decoding beside a packed prefill would only slow it). The
-        runs still away then are late. Take this step's batch."""
+        window_s after the last one came (or the leader began), and at most gather_s in all; and while a prefill is
+        under way at the gate (its runs join this step: decoding beside a packed prefill would only slow it), at most
+        prefill_wait_s for one prefill. The runs still away then are late. Take this step's batch."""
         start = last = time.monotonic()
-        cap, arrived = self.cap(), len(self._pending)
+        cap, arrived, prefill_since = self.cap(), len(self._pending), None
         while len(self._pending) < min(len(self._decoding) - len(self._late), cap):
             now = time.monotonic()
             if len(self._pending) > arrived:
                 arrived, last = len(self._pending), now
-            if self.prefills.serving:
+            if self.prefills.serving and self.prefills.serves != self._passed_serve:
+                prefill_since = prefill_since or now
                 start = last = now
-                self._cond.wait(self.window_s)
-                continue
+                if now - prefill_since < self.prefill_wait_s:
+                    self._cond.wait(self.window_s)
+                    continue
+                self._passed_serve = self.prefills.serves     # too long (a slow callback in it): go on without it
             left = min(last + self.window_s, start + self.gather_s) - now
             if left <= 0:
                 here = {r.run for r in self._pending}

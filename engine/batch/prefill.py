@@ -123,6 +123,7 @@ class PrefillGate:
         self._waiting: list[_Waiter] = []
         self._leader: _Waiter | None = None
         self.packs = self.packed = 0
+        self.serves = 0        # prefills begun (alone or packed): which one is under way
         self.serving = 0       # runs whose prefill is under way (until each is handed its step): the decode
                                # barrier's leader waits for them to join its next step (engine.batch.barrier)
 
@@ -161,7 +162,7 @@ class PrefillGate:
             while self._waiting and (not batch or rows + len(self._waiting[0].run.prompt_ids) <= self.pack_tokens):
                 batch.append(self._waiting.pop(0))
                 rows += len(batch[-1].run.prompt_ids)
-            self.serving = len(batch)
+            self.serving, self.serves = len(batch), self.serves + 1
         try:
             seconds = 0.0
             if len(batch) == 1:

@@ -8,7 +8,8 @@ tokens) packed into one prefill with another run and batched with it at its deco
   batching's rounding (engine.batch.step's module docstring: tests/unit/test_batch_decode.py measures it).
 - A run whose on_token blocks (here: until the victim has ended) leaves the batch: the others go on without it and
   it rejoins once its callback returns (engine.batch.barrier: the barrier waits WINDOW_S for a run that is not
-  back, then steps the ones present).
+  back, then steps the ones present); a run whose prefill's on_progress blocks holds up no decoding run past
+  PREFILL_WAIT_S.
 
 The pack is made deterministic by a third run (the holder): it comes first and prefills alone, and its on_progress
 holds its prefill until the victim and the other wait at the gate; they are then packed into one forward."""
@@ -190,4 +191,43 @@ def test_a_run_whose_on_token_blocks_leaves_the_step_and_the_others_go_on(tiny_m
     assert seen["victim ended first"], "the victim's steps waited on the slow run's on_token"
     assert slow.batched_steps > seen["batched before"]                    # it rejoined the holder's steps
     for run, result in zip([holder, victim, slow], out):
+        _same_as_alone(run, result, _alone(run))
+
+
+def test_a_prefill_whose_on_progress_blocks_holds_up_no_decoding_run(tiny_model):
+    """The victim decodes alone; the other run comes to its prefill and its on_progress blocks before block 1 until
+    the victim has ended. The victim's steps wait for that prefill (its run would join them) at most prefill_wait_s,
+    then go on without it; the blocked run then prefills, decodes and ends as alone."""
+    model = tiny_model.with_accelerator(PLAIN)
+    decoding, blocking, victim_ended = (threading.Event() for _ in range(3))
+    seen: dict = {}
+
+    def victim_calls(step):
+        if step.index == 1:
+            decoding.set()
+        if step.index == 2:
+            assert blocking.wait(WAIT_S), "the other run's prefill never began"
+        if victim.done:
+            victim_ended.set()
+    victim = _victim(model, on_token=victim_calls)
+
+    def blocks(p):
+        if p.layer == 1 and "victim ended first" not in seen:
+            blocking.set()
+            seen["victim ended first"] = victim_ended.wait(WAIT_S)
+    slow = _other(model, on_progress=blocks)
+    barrier, out = StepBarrier(window_s=0.5, prefill_wait_s=0.2), [None, None]
+
+    def work(n: int, run: GenerationRun, after: threading.Event | None) -> None:
+        if after is not None:
+            assert after.wait(WAIT_S)
+        out[n] = barrier.drive(run)
+    threads = [threading.Thread(target=work, args=(0, victim, None)),
+               threading.Thread(target=work, args=(1, slow, decoding))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert seen["victim ended first"], "the victim's steps waited on the other run's prefill"
+    for run, result in zip([victim, slow], out):
         _same_as_alone(run, result, _alone(run))
