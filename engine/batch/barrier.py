@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 
-from engine.batch.prefill import PrefillGate, prefill_reason
+from engine.batch.prefill import PREFILL_WAIT_S, PrefillGate, prefill_reason
 from engine.batch.step import alone_reason, forward_together
 from engine.generate import GenerationResult, GenerationRun
 
@@ -38,8 +38,7 @@ WINDOW_S = 0.03            # the longest a step's leader waits for the next deco
                            # by then is late: no step waits for it until it comes back)
 GATHER_S = 0.25            # ... and for all of them, while they keep arriving
 LATENCY_S = 1.0            # a batched step should take at most this long (caps the batch by measured row cost)
-PREFILL_WAIT_S = 1.0       # the longest a step waits for a prefill under way at the gate (its runs would join the
-                           # step): past it the step goes on, and no step waits for that prefill again
+
 
 
 class _Request:
@@ -65,10 +64,11 @@ class StepBarrier:
         self._leader: _Request | None = None
         self.max_rows, self.window_s, self.latency_s = max_rows, window_s, latency_s
         self.gather_s, self.prefill_wait_s = max(gather_s, window_s), prefill_wait_s
-        self._passed_serve = -1          # the gate's serve (PrefillGate.serves) no step waits for any more
+        self._passed_serve = -1          # the gate's serve (PrefillGate.serves) no step waits for any more: a step
+                                         # waits prefill_wait_s at most for one, then goes on (its runs late)
         self.row_s = 0.0                 # measured seconds per row of a batched step (moving average)
         self.steps = self.rows = 0       # batched steps taken, rows they served (rows / steps: the mean batch)
-        self.prefills = PrefillGate()    # the runs' prefills, packed when they wait at the same moment
+        self.prefills = PrefillGate(wait_s=prefill_wait_s)   # the runs' prefills, packed when they wait together
 
     def drive(self, run: GenerationRun) -> GenerationResult:
         """Step `run` to its end, its decode steps batched with the other runs driven at the same time."""

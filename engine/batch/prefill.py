@@ -19,8 +19,10 @@ max_rows=1 on the barrier (the server's exact switch) prefills and steps every r
 One run's own failure (its on_progress, its probe, its sampler, its on_token) ends that run only: pack_forward keeps
 the other runs' rows (engine.batch.segments). What follows the packed forward for each run (its cache advanced, its
 last progress report, its sampling, its on_token: finish_prefill) is done in its own thread once the gate has handed
-it its row, so that a slow callback there holds up no other run's prefill. (Its on_progress before each block is
-asked in the leading thread, as the forward runs: a slow one there holds up the pack.)"""
+it its row, so that a slow callback there holds up no other run's prefill. A run that comes while a prefill is under
+way waits for it at most PREFILL_WAIT_S (a slow on_progress in it), then the waiting runs' prefill goes beside it.
+(A packed run's on_progress before each block is asked in the leading thread, as the forward runs: a slow one there
+holds up the runs of that pack.)"""
 from __future__ import annotations
 
 import threading
@@ -33,6 +35,8 @@ from engine.batch.step import Outcome, guarded, shared_forward_reason
 from engine.generate import PREFILL_CHUNK, STOP, GenerationRun, Step, Stopped
 
 PACK_TOKENS = PREFILL_CHUNK     # the most prompt rows in one packed forward (a long prompt's chunk)
+PREFILL_WAIT_S = 1.0            # the longest a run waits for a prefill under way (at the gate, to be packed after
+                                # it; at the step barrier, for its runs to join a step): then it goes on beside it
 
 
 def prefill_reason(run: GenerationRun) -> str | None:
@@ -117,14 +121,16 @@ class PrefillGate:
     """Runs waiting for their prefill (see the module docstring). packs / packed: packed forwards taken and the
     runs they served (a run prefilled alone counts in neither)."""
 
-    def __init__(self, pack_tokens: int = PACK_TOKENS) -> None:
-        self.pack_tokens = pack_tokens
+    def __init__(self, pack_tokens: int = PACK_TOKENS, wait_s: float = PREFILL_WAIT_S) -> None:
+        """wait_s: how long the first waiting run waits for the prefill under way before it leads the waiting runs'
+        prefill beside it (a slow callback in the one under way holds up no run that came after it)."""
+        self.pack_tokens, self.wait_s = pack_tokens, wait_s
         self._lock = threading.Lock()
         self._waiting: list[_Waiter] = []
         self._leader: _Waiter | None = None
         self.packs = self.packed = 0
         self.serves = 0        # prefills begun (alone or packed): which one is under way
-        self.serving = 0       # runs whose prefill is under way (until each is handed its step): the decode
+        self.serving = 0       # runs whose prefill is under way (until each is handed its row or step): the decode
                                # barrier's leader waits for them to join its next step (engine.batch.barrier)
 
     @property
@@ -143,10 +149,11 @@ class PrefillGate:
                 self._leader = me
         while not me.done:
             if self._leader is me:
-                self._serve()
-            else:
-                me.wake.wait()
+                self._serve(me)
+            elif me.wake.wait(self.wait_s):
                 me.wake.clear()
+            else:
+                self._take_over(me)
         if isinstance(me.outcome, (torch.Tensor, Stopped)):       # its row of a packed forward
             return finish_prefill(run, me.outcome, me.seconds)
         if isinstance(me.outcome, BaseException):
@@ -154,15 +161,22 @@ class PrefillGate:
         run.tell_token(me.outcome)
         return me.outcome
 
-    def _serve(self) -> None:
+    def _take_over(self, me: _Waiter) -> None:
+        """me waited wait_s: if it is the first waiting and the prefill under way is still going (a slow callback in
+        it), me leads the waiting runs beside it."""
+        with self._lock:
+            if self._waiting and self._waiting[0] is me and (self._leader is None or self._leader not in self._waiting):
+                self._leader = me
+
+    def _serve(self, me: _Waiter) -> None:
         """(Leading) the waiting runs' prefills, first come first, up to pack_tokens prompt rows (at least one run);
-        then the lead passes to the first run still waiting."""
+        then the lead passes to the first run still waiting (unless another took it over meanwhile)."""
         with self._lock:
             batch, rows = [], 0
             while self._waiting and (not batch or rows + len(self._waiting[0].run.prompt_ids) <= self.pack_tokens):
                 batch.append(self._waiting.pop(0))
                 rows += len(batch[-1].run.prompt_ids)
-            self.serving, self.serves = len(batch), self.serves + 1
+            self.serving, self.serves = self.serving + len(batch), self.serves + 1
         try:
             seconds = 0.0
             if len(batch) == 1:
@@ -176,7 +190,8 @@ class PrefillGate:
             for w, outcome in zip(batch, outcomes):
                 w.outcome, w.seconds, w.done = outcome, seconds, True
                 w.wake.set()
-            self.serving = 0
-            self._leader = self._waiting[0] if self._waiting else None
-            if self._leader is not None:
-                self._leader.wake.set()
+            self.serving -= len(batch)
+            if self._leader is me:
+                self._leader = self._waiting[0] if self._waiting else None
+                if self._leader is not None:
+                    self._leader.wake.set()

@@ -8,8 +8,9 @@ tokens) packed into one prefill with another run and batched with it at its deco
   batching's rounding (engine.batch.step's module docstring: tests/unit/test_batch_decode.py measures it).
 - A run whose on_token blocks (here: until the victim has ended) leaves the batch: the others go on without it and
   it rejoins once its callback returns (engine.batch.barrier: the barrier waits WINDOW_S for a run that is not
-  back, then steps the ones present); a run whose prefill's on_progress blocks holds up no decoding run past
-  PREFILL_WAIT_S.
+  back, then steps the ones present); a run whose prefill's on_progress blocks holds up neither a decoding run
+  nor a run that comes to the gate after it past PREFILL_WAIT_S (engine.batch.prefill; here 0.2 s: no time is
+  asserted, the holds are events).
 
 The pack is made deterministic by a third run (the holder): it comes first and prefills alone, and its on_progress
 holds its prefill until the victim and the other wait at the gate; they are then packed into one forward."""
@@ -230,4 +231,35 @@ def test_a_prefill_whose_on_progress_blocks_holds_up_no_decoding_run(tiny_model)
         t.join(120)
     assert seen["victim ended first"], "the victim's steps waited on the other run's prefill"
     for run, result in zip([victim, slow], out):
+        _same_as_alone(run, result, _alone(run))
+
+
+def test_a_prefill_whose_on_progress_blocks_holds_up_no_run_that_comes_after_it(tiny_model):
+    """The other run prefills alone and its on_progress blocks before block 1 until the victim has ended; the victim
+    comes to the gate meanwhile: it waits for that prefill (to be packed after it) at most the gate's wait_s, then is
+    prefilled beside it and decodes to its end; the blocked run then goes on, and both end as alone."""
+    model = tiny_model.with_accelerator(PLAIN)
+    victim_ended, seen = threading.Event(), {}
+
+    def tell_end(step):
+        if victim.done:
+            victim_ended.set()
+    victim = _victim(model, on_token=tell_end)
+
+    def blocks(p):
+        if p.layer == 1 and "victim ended first" not in seen:
+            seen["victim ended first"] = victim_ended.wait(WAIT_S)
+    slow = _other(model, on_progress=blocks)
+    barrier, out = StepBarrier(window_s=0.5, prefill_wait_s=0.2), [None, None]
+
+    def work(n: int, run: GenerationRun) -> None:
+        out[n] = barrier.drive(run)
+    threads = [threading.Thread(target=work, args=(0, slow)), threading.Thread(target=work, args=(1, victim))]
+    threads[0].start()
+    assert _until(lambda: barrier.prefills.serving == 1), "the other run's prefill never began"
+    threads[1].start()
+    for t in threads:
+        t.join(120)
+    assert seen["victim ended first"], "the victim waited at the gate on the other run's prefill"
+    for run, result in zip([slow, victim], out):
         _same_as_alone(run, result, _alone(run))
