@@ -40,7 +40,6 @@ GATHER_S = 0.25            # ... and for all of them, while they keep arriving
 LATENCY_S = 1.0            # a batched step should take at most this long (caps the batch by measured row cost)
 
 
-
 class _Request:
     """A run waiting at the barrier for one step: done (its step was taken: its thread goes on, tells it and comes
     back for the next), step (what the step drew, for its on_token), error (what its step raised), wake (set when

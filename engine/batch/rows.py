@@ -223,7 +223,7 @@ class FanProbe(NoProbe):
         self.drop(b)
 
     def drop(self, b: int) -> None:
-        """Run b's probe is offered nothing more in this forward (what is still to hand it is left)."""
+        """Run b's probe is offered nothing more in this forward (shared statistics not yet handed to it included)."""
         self._open[b] = None
         self.parts[b] = NO_PROBE
         for view in self._layers.values():
