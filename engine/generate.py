@@ -219,8 +219,7 @@ class GenerationRun:
 
     def prefill_input(self) -> list[int] | None:
         """The prompt this run's next step feeds the model when that step is its prefill in one piece on its cache
-        (engine.batch packs several such runs into one forward); None: any other step, or a prompt prefilled in
-        chunks (longer than PREFILL_CHUNK)."""
+        (engine.batch packs several such runs into one forward); None: any other step, or a chunked prompt."""
         if self.done or self.steps or not self.use_cache or len(self.prompt_ids) > PREFILL_CHUNK:
             return None
         return self.prompt_ids
@@ -233,12 +232,11 @@ class GenerationRun:
         n = len(self.prompt_ids)
         return self.on_progress(Progress(0, n, n, layer, self.model.config.num_layers))
 
-    def step(self, logits: torch.Tensor | None = None, *, seconds: float = 0.0) -> Step | None:
-        """Run one forward + sample + detokenize. None once the run has stopped (also when this step's logits
-        held a NaN or Inf: then no token is drawn and the run stops with NONFINITE). logits (V,), seconds: this
-        step's forward already done elsewhere for decode_input() (engine.batch: the cache advanced, the probe
-        told) and what it took; or for the prefill, a packed forward's logits row for prefill_input() (its cache
-        advanced), or the Stopped it ended this run with (prefill_ask answered STOP)."""
+    def step(self, logits: torch.Tensor | None = None, *, seconds: float = 0.0, tell: bool = True) -> Step | None:
+        """Run one forward + sample + detokenize. None once the run has stopped (also when this step's logits held a
+        NaN or Inf: no token is drawn, the run stops with NONFINITE). logits (V,), seconds: this step's forward done
+        elsewhere (engine.batch) and what it took: for decode_input() (the cache advanced, the probe told), or a packed
+        prefill's row (its cache advanced) or Stopped (prefill_ask said STOP). tell=False: see tell_token."""
         if self.done:
             return None
         probe, index = self.probe, len(self.steps)
@@ -261,19 +259,22 @@ class GenerationRun:
         t1 = time.perf_counter()
         with one_thread():      # the sampler's small ops (vocabulary-wide vectors): a team's wake-up costs more
             step = self._sample(logits, t0, t1)
+        if tell:
+            self.tell_token(step)
+        return step
+
+    def tell_token(self, step: Step | None) -> None:
+        """on_token(step) for what step(tell=False) took (None: no token), in the caller's thread; STOP ends the run."""
         if step is not None and self.on_token and self.on_token(step) is STOP and not self.done:
             self.stop_reason = STOPPED
             self.text += self.detok.flush()
-        return step
 
     def _sample(self, logits: torch.Tensor, t0: float, t1: float) -> Step | None:
-        """step() after the forward: the sampler chain on this step's logits (V,), the token, its text, the stop
-        checks (the caller then calls on_token)."""
+        """step() after the forward: the sampler chain on this step's logits (V,), the token, its text, the stops."""
         model, probe, index = self.model, self.probe, len(self.steps)
         if not all_finite(logits):
             self._stop_nonfinite()
             return None
-
         context = self.prompt_ids + self.token_ids
         with model.attached(probe, self.cache.get_pos()):
             stages = sampler_chain(logits, self.params, context, self.token_ids, offer=probe)
@@ -282,7 +283,6 @@ class GenerationRun:
         raw = torch.softmax(logits, dim=-1)
         top = torch.topk(raw, TOP_CANDIDATES)
         t2 = time.perf_counter()
-
         tok = model.tokenizer
         is_eos = token in self.eos
         piece = "" if is_eos else self.detok.step(token)

@@ -3,17 +3,26 @@
 for one prompt's forty rows, ~370 at a thousand), each run's attention is computed against its own cache and its
 probe is offered its own rows (engine.batch.segments), and each run's on_progress is asked before every block as in
 its own prefill (a STOP ends that run alone). Then each run finishes its prefill step (sampling, detokenizing,
-on_token) with its own logits row, in the leader's thread, as engine.batch.barrier does for decode steps.
+on_token) with its own logits row, in its own thread.
 
     gate = PrefillGate()
     step = gate.prefill(run)      # run's prefill step (prefill_reason(run) is None), packed with those waiting
+    steps = prefill_together(runs)         # or in one thread: one forward, then each run's step
 
 Who waits: the first run to arrive while no packed prefill is under way leads at once (a run alone never waits and
 is prefilled exactly as alone, by its own step); the runs that arrive while it computes wait, and the first of them
 then leads them all (up to PACK_TOKENS prompt rows; the rest wait for the next). Arithmetic: each row's values
 come from the same operations as in its own prefill, except that the matmuls run over more rows, which a kernel may
 sum in another order (measured in tests/unit/test_packed_prefill.py and tests/model/test_batch_bundled.py);
-max_rows=1 on the barrier (the server's exact switch) prefills and steps every run alone."""
+max_rows=1 on the barrier (the server's exact switch) prefills and steps every run alone.
+
+One run's own failure (its on_progress, its probe, its sampler, its on_token) ends that run only: pack_forward keeps
+the other runs' rows (engine.batch.segments). What follows the packed forward for each run (its cache advanced, its
+last progress report, its sampling, its on_token: finish_prefill) is done in its own thread once the gate has handed
+it its row, so that a slow callback there holds up no other run's prefill. A run that comes while a prefill is under
+way waits for it at most PREFILL_WAIT_S (a slow on_progress in it), then the waiting runs' prefill goes beside it.
+(A packed run's on_progress before each block is asked in the leading thread, as the forward runs: a slow one there
+holds up the runs of that pack.)"""
 from __future__ import annotations
 
 import threading
@@ -26,6 +35,8 @@ from engine.batch.step import Outcome, guarded, shared_forward_reason
 from engine.generate import PREFILL_CHUNK, STOP, GenerationRun, Step, Stopped
 
 PACK_TOKENS = PREFILL_CHUNK     # the most prompt rows in one packed forward (a long prompt's chunk)
+PREFILL_WAIT_S = 1.0            # the longest a run waits for a prefill under way (at the gate, to be packed after
+                                # it; at the step barrier, for its runs to join a step): then it goes on beside it
 
 
 def prefill_reason(run: GenerationRun) -> str | None:
@@ -37,56 +48,89 @@ def prefill_reason(run: GenerationRun) -> str | None:
 
 def prefill_together(runs: list[GenerationRun]) -> list[Outcome]:
     """Each run's prefill step (runs: prefill_reason None, one model), in order: its Step, None (it stopped), or the
-    exception its step raised. One forward over all their prompts; a failed forward (memory) is every run's
-    exception, with no cache advanced."""
+    exception its step raised: pack_forward, then each run's finish_prefill."""
+    rows, seconds = pack_forward(runs)
+    return [row if failed(row) else guarded(finish_prefill, run, row, seconds) for run, row in zip(runs, rows)]
+
+
+def pack_forward(runs: list[GenerationRun]) -> tuple[list[torch.Tensor | Stopped | BaseException], float]:
+    """The forward half of a packed prefill (runs: prefill_reason None, one model) -> (rows, seconds): rows[b] run
+    b's logits row (V,), Stopped (its on_progress answered STOP in the forward), or the exception that is its
+    outcome; run b then finishes with finish_prefill(runs[b], rows[b], seconds), in any thread (the gate: the run's
+    own). A failed forward (memory) is every run's exception, with no cache advanced. A run's own failure is its
+    outcome alone: its preparation's leaves it out of the forward; its on_progress's or its probe's in the forward
+    (engine.batch.segments, the fence of engine.batch.rows) leaves its cache where it was while the other runs' rows
+    stand."""
     model = runs[0].model
     if any(r.model is not model for r in runs):
         raise ValueError("runs of one packed prefill must share one model")
-    prompts = [r.prefill_input() for r in runs]
-    for run, ids in zip(runs, prompts):
-        run.cache.check_room(len(ids))
-        if run.probe is not None:
-            run.probe.step = 0
-    lengths, starts = [len(p) for p in prompts], [r.cache.get_pos() for r in runs]
-    probe = SegmentProbe([r.probe for r in runs], lengths, starts)
-    segments = Segments(model, [r.cache for r in runs], probe,
-                        [r.prefill_ask if r.on_progress is not None else None for r in runs])
+    rows: list = [guarded(_prepare, run) for run in runs]
+    go = [b for b, o in enumerate(rows) if o is None]       # the runs whose preparation went through
+    if not go:
+        return rows, 0.0
+    batch = [runs[b] for b in go]
+    prompts = [r.prefill_input() for r in batch]
+    lengths, starts = [len(p) for p in prompts], [r.cache.get_pos() for r in batch]
+    probe = SegmentProbe([r.probe for r in batch], lengths, starts)
+    segments = Segments(model, [r.cache for r in batch], probe,
+                        [r.prefill_ask if r.on_progress is not None else None for r in batch])
     positions = torch.cat([p + torch.arange(n) for p, n in zip(starts, lengths)])
     t0 = time.perf_counter()
     try:
         logits = model.forward_segments(torch.tensor([t for p in prompts for t in p]), positions, segments, probe)
     except Exception as e:
-        return [e] * len(runs)
-    seconds = time.perf_counter() - t0
-    out: list[Outcome] = []
-    for b, (run, n) in enumerate(zip(runs, lengths)):
-        got: torch.Tensor | Stopped = Stopped() if segments.stopped[b] else logits[b]
-        if not segments.stopped[b]:
-            run.cache.advance(n)
-            if run.on_progress is not None and run.prefill_ask(model.config.num_layers) is STOP:
-                got = Stopped()
-        out.append(guarded(run.step, got, seconds=seconds))
-    return out
+        return [e if o is None else o for o in rows], time.perf_counter() - t0
+    for g, b in enumerate(go):
+        rows[b] = probe.failed[g] if probe.failed[g] is not None else Stopped() if segments.stopped[g] else logits[g]
+    return rows, time.perf_counter() - t0
+
+
+def failed(row) -> bool:
+    """Whether a row of pack_forward is its run's failure (not its logits, nor the Stopped its STOP made)."""
+    return isinstance(row, BaseException) and not isinstance(row, Stopped)
+
+
+def _prepare(run: GenerationRun) -> None:
+    """A run's own part of a packed prefill before its forward: room in its cache, its probe told the step."""
+    run.cache.check_room(len(run.prompt_ids))
+    if run.probe is not None:
+        run.probe.step = 0
+
+
+def finish_prefill(run: GenerationRun, got: torch.Tensor | Stopped, seconds: float) -> Step | None:
+    """A run's prefill step after its packed forward (pack_forward's row): its cache advanced over its prompt (unless
+    it stopped in the forward), its on_progress asked after the last block as its own prefill asks it, then its
+    step (sampling, on_token)."""
+    if not isinstance(got, Stopped):
+        run.cache.advance(len(run.prompt_ids))
+        if run.on_progress is not None and run.prefill_ask(run.model.config.num_layers) is STOP:
+            got = Stopped()
+    return run.step(got, seconds=seconds)
 
 
 class _Waiter:
-    __slots__ = ("run", "outcome", "done", "wake")
+    """A run waiting at the gate: outcome (a Step or None of a prefill alone, or a row of pack_forward, with seconds),
+    done, wake."""
+    __slots__ = ("run", "outcome", "seconds", "done", "wake")
 
     def __init__(self, run: GenerationRun) -> None:
-        self.run, self.outcome, self.done, self.wake = run, None, False, threading.Event()
+        self.run, self.outcome, self.seconds, self.done, self.wake = run, None, 0.0, False, threading.Event()
 
 
 class PrefillGate:
     """Runs waiting for their prefill (see the module docstring). packs / packed: packed forwards taken and the
     runs they served (a run prefilled alone counts in neither)."""
 
-    def __init__(self, pack_tokens: int = PACK_TOKENS) -> None:
-        self.pack_tokens = pack_tokens
+    def __init__(self, pack_tokens: int = PACK_TOKENS, wait_s: float = PREFILL_WAIT_S) -> None:
+        """wait_s: how long the first waiting run waits for the prefill under way before it leads the waiting runs'
+        prefill beside it (a slow callback in the one under way holds up no run that came after it)."""
+        self.pack_tokens, self.wait_s = pack_tokens, wait_s
         self._lock = threading.Lock()
         self._waiting: list[_Waiter] = []
         self._leader: _Waiter | None = None
         self.packs = self.packed = 0
-        self.serving = 0       # runs whose prefill is under way (until each is handed its step): the decode
+        self.serves = 0        # prefills begun (alone or packed): which one is under way
+        self.serving = 0       # runs whose prefill is under way (until each is handed its row or step): the decode
                                # barrier's leader waits for them to join its next step (engine.batch.barrier)
 
     @property
@@ -95,7 +139,9 @@ class PrefillGate:
         return len(self._waiting)
 
     def prefill(self, run: GenerationRun) -> Step | None:
-        """`run`'s prefill step (prefill_reason(run) is None), packed with the prefills waiting beside it."""
+        """`run`'s prefill step (prefill_reason(run) is None), packed with the prefills waiting beside it. What
+        follows its forward (its last progress report, its sampling, its on_token) is done here, in the caller's
+        thread: the one that leads waits on no other run's callbacks."""
         me = _Waiter(run)
         with self._lock:
             self._waiting.append(me)
@@ -103,36 +149,49 @@ class PrefillGate:
                 self._leader = me
         while not me.done:
             if self._leader is me:
-                self._serve()
-            else:
-                me.wake.wait()
+                self._serve(me)
+            elif me.wake.wait(self.wait_s):
                 me.wake.clear()
+            else:
+                self._take_over(me)
+        if isinstance(me.outcome, (torch.Tensor, Stopped)):       # its row of a packed forward
+            return finish_prefill(run, me.outcome, me.seconds)
         if isinstance(me.outcome, BaseException):
             raise me.outcome
+        run.tell_token(me.outcome)
         return me.outcome
 
-    def _serve(self) -> None:
+    def _take_over(self, me: _Waiter) -> None:
+        """me waited wait_s: if it is the first waiting and the prefill under way is still going (a slow callback in
+        it), me leads the waiting runs beside it."""
+        with self._lock:
+            if self._waiting and self._waiting[0] is me and (self._leader is None or self._leader not in self._waiting):
+                self._leader = me
+
+    def _serve(self, me: _Waiter) -> None:
         """(Leading) the waiting runs' prefills, first come first, up to pack_tokens prompt rows (at least one run);
-        then the lead passes to the first run still waiting."""
+        then the lead passes to the first run still waiting (unless another took it over meanwhile)."""
         with self._lock:
             batch, rows = [], 0
             while self._waiting and (not batch or rows + len(self._waiting[0].run.prompt_ids) <= self.pack_tokens):
                 batch.append(self._waiting.pop(0))
                 rows += len(batch[-1].run.prompt_ids)
-            self.serving = len(batch)
+            self.serving, self.serves = self.serving + len(batch), self.serves + 1
         try:
+            seconds = 0.0
             if len(batch) == 1:
-                outcomes = [guarded(batch[0].run.step)]
+                outcomes = [guarded(batch[0].run.step, tell=False)]
             else:
-                outcomes = prefill_together([w.run for w in batch])
+                outcomes, seconds = pack_forward([w.run for w in batch])
                 self.packs, self.packed = self.packs + 1, self.packed + len(batch)
         except BaseException as e:     # an interrupt in the leader: every run of the batch hears it
             outcomes = [e] * len(batch)
         with self._lock:
             for w, outcome in zip(batch, outcomes):
-                w.outcome, w.done = outcome, True
+                w.outcome, w.seconds, w.done = outcome, seconds, True
                 w.wake.set()
-            self.serving = 0
-            self._leader = self._waiting[0] if self._waiting else None
-            if self._leader is not None:
-                self._leader.wake.set()
+            self.serving -= len(batch)
+            if self._leader is me:
+                self._leader = self._waiting[0] if self._waiting else None
+                if self._leader is not None:
+                    self._leader.wake.set()

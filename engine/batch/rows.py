@@ -2,7 +2,14 @@
 written to its own run's KVCache and its attention computed against that cache alone, exactly as the run's own
 one-token forward computes it) and FanProbe (the batch's probe: every stage tensor (B, ...) cut into its rows,
 each probe begun at its own run's position: the statistics of every stage computed once over all rows
-(engine.batch.shared_stats) and row b's handed to run b's probe, captures of row b kept by run b's probe)."""
+(engine.batch.shared_stats) and row b's handed to run b's probe, captures of row b kept by run b's probe).
+
+A fence around each run's own code: whatever run b's probe raises when the batch calls it (offered a stage, its
+statistics, its captures, its call's start or end), and whatever row b's attention raises (its probe is offered the
+scores there), is run b's failure, not the batch's: FanProbe.fail records it (failed[b]), silences run b's probe for
+the rest of the forward and hands row b zeros where its attention failed. Every row's values depend on its own row
+alone and no probe here changes a tensor, so the other rows' results are those of the forward without the failure;
+the caller gives run b its error and leaves its cache where it was (engine.batch.step, engine.batch.prefill)."""
 from __future__ import annotations
 
 from typing import Any
@@ -42,7 +49,8 @@ class Rows:
             keys, values = cache.update(i, k[b:b + 1].transpose(0, 1), v[b:b + 1].transpose(0, 1))    # (K, S, hd)
             got.append((first, keys.to(qh.dtype), values.to(qh.dtype)))
         if cfg.layer_window[i] is not None or cfg.attn_softcap is not None or B == 1:
-            return torch.cat([self._one(b, i, qh[:, b:b + 1], *got[b], p.part(b)) for b in range(B)], dim=1)
+            return torch.cat([p.fenced(b, lambda view, b=b: self._one(b, i, qh[:, b:b + 1], *got[b], view),
+                                       qh[:, b:b + 1]) for b in range(B)], dim=1)
         return self._padded(qh, got, p)
 
     def _one(self, b: int, i: int, qh, first: int, keys, values, p) -> torch.Tensor:
@@ -86,11 +94,24 @@ class FanLayer:
         self.fan.close(b)
         return self.parts[b]
 
+    def fenced(self, b: int, attend, like: torch.Tensor) -> torch.Tensor:
+        """attend(run b's view): row b's attention, its probe offered the scores; what it raises is run b's failure
+        (FanProbe.fail) and row b's z is then zeros like `like` (nothing but run b's discarded rows reads it)."""
+        try:
+            return attend(self.part(b))
+        except Exception as e:      # run b's own failure: its thread raises it (engine.batch.step, .prefill)
+            self.fan.fail(b, e)
+            return torch.zeros_like(like)
+
     def plans(self, stage: str):
         """(row, probe, plan) of every run whose probe wants the stage, in row order."""
         for b, p in enumerate(self.parts):
             if p is not NO_PROBE:
-                plan = p.plan(stage)
+                try:
+                    plan = p.plan(stage)
+                except Exception as e:      # run b's own failure
+                    self.fan.fail(b, e)
+                    continue
                 if plan.need != NONE:
                     yield b, p, plan
 
@@ -100,16 +121,20 @@ class FanLayer:
         entry = None
         for b, p, plan in self.plans(stage):
             s, e = bounds[b]
-            if not rows or plan.heads_first:
-                self.part(b)(stage, x[s:e])
+            try:
+                if not rows or plan.heads_first:
+                    self.part(b)(stage, x[s:e])
+                    continue
+                if plan.capture:
+                    p.offer_captures(stage, x[s:e])
+            except Exception as err:        # run b's own failure
+                self.fan.fail(b, err)
                 continue
             if plan.stats:
                 if entry is None:
                     name = self.names[stage] if self.names else stage
                     entry, wanting = self.fan.shared.add(name, plan.layer, x, plan.masked), []
                 wanting.append(b)
-            if plan.capture:
-                p.offer_captures(stage, x[s:e])
         if entry is not None:
             self.fan.rows(wanting, name, entry)
         return x
@@ -122,7 +147,7 @@ class FanLayer:
         entry = None
         for b, _, plan in self.plans(stage):
             if plan.capture or not plan.stats:
-                self.part(b)(stage, x[b, :, None, :lengths[b]])
+                self.fan.guard(b, lambda b=b: self.part(b)(stage, x[b, :, None, :lengths[b]]))
                 continue
             if entry is None:
                 name = self.names[stage] if self.names else stage
@@ -133,7 +158,14 @@ class FanLayer:
             self.fan.rows(wanting, name, entry)
 
     def need(self, stage: str) -> int:
-        return max((p.need(stage) for p in self.parts), default=NONE)
+        need = NONE
+        for b, p in enumerate(self.parts):
+            if p is not NO_PROBE:
+                try:
+                    need = max(need, p.need(stage))
+                except Exception as e:      # run b's own failure
+                    self.fan.fail(b, e)
+        return need
 
 
 class FanProbe(NoProbe):
@@ -142,10 +174,11 @@ class FanProbe(NoProbe):
     prompt's). Weights, epsilon and positions are NoProbe's (the batch's own): a probe that would change them runs
     apart (engine.batch.step). shared: the statistics of the batch's stages (engine.batch.shared_stats); run b's
     consecutive shared stages are handed to its probe as one source (RowSource) before anything else it is offered,
-    and at the call's end."""
+    and at the call's end. failed[b]: what run b's own probe or row raised in this forward (fail), else None."""
 
     def __init__(self, probes: list, positions: list[int], bounds: list[tuple[int, int]] | None = None) -> None:
         self.parts = [NO_PROBE if p is None else p for p in probes]
+        self.failed: list[BaseException | None] = [None] * len(self.parts)
         self.bounds = bounds or [(b, b + 1) for b in range(len(self.parts))]
         self.positions, self.shared = positions, SharedStats()
         self.top = FanLayer(self, self.parts)
@@ -164,20 +197,44 @@ class FanProbe(NoProbe):
 
     def served_by(self, names: list[str]) -> bool:
         """Whether a fused step (Probe.served_by) serves every row's probe."""
-        return all(p is NO_PROBE or p.served_by(names) for p in self.parts)
+        return all(p is NO_PROBE or self.guard(b, p.served_by, names) is not False for b, p in enumerate(self.parts))
 
     def offer_step(self, names: list[str], layers: list, values, logits: torch.Tensor, marks, start: float) -> None:
         """A fused step's rows (engine.native: statistics (B, G, 7), logits (B, V)), row b to run b's probe as a
         lone step's (Probe.offer_step); the step's timing marks to each."""
         for b, p in enumerate(self.parts):
             if p is not NO_PROBE:
-                p.offer_step(names, layers, None if values is None else values[b].unsqueeze(1), logits[b:b + 1],
-                             marks, start)
+                self.guard(b, p.offer_step, names, layers, None if values is None else values[b].unsqueeze(1),
+                           logits[b:b + 1], marks, start)
+
+    def guard(self, b: int, fn, *args):
+        """fn(*args), a call into run b's own code: what it raises is run b's failure (fail), and None comes back."""
+        try:
+            return fn(*args)
+        except Exception as e:      # run b's own failure: its thread raises it, the batch goes on
+            self.fail(b, e)
+            return None
+
+    def fail(self, b: int, error: BaseException) -> None:
+        """Run b's own code raised `error` in this forward: it is run b's outcome (failed[b]; the first error
+        stands), and its probe is offered nothing more."""
+        if self.failed[b] is None:
+            self.failed[b] = error
+        self.drop(b)
+
+    def drop(self, b: int) -> None:
+        """Run b's probe is offered nothing more in this forward (shared statistics not yet handed to it included)."""
+        self._open[b] = None
+        self.parts[b] = NO_PROBE
+        for view in self._layers.values():
+            view.parts[b] = NO_PROBE
 
     def rows(self, parts: list[int], name: str, entry: int) -> None:
         """These runs' probes record the statistics of shared entry `entry` (stage `name`) next."""
         opened = self._open
         for b in parts:
+            if self.parts[b] is NO_PROBE:       # it failed since it asked (fail)
+                continue
             src = opened[b]
             if src is None:
                 src = opened[b] = RowSource(self.shared, *self.bounds[b])
@@ -189,19 +246,20 @@ class FanProbe(NoProbe):
         src = self._open[b]
         if src is not None:
             self._open[b] = None
-            self.parts[b].offer_stats(src.names, src)
+            self.guard(b, self.parts[b].offer_stats, src.names, src)
 
     def begin_call(self, pos0: int, device: torch.device, stats) -> None:
         self.shared.batcher.backend = stats
-        for p, pos in zip(self.parts, self.positions):
+        for b, (p, pos) in enumerate(zip(self.parts, self.positions)):
             if p is not NO_PROBE:
-                p.begin_call(pos, device, stats)
+                self.guard(b, p.begin_call, pos, device, stats)
 
     def end_call(self) -> None:
         for b, p in enumerate(self.parts):
             if p is not NO_PROBE:
                 self.close(b)
-                p.end_call()
+                if self.parts[b] is not NO_PROBE:
+                    self.guard(b, p.end_call)
 
     def __call__(self, name: str, x: Any) -> Any:
         return self.top(name, x)
@@ -212,12 +270,12 @@ class FanProbe(NoProbe):
     def layer(self, i: int) -> FanLayer:
         view = self._layers.get(i)
         if view is None:
-            parts = [p.layer(i) for p in self.parts]
+            parts = [p if p is NO_PROBE else self.guard(b, p.layer, i) or NO_PROBE for b, p in enumerate(self.parts)]
             names = next((p.names for p in parts if p is not NO_PROBE), None)
             view = self._layers[i] = FanLayer(self, parts, names)
         return view
 
     def mark(self, label: str) -> None:
-        for p in self.parts:
+        for b, p in enumerate(self.parts):
             if p.timing:
-                p.mark(label)
+                self.guard(b, p.mark, label)

@@ -6,7 +6,8 @@ prefill makes, so that its statistics are computed from the same rows in the sam
 
 A run's on_progress is asked before each block, as in its own prefill; one that answers STOP is silenced from that
 block on (its probe is offered nothing more, as if its forward had ended there: engine.progress.Stopped) and its
-cache is not advanced; the others go on."""
+cache is not advanced; the others go on. One whose on_progress raises (or whose probe or attention does: the fence of
+engine.batch.rows) fails there the same way, the error its own (SegmentProbe.failed)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -43,10 +44,9 @@ class SegmentProbe(FanProbe):
         p = self.parts[b]
         if p is not NO_PROBE:
             self.close(b)
-            p.end_call()
-            self.parts[b] = NO_PROBE
-            for view in self._layers.values():
-                view.parts[b] = NO_PROBE
+            if self.parts[b] is not NO_PROBE:
+                self.guard(b, p.end_call)
+            self.drop(b)
 
     def move_to(self, pos0: int) -> None:
         """The forward keeps each run's last row (Segments.last_rows): row b is run b's last position. What each run
@@ -55,7 +55,8 @@ class SegmentProbe(FanProbe):
             if p is not NO_PROBE:
                 self.close(b)
                 s, e = self.prompt_bounds[b]
-                p.move_to(self.positions[b] + e - s - 1)
+                if self.parts[b] is not NO_PROBE:
+                    self.guard(b, p.move_to, self.positions[b] + e - s - 1)
         self.bounds = [(b, b + 1) for b in range(len(self.parts))]
         self.shared = SharedStats()              # one row a run from here on
         self.shared.batcher.backend = self._stats_backend
@@ -74,14 +75,23 @@ class Segments:
         self.stopped = [False] * len(caches)
 
     def attend(self, i: int, qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p) -> torch.Tensor:
-        """Layer i: qh (H, T, hd), k, v (T, K, hd) -> z (H, T, hd), run b's rows against run b's cache alone."""
-        return torch.cat([self.model.attend(p.part(b), qh[:, s:e].transpose(0, 1), k[s:e], v[s:e], cache, i,
-                                            self.where[b])
+        """Layer i: qh (H, T, hd), k, v (T, K, hd) -> z (H, T, hd), run b's rows against run b's cache alone (what
+        they raise is run b's failure: FanLayer.fenced)."""
+        return torch.cat([p.fenced(b, lambda view, b=b, s=s, e=e, cache=cache: self.model.attend(
+                              view, qh[:, s:e].transpose(0, 1), k[s:e], v[s:e], cache, i, self.where[b]), qh[:, s:e])
                           for b, ((s, e), cache) in enumerate(zip(self.bounds, self.caches))], dim=1)
 
     def on_layer(self, i: int) -> None:
-        """Before block i (== layers: the forward's end): each run still going is asked; STOP silences it."""
+        """Before block i (== layers: the forward's end): each run still going is asked; STOP silences it, and so
+        does an on_progress that raises (its run's failure: probe.failed)."""
         for b, ask in enumerate(self.asks):
-            if ask is not None and not self.stopped[b] and ask(i) is STOP:
+            if ask is None or self.stopped[b] or self.probe.failed[b] is not None:
+                continue
+            try:
+                answer = ask(i)
+            except Exception as e:      # run b's own failure: its thread raises it, the pack goes on
+                self.probe.fail(b, e)
+                continue
+            if answer is STOP:
                 self.stopped[b] = True
                 self.probe.silence(b)

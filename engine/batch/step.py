@@ -5,7 +5,12 @@ PyTorch path; where the model has a native decode step, by the native batched st
 with the lone native step's per-row operations); the layers' matmuls run over B rows, where a kernel may sum in
 another order than for one row, so a batched row can differ from the same run alone in the last bits
 (tests/unit/test_batch_decode.py, tests/unit/test_native_rows.py and tests/model/test_batch_bundled.py measure it
-per stage). exact=True steps every run alone: its own arithmetic (and a CPU's native one-token step), no batching."""
+per stage). exact=True steps every run alone: its own arithmetic (and a CPU's native one-token step), no batching.
+
+A run's own failure ends that run only: what its preparation raises leaves it out of the forward, and what its
+probe or its row raises inside the forward (engine.batch.rows: the fence) is its outcome while the other rows'
+results stand (its cache is not advanced); its sampler and on_token run in its own step. Only a failure of the
+forward itself (memory) is every run's."""
 from __future__ import annotations
 
 import time
@@ -61,34 +66,48 @@ def _batch(runs: list[GenerationRun], into: list) -> None:
     """One forward over the runs' rows, then each run samples from its own logits row."""
     out, members = into
     try:
-        logits, seconds = forward_together(runs)
+        rows, seconds = forward_together(runs)
     except Exception as e:      # the batch's forward failed (memory): every run of it hears why; no cache advanced
         for n in members:
             out[n] = e
         return
-    for b, (n, run) in enumerate(zip(members, runs)):
-        out[n] = guarded(run.step, logits[b], seconds=seconds)
+    for n, run, row in zip(members, runs, rows):
+        out[n] = row if isinstance(row, BaseException) else guarded(run.step, row, seconds=seconds)
 
 
-def forward_together(runs: list[GenerationRun]) -> tuple[torch.Tensor, float]:
-    """The forward half of a batched step: runs (each alone_reason None, one model) -> (logits (B, V), seconds).
-    Each run's cache is advanced and its probe told its row; run b then finishes its step with
-    runs[b].step(logits[b], seconds=seconds), in any thread (engine.batch.barrier: the run's own)."""
+def forward_together(runs: list[GenerationRun]) -> tuple[list[torch.Tensor | BaseException], float]:
+    """The forward half of a batched step: runs (each alone_reason None, one model) -> (rows, seconds): rows[b] run
+    b's logits (V,), its cache advanced and its probe told its row, or the exception its own code raised (its
+    preparation, its probe in the forward: its cache not advanced). Run b then finishes its step with
+    runs[b].step(rows[b], seconds=seconds), in any thread. A failed forward (memory) raises, no cache advanced."""
     model = runs[0].model
     if any(r.model is not model for r in runs):
         raise ValueError("runs of one batched step must share one model")
-    positions = [run.cache.get_pos() for run in runs]
-    for run in runs:
-        run.cache.check_room(1)
-        if run.probe is not None:
-            run.probe.step = len(run.steps)
-    ids = torch.tensor([run.decode_input() for run in runs])
-    t0 = time.perf_counter()
-    logits = model.forward_rows(ids, torch.tensor(positions), Rows(model, [r.cache for r in runs], positions),
-                                FanProbe([r.probe for r in runs], positions))
-    for run in runs:
-        run.cache.advance(1)
-    return logits, time.perf_counter() - t0
+    rows: list[torch.Tensor | BaseException | None] = [guarded(_prepare, run) for run in runs]
+    go = [b for b, row in enumerate(rows) if row is None]         # the runs whose preparation went through
+    if go:
+        batch = [runs[b] for b in go]
+        positions = [run.cache.get_pos() for run in batch]
+        ids = torch.tensor([run.decode_input() for run in batch])
+        probe = FanProbe([r.probe for r in batch], positions)
+        t0 = time.perf_counter()
+        logits = model.forward_rows(ids, torch.tensor(positions), Rows(model, [r.cache for r in batch], positions),
+                                    probe)
+        seconds = time.perf_counter() - t0
+        for g, b in enumerate(go):
+            rows[b] = probe.failed[g] if probe.failed[g] is not None else logits[g]
+            if probe.failed[g] is None:
+                runs[b].cache.advance(1)
+    else:
+        seconds = 0.0
+    return rows, seconds
+
+
+def _prepare(run: GenerationRun) -> None:
+    """A run's own part of a batched step before its forward: room in its cache, its probe told the step."""
+    run.cache.check_room(1)
+    if run.probe is not None:
+        run.probe.step = len(run.steps)
 
 
 def guarded(fn, *args, **kwargs) -> Outcome:

@@ -1,7 +1,7 @@
 """What a batched decode step does when something fails (engine.batch): a failed shared forward (memory) is every
 run's error with no cache advanced, in step_together and at the step barrier (each run's own thread raises it); a
-run whose own step raises (its on_token) fails alone and the others of its step go on; runs of two models never
-share a forward."""
+run whose own step raises (its on_token), or whose probe raises inside the shared forward, fails alone (its cache
+unmoved) and the others of its step go on; runs of two models never share a forward."""
 from __future__ import annotations
 
 import pytest
@@ -64,3 +64,31 @@ def test_at_the_barrier_a_runs_own_failing_step_ends_only_that_run(tiny_model):
     out = drive_together(StepBarrier(window_s=0.5), runs)
     assert isinstance(out[1], RuntimeError) and "planted" in str(out[1])
     assert [len(o.token_ids) for o in (out[0], out[2])] == [4, 4]
+
+
+def test_a_runs_probe_failing_in_the_shared_forward_fails_that_run_alone_with_its_cache_unmoved(tiny_model):
+    """Run 1's probe raises when offered a block's output in the batched forward: its step is that error and its
+    cache stays where it was; the other rows' steps stand, and those runs end with the tokens they draw alone."""
+    from engine.inspection.probe import inspection_probe
+    alone = _prefilled(tiny_model, probe=None)
+    for r in alone:
+        r.run()
+    runs = [GenerationRun(tiny_model, p, max_new_tokens=4, ignore_eos=True, seed=n, probe=inspection_probe())
+            for n, p in enumerate(PROMPTS)]
+    for r in runs:
+        r.step()
+    add = runs[1].probe.stats_batcher.add
+
+    def failing(name, *a, **k):
+        if "blocks.1.mlp_out" in (name if isinstance(name, list) else [name]):
+            raise RuntimeError("planted in run 1's probe")
+        return add(name, *a, **k)
+    runs[1].probe.stats_batcher.add = failing
+    before = runs[1].cache.get_pos()
+    out = step_together(runs)
+    assert isinstance(out[1], RuntimeError) and "planted" in str(out[1])
+    assert runs[1].cache.get_pos() == before and len(runs[1].steps) == 1
+    assert all(o is not None and o.index == 1 for o in (out[0], out[2]))
+    for r in (runs[0], runs[2]):
+        r.run()
+    assert [runs[n].token_ids for n in (0, 2)] == [alone[n].token_ids for n in (0, 2)]
