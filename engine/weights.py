@@ -58,13 +58,18 @@ class Weights:
     lm_head: torch.Tensor        # (d, V)  a transposed copy of embed when tied
 
     def nbytes(self) -> int:
-        seen, total = set(), 0
+        return sum(self.nbytes_by_dtype().values())
+
+    def nbytes_by_dtype(self) -> dict[torch.dtype, int]:
+        """Bytes of the weights per dtype, largest first; a tensor shared by two slots (tied embeddings: lm_head
+        a transposed view of embed) counts once."""
+        seen, out = set(), {}
         for t in [self.embed, self.norm, self.lm_head] + [
                 x for lw in self.layers for x in lw.present().values()]:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
+                out[t.dtype] = out.get(t.dtype, 0) + t.numel() * t.element_size()
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def layer_parts(cfg: ModelConfig, i: int) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
