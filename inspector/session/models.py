@@ -60,6 +60,13 @@ class _Slot:
         self.error: tuple[float, str, type] | None = None     # (when, message, error class) of the last failed load
         self.used = time.monotonic()                           # last asked for, by any session (least recently used)
 
+    def idle(self) -> bool:
+        """Neither loaded nor loading (new, or its last load failed): loading it needs room."""
+        return self.model is None and not self.lock.locked()
+
+    def failed_recently(self) -> bool:
+        return self.error is not None and time.monotonic() - self.error[0] < LOAD_RETRY_S
+
 
 _models: dict[tuple, _Slot] = {}
 _models_lock = threading.Lock()
@@ -83,9 +90,10 @@ def shared_model(source: str | None, device: str, dtype: str, _progress=None) ->
     while True:
         with _models_lock:
             slot, fresh = _models.get(key), False
-            if slot is None:
-                _make_room(limit, key)
-                slot, fresh = _Slot(), True
+            if slot is None or slot.idle():
+                if slot is None or not slot.failed_recently():     # a recent failure is said again below
+                    _make_room(limit, key)
+                slot, fresh = slot or _Slot(), True
                 slot.lock.acquire()          # counted as loading from here on: no other load takes its room
                 _models[key] = slot
         if not fresh and not slot.lock.acquire(blocking=False):
@@ -98,7 +106,7 @@ def shared_model(source: str | None, device: str, dtype: str, _progress=None) ->
     try:
         slot.used = time.monotonic()
         if slot.model is None:
-            if slot.error and time.monotonic() - slot.error[0] < LOAD_RETRY_S:
+            if slot.failed_recently():
                 raise slot.error[2](slot.error[1])
             try:
                 with _loads.slot(on_wait=lambda n: _progress and _progress(0.0, f"waiting to load: number {n} in "
@@ -206,7 +214,8 @@ def model_load(source: str | None, device: str, dtype: str, user: ModelUser | No
         load = _background.get(key)
         if load is None or (load.done and (load.model is not None or load.refused
                                            or time.monotonic() - load.ended >= LOAD_RETRY_S)):
-            if slot is None:          # room first, here: a refusal is an answer now, never a load that spins
+            # room first, here: a refusal is an answer now, never a load that spins
+            if slot is None or (slot.idle() and not slot.failed_recently()):
                 try:
                     _make_room(_max_models(), key)
                 except NoRoomError as e:
@@ -242,7 +251,8 @@ def _make_room(limit: int, for_key: tuple) -> None:
         if len(_held()) < limit:
             return
         needs = _needs()
-        idle = sorted((s.used, k) for k, s in _held() if s.model is not None and not needs.get(k))
+        idle = sorted(((s.used, k) for k, s in _held() if s.model is not None and not needs.get(k)),
+                      key=lambda uk: uk[0])
         for _, k in idle:
             if _unload(k, for_key, limit) and len(_held()) < limit:
                 return
@@ -290,9 +300,10 @@ def _unload(key: tuple, for_key: tuple, limit: int) -> bool:
 
 def _refusal(limit: int, needs: dict[tuple, list]) -> str:
     """Under _models_lock: why a load is refused (model_room.refusal)."""
+    held = _held()
     rows = [(f"{_name(k)} ({k[-2]}, {k[-1].removeprefix('torch.')})", s.model is None, len(needs.get(k, [])))
-            for k, s in _held()]
-    return refusal(limit, rows, len({id(u) for users in needs.values() for u in users}))
+            for k, s in held]
+    return refusal(limit, rows, len({id(u) for k, _ in held for u in needs.get(k, [])}))
 
 
 def held() -> list[Held]:

@@ -99,3 +99,22 @@ def test_weight_bytes_by_dtype_count_a_tied_embedding_once():
                torch.float16: 2 * (d * 2 * f + f * d)}
     assert w.nbytes_by_dtype() == by_hand and w.nbytes() == sum(by_hand.values())
     assert list(w.nbytes_by_dtype()) == [torch.float32, torch.float16, torch.bfloat16]      # largest first
+
+
+def test_a_model_whose_load_failed_needs_room_when_it_is_tried_again(three, monkeypatch, tmp_path, tiny_model_dir):
+    m1, m2, _ = three
+    monkeypatch.setattr(models, "LOAD_RETRY_S", 1.0)          # a failed load is tried again a second later
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    teacher, student, other = SessionState(), SessionState(), SessionState()
+    assert loaded(m1, teacher).model is not None
+    first = loaded(str(broken), student)
+    assert first.error and not first.refused                  # a load error (there was room)
+    assert loaded(m2, other).model is not None                # now both models are in use
+    shutil.rmtree(broken)
+    shutil.copytree(tiny_model_dir, broken)                   # fixed: its failed load's record does not make room
+    time.sleep(1.1)
+    again = loaded(str(broken), student)
+    assert again.refused and "(2 sessions hold them)" in again.error, again
+    assert [m.name for m in models.held()] == ["m1", "m2"]
