@@ -62,18 +62,18 @@ class Weights:
         return self.embed.data_ptr() == self.lm_head.data_ptr() and self.embed.shape == self.lm_head.t().shape
 
     def nbytes(self) -> int:
-        return sum(self.bytes_by_dtype().values())
+        return sum(self.nbytes_by_dtype().values())
 
-    def bytes_by_dtype(self) -> dict[str, int]:
-        """The bytes held, by dtype name ("float32", "bfloat16", ...): each tensor's memory once (a tied lm_head and
-        embedding are one matrix; a variant's shared tensors are the model's)."""
+    def nbytes_by_dtype(self) -> dict[torch.dtype, int]:
+        """Bytes of the weights per dtype, largest first: each tensor's memory once (a tied model's embedding and
+        lm_head are one matrix, engine.weights.tied; a variant's shared tensors are the model's)."""
         seen, out = set(), {}
-        for t in [self.embed, self.norm, self.lm_head] + [x for lw in self.layers for x in lw.present().values()]:
+        for t in [self.embed, self.norm, self.lm_head] + [
+                x for lw in self.layers for x in lw.present().values()]:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
-                name = str(t.dtype).removeprefix("torch.")
-                out[name] = out.get(name, 0) + t.numel() * t.element_size()
-        return out
+                out[t.dtype] = out.get(t.dtype, 0) + t.numel() * t.element_size()
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def layer_parts(cfg: ModelConfig, i: int) -> dict[str, list[tuple[str, tuple[int, ...]]]]:

@@ -1,7 +1,8 @@
 """KV cache: what the run's cache costs, how it grew, what GQA saves, and projections for other models."""
 import streamlit as st
 
-from inspector.ui.common import require_run_and_model
+from inspector.session.server_memory import server_memory, weights_text
+from inspector.ui.common import plain, require_run_and_model, server_limits
 from inspector.ui.frame import ensure_frame
 from inspector.ui.widgets import chart, checked, metric_columns
 from inspector.views import kv_cache as kv
@@ -85,6 +86,15 @@ if cuda is None:
             "max_memory_allocated, memory_reserved) are shown only when it runs on a CUDA GPU.")
 else:
     st.dataframe(cuda, hide_index=True, key="kv_cuda")
+
+st.subheader("What this server holds")
+by_dtype = model.weights.nbytes_by_dtype()
+st.markdown(f"This model's weights: **{weights_text({kv.dtype_name(d): n for d, n in by_dtype.items()})}**; this "
+            f"run's KV cache: **{kv.human_bytes(cache['bytes_allocated'])}** allocated.")
+st.dataframe(kv.weights_table(by_dtype), hide_index=True, key="kv_weights")
+st.caption(plain(server_memory(server_limits(show_error=False)).caption())
+           + " A model that no session has chosen is unloaded when another is needed past the limit; a load is "
+           "refused only while every model held is in use.")
 
 st.subheader("Calculator")
 c1, c2, c3 = st.columns(3)

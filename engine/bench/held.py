@@ -23,7 +23,7 @@ def held_figures(model, rss_before: int, decode_tokens: int = 8) -> dict:
     trim()
     decoded = process_rss() - cache.bytes_allocated
     weights = model.weights.nbytes()
-    return {"weights_bytes": weights, "weights_bytes_by_dtype": model.weights.bytes_by_dtype(),
+    return {"weights_bytes": weights, "weights_bytes_by_dtype": {str(k).removeprefix("torch."): v for k, v in model.weights.nbytes_by_dtype().items()},
             "held_after_load_over_weights": (rss_loaded - rss_before) / weights,
             "held_after_decode_over_weights": (decoded - rss_before) / weights}
 

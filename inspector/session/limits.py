@@ -110,7 +110,8 @@ LIMITS = {
                  "server is busy",
     "queue_timeout_s": "seconds a run may wait in the queue before it gives up with 'server busy'",
     "max_models": "(model, device, dtype) combinations this process keeps loaded, low-precision copies "
-                  "included; asking for one more is refused with a message",
+                  "included; one more unloads the least recently used one that no session has chosen, and is "
+                  "refused (saying how many sessions hold them) only while every one is in use",
     "max_running_per_client": "runs one browser (all its tabs together) may have generating at once",
     "max_queued_per_client": "runs one browser may have waiting in the queue; one more is refused",
     "max_session_mb": "MiB one browser session may keep (runs, attention maps, traces, uploads, reports); "

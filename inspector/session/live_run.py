@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -107,6 +108,8 @@ class LiveRun:
     record: Trace | None = None
     error: BaseException | None = None
     thread: threading.Thread | None = None
+    model_ref: Callable[[], Model | None] | None = None   # a weak reference to the model the thread holds (never
+                                                          # the model itself: the registry asks what is in use)
 
     def start(self, model: Model, limits: Limits, prepare: Callable[[threading.Thread], None] | None = None, *,
               checked: Checked | None = None) -> "LiveRun":
@@ -117,6 +120,7 @@ class LiveRun:
         thread through a closure, so this object never holds the model (the session's memory budget counts what
         session state holds)."""
         self.shape = rates(model).shape(model.config)
+        self.model_ref = weakref.ref(model)
         request = self.settings if checked is None else checked
         self.thread = threading.Thread(target=lambda: self._work(model, limits, request), daemon=True,
                                        name=f"llm-inspector-run-{id(self):x}")

@@ -41,6 +41,11 @@ def live_runs() -> int:
     return len(_live)
 
 
+def records() -> list[Trace]:
+    """The run records alive in this process now (all sessions): a list the caller holds only while it looks."""
+    return list(_live)
+
+
 def generations() -> int:
     """Generations this process has started on a model (every session together): what a room's students
     should never add to while they follow the teacher."""

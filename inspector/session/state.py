@@ -56,10 +56,11 @@ class RoomSeat:
         return cls("student", code, voter=voter)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True, eq=False)
 class SessionState:
     """Everything one session keeps between script runs that is not a widget's value (slotted: every field
-    declared here)."""
+    declared here). One object per session, equal only to itself: the model registry (inspector.session.models)
+    knows each session by a weak reference to it."""
     # runs
     run: Trace | None = None                # the run the pages show
     runs: list = field(default_factory=list)   # the runs kept, oldest first (at most max_runs_kept)
@@ -70,6 +71,10 @@ class SessionState:
     history_newest: float | None = None     # the newest kept run the history box has shown
     own_prompt: str | None = None           # a student's own prompt while the sidebar shows the teacher's
     prompt_tokens: dict = field(default_factory=dict)   # (model, prompt, chat, special) -> its token count
+    # the models (what inspector.session.models reads: which it may unload to make room, whom to tell)
+    model_key: tuple | None = None          # the registry's key of the model the sidebar chose
+    models_used: dict = field(default_factory=dict)   # registry key -> when this session last had it (monotonic)
+    model_notice: str | None = None         # the chosen model was unloaded to make room and loaded again: said once
     # the debugger
     debugger: Debugger | None = None
     breakpoints: list = field(default_factory=list)
@@ -112,6 +117,16 @@ class SessionState:
             for k in [k for k in store if k in gone or (isinstance(k, tuple) and k and k[0] in gone)]:
                 del store[k]
         return dropped
+
+    def held_models(self) -> list:
+        """The models this session's own objects hold (its debugger's, its run's while it generates), whatever the
+        sidebar now shows: none of them can be unloaded."""
+        held = [] if self.debugger is None else [self.debugger.run.model]
+        live = self.live
+        model = None if live is None or live.done or live.model_ref is None else live.model_ref()
+        if model is not None:
+            held.append(model)
+        return held
 
     def show(self, run: Trace) -> None:
         """Show a kept run again (the history box)."""

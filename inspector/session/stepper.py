@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import replace
 
 from engine import (
     GenerationRun,
     InputError,
+    KVCache,
     Model,
     RunSettings,
     SamplingParams,
@@ -26,6 +28,15 @@ from engine.tools.breakpoints import ROUTING_CAPTURE, Breakpoint, run_until
 
 from .limits import Limits
 from .run import check_settings, track
+
+
+_open: "weakref.WeakSet[Debugger]" = weakref.WeakSet()     # every debugger alive (the server's memory line)
+
+
+def debugger_caches() -> tuple[int, int]:
+    """(debuggers alive in this process whose run still holds its KV cache, the bytes those caches allocate)."""
+    caches = [c for d in list(_open) if isinstance(c := d.run.cache, KVCache)]
+    return len(caches), sum(c.bytes_allocated for c in caches)
 
 
 class Debugger:
@@ -47,6 +58,7 @@ class Debugger:
         self.message: str | None = None          # what the last break said
         self.published: Trace | None = None   # the last record() made
         self._stepping = threading.Lock()
+        _open.add(self)
 
     @property
     def steps(self) -> list[Step]:

@@ -25,6 +25,7 @@ from inspector.session.limits import LimitError, Limits, LimitsConfigError, chec
 from inspector.session.memo import memo
 from inspector.session.models import LOAD_RETRY_S, LoadState, model_choices, model_load
 from inspector.session.on_demand import about, estimate, progress_text, record_rate
+from inspector.session.server_memory import weights_text
 from inspector.ui import st_internals
 from inspector.ui.state import session
 
@@ -107,7 +108,10 @@ def chosen_load() -> LoadState:
     source = choices.get(label, next(iter(choices.values())))     # never anything outside the list
     device = st.session_state.get("sb_device", "auto")
     device = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    return model_load(source, device, st.session_state.get("sb_dtype", "auto"))
+    state = model_load(source, device, st.session_state.get("sb_dtype", "auto"), user=session())
+    if state.unloaded is not None and state.model is not None:      # said in the sidebar once the model is back
+        session().model_notice = plain(state.unloaded.notice(label or "The model", loaded=True))
+    return state
 
 
 def get_model(wait: bool = True) -> Model | None:
@@ -134,13 +138,32 @@ def load_box(demo_waits: bool = False) -> None:
     if state.error is not None and state.unsupported:     # reloading cannot help: this engine lacks the architecture
         st.error(f"Could not load the model: {state.error}. This app does not implement that model; the app keeps "
                  "running: choose another model (Model and device).")
+    elif state.error is not None and state.refused:     # tried again at the next click: no wait to name
+        st.error(f"Could not load the model: {state.error}")
     elif state.error is not None:
         st.error(f"Could not load the model: {state.error}. The app keeps running: choose another model "
                  f"(Model and device), or reload the page after {LOAD_RETRY_S} s to try again.")
     elif state.loading:
+        if state.unloaded is not None:
+            st.info(plain(state.unloaded.notice(st.session_state.get("sb_model") or "The model", loaded=False)))
         box = st.empty()
         _LOAD_BOX.set((box, demo_waits))
         _show_load(box, state, demo_waits)
+
+
+def model_line(model: Model) -> None:
+    """Where the sidebar names the loaded model: its family, size, device, dtype, weights' bytes by dtype and decode
+    path; once, that it was unloaded to make room and loaded again."""
+    acc = model.accelerator
+    weights = {str(d).removeprefix("torch."): n for d, n in model.weights.nbytes_by_dtype().items()}
+    st.caption(f"Model: **{plain(model.name)}** ({model.config.model_type}) · {model.config.num_layers} layers · "
+               f"{model.device.type} · {str(model.dtype).removeprefix('torch.')} · weights {weights_text(weights)}"
+               " · decode: " + ("native step" if acc.decode is not None else "PyTorch forward"),
+               help=None if acc.decode is not None else acc.why_not)
+    ss = session()
+    if ss.model_notice is not None:
+        st.info(ss.model_notice)
+        ss.model_notice = None
 
 
 def _show_load(box, state: LoadState, demo_waits: bool) -> None:

@@ -26,6 +26,7 @@ from inspector.session.limits import LimitError, Limits, check_int, env_name
 from inspector.session.live_run import Cancelled, LiveRun, StillFinishing, rates
 from inspector.session.models import model_choices
 from inspector.session.run import check_settings, generations, live_runs
+from inspector.session.server_memory import server_memory
 from inspector.ui import common, demos, room_live, st_internals
 from inspector.ui.common import client_key, current_run, get_model, log, plain, server_limits
 from inspector.ui.room_sync import following
@@ -67,8 +68,10 @@ def sidebar(app_pages: list | None = None) -> Model | None:
 
 def server_footer(slot, limits: Limits) -> None:
     a = shared_admission(limits).state()
+    # what the server holds, every session together: why a model was unloaded to make room, or refused
     slot.caption(f"Server: {a.running} of {a.max_concurrent} run slots busy · {a.waiting} waiting · "
-                 f"{live_runs()} runs in memory · model generations: {generations()}")
+                 f"{live_runs()} runs in memory · model generations: {generations()}  \n"
+                 + plain(server_memory(limits).caption()))      # model names come from folder names
 
 
 def settings_widgets(limits: Limits, live: LiveRun | None) -> None:
@@ -103,11 +106,7 @@ def prompt_and_run(model: Model | None, limits: Limits, live: LiveRun | None) ->
     if model is None:            # loading (a demo clicked meanwhile waits for it) or failed
         common.load_box(demo_waits=session().demo is not None)
     else:
-        acc = model.accelerator
-        st.caption(f"Model: **{plain(model.name)}** ({model.config.model_type}) · {model.config.num_layers} layers · "
-                   f"{model.device.type} · {str(model.dtype).removeprefix('torch.')} · decode: "
-                   + ("native step" if acc.decode is not None else "PyTorch forward"),
-                   help=None if acc.decode is not None else acc.why_not)
+        common.model_line(model)
     follows = following()        # a student following a room's teacher never starts a generation
     state, ss = st.session_state, session()
     if follows:                  # the teacher's prompt and settings; the student's own prompt is kept for later

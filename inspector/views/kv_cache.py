@@ -93,6 +93,13 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def weights_table(by_dtype: dict) -> pd.DataFrame:
+    """A model's weights per dtype (engine Weights.nbytes_by_dtype): dtype, bytes, share of the whole."""
+    total = max(1, sum(by_dtype.values()))
+    return pd.DataFrame({"dtype": [dtype_name(d) for d in by_dtype], "weight_bytes": list(by_dtype.values()),
+                         "share": [n / total for n in by_dtype.values()]})
+
+
 def run_positions(cache: dict[str, int], shape: KVShape | None = None,
                   hints: tuple[int | None, int | None] = (None, None)) -> tuple[int, int]:
     """(allocated, used) positions of a run, from its result.cache byte counts. With window layers the bytes

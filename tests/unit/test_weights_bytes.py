@@ -1,4 +1,4 @@
-"""The bytes a model's weights hold, by dtype (engine.weights.Weights.bytes_by_dtype, what `bench` and the sidebar
+"""The bytes a model's weights hold, by dtype (engine.weights.Weights.nbytes_by_dtype, what `bench` and the sidebar
 show), counted by hand from the tiny model's shapes: a tied model's one matrix counted once, a precision plan's fp32
 units beside the bf16 rest, a variant's shared tensors not counted twice."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ PARAMS_UNTIED = 2 * V * d + d + L * (ATTN + MLP)
 
 
 def test_the_untied_tiny_model_holds_every_parameter_once_in_float32(tiny_model):
-    assert tiny_model.weights.bytes_by_dtype() == {"float32": 4 * PARAMS_UNTIED}
+    assert tiny_model.weights.nbytes_by_dtype() == {torch.float32: 4 * PARAMS_UNTIED}
     assert tiny_model.weights.nbytes() == 4 * PARAMS_UNTIED
 
 
@@ -30,15 +30,15 @@ def test_a_tied_model_holds_its_embedding_once_and_reads_it_as_the_lm_heads_tran
     w = tiny_looping_model.weights
     assert w.tied() and w.embed.data_ptr() == w.lm_head.data_ptr()
     assert torch.equal(w.embed, w.lm_head.t())
-    assert w.bytes_by_dtype() == {"float32": 4 * (PARAMS_UNTIED - V * d)}
+    assert w.nbytes_by_dtype() == {torch.float32: 4 * (PARAMS_UNTIED - V * d)}
     cast = cast_model(tiny_looping_model, "bfloat16")                     # a cast keeps the tie
-    assert cast.weights.tied() and cast.weights.bytes_by_dtype() == {"bfloat16": 2 * (PARAMS_UNTIED - V * d)}
+    assert cast.weights.tied() and cast.weights.nbytes_by_dtype() == {torch.bfloat16: 2 * (PARAMS_UNTIED - V * d)}
 
 
 def test_a_precision_plans_fp32_units_are_counted_beside_the_rest(tiny_model_dir):
     model = load_model(tiny_model_dir, device="cpu", dtype="bfloat16")
     plan = precision_plan(model, ["blocks.0.mlp"])
-    assert plan.weights.bytes_by_dtype() == {"bfloat16": 2 * (PARAMS_UNTIED - MLP), "float32": 4 * MLP}
+    assert plan.weights.nbytes_by_dtype() == {torch.bfloat16: 2 * (PARAMS_UNTIED - MLP), torch.float32: 4 * MLP}
 
 
 def test_the_bench_reports_the_weights_it_holds(tiny_model):
