@@ -22,7 +22,7 @@
  * is read once for each tile of four of x's rows (a row of W is a few kB: the second tile finds it in L1/L2). */
 #include <stdint.h>
 #include <string.h>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -56,55 +56,75 @@ static inline uint32_t le32(const uint8_t *p) {
 
 static inline qv16 load16(const float *p) { return *(const qv16 *)p; }
 
+/* The sixteen lanes' sum, pairwise (four dependent adds instead of fifteen at the end of every row). */
 static inline float hsum(qv16 v) {
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
+    float s[16];
+    memcpy(s, &v, sizeof s);
+    for (int w = 8; w; w /= 2)
+        for (int i = 0; i < w; i++) s[i] += s[i + w];
+    return s[0];
 }
 
-/* ---- one block's values, in order ---- */
+/* ---- one block's values, in order, as vectors of sixteen (v[i]: elements 16 i .. 16 i + 15) ----
+ * Each sixteen bytes are widened to 32-bit lanes first (one vpmovzxbd) and their bits taken apart there: x86 has no
+ * shifts of byte lanes (GCC emulates them, a left shift by four as four additions). A value d (q - o) is one FMA,
+ * q d - o d: its exact value is representable (the header's 24 bits), so the FMA gives it exactly, as gguf-py's
+ * d * (q - o) does; d q + m is one rounding of an exact product either way. */
 
-static inline void deq_q8_0(const uint8_t *b, float *o) {
+typedef uint8_t qb16 __attribute__((vector_size(16), aligned(1)));     /* sixteen bytes, unaligned */
+typedef uint32_t qu16 __attribute__((vector_size(64)));
+
+/* Sixteen bytes as sixteen 32-bit lanes. GCC 12 lowers __builtin_convertvector of bytes to 32-bit lanes one lane at
+ * a time (sixteen loads and inserts), so AVX-512 gets its one instruction by name. */
+static inline qu16 widen(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (qu16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+    return __builtin_convertvector(*(const qb16 *)p, qu16);
+#endif
+}
+static inline qv16 fl(qu16 q) { return __builtin_convertvector((__attribute__((vector_size(64))) int32_t)q, qv16); }
+
+/* Bits j and 16 + j (lane j) of a 32-bit word as 0/16: the fifth bits of Q5_0/Q5_1 elements j and 16 + j. */
+static const qu16 LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static inline qu16 fifth(uint32_t qh, uint32_t from) { return (((qu16){0} + (qh >> from)) >> LANE & 1) << 4; }
+
+static inline void deq_q8_0(const uint8_t *b, qv16 *v) {
+    /* int8 q = u - 128 for the byte u = q ^ 0x80 (the zero-extending widen is one instruction; GCC 12 widens
+     * signed byte vectors lane by lane) */
     const float d = half(b);
-    for (int i = 0; i < 32; i++) o[i] = d * (float)(int8_t)b[2 + i];
+    v[0] = fl(widen(b + 2) ^ 0x80) * d - 128.0f * d;
+    v[1] = fl(widen(b + 18) ^ 0x80) * d - 128.0f * d;
 }
 
-static inline void deq_q4_0(const uint8_t *b, float *o) {
+static inline void deq_q4_0(const uint8_t *b, qv16 *v) {
     const float d = half(b);
-    const uint8_t *qs = b + 2;
-    for (int j = 0; j < 16; j++) {
-        o[j] = d * (float)((qs[j] & 15) - 8);
-        o[j + 16] = d * (float)((qs[j] >> 4) - 8);
-    }
+    const qu16 qs = widen(b + 2);
+    v[0] = fl(qs & 15) * d - 8.0f * d;
+    v[1] = fl(qs >> 4) * d - 8.0f * d;
 }
 
-static inline void deq_q4_1(const uint8_t *b, float *o) {
+static inline void deq_q4_1(const uint8_t *b, qv16 *v) {
     const float d = half(b), m = half(b + 2);
-    const uint8_t *qs = b + 4;
-    for (int j = 0; j < 16; j++) {
-        o[j] = d * (float)(qs[j] & 15) + m;
-        o[j + 16] = d * (float)(qs[j] >> 4) + m;
-    }
+    const qu16 qs = widen(b + 4);
+    v[0] = fl(qs & 15) * d + m;
+    v[1] = fl(qs >> 4) * d + m;
 }
 
-static inline void deq_q5_0(const uint8_t *b, float *o) {
+static inline void deq_q5_0(const uint8_t *b, qv16 *v) {
     const float d = half(b);
     const uint32_t qh = le32(b + 2);
-    const uint8_t *qs = b + 6;
-    for (int j = 0; j < 16; j++) {
-        o[j] = d * (float)((int)((qs[j] & 15) | ((qh >> j) & 1) << 4) - 16);
-        o[j + 16] = d * (float)((int)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
-    }
+    const qu16 qs = widen(b + 6);
+    v[0] = fl((qs & 15) | fifth(qh, 0)) * d - 16.0f * d;
+    v[1] = fl((qs >> 4) | fifth(qh, 16)) * d - 16.0f * d;
 }
 
-static inline void deq_q5_1(const uint8_t *b, float *o) {
+static inline void deq_q5_1(const uint8_t *b, qv16 *v) {
     const float d = half(b), m = half(b + 2);
     const uint32_t qh = le32(b + 4);
-    const uint8_t *qs = b + 8;
-    for (int j = 0; j < 16; j++) {
-        o[j] = d * (float)((qs[j] & 15) | ((qh >> j) & 1) << 4) + m;
-        o[j + 16] = d * (float)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) + m;
-    }
+    const qu16 qs = widen(b + 8);
+    v[0] = fl((qs & 15) | fifth(qh, 0)) * d + m;
+    v[1] = fl((qs >> 4) | fifth(qh, 16)) * d + m;
 }
 
 /* Sub-block j's 6-bit scale and min from the 12 packed bytes (llama.cpp's get_scale_min_k4): j < 4 in the low six
@@ -119,54 +139,56 @@ static inline void scale_min(int j, const uint8_t *q, float *sc, float *mn) {
     }
 }
 
-static inline void deq_q4_k(const uint8_t *b, float *o) {
+/* Q4_K and Q5_K: sub-block s is 32 values (v[2s], v[2s + 1]): the low nibbles (s even) or high ones (s odd) of the
+ * 32 bytes at qs + 32 (s / 2); for Q5_K each value's fifth bit is bit s of byte l of the 32 bytes at qh. */
+static inline void deq_k(const uint8_t *b, const uint8_t *qs, const uint8_t *qh, qv16 *v) {
     const float d = half(b), dmin = half(b + 2);
-    const uint8_t *scales = b + 4, *qs = b + 16;
-    for (int c = 0; c < 4; c++, qs += 32, o += 64) {
-        float s0, m0, s1, m1;
-        scale_min(2 * c, scales, &s0, &m0);
-        scale_min(2 * c + 1, scales, &s1, &m1);
-        const float d0 = d * s0, n0 = dmin * m0, d1 = d * s1, n1 = dmin * m1;
-        for (int l = 0; l < 32; l++) {
-            o[l] = d0 * (float)(qs[l] & 15) - n0;
-            o[l + 32] = d1 * (float)(qs[l] >> 4) - n1;
+    qu16 high[2] = {{0}, {0}};
+    if (qh) { high[0] = widen(qh); high[1] = widen(qh + 16); }
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {
+        float sc, mn;
+        scale_min(s, b + 4, &sc, &mn);
+        const float ds = d * sc, dm = dmin * mn;
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const qu16 q = widen(qs + 32 * (s / 2) + 16 * h);
+            const qu16 low = s & 1 ? q >> 4 : q & 15;
+            v[2 * s + h] = fl(qh ? low | (high[h] >> s & 1) << 4 : low) * ds - dm;
         }
     }
 }
 
-static inline void deq_q5_k(const uint8_t *b, float *o) {
-    const float d = half(b), dmin = half(b + 2);
-    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + 48;
-    for (int c = 0; c < 4; c++, qs += 32, o += 64) {
-        float s0, m0, s1, m1;
-        scale_min(2 * c, scales, &s0, &m0);
-        scale_min(2 * c + 1, scales, &s1, &m1);
-        const float d0 = d * s0, n0 = dmin * m0, d1 = d * s1, n1 = dmin * m1;
-        for (int l = 0; l < 32; l++) {
-            o[l] = d0 * (float)((qs[l] & 15) | ((qh[l] >> (2 * c)) & 1) << 4) - n0;
-            o[l + 32] = d1 * (float)((qs[l] >> 4) | ((qh[l] >> (2 * c + 1)) & 1) << 4) - n1;
-        }
-    }
-}
+static inline void deq_q4_k(const uint8_t *b, qv16 *v) { deq_k(b, b + 16, 0, v); }
+static inline void deq_q5_k(const uint8_t *b, qv16 *v) { deq_k(b, b + 48, b + 16, v); }
 
-static inline void deq_q6_k(const uint8_t *b, float *o) {
-    const uint8_t *ql = b, *qh = b + 128;
+/* Q6_K: in each half of 128 values, element 32 s + l takes its low four bits from byte 32 (s & 1) + l of the half's
+ * 64 bytes of ql (the high nibble for s >= 2) and its top two from bits 2s of byte l of the half's 32 bytes of qh;
+ * each 16 values have their own int8 scale. */
+static inline void deq_q6_k(const uint8_t *b, qv16 *v) {
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = half(b + 208);
-    for (int h = 0; h < 2; h++, ql += 64, qh += 32, sc += 8, o += 128) {
-        for (int s = 0; s < 4; s++) {            /* element 32 s + l of this half of 128 */
-            const uint8_t *lo = ql + 32 * (s & 1);
-            const int shift = s >= 2 ? 4 : 0;
-            const float d0 = d * (float)sc[2 * s], d1 = d * (float)sc[2 * s + 1];
-            for (int l = 0; l < 32; l++) {
-                const int q = (int)(((lo[l] >> shift) & 15) | ((qh[l] >> (2 * s)) & 3) << 4) - 32;
-                o[32 * s + l] = (l < 16 ? d0 : d1) * (float)q;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+#pragma GCC unroll 2
+        for (int p = 0; p < 2; p++) {                       /* elements 32 s + 16 p .. + 15 of the half */
+            const qu16 hi = widen(qh + 16 * p), lo0 = widen(ql + 16 * p), lo1 = widen(ql + 32 + 16 * p);
+#pragma GCC unroll 4
+            for (int s = 0; s < 4; s++) {
+                const qu16 lo = s & 1 ? lo1 : lo0;
+                const qu16 q = (s >= 2 ? lo >> 4 : lo & 15) | (hi >> (2 * s) & 3) << 4;
+                const float ds = d * (float)sc[8 * h + 2 * s + p];
+                v[8 * h + 2 * s + p] = fl(q) * ds - 32.0f * ds;
             }
         }
     }
 }
 
 /* ---- the products: one function per format, its block decoder inlined ---- */
+
+/* Values the one-row loop decodes a step: two 32-value blocks or one K-quant super-block, sixteen vectors or four */
+#define STEP(QK) ((QK) >= 64 ? (QK) : 64)
 
 #define QUANT_ROWS(NAME, QK, BYTES, DEQ)                                                                        \
 static void NAME(const uint8_t *w, long N, long K, const float *x, long B, float *y, int nth) {                \
@@ -178,27 +200,33 @@ static void NAME(const uint8_t *w, long N, long K, const float *x, long B, float
         for (; b0 + TILE <= B; b0 += TILE) {                                                                   \
             qv16 acc[TILE] = {{0}};                                                                             \
             for (long j = 0; j < nb; j++) {                                                                    \
-                float v[QK];                                                                                   \
+                qv16 v[(QK) / 16];                                                                             \
                 DEQ(row + (size_t)j * (BYTES), v);                                                             \
+                _Pragma("GCC unroll 4")                                                                        \
                 for (int r = 0; r < TILE; r++) {                                                               \
                     const float *xr = x + (size_t)(b0 + r) * K + (size_t)j * (QK);                             \
-                    for (int i = 0; i < (QK); i += 16) acc[r] += load16(v + i) * load16(xr + i);               \
+                    _Pragma("GCC unroll 16")                                                                   \
+                    for (int i = 0; i < (QK) / 16; i++) acc[r] += v[i] * load16(xr + 16 * i);                  \
                 }                                                                                              \
             }                                                                                                  \
             for (int r = 0; r < TILE; r++) y[(size_t)(b0 + r) * N + n] = hsum(acc[r]);                          \
         }                                                                                                      \
-        for (; b0 < B; b0++) {           /* one row of x: two sums, so that two multiply-adds are in flight */ \
-            qv16 a0 = {0}, a1 = {0};                                                                           \
+        for (; b0 < B; b0++) {      /* one row of x: four sums, so that four multiply-adds are in flight */    \
+            qv16 a[4] = {{0}};                                                                                 \
             const float *xr = x + (size_t)b0 * K;                                                              \
-            for (long j = 0; j < nb; j++, xr += (QK)) {                                                        \
-                float v[QK];                                                                                   \
-                DEQ(row + (size_t)j * (BYTES), v);                                                             \
-                for (int i = 0; i < (QK); i += 32) {                                                           \
-                    a0 += load16(v + i) * load16(xr + i);                                                      \
-                    a1 += load16(v + i + 16) * load16(xr + i + 16);                                            \
-                }                                                                                              \
+            long j = 0;                                                                                        \
+            for (; j + STEP(QK) / (QK) <= nb; j += STEP(QK) / (QK)) {                                                  \
+                qv16 v[STEP(QK) / 16];                                                                             \
+                for (int u = 0; u < STEP(QK) / (QK); u++) DEQ(row + (size_t)(j + u) * (BYTES), v + u * (QK) / 16); \
+                _Pragma("GCC unroll 16")                                                                       \
+                for (int i = 0; i < STEP(QK) / 16; i++) a[i & 3] += v[i] * load16(xr + (size_t)j * (QK) + 16 * i); \
             }                                                                                                  \
-            y[(size_t)b0 * N + n] = hsum(a0 + a1);                                                             \
+            for (; j < nb; j++) {                                                                              \
+                qv16 v[(QK) / 16];                                                                             \
+                DEQ(row + (size_t)j * (BYTES), v);                                                             \
+                for (int i = 0; i < (QK) / 16; i++) a[i & 3] += v[i] * load16(xr + (size_t)j * (QK) + 16 * i); \
+            }                                                                                                  \
+            y[(size_t)b0 * N + n] = hsum((a[0] + a[1]) + (a[2] + a[3]));                                       \
         }                                                                                                      \
     }                                                                                                          \
 }
@@ -242,13 +270,14 @@ void llmi_f32_rows(const float *w, long N, long K, const float *x, long B, float
         const float *row = w + (size_t)n * K;
         for (long b = 0; b < B; b++) {
             const float *xr = x + (size_t)b * K;
-            qv16 a0 = {0}, a1 = {0};
+            qv16 a[4] = {{0}};
             long k = 0;
-            for (; k + 32 <= K; k += 32) {
-                a0 += load16(row + k) * load16(xr + k);
-                a1 += load16(row + k + 16) * load16(xr + k + 16);
+            for (; k + 64 <= K; k += 64) {
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) a[i] += load16(row + k + 16 * i) * load16(xr + k + 16 * i);
             }
-            float s = hsum(a0 + a1);
+            for (; k + 16 <= K; k += 16) a[0] += load16(row + k) * load16(xr + k);
+            float s = hsum((a[0] + a[1]) + (a[2] + a[3]));
             for (; k < K; k++) s += row[k] * xr[k];
             y[(size_t)b * N + n] = s;
         }

@@ -75,7 +75,7 @@ def reference_weights(raw: np.ndarray, fmt: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("B", [1, 3, 8])
+@pytest.mark.parametrize("B", [1, 3, 5, 8])
 def test_native_kernel_is_the_product_of_gguf_dequantised_weights(fmt, B):
     if quantized_product() is None:
         pytest.skip("the native library is not built on this machine")
