@@ -88,6 +88,36 @@ def test_native_kernel_is_the_product_of_gguf_dequantised_weights(fmt, B):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_native_kernel_multiplies_exactly_gguf_dequantised_weights(fmt):
+    """x = the identity: each output is one weight times 1 plus zeros, no rounding at all, so the product is the
+    matrix the kernel decoded, which must be gguf's exactly (every tile of four rows of x and the remainder)."""
+    if quantized_product() is None:
+        pytest.skip("the native library is not built on this machine")
+    raw, K = blocks_of(fmt, N_ROWS, seed=9)
+    m = QuantMatrix("blk.3.attn_k.weight", fmt, (N_ROWS, K), torch.from_numpy(raw))
+    assert torch.equal(m.matmul(torch.eye(K)), reference_weights(raw, fmt))
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q6_K"])
+def test_native_kernel_gives_the_same_bits_on_any_thread_count(fmt):
+    """Each row's dot product is one thread's, in one order, however the rows are shared out."""
+    if quantized_product() is None:
+        pytest.skip("the native library is not built on this machine")
+    raw, K = blocks_of(fmt, N_ROWS, seed=10)
+    m = QuantMatrix("blk.4.ffn_gate.weight", fmt, (N_ROWS, K), torch.from_numpy(raw))
+    x = torch.randn(6, K, generator=torch.Generator().manual_seed(10))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = m.matmul(x)
+        torch.set_num_threads(3)
+        three = m.matmul(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, three)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_dequantise_and_multiply_path_is_the_same_product(fmt):
     raw, K = blocks_of(fmt, N_ROWS, seed=11)
     m = QuantMatrix("blk.0.attn_q.weight", fmt, (N_ROWS, K), torch.from_numpy(raw))
@@ -144,6 +174,8 @@ def test_a_gguf_written_by_the_gguf_package_reads_back_with_the_same_values(tmp_
         written[f"blk.{i}.ffn_up.weight"] = (fmt, raw, K)
         writer.add_tensor(f"blk.{i}.ffn_up.weight", raw, raw_dtype=GGMLQuantizationType[fmt])
     writer.add_tensor("blk.9.ffn_up.weight", np.zeros((4, 512), np.float16))
+    stacked, _ = blocks_of("Q8_0", 2 * N_ROWS, seed=30)
+    writer.add_tensor("blk.9.ffn_up_exps.weight", stacked.reshape(2, N_ROWS, -1), raw_dtype=GGMLQuantizationType.Q8_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -160,3 +192,5 @@ def test_a_gguf_written_by_the_gguf_package_reads_back_with_the_same_values(tmp_
         check(m.matmul(x[:, :K].contiguous()), x[:, :K], w)
     with pytest.raises(UnsupportedModelError, match=r"tensor blk\.9\.ffn_up\.weight: quantization type F16"):
         QuantMatrix.from_gguf(tensors["blk.9.ffn_up.weight"])
+    with pytest.raises(ModelLoadError, match=r"tensor blk\.9\.ffn_up_exps\.weight: 3 dimensions"):
+        QuantMatrix.from_gguf(tensors["blk.9.ffn_up_exps.weight"])
