@@ -44,6 +44,12 @@ def quantized_product():
     return native_quant.rows if build.load()[0] is not None else None
 
 
+def float_product():
+    """quant.c's fp32 dot-product kernel (`f32_rows(w, x)`: x (B, K) @ w^T for a float32 w (N, K)), the memory floor
+    engine.bench.quant_kernels measures the quantised products against; None where the library is not built."""
+    return native_quant.f32_rows if build.load()[0] is not None else None
+
+
 def choose(model, decode: bool) -> Accelerator:
     """The accelerator of a model just built. decode: whether this model may have its own native decode step
     (engine.loader's models; variants made from another model, such as precision plans and quantised or cast

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from engine.native.quant import f32_rows
+from engine.accelerator import float_product
 from engine.quant_matrix import BLOCKS, QuantMatrix
 
 SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
@@ -43,6 +43,9 @@ def _best(fn, reps: int) -> float:
 
 
 def run(N: int = 2048, K: int = 8192, rounds: int = 5, reps: int = 5) -> dict:
+    f32_rows = float_product()
+    if f32_rows is None:
+        raise SystemExit("the native library is not built: nothing to measure")
     load_before = os.getloadavg()
     x = torch.randn(1, K)
     w32 = torch.randn(N, K)                                     # (N, K): W's rows, as quant.c's fp32 kernel reads
