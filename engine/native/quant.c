@@ -85,9 +85,16 @@ static inline qu16 widen(const uint8_t *p) {
 }
 static inline qv16 fl(qu16 q) { return __builtin_convertvector((__attribute__((vector_size(64))) int32_t)q, qv16); }
 
-/* Bits j and 16 + j (lane j) of a 32-bit word as 0/16: the fifth bits of Q5_0/Q5_1 elements j and 16 + j. */
-static const qu16 LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-static inline qu16 fifth(uint32_t qh, uint32_t from) { return (((qu16){0} + (qh >> from)) >> LANE & 1) << 4; }
+/* low | 16 in lane j where bit j of the sixteen bits `bits` is set: the fifth bits of Q5_0/Q5_1's elements (bits
+ * 0-15 of qh for elements 0-15, bits 16-31 for 16-31). AVX-512 takes the bits as a lane mask (one masked or). */
+static inline qu16 with_fifth(qu16 low, uint32_t bits) {
+#if defined(__AVX512F__)
+    return (qu16)_mm512_mask_or_epi32((__m512i)low, (__mmask16)bits, (__m512i)low, _mm512_set1_epi32(16));
+#else
+    static const qu16 LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return low | (((qu16){0} + bits) >> LANE & 1) << 4;
+#endif
+}
 
 static inline void deq_q8_0(const uint8_t *b, qv16 *v) {
     /* int8 q = u - 128 for the byte u = q ^ 0x80 (the zero-extending widen is one instruction; GCC 12 widens
@@ -115,16 +122,16 @@ static inline void deq_q5_0(const uint8_t *b, qv16 *v) {
     const float d = half(b);
     const uint32_t qh = le32(b + 2);
     const qu16 qs = widen(b + 6);
-    v[0] = fl((qs & 15) | fifth(qh, 0)) * d - 16.0f * d;
-    v[1] = fl((qs >> 4) | fifth(qh, 16)) * d - 16.0f * d;
+    v[0] = fl(with_fifth(qs & 15, qh & 0xffff)) * d - 16.0f * d;
+    v[1] = fl(with_fifth(qs >> 4, qh >> 16)) * d - 16.0f * d;
 }
 
 static inline void deq_q5_1(const uint8_t *b, qv16 *v) {
     const float d = half(b), m = half(b + 2);
     const uint32_t qh = le32(b + 4);
     const qu16 qs = widen(b + 8);
-    v[0] = fl((qs & 15) | fifth(qh, 0)) * d + m;
-    v[1] = fl((qs >> 4) | fifth(qh, 16)) * d + m;
+    v[0] = fl(with_fifth(qs & 15, qh & 0xffff)) * d + m;
+    v[1] = fl(with_fifth(qs >> 4, qh >> 16)) * d + m;
 }
 
 /* Sub-block j's 6-bit scale and min from the 12 packed bytes (llama.cpp's get_scale_min_k4): j < 4 in the low six
