@@ -161,7 +161,8 @@ static inline void deq_k(const uint8_t *b, const uint8_t *qs, const uint8_t *qh,
         for (int h = 0; h < 2; h++) {
             const qu16 q = widen(qs + 32 * (s / 2) + 16 * h);
             const qu16 low = s & 1 ? q >> 4 : q & 15;
-            v[2 * s + h] = fl(qh ? low | (high[h] >> s & 1) << 4 : low) * ds - dm;
+            const qu16 fifth = s <= 4 ? high[h] << (4 - s) & 16 : high[h] >> (s - 4) & 16;       /* bit s */
+            v[2 * s + h] = fl(qh ? low | fifth : low) * ds - dm;
         }
     }
 }
@@ -173,8 +174,12 @@ static inline void deq_q5_k(const uint8_t *b, qv16 *v) { deq_k(b, b + 48, b + 16
  * 64 bytes of ql (the high nibble for s >= 2) and its top two from bits 2s of byte l of the half's 32 bytes of qh;
  * each 16 values have their own int8 scale. */
 static inline void deq_q6_k(const uint8_t *b, qv16 *v) {
-    const int8_t *sc = (const int8_t *)(b + 192);
     const float d = half(b + 208);
+    /* the sixteen scales d sc (exact: an int8 times an fp16) and -32 d sc, at once; each is then one broadcast */
+    const qv16 scale = (fl(widen(b + 192) ^ 0x80) - 128.0f) * d, offset = -32.0f * scale;
+    float ds[16], dz[16];
+    memcpy(ds, &scale, sizeof ds);
+    memcpy(dz, &offset, sizeof dz);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
         const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
@@ -184,9 +189,10 @@ static inline void deq_q6_k(const uint8_t *b, qv16 *v) {
 #pragma GCC unroll 4
             for (int s = 0; s < 4; s++) {
                 const qu16 lo = s & 1 ? lo1 : lo0;
-                const qu16 q = (s >= 2 ? lo >> 4 : lo & 15) | (hi >> (2 * s) & 3) << 4;
-                const float ds = d * (float)sc[8 * h + 2 * s + p];
-                v[8 * h + 2 * s + p] = fl(q) * ds - 32.0f * ds;
+                const qu16 top = s < 2 ? hi << (4 - 2 * s) & 48 : hi >> (2 * s - 4) & 48;   /* bits 2s, 2s+1 */
+                const qu16 q = (s >= 2 ? lo >> 4 : lo & 15) | top;
+                const int i = 8 * h + 2 * s + p;
+                v[i] = fl(q) * ds[i] + dz[i];
             }
         }
     }
