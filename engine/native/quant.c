@@ -1,6 +1,6 @@
 /* Products with a GGUF matrix kept in its quantised blocks (engine/quant_matrix.py): y (B, N) = x (B, K) @ W^T, W
  * (N, K) stored as GGUF stores it, each of its N rows K / block values in the file's own bytes. A block is turned into
- * its fp32 values on the stack (32 values, 256 for the K-quants: they stay in L1) and multiplied with x there, as
+ * its fp32 values in vector registers (2 vectors of 16, 16 for a K-quant super-block) and multiplied with x there, as
  * llama.cpp's dequantising kernels do, so W is read once, in its stored size, and never held in fp32.
  *
  * The block layouts are gguf-py's gguf/quants.py (and llama.cpp's ggml-quants.c), little-endian:
@@ -14,9 +14,15 @@
  *   Q5_K 176 B / 256: as Q4_K, then 32 B qh (bit s of byte l: sub-block s's element l's fifth bit), 128 B nibbles
  *   Q6_K 210 B / 256: 128 B ql, 64 B qh (2 bits each), 16 int8 scales (one per 16 values), fp16 d
  *                                                                         w = (d sc) (q - 32)
- * Every value is computed as gguf-py computes it, and each is exact in fp32 whatever the order (an fp16 scale has 11
- * significant bits, a sub-block scale at most 7, a code at most 6: 24 bits at most), so the weights the kernel
- * multiplies are gguf.quants.dequantize's bit for bit; only the sums' order differs (fp32, FMA, 16 lanes).
+ * Every value is exact in fp32 (an fp16 scale has 11 significant bits, a sub-block scale at most 7, a code at most 6:
+ * 24 bits at most; d q + m is one rounding of an exact product), so however it is computed here (one FMA) the weights
+ * the kernel multiplies are gguf.quants.dequantize's bit for bit (tests/unit/test_quant_matrix.py multiplies the
+ * identity); only the sums' order differs from a plain loop (fp32, FMA, 16 lanes, four sums for one row of x).
+ *
+ * x stays fp32. llama.cpp's CPU kernels instead round x to 8 bits (q8_0 / q8_K blocks) and take integer dot products
+ * (VNNI): about 2-4 times less work a value, but a product that is no longer the fp32 product of the file's weights
+ * with x, so it is not done here. At B = 1 these kernels decode about 10^10 values a second a core (this machine,
+ * 2026-12-07): memory-bound where the memory is slow, compute-bound where it is fast (engine/bench/quant_kernels.py).
  *
  * Rows are split between OpenMP threads (each thread a contiguous range: its own rows, its own dot products). A row
  * is read once for each tile of four of x's rows (a row of W is a few kB: the second tile finds it in L1/L2). */
