@@ -29,7 +29,7 @@ class QuantMatrix:
     name: str                  # the tensor's name in the file (every error names it)
     format: str                # a key of BLOCKS
     shape: tuple[int, int]     # (N, K): N rows of K values, as the file stores the matrix
-    blocks: torch.Tensor       # uint8 (N, K / block * bytes per block): the file's bytes, row after row
+    blocks: torch.Tensor       # uint8 (N, K / block * bytes per block) on the CPU: the file's bytes, row after row
 
     def __post_init__(self) -> None:
         if self.format not in BLOCKS:
@@ -45,6 +45,8 @@ class QuantMatrix:
             raise ModelLoadError(f"tensor {self.name}: {self.blocks.numel():,} bytes of {self.format} blocks "
                                  f"({self.blocks.dtype}); ({N}, {K}) takes {want:,} ({N * K // values:,} blocks of "
                                  f"{size} bytes)" + (": truncated" if self.blocks.numel() < want else ""))
+        if self.blocks.device.type != "cpu":
+            raise ValueError(f"tensor {self.name}: its blocks are on {self.blocks.device}; they are kept on the CPU")
         if self.blocks.shape != (N, want // N) or not self.blocks.is_contiguous():
             object.__setattr__(self, "blocks", self.blocks.contiguous().view(N, want // N))
 
