@@ -13,6 +13,7 @@ import torch
 
 from engine.inspection.row_stats import PYTORCH, StatsBackend, chain
 from engine.native import build
+from engine.native import quant as native_quant
 from engine.native.inspect import NATIVE
 from engine.native.step import NativeDecoder, refusal
 
@@ -34,6 +35,19 @@ def stats_backend(device: torch.device) -> StatsBackend:
     the library is built (engine/native/inspect.c: float32 tensors), then PyTorch for the rest; elsewhere
     PyTorch. What either declines gets the reference statistics (the rule of engine.inspection.row_stats)."""
     return NATIVE_STATS if device.type == "cpu" and build.load()[0] is not None else PYTORCH
+
+
+def quantized_product():
+    """The native product of a matrix kept in GGUF blocks (engine/native/quant.c: `rows(fmt, blocks, N, K, x)`,
+    x (B, K) float32 -> (B, N)) where the library is built, else None: engine.quant_matrix then dequantises and
+    multiplies."""
+    return native_quant.rows if build.load()[0] is not None else None
+
+
+def float_product():
+    """quant.c's fp32 dot-product kernel (`f32_rows(w, x)`: x (B, K) @ w^T for a float32 w (N, K)), the memory floor
+    engine.bench.quant_kernels measures the quantised products against; None where the library is not built."""
+    return native_quant.f32_rows if build.load()[0] is not None else None
 
 
 def choose(model, decode: bool) -> Accelerator:

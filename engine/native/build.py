@@ -1,4 +1,4 @@
-"""Compile engine/native/*.c (decode.c, inspect.c) into one library once per machine and load it (ctypes);
+"""Compile engine/native/*.c (decode.c, decode_rows.c, inspect.c, quant.c) into one library once per machine and load it (ctypes);
 None, with the reason, when it cannot be or must not be.
 
 The library is built with the system C compiler (`cc`, or $CC) for this machine's CPU (-march=native) and
@@ -30,7 +30,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "decode_rows.c", "inspect.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "decode_rows.c", "inspect.c", "quant.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("vexp.h", "rowstat.h", "llama_ops.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
@@ -102,6 +102,10 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     lib.llmi_attention_work_floats.argtypes = [i] * 6
     lib.llmi_attention_stats.restype = ctypes.c_int
     lib.llmi_attention_stats.argtypes = [i, i, i, i, i, i, f, p, n, n, p, n, n, p, n, n, p, p, p, i]
+    lib.llmi_quant_rows.restype = ctypes.c_int
+    lib.llmi_quant_rows.argtypes = [i, p, n, n, p, n, p, i]
+    lib.llmi_f32_rows.restype = None
+    lib.llmi_f32_rows.argtypes = [p, n, n, p, n, p, i]
     return lib, ""
 
 

@@ -1,0 +1,82 @@
+"""python -m engine.bench.quant_kernels: each quantised format's native product (engine/native/quant.c through
+engine.quant_matrix) at B = 1 on an N x K matrix (default 2,048 x 8,192, one large model's projection), as GB/s of
+the bytes the matrix is stored in, against the fp32 dot-product kernel of the same file on the same matrix in fp32
+(the memory floor: a B = 1 product reads every weight once and does two flops per 4 bytes) and torch's x @ w.
+
+The blocks are random bytes with small finite fp16 scales (any bytes are a valid block of these formats once
+their scales are finite). This machine's memory speed moves minute to minute and other processes share its cores,
+so the kernels run in rounds, each kernel a few products in turn within a round, and each one's best round is
+reported, with the load average at the start and the end."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+from engine.accelerator import float_product
+from engine.quant_matrix import BLOCKS, QuantMatrix
+
+SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+          "Q5_K": (0, 2), "Q6_K": (208,)}       # byte offsets of each block's fp16 scales (and minimum)
+
+
+def random_matrix(fmt: str, N: int, K: int, seed: int = 0) -> QuantMatrix:
+    rng = np.random.default_rng(seed)
+    per, size = BLOCKS[fmt]
+    raw = rng.integers(0, 256, (N, K // per, size), dtype=np.uint8)
+    for at in SCALES[fmt]:
+        raw[..., at:at + 2] = rng.uniform(-0.01, 0.01, (N, K // per)).astype(np.float16)[..., None].view(np.uint8)
+    return QuantMatrix(f"bench.{fmt}", fmt, (N, K), torch.from_numpy(raw.reshape(N, -1)))
+
+
+def _best(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def run(N: int = 2048, K: int = 8192, rounds: int = 5, reps: int = 5) -> dict:
+    f32_rows = float_product()
+    if f32_rows is None:
+        raise SystemExit("the native library is not built: nothing to measure")
+    load_before = os.getloadavg()
+    x = torch.randn(1, K)
+    w32 = torch.randn(N, K)                                     # (N, K): W's rows, as quant.c's fp32 kernel reads
+    wt = w32.t().contiguous()                                   # (K, N): the engine's (in, out) layout for torch
+    kernels = {"fp32 (floor)": (lambda: f32_rows(w32, x), w32.numel() * 4),
+               "torch x @ w fp32": (lambda: x @ wt, w32.numel() * 4)}
+    for fmt in BLOCKS:
+        m = random_matrix(fmt, N, K)
+        kernels[fmt] = ((lambda m=m: m.matmul(x)), m.nbytes)
+    best = {name: float("inf") for name in kernels}
+    for _ in range(rounds):
+        for name, (fn, _) in kernels.items():
+            fn()                                                # warm: the threads and the first touch
+            best[name] = min(best[name], _best(fn, reps))
+    floor = kernels["fp32 (floor)"][1] / best["fp32 (floor)"] / 1e9
+    rows = {name: {"bytes": size, "ms": round(best[name] * 1e3, 3), "GB/s": round(size / best[name] / 1e9, 2),
+                   "of_floor": round(size / best[name] / 1e9 / floor, 2),
+                   "x_fp32_time": round(best["fp32 (floor)"] / best[name], 2)}
+            for name, (_, size) in kernels.items()}
+    return {"N": N, "K": K, "B": 1, "threads": torch.get_num_threads(), "load_before": load_before,
+            "load_after": os.getloadavg(), "kernels": rows}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=2048)
+    p.add_argument("--k", type=int, default=8192)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    print(json.dumps(run(args.n, args.k, args.rounds), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""A GGUF weight matrix kept in its quantised blocks: QuantMatrix holds the file's own block bytes (uint8), its
+format and its logical shape (N, K) (N rows of K values, as GGUF stores a matrix: out rows of in values), and
+multiplies by them without ever holding the matrix in float32, as llama.cpp does: `matmul(x)` is x @ W in the
+engine's (in, out) sense, each block decoded inside the native kernel (engine/native/quant.c) where the library is
+built, else the whole matrix dequantised (gguf.quants.dequantize) and multiplied. The run then computes with the
+file's own weights, not a float copy rounded some other way.
+
+Formats: the 32-value blocks Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the 256-value K-quants Q4_K, Q5_K, Q6_K. Any other type
+(Q2_K, Q3_K, the IQ formats, and F16/F32, which are plain tensors to the engine) is refused naming the tensor and
+its type; so are block bytes that are not exactly a whole number of blocks for the shape.
+tests/unit/test_quant_matrix.py holds every format's kernel to gguf.quants.dequantize and an fp32 product."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.accelerator import quantized_product
+from engine.errors import ModelLoadError, UnsupportedModelError
+
+# Values and bytes of one block per format (gguf.GGML_QUANT_SIZES), the formats quant.c decodes.
+BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+
+
+@dataclass(frozen=True, eq=False)
+class QuantMatrix:
+    name: str                  # the tensor's name in the file (every error names it)
+    format: str                # a key of BLOCKS
+    shape: tuple[int, int]     # (N, K): N rows of K values, as the file stores the matrix
+    blocks: torch.Tensor       # uint8 (N, K / block * bytes per block) on the CPU: the file's bytes, row after row
+
+    def __post_init__(self) -> None:
+        if self.format not in BLOCKS:
+            raise UnsupportedModelError(f"tensor {self.name}: quantization type {self.format} is not one the engine "
+                                        f"keeps quantised ({', '.join(BLOCKS)})")
+        N, K = self.shape
+        values, size = BLOCKS[self.format]
+        if N <= 0 or K <= 0 or K % values:
+            raise ModelLoadError(f"tensor {self.name}: shape (N, K) = ({N}, {K}) is not whole {self.format} blocks "
+                                 f"(each row must hold a multiple of {values} values)")
+        want = N * (K // values) * size
+        if self.blocks.dtype != torch.uint8 or self.blocks.numel() != want:
+            raise ModelLoadError(f"tensor {self.name}: {self.blocks.numel():,} bytes of {self.format} blocks "
+                                 f"({self.blocks.dtype}); ({N}, {K}) takes {want:,} ({N * K // values:,} blocks of "
+                                 f"{size} bytes)" + (": truncated" if self.blocks.numel() < want else ""))
+        if self.blocks.device.type != "cpu":
+            raise ValueError(f"tensor {self.name}: its blocks are on {self.blocks.device}; they are kept on the CPU")
+        if self.blocks.shape != (N, want // N) or not self.blocks.is_contiguous():
+            object.__setattr__(self, "blocks", self.blocks.contiguous().view(N, want // N))
+
+    @classmethod
+    def from_gguf(cls, tensor) -> QuantMatrix:
+        """The matrix of one of engine.gguf_file's tensors (GGUFFile.tensors), its bytes copied out of the mapped
+        file (so nothing keeps the map alive): a 2-D tensor whose dims, innermost first, are (K, N)."""
+        fmt = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
+        dims = [int(d) for d in tensor.shape]
+        if len(dims) != 2:
+            raise ModelLoadError(f"tensor {tensor.name}: {len(dims)} dimensions {dims}; a quantised matrix has 2")
+        K, N = dims
+        if fmt not in BLOCKS:
+            raise UnsupportedModelError(f"tensor {tensor.name}: quantization type {fmt} is not one the engine keeps "
+                                        f"quantised ({', '.join(BLOCKS)})")
+        raw = np.asarray(tensor.data)
+        if raw.dtype != np.uint8:
+            raise ModelLoadError(f"tensor {tensor.name}: its data is {raw.dtype}, not the uint8 block bytes of {fmt}")
+        return cls(tensor.name, fmt, (N, K), torch.from_numpy(np.array(raw, np.uint8).reshape(-1)))
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(K, N) in the engine's (in, out) layout, contiguous: gguf.quants.dequantize's values exactly (then dtype)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        rows = dequantize(self.blocks.numpy(), GGMLQuantizationType[self.format])        # (N, K) float32
+        return torch.from_numpy(np.ascontiguousarray(rows.T)).to(dtype)
+
+    def matmul(self, x: torch.Tensor, *, native: bool = True) -> torch.Tensor:
+        """x (..., K) @ the matrix (K, N) -> (..., N) in x's dtype, summed in float32. native: the native kernel on
+        the CPU where the library is built; native=False (or no library, or another device) dequantises the
+        whole matrix and multiplies (the reference the kernel is tested against)."""
+        N, K = self.shape
+        if x.shape[-1] != K or not x.is_floating_point():
+            raise ValueError(f"tensor {self.name}: x {x.dtype} {tuple(x.shape)} cannot multiply a ({K}, {N}) matrix "
+                             f"(its last dimension must be {K})")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, K).to(torch.float32)                                       # (B, K)
+        product = quantized_product() if native and x.device.type == "cpu" else None
+        if product is not None:
+            y = product(self.format, self.blocks, N, K, x2)                             # (B, N)
+        else:
+            y = x2 @ self.dequantize().to(x.device)
+        return y.to(x.dtype).reshape(*lead, N)
