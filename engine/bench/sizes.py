@@ -2,7 +2,8 @@
 configs' shapes with random weights, each opened in a fresh process per dtype, reporting the bytes held after
 loading and after a first decode over the weights' bytes in that dtype, decode tokens/s over the memory floor of
 that dtype (the bytes a token reads over this machine's read speed, measured in the same process), and transformers'
-`generate` in the same dtype, in a process of its own, as the peer.
+`generate` in the same dtype, in a process of its own, as the peer, and the app's inspected decode (statistics of
+every stage, the logits, per-layer timing: engine.inspection.probe.inspection_probe) over the plain one.
 
 The weights are written once per shape into the bench's folder ($LLM_INSPECTOR_CACHE/bench-sizes), every tensor the
 engine expects for the config (engine.weights.expected_tensors), random normal scaled by 1/sqrt(fan-in) so that
@@ -139,6 +140,7 @@ def probe(path: str, dtype: str) -> dict:
     from engine.bench.held import held_figures
     from engine.bench.speed import ReadBandwidth, bytes_per_decoded_token
     from engine.errors import ModelLoadError
+    from engine.inspection.probe import inspection_probe
     from engine.memory import process_rss
     before = process_rss()
     try:
@@ -147,20 +149,32 @@ def probe(path: str, dtype: str) -> dict:
         return {"refused": str(e).replace(str(Path(path).parent), "…")}
     out = held_figures(model, before)
     read = ReadBandwidth(model.device)
-    steps = []
-    for _ in range(3):
-        cache = model.new_cache(PROMPT + NEW)
-        logits = model.forward(torch.arange(100, 100 + PROMPT), cache, None, last_only=True)
-        for _ in range(NEW):
-            t0 = time.perf_counter()
-            logits = model.forward(logits[-1:].argmax(-1), cache, None)
-            steps.append(time.perf_counter() - t0)
+    plain, inspected = [], []
+    for _ in range(3):        # plain and inspected decodes in turn, a large read after each pair
+        plain += _decode(model, None)
+        inspected += _decode(model, inspection_probe())
         read.measure()
-    tok_s = 1 / sorted(steps)[len(steps) // 2]
+    tok_s = 1 / _median(plain)
     floor = read.bytes_per_second / bytes_per_decoded_token(model, PROMPT + NEW / 2)
     return {**out, "decode_path": "native" if model.accelerator.decode is not None else "PyTorch: "
             + model.accelerator.why_not, "decode_tok_s": tok_s, "floor_tok_s": floor,
-            "decode_over_floor": tok_s / floor, "read_gb_s": read.bytes_per_second / 1e9}
+            "decode_over_floor": tok_s / floor, "read_gb_s": read.bytes_per_second / 1e9,
+            "inspected_over_plain_decode": _median(inspected) / _median(plain)}
+
+
+def _decode(model, probe) -> list[float]:
+    """The seconds of each of NEW decode steps after a PROMPT-token prefill (probe: None, or the app's own)."""
+    cache, steps = model.new_cache(PROMPT + NEW), []
+    logits = model.forward(torch.arange(100, 100 + PROMPT), cache, probe, last_only=True)
+    for _ in range(NEW):
+        t0 = time.perf_counter()
+        logits = model.forward(logits[-1:].argmax(-1), cache, probe)
+        steps.append(time.perf_counter() - t0)
+    return steps
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 def peer(path: str, dtype: str) -> dict:
@@ -219,7 +233,7 @@ def line(key: str, r: dict) -> str:
     return (f"{key:22s} held {r['held_after_load_over_weights']:.2f}x / {r['held_after_decode_over_weights']:.2f}x "
             f"of {r['weights_bytes'] / 1e9:.2f} GB; decode {r['decode_tok_s']:.2f} tok/s = "
             f"{r['decode_over_floor']:.2f} of the floor ({r['floor_tok_s']:.2f}, {r['read_gb_s']:.1f} GB/s); "
-            f"{peer_text}; {r['decode_path']}")
+            f"{peer_text}; inspected/plain decode {r['inspected_over_plain_decode']:.2f}; {r['decode_path']}")
 
 
 if __name__ == "__main__":      # the children: python -m engine.bench.sizes probe|peer PATH DTYPE

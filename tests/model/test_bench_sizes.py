@@ -31,7 +31,7 @@ def test_each_dtype_reports_what_it_holds_and_how_fast_it_decodes(tmp_path, monk
         assert 0.95 <= r["held_after_load_over_weights"], r
         assert r["held_after_decode_over_weights"] - r["held_after_load_over_weights"] < 0.5, r
         assert r["decode_tok_s"] > 0 and r["floor_tok_s"] > 0 and r["decode_path"]
-        assert r["peer_decode_tok_s"] > 0 and r["over_peer_decode"] > 0, r
+        assert r["peer_decode_tok_s"] > 0 and r["over_peer_decode"] > 0 and r["inspected_over_plain_decode"] > 0, r
         assert sizes.line(f"small {dtype}", r).startswith(f"small {dtype}")
     assert out["small float32"]["decode_path"] == "native" or "native" in out["small float32"]["decode_path"]
 
