@@ -78,3 +78,20 @@ def test_the_json_the_doctors_text_and_the_pages_table_say_the_same_verdict(repo
                                     "run's 18 tokens).") and lines[0] == f"why the loop: {report.headline}"
     row = pv.causes_frame(report).set_index("kind").loc["heads"]
     assert row["outcome"] == "loop delayed" and row["loop from step"] == 4 and row["verdict"] == heads["verdict"]
+
+
+def test_the_pages_penalty_table_calls_a_loop_that_returns_after_the_run_delayed_not_broken(tiny_model):
+    """The Repetition page's "Which settings break the loop?" reads the same verdict: a presence penalty of 1 on top
+    of the run's frequency penalty of -1 is loop-free for 18 tokens, then loops on one token from step 10."""
+    from inspector.views import repetition as rv
+    base = fresh(tiny_model, 18)
+    both = dict(frequency_penalty=-1.0, presence_penalty=1.0)
+    t = fresh(tiny_model, 22, dataclasses.replace(RUN.params, **both)).token_ids
+    assert not has_loop(t[:18]) and len(set(t[10:22])) == 1 and t[9] != t[10]            # by hand
+    table = rv.compare_penalties(tiny_model, RUN, {"presence 1, frequency -1": both, "frequency 0.1": dict(
+        frequency_penalty=0.1)}, baseline=(base.token_ids, base.text)).set_index("setting")
+    assert not table.loc["as run", "breaks the loop"] and table.loc["as run", "verdict"].startswith("loop kept")
+    assert not table.loc["presence 1, frequency -1", "breaks the loop"]
+    assert table.loc["presence 1, frequency -1", "verdict"] == (
+        "loop delayed: loop-free for the run's 18 tokens, then a loop from step 10, period 1")
+    assert table.loc["frequency 0.1", "breaks the loop"] and table.loc["frequency 0.1", "verdict"].startswith("loop gone")
