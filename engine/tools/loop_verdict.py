@@ -17,6 +17,10 @@ way. So every rerun is continued past the diagnosed run's length, by CONTINUE_SP
     loop gone     the rerun ran past the run's length and holds no loop and no repeat heading into one: it reached
                   its horizon, or ended its text (end-of-text, the context) after the run's length
 
+The continuation costs only the reruns that stay loop-free (a rerun that loops stops as soon as it does): on the
+bench's case (engine.bench.tools: "I like apples. ..." for 64 tokens, a loop from step 1, so reruns may run to 190
+tokens) the why-loop draws 717 tokens instead of 519, its five fixes now ending at end-of-text or the horizon.
+
 OUTCOMES lists them best first (the why-loop ranks causes by it): a delayed loop is closer to a fix than a text that
 ended early (for the user's own length the loop is away), and further than a loop gone.
 """
