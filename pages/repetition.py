@@ -77,8 +77,10 @@ if loops:
                      hide_index=True)
 
 st.subheader("Which settings break the loop?")
-st.caption("The same prompt, seed and sampling settings, each penalty alone (the others off). A setting breaks "
-           "the loop when its generation holds no loop at all.")
+st.caption("The same prompt, seed and sampling settings, each penalty alone (the others off), judged as the "
+           "diagnosis below judges its reruns: each generation runs past the run's length by twice the loop's span, "
+           "and a setting breaks the loop only when it holds no loop and no repeat heading into one there; a loop "
+           "that comes back after the run's length is only delayed.")
 chosen = st.multiselect("Settings to try", list(rv.PENALTY_VARIANTS), default=list(rv.PENALTY_VARIANTS),
                         key="rep_variants")
 tables = session().memo("rep_tables")                         # run_key -> the comparison table
@@ -92,7 +94,7 @@ if st.button("Generate with each setting", key="rep_compare", disabled=not chose
         return rv.compare_penalties(model, settings, {c: rv.PENALTY_VARIANTS[c] for c in chosen},
                                     baseline=(res.token_ids, res.text), on_progress=tell,
                                     on_text=lambda label, t: text.caption(f"{label}: {rv.visible(t)[-240:]}"))
-    n_tokens = len(chosen) * run.settings.max_new_tokens
+    n_tokens = len(chosen) * rv.comparison_horizon(run.settings.max_new_tokens, res.token_ids)
     # a fresh store: the button always recomputes; the page keeps the run's last table in tables
     if (computed := on_demand({}, variants_key, variants_what, compare, stop_on_error=False,
                               work=(model, n_tokens, 1))) is not None:

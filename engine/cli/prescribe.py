@@ -3,9 +3,10 @@
 
     python -m engine quant "PROMPT" [--formats Q8_0,Q4_0] [--threshold T] [--embed] [generation flags] [--json]
     python -m engine doctor "PROMPT" [generation flags] --why-loop [--why-loop-tokens N] --json
-        -> adds causes: [{kind, change, outcome, loop_gone, text_after, tokens, stopped, detail}] and why_loop
-           ({headline, status, loop, horizon, run_tokens, looked_further, ...}): the run of --max-new-tokens is
-           the one diagnosed; only when it holds no loop does --why-loop-tokens N rerun it further
+        -> adds causes: [{kind, change, outcome, verdict, loop, loop_gone, text_after, tokens, stopped, detail}]
+           (outcome: engine.tools.loop_verdict) and why_loop ({headline, status, loop, horizon, rerun_horizon,
+           run_tokens, looked_further, ...}): the run of --max-new-tokens is the one diagnosed; only when it holds
+           no loop does --why-loop-tokens N rerun it further
     python -m engine doctor "PROMPT" --dtype float16 [--preset P | --inject ...] --rescue --json
         -> adds rescue: {fp32: [units], reruns, finite, top1_agreement, near_ties, ties, complement, trials,
            check (the command that checks the set), ...}
@@ -244,12 +245,13 @@ def human_lines(report: dict) -> list[str]:
             lines.append(f"  to look further: add --why-loop-tokens {LOOK_FURTHER} (reruns the same prompt and seed "
                          f"for {LOOK_FURTHER} tokens)")
         if report["causes"]:
-            lines.append(f"  causes ({w['reruns']} reruns of {w['horizon']} tokens each at most):")
+            lines.append(f"  causes ({w['reruns']} reruns, each judged past the run's {w['horizon']} tokens, up to "
+                         f"{w['rerun_horizon']}):")
         for c in report["causes"]:
-            lines.append(f"  [{ {'loop gone': 'gone', 'stopped': 'stopped', 'loop kept': 'kept'}[c['outcome']]}] "
-                         f"{c['kind']:8s} {c['change']}: "
-                         + (f"ended (end-of-text) after {c['tokens']} tokens, no loop before it: "
-                            if c["outcome"] == "stopped" else "") + f"{c['text_after'][:60]!r}")
+            # a delayed loop shows at the end of the text: its last characters, the others' first
+            text = c["text_after"][-120:] if c["outcome"] == "loop delayed" else c["text_after"][:60]
+            lines.append(f"  [{c['outcome'].removeprefix('loop ')}] {c['kind']:8s} {c['change']}: {c['verdict']} "
+                         f"({c['tokens']} tokens): {text!r}")
     return lines
 
 

@@ -21,6 +21,11 @@ A run shorter than MIN_TOKENS generated tokens has no loop; a repeat the run lea
 loop (`periodic_runs` still lists every periodic span, loop or not). `tail_loop` is the loop the generation is
 stuck in: the one with the earliest start, then the smallest period; None when there is none.
 
+A *repeat heading into a loop* (`heading_into_loop`) is the same test with HEADING_COUNT = 2 full periods: a
+periodic tail of two copies or more, still MIN_TOKENS tokens or more, that a run cut off by its length may have
+been about to make a loop of. It is not a loop (the Repetition page and the doctor's `loops` never list one); the
+why-loop uses it only to judge a rerun's last tokens (engine.tools.loop_verdict).
+
 Examples: greedy SmolLM2-135M on the raw prompt "I like apples. I like apples. I like" continues
 " apples. I'm a big apple. I'm a big apple. ..." and, over 20 tokens, tail_loop gives start 1, period 6, count 3
 (". I'm a big apple" = 6 tokens, from the first '.'). On "The capital of France is" it writes
@@ -33,6 +38,7 @@ from typing import Sequence
 
 MIN_COUNT = 3     # full periods: a pattern seen twice (a time, a date) is ordinary text
 MIN_TOKENS = 12   # a run shorter than this has no loop
+HEADING_COUNT = 2  # full periods of a periodic tail heading into a loop (heading_into_loop)
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,12 @@ def tail_loop(tokens: Sequence[int], **kw) -> Loop | None:
     """The loop running through the last token: earliest start, then smallest period. None if none."""
     loops = find_loops(tokens, **kw)
     return min(loops, key=lambda r: (r.start, r.period)) if loops else None
+
+
+def heading_into_loop(tokens: Sequence[int]) -> Loop | None:
+    """The periodic tail of at least HEADING_COUNT full periods and MIN_TOKENS tokens running through the last
+    token (earliest start, then smallest period), or None: what a run cut off mid-repeat ends in."""
+    return tail_loop(tokens, min_count=HEADING_COUNT)
 
 
 def repeats(loop: Loop) -> list[tuple[int, int]]:

@@ -64,9 +64,10 @@ def why_loop_section(run, model) -> None:
                "tokens or more, to the end of the run): reruns its prompt and seed for its own length, then tests each "
                "candidate cause by removing it and rerunning: the copy heads (the top 1, 2, 4, 8 zeroed, fewest "
                "first), the sampler (each penalty, no-repeat n-gram and temperature, weakest first), the numerics "
-               "(another dtype) and the prompt (each span left out). A cause counts only with its rerun: the loop is "
-               "gone when the rerun runs the whole length and ends in no loop; a rerun that ends its text early has "
-               "only stopped.")
+               "(another dtype) and the prompt (each span left out). A cause counts only with its rerun, continued "
+               "past the run's length by twice the loop's span: the loop is gone when the rerun holds no loop and no "
+               "repeat heading into one (two copies or more) there; it is delayed when the loop comes back after "
+               "the run's length; a rerun that ends its text within the length has only stopped.")
     further = None
     if not looping:
         st.info(f"This run's {n} generated tokens hold no loop: there is nothing to diagnose. You can look further: "
@@ -95,14 +96,20 @@ def show_why_loop(report) -> None:
     st.warning(report.headline)
     c = st.columns(3)
     c[0].metric("Reruns", f"{report.reruns} / {report.max_reruns}")
-    c[1].metric("Changes that break the loop", len(gone))
+    c[1].metric("Changes that break the loop", len(gone),
+                help=f"{sum(c.outcome == 'loop delayed' for c in report.causes)} more only delay it")
     c[2].metric("Top copy head", f"L{report.copy_heads[0]['layer']} h{report.copy_heads[0]['head']}"
                 if report.copy_heads else "—")
     st.dataframe(pv.causes_frame(report), key="wl_causes", hide_index=True)
     chart(pv.causes_figure(report), key="wl_causes_fig")
     st.caption(f"Each bar is one rerun: how many tokens it generated before its loop came back or its text ended. "
-               f"A full green bar: the loop stayed away for the whole {report.horizon} tokens. A grey bar: the rerun "
-               "ended its text (end-of-text) early, with no loop before it: it stopped, which is not a fix.")
+               f"A green bar: no loop and no repeat heading into one past your run's {report.horizon} tokens (each "
+               f"rerun runs up to {report.rerun_horizon}). An orange bar: loop-free for your run's length, then the "
+               "loop came back: delayed, not fixed. A grey bar: the rerun ended its text (end-of-text) within the "
+               "length, with no loop before it: it stopped, which is not a fix.")
+    for c in (c for c in report.causes if c.outcome == "loop delayed"):
+        st.markdown(f"**{plain(c.change)}** — {plain(c.verdict)}:")
+        st.code(c.text_after, language=None, wrap_lines=True)
     if report.copy_heads:
         st.markdown("**Copy heads** (mean attention from the looping tokens to their copy one period back)")
         st.dataframe(pv.copy_heads_frame(report), key="wl_heads", hide_index=True)

@@ -15,7 +15,8 @@ from engine.tools.why_loop import WhyLoopReport
 
 from .tokens import visible
 
-GONE, KEPT, STOPPED = "#2ca02c", "#d62728", "#8c8c8c"
+GONE, DELAYED, KEPT, STOPPED = "#2ca02c", "#ff7f0e", "#d62728", "#8c8c8c"
+OUTCOME_COLORS = {"loop gone": GONE, "loop delayed": DELAYED, "stopped": STOPPED, "loop kept": KEPT}
 FORMAT_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 UNIT_PARTS = ("attn", "mlp", "resid")
 # rescue map: 0 low precision, 1 fp32 through a resid unit of an earlier layer, 2 in the rescue set
@@ -24,30 +25,36 @@ RESCUE_COLORSCALE = [[0.0, "#eeeeee"], [0.33, "#eeeeee"], [0.34, "#f6c89f"], [0.
 
 
 # ---- why the loop ---------------------------------------------------------------------------------
-CAUSE_COLUMNS = ["rank", "kind", "change", "outcome", "loop gone", "tokens", "stopped", "text after"]
+CAUSE_COLUMNS = ["rank", "kind", "change", "outcome", "loop from step", "verdict", "tokens", "stopped",
+                 "text after"]
 
 
 def causes_frame(report: WhyLoopReport) -> pd.DataFrame:
-    """One row per tested cause, in the report's order (loop-breaking first)."""
-    rows = [{"rank": i + 1, "kind": c.kind, "change": c.change, "outcome": c.outcome, "loop gone": c.loop_gone,
-             "tokens": c.tokens,
-             "stopped": c.stopped, "text after": visible(c.text_after)} for i, c in enumerate(report.causes)]
-    return pd.DataFrame(rows, columns=CAUSE_COLUMNS)
+    """One row per tested cause, in the report's order (loop-breaking first); the verdict is the report's own
+    (engine.tools.loop_verdict), and "loop from step" where a kept or delayed loop starts in the rerun."""
+    rows = [{"rank": i + 1, "kind": c.kind, "change": c.change, "outcome": c.outcome,
+             "loop from step": None if c.loop is None else c.loop["start"], "verdict": c.verdict,
+             "tokens": c.tokens, "stopped": c.stopped, "text after": visible(c.text_after)}
+            for i, c in enumerate(report.causes)]
+    return pd.DataFrame(rows, columns=CAUSE_COLUMNS).astype({"loop from step": "Int64"})
 
 
 def causes_figure(report: WhyLoopReport) -> go.Figure:
-    """Tokens each rerun generated before its loop showed (a full bar: the loop stayed away for the whole
-    horizon); green = loop gone, grey = stopped (end-of-text before the horizon, no loop: no fix), red = kept."""
+    """Tokens each rerun generated before its loop showed (past the run's length, to the rerun horizon: the
+    loop stayed away); green = loop gone, orange = delayed (it came back after the run's length), grey = stopped
+    (end-of-text within the run's length, no loop: no fix), red = kept."""
     df = causes_frame(report).iloc[::-1]                   # plotly draws the first row at the bottom
     fig = go.Figure(go.Bar(x=df["tokens"], y=[f"{k}: {c}" for k, c in zip(df["kind"], df["change"])],
                            orientation="h",
-                           marker_color=[{"loop gone": GONE, "stopped": STOPPED}.get(o, KEPT) for o in df["outcome"]],
+                           marker_color=[OUTCOME_COLORS[o] for o in df["outcome"]],
                            customdata=df["text after"],
                            hovertemplate="%{y}<br>%{x} tokens<br>%{customdata}<extra></extra>"))
     fig.add_vline(x=report.horizon, line_dash="dash", line_color="#555",
-                  annotation_text=f"horizon {report.horizon}")
-    fig.update_layout(xaxis_title="tokens generated (before the loop returned, or the text ended; the horizon, "
-                                  "loop-free: loop gone)",
+                  annotation_text=f"your run's {report.horizon}")
+    fig.add_vline(x=report.rerun_horizon, line_dash="dot", line_color="#555",
+                  annotation_text=f"rerun horizon {report.rerun_horizon}", annotation_position="bottom right")
+    fig.update_layout(xaxis_title="tokens generated (before the loop showed, or the text ended; past your run's "
+                                  "length with no loop: loop gone)",
                       yaxis_title="change tried", height=max(260, 28 * len(df) + 120), margin=dict(t=30, b=50),
                       showlegend=False)
     return fig

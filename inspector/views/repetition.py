@@ -17,8 +17,9 @@ import torch
 from plotly.subplots import make_subplots
 
 from engine import Probe
-from engine.inspection.loops import Loop, find_loops, repeats, tail_loop
-from engine.progress import LayerProgress, OnProgress, tell_units
+from engine.inspection.loops import Loop, find_loops, has_loop, repeats, tail_loop
+from engine.progress import STOP, LayerProgress, OnProgress, tell_units
+from engine.tools.loop_verdict import judge, rerun_horizon
 
 from .theme import colorscale
 from .tokens import visible
@@ -145,41 +146,59 @@ def copy_attention_table(ca: CopyAttention, labels: Sequence[str]) -> pd.DataFra
                                        "best → after copy", "weight → after copy", "uniform"])
 
 
+def comparison_horizon(n_new: int, token_ids: Sequence[int] | None) -> int:
+    """Tokens each setting's generation may run to: past the run's n_new by twice its loop's span
+    (engine.tools.loop_verdict.rerun_horizon), or n_new when the run (token_ids) ends in no loop or is not given."""
+    loop = None if token_ids is None else tail_loop(token_ids)
+    return n_new if loop is None else rerun_horizon(n_new, loop)
+
+
 def compare_penalties(model, settings, variants: dict[str, dict] | None = None, *,
                       baseline: tuple[Sequence[int], str] | None = None, on_progress: OnProgress | None = None,
                       on_text: Callable[[str, str], None] | None = None) -> pd.DataFrame:
     """The run's prompt, seed and sampling settings with each penalty setting alone (others neutral).
 
-    settings: an engine.RunSettings; baseline: the run's own (token_ids, text), shown first as
-    "as run". A setting breaks the loop when its generation has no loop at all (engine.inspection.loops.find_loops).
-    on_progress (engine.progress): a unit per token of each setting's generation (at most max_new_tokens each), told
-    before each generation and after each token; a STOP answer raises engine.progress.Stopped there (no table).
-    on_text(label, text so far) after each token (the live text)."""
+    settings: an engine.RunSettings; baseline: the run's own (token_ids, text), shown first as "as run". Each
+    setting is judged as the why-loop judges its reruns (engine.tools.loop_verdict, the one verdict): when the run
+    ends in a loop, each generation runs past the run's length by twice the loop's span (stopping once it ends in a
+    loop), and the setting breaks the loop only when the verdict is "loop gone" (a loop that comes back after the
+    run's length is "loop delayed"). on_progress (engine.progress): a unit per token of each setting's generation
+    (at most that horizon each), told before each generation and after each token; a STOP answer raises
+    engine.progress.Stopped there (no table). on_text(label, text so far) after each token (the live text)."""
     variants = PENALTY_VARIANTS if variants is None else variants
-    n_new, total = settings.max_new_tokens, len(variants) * settings.max_new_tokens
-    rows = [] if baseline is None else [variant_row("as run", *baseline)]
+    n_new = settings.max_new_tokens
+    horizon = comparison_horizon(n_new, None if baseline is None else baseline[0])
+    total = len(variants) * horizon
+    rows = [] if baseline is None else [variant_row("as run", *baseline, "max_new_tokens", n_new)]
     for n, (label, overrides) in enumerate(variants.items()):
         tell_units(on_progress, n * n_new, total, f"{label} ({n + 1} of {len(variants)})")
         s = dataclasses.replace(settings, params=dataclasses.replace(settings.params, **{**NEUTRAL, **overrides}))
         pieces: list[str] = []
+        ids: list[int] = []
 
-        def token(step, label=label, n=n, pieces=pieces) -> None:
+        def token(step, label=label, n=n, pieces=pieces, ids=ids):
             pieces.append(step.text)
+            ids.append(step.token_id)
             if on_text is not None:
                 on_text(label, "".join(pieces))
-            tell_units(on_progress, n * n_new + step.index + 1, total,
-                       f"{label} ({n + 1} of {len(variants)}): token {step.index + 2} of at most {n_new}")
-        res = model.generate(s.prompt, on_token=token, **s.generation_kwargs())
-        rows.append(variant_row(label, res.token_ids, res.text))
+            tell_units(on_progress, n * horizon + step.index + 1, total,
+                       f"{label} ({n + 1} of {len(variants)}): token {step.index + 2} of at most {horizon}")
+            return STOP if has_loop(ids) else None      # in a loop: what follows cannot change the verdict
+        res = model.generate(s.prompt, on_token=token, **{**s.generation_kwargs(), "max_new_tokens": horizon})
+        looped = res.stop_reason == "stopped" and has_loop(res.token_ids)
+        rows.append(variant_row(label, res.token_ids, res.text, "loop" if looped else res.stop_reason, n_new))
     tell_units(on_progress, total, total, "done")
     return pd.DataFrame(rows, columns=VARIANT_COLUMNS)
 
 
-VARIANT_COLUMNS = ["setting", "loops", "tail loop", "breaks the loop", "text"]
+VARIANT_COLUMNS = ["setting", "loops", "tail loop", "breaks the loop", "verdict", "text"]
 
 
-def variant_row(label: str, token_ids: Sequence[int], text: str) -> dict:
+def variant_row(label: str, token_ids: Sequence[int], text: str, stopped: str, run_len: int) -> dict:
+    """One setting's row: its loops, and the verdict (engine.tools.loop_verdict.judge) against the run's length."""
     loops, tail = find_loops(token_ids), tail_loop(token_ids)
+    verdict = judge(token_ids, stopped, run_len)
     return {"setting": label, "loops": len(loops),
             "tail loop": "—" if tail is None else f"start {tail.start}, period {tail.period}, ×{tail.count}",
-            "breaks the loop": not loops, "text": visible(text)}
+            "breaks the loop": verdict.outcome == "loop gone", "verdict": verdict.words(run_len),
+            "text": visible(text)}

@@ -74,12 +74,13 @@ def test_a_rerun_falls_back_into_the_loop_when_it_ends_in_the_loops_piece_twice(
 
 
 def test_a_rerun_that_ends_its_text_early_has_stopped_not_broken_the_loop():
-    ended = _cause("sampler", "temperature 0 -> 1", ([4, 5, 6, 7, 8, 9, 10, 11, 12], "nine tokens", "eos"))
+    ended = _cause("sampler", "temperature 0 -> 1", ([4, 5, 6, 7, 8, 9, 10, 11, 12], "nine tokens", "eos"), 32)
     assert ended.outcome == "stopped" and not ended.loop_gone and ended.as_dict()["outcome"] == "stopped"
-    full = _cause("sampler", "x", (list(range(32)), "t", "max_new_tokens"))
-    assert full.outcome == "loop gone" and full.loop_gone
-    kept = _cause("sampler", "x", ([1, 2, 3] * 5, "t", "loop"))
+    full = _cause("sampler", "x", (list(range(48)), "t", "max_new_tokens"), 32)      # past the run's 32 tokens
+    assert full.outcome == "loop gone" and full.loop_gone and full.as_dict()["loop_gone"] and full.loop is None
+    kept = _cause("sampler", "x", ([1, 2, 3] * 5, "t", "loop"), 32)
     assert kept.outcome == "loop kept" and not kept.loop_gone and isinstance(kept, Cause)
+    assert kept.loop == {"start": 0, "period": 3, "count": 5, "end": 15} and kept.verdict.startswith("loop kept")
 
 
 def test_prompt_spans_are_sentences_covering_the_prompt_then_words_and_at_most_six():
