@@ -25,9 +25,9 @@ _g = importlib.import_module("engine.generate")      # (the package's `generate`
 _step, _s = _g.GenerationRun.step, float(os.environ["LLM_INSPECTOR_TEST_STEP_S"])
 
 
-def _slow_step(self):
+def _slow_step(self, *args, **kwargs):
     time.sleep(_s)
-    return _step(self)
+    return _step(self, *args, **kwargs)
 
 
 _g.GenerationRun.step = _slow_step
