@@ -1,6 +1,8 @@
-/* One decode step of a Llama-family model (fp32, CPU, batch 1) in one call: every layer, the final norm and
- * the lm_head. Python (engine/native/step.py) compiles this file, checks each run's eligibility and falls
- * back to the PyTorch forward for anything else; engine/model.py stays the reference.
+/* One decode step of a Llama-family model (CPU, batch 1; weights in float32, bfloat16 or float16) in one call: every
+ * layer, the final norm and the lm_head. In bfloat16 or float16 it reads half the bytes of float32 and rounds each
+ * stage to the model's dtype where the PyTorch forward in that dtype holds one (llama_ops.h), summing in float32.
+ * Python (engine/native/step.py) compiles this file, checks each run's eligibility and falls back to the PyTorch
+ * forward for anything else; engine/model.py stays the reference.
  *
  * Why: at batch 1 a decode step is bound by reading the weights (~545 MB for the bundled model), but eager
  * PyTorch spends ~1,100 small kernel launches around the 121 matrix products. Here the products stream each
@@ -23,13 +25,14 @@
 typedef struct {
     int L, d, H, K, hd, F, V;      /* layers, hidden, query heads, KV heads, head dim, MLP width, vocab */
     int max_len, pos, nth;         /* KV cache length, this token's position, threads */
+    int wtype, ctype;              /* the weights' (and activations') type, the KV cache's (llama_ops.h: T_F32 ..) */
     float eps, scale;              /* RMSNorm epsilon, attention scale (hd^-0.5) */
-    const float *x_in;             /* (d) the token's embedding row */
-    const float *const *attn_norm, *const *wqkv, *const *wo;      /* L pointers each; matrices (in, out) */
-    const float *const *mlp_norm, *const *wgu, *const *wdown;
-    float *kc, *vc;                /* (L, K, max_len, hd) caches; this step writes position pos */
-    const float *cos, *sin;        /* (hd) rotary rows of position pos */
-    const float *final_norm, *lm_head;   /* (d), (d, V) */
+    const float *x_in;             /* (d) the token's embedding row, in float32 */
+    const void *const *attn_norm, *const *wqkv, *const *wo;       /* L pointers each, of wtype; matrices (in, out) */
+    const void *const *mlp_norm, *const *wgu, *const *wdown;
+    void *kc, *vc;                 /* (L, K, max_len, hd) caches of ctype; this step writes position pos */
+    const float *cos, *sin;        /* (hd) rotary rows of position pos, in float32 */
+    const void *final_norm, *lm_head;    /* (d), (d, V), of wtype */
     float *logits;                 /* (V) out */
     float *work;                   /* scratch, llmi_work_floats() floats */
     float *stats;                  /* NULL, or (1 + 17 L + 2) x 7 out */
@@ -49,34 +52,63 @@ long llmi_work_floats(int d, int H, int K, int hd, int F, int V, int max_len, in
  * cache, is read and written once every four rows). The native step reads the model's own matrices: no second copy.
  * (Earlier the step read a copy laid out as panels of eight rows, the matrices' size again in memory; on the
  * bundled model's products the two ran within a few per cent of each other here.) */
-static void row_product(const float *x, const float *W, int k0, int k1, int N, float *acc) {
+LLMI_INLINE void row_product_t(const float *x, const void *W, int k0, int k1, int N, float *acc, const int t) {
     for (int n = 0; n < N; n++) acc[n] = 0.f;
     int k = k0;
-    for (; k + 4 <= k1; k += 4) {
-        const float a0 = x[k], a1 = x[k + 1], a2 = x[k + 2], a3 = x[k + 3];
-        const float *w0 = W + (size_t)k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+    if (t == T_F32) {
+        const float *Wf = W;
+        for (; k + 4 <= k1; k += 4) {
+            const float a0 = x[k], a1 = x[k + 1], a2 = x[k + 2], a3 = x[k + 3];
+            const float *w0 = Wf + (size_t)k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
 #pragma omp simd
-        for (int n = 0; n < N; n++) acc[n] += (a0 * w0[n] + a1 * w1[n]) + (a2 * w2[n] + a3 * w3[n]);
+            for (int n = 0; n < N; n++) acc[n] += (a0 * w0[n] + a1 * w1[n]) + (a2 * w2[n] + a3 * w3[n]);
+        }
+    } else {
+        /* 16 bits: sixteen weights converted at a time (N is a multiple of 8), eight rows a pass, so that acc is read
+         * and written once for as many bytes of W as float32's four rows a pass read (on the bundled model, one
+         * thread, rounds side by side on the shared machine: 17-35 tok/s against four rows' 16-31) */
+#define ROW8(L, w, n) ((a[0] * L(W, r + (n), t) + a[1] * L(W, r + w + (n), t)) \
+                       + (a[2] * L(W, r + 2 * w + (n), t) + a[3] * L(W, r + 3 * w + (n), t))) \
+                    + ((a[4] * L(W, r + 4 * w + (n), t) + a[5] * L(W, r + 5 * w + (n), t)) \
+                       + (a[6] * L(W, r + 6 * w + (n), t) + a[7] * L(W, r + 7 * w + (n), t)))
+        for (; k + 8 <= k1; k += 8) {
+            const float *a = x + k;
+            const size_t r = (size_t)k * N, w = (size_t)N;
+            int n = 0;
+            for (; n + 16 <= N; n += 16) *(v16 *)(acc + n) += ROW8(load16, w, n);
+            if (n < N) *(v8 *)(acc + n) += ROW8(load8, w, n);
+        }
+#undef ROW8
     }
     for (; k < k1; k++) {
-        const float a = x[k], *w = W + (size_t)k * N;
+        const float a = x[k];
+        const size_t r = (size_t)k * N;
 #pragma omp simd
-        for (int n = 0; n < N; n++) acc[n] += a * w[n];
+        for (int n = 0; n < N; n++) acc[n] += a * ld(W, r + n, t);
     }
 }
 
-/* out = x @ W, called by every thread of the team: each reads its share of W's rows (blocks of eight) once. */
-static void product(const float *x, const float *W, int K, int N, float *out, float *part, long stride) {
-    int t = omp_get_thread_num(), T = omp_get_num_threads(), G = K / 8;
-    int g0 = (int)((long)G * t / T), g1 = (int)((long)G * (t + 1) / T);
-    row_product(x, W, 8 * g0, 8 * g1, N, part + (size_t)t * stride);
+static void row_product(const float *x, const void *W, int k0, int k1, int N, float *acc, int t) {
+#define F(T) row_product_t(x, W, k0, k1, N, acc, T)
+    BY_TYPE(t, F);
+#undef F
+}
+
+/* out = x @ W, called by every thread of the team: each reads its share of W's rows (blocks of eight) once; each
+ * output, the sum of the threads' partial sums, is rounded once to the type t (the PyTorch matmul's output dtype). */
+static void product(const float *x, const void *W, int K, int N, float *out, float *part, long stride, int t) {
+    int u0 = omp_get_thread_num(), T = omp_get_num_threads(), G = K / 8;
+    int g0 = (int)((long)G * u0 / T), g1 = (int)((long)G * (u0 + 1) / T);
+    row_product(x, W, 8 * g0, 8 * g1, N, part + (size_t)u0 * stride, t);
 #pragma omp barrier
-#pragma omp for schedule(static)
-    for (int n = 0; n < N; n++) {
+    const int n0 = (int)((long)N * u0 / T), n1 = (int)((long)N * (u0 + 1) / T);
+    for (int n = n0; n < n1; n++) {
         float s = 0.f;
         for (int u = 0; u < T; u++) s += part[(size_t)u * stride + n];
         out[n] = s;
     }
+    round_to(out + n0, n1 - n0, t);
+#pragma omp barrier
 }
 
 int llmi_decode_step(const Step *p) {
@@ -89,6 +121,8 @@ int llmi_decode_step(const Step *p) {
     float *st = p->stats;
     int bad = 0;
     const long cache_layer = (long)K * p->max_len * hd, cache_head = (long)p->max_len * hd;
+    const int wt = p->wtype, ct = p->ctype;
+    const size_t csz = ct == T_F32 ? 4 : 2;      /* bytes of a cache element */
     const double t0 = omp_get_wtime();
 
 #pragma omp parallel num_threads(p->nth)
@@ -100,13 +134,13 @@ int llmi_decode_step(const Step *p) {
             if (p->marks) p->marks[0] = omp_get_wtime() - t0;
         }
         for (int l = 0; l < p->L; l++) {
-            float *kc = p->kc + l * cache_layer, *vc = p->vc + l * cache_layer;
+            char *kc = (char *)p->kc + l * cache_layer * csz, *vc = (char *)p->vc + l * cache_layer * csz;
 #pragma omp single
             {
-                rms_norm(x, p->attn_norm[l], d, p->eps, h);
+                rms_norm(x, p->attn_norm[l], d, p->eps, h, wt);
                 if (st) bad |= stats7(h, d, st), st += NSTAT;
             }
-            product(h, p->wqkv[l], d, (int)qkv_n, qkv, part, stride);
+            product(h, p->wqkv[l], d, (int)qkv_n, qkv, part, stride, wt);
 #pragma omp single
             {
                 float *q = qkv, *k = qkv + (long)H * hd, *v = k + (long)K * hd;
@@ -115,21 +149,19 @@ int llmi_decode_step(const Step *p) {
                     bad |= stats7(k, (long)K * hd, st + NSTAT);
                     bad |= stats7(v, (long)K * hd, st + 2 * NSTAT);
                 }
-                rope(qkv, H + K, hd, p->cos, p->sin);
+                rope(qkv, H + K, hd, p->cos, p->sin, wt);
                 if (st) {
                     bad |= stats7(q, (long)H * hd, st + 3 * NSTAT);
                     bad |= stats7(k, (long)K * hd, st + 4 * NSTAT);
                     st += 5 * NSTAT;
                 }
-                for (int j = 0; j < K; j++)
-                    for (int i = 0; i < hd; i++) {
-                        kc[j * cache_head + (long)p->pos * hd + i] = k[j * hd + i];
-                        vc[j * cache_head + (long)p->pos * hd + i] = v[j * hd + i];
-                    }
+                const size_t at = (size_t)p->pos * hd * csz;
+                cache_write(k, v, K, hd, kc + at, vc + at, cache_head, ct);
             }
 #pragma omp for schedule(static)
             for (int hh = 0; hh < H; hh++) {   /* scores, softmax, weighted values: one query row a head */
-                head_scores(qkv + (long)hh * hd, kc + (hh / G) * cache_head, S, hd, p->scale, scores + (long)hh * S);
+                head_scores(qkv + (long)hh * hd, kc + (hh / G) * cache_head * csz, S, hd, p->scale,
+                            scores + (long)hh * S, wt, ct);
             }
 #pragma omp single
             {
@@ -137,7 +169,8 @@ int llmi_decode_step(const Step *p) {
             }
 #pragma omp for schedule(static)
             for (int hh = 0; hh < H; hh++) {
-                head_softmax_values(scores + (long)hh * S, S, vc + (hh / G) * cache_head, hd, z + (long)hh * hd);
+                head_softmax_values(scores + (long)hh * S, S, vc + (hh / G) * cache_head * csz, hd,
+                                    z + (long)hh * hd, wt, ct);
             }
 #pragma omp single
             {
@@ -147,11 +180,11 @@ int llmi_decode_step(const Step *p) {
                     st += 2 * NSTAT;
                 }
             }
-            product(z, p->wo[l], H * hd, d, attn_out, part, stride);
+            product(z, p->wo[l], H * hd, d, attn_out, part, stride, wt);
 #pragma omp single
             {
-                for (int i = 0; i < d; i++) x[i] += attn_out[i];
-                rms_norm(x, p->mlp_norm[l], d, p->eps, h);
+                add_to(x, attn_out, d, wt);
+                rms_norm(x, p->mlp_norm[l], d, p->eps, h, wt);
                 if (st) {
                     bad |= stats7(attn_out, d, st);
                     bad |= stats7(x, d, st + NSTAT);
@@ -159,12 +192,12 @@ int llmi_decode_step(const Step *p) {
                     st += 3 * NSTAT;
                 }
             }
-            product(h, p->wgu[l], d, 2 * F, gu, part, stride);
-#pragma omp for simd schedule(static)
-            for (int i = 0; i < F; i++) {    /* silu(g) * up, e^-|g| so that nothing overflows */
-                const float g = gu[i], e = exp_le0(g < 0.f ? g : -g);
-                act[i] = (g < 0.f ? g * e : g) / (1.f + e) * gu[F + i];
+            product(h, p->wgu[l], d, 2 * F, gu, part, stride, wt);
+            {    /* silu(g) * up, the team's threads a share each */
+                const int u = omp_get_thread_num(), T = omp_get_num_threads();
+                silu_mul(gu, gu + F, act, (long)F * u / T, (long)F * (u + 1) / T, wt);
             }
+#pragma omp barrier
 #pragma omp single
             {
                 if (st) {
@@ -174,10 +207,10 @@ int llmi_decode_step(const Step *p) {
                     st += 3 * NSTAT;
                 }
             }
-            product(act, p->wdown[l], F, d, mlp_out, part, stride);
+            product(act, p->wdown[l], F, d, mlp_out, part, stride, wt);
 #pragma omp single
             {
-                for (int i = 0; i < d; i++) x[i] += mlp_out[i];
+                add_to(x, mlp_out, d, wt);
                 if (st) {
                     bad |= stats7(mlp_out, d, st);
                     bad |= stats7(x, d, st + NSTAT);
@@ -188,10 +221,10 @@ int llmi_decode_step(const Step *p) {
         }
 #pragma omp single
         {
-            rms_norm(x, p->final_norm, d, p->eps, xf);
+            rms_norm(x, p->final_norm, d, p->eps, xf, wt);
             if (st) bad |= stats7(xf, d, st), st += NSTAT;
         }
-        product(xf, p->lm_head, d, V, p->logits, part, stride);
+        product(xf, p->lm_head, d, V, p->logits, part, stride, wt);
 #pragma omp single
         {
             if (st) bad |= stats7(p->logits, V, st), st += NSTAT;

@@ -1,50 +1,194 @@
-/* The small per-row operations of a Llama block, shared by decode.c (one row) and decode_rows.c (a batch's rows). */
+/* The small per-row operations of a Llama block, shared by decode.c (one row) and decode_rows.c (a batch's rows),
+ * and the element types they read and write.
+ *
+ * Types: a model's weights and activations are float32, bfloat16 or float16 (wtype: T_F32, T_BF16, T_F16), its KV
+ * cache likewise (ctype). The kernels keep every vector they work on in float32, holding values rounded to the
+ * model's dtype wherever the PyTorch forward (engine/model.py, attention.py, rope.py) holds a tensor of that dtype
+ * (`rnd`), and accumulate products and compute statistics in float32: the same numbers as the PyTorch forward in the
+ * same dtype up to the order of its fp32 sums (a debugger never computes another model than it shows). A float16
+ * value past 65504 becomes inf where the PyTorch forward's does. Each operation taking a type is written once as an
+ * always_inline function of a constant type and called through a switch (BY_TYPE), so each type's loop is compiled
+ * (and vectorised) on its own: bfloat16 -> float32 is a 16-bit shift, float16 -> float32 the F16C conversion. */
 #ifndef LLMI_LLAMA_OPS_H
 #define LLMI_LLAMA_OPS_H
 #include <math.h>
 #include <stddef.h>
+#include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include "rowstat.h"
 #include "vexp.h"
+
+enum { T_F32 = 0, T_BF16 = 1, T_F16 = 2 };
+#define LLMI_INLINE static inline __attribute__((always_inline))
+
+/* f(t) compiled for each type, t a constant in each branch */
+#define BY_TYPE(t, f) do { switch (t) { case T_BF16: f(T_BF16); break; case T_F16: f(T_F16); break; \
+                                        default: f(T_F32); } } while (0)
+
+/* element i of a vector of type t, as float32 (exact) */
+LLMI_INLINE float ld(const void *p, size_t i, const int t) {
+    if (t == T_BF16) {
+        const unsigned u = (unsigned)((const unsigned short *)p)[i] << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    if (t == T_F16) {       /* in integer steps, so that a loop of them vectorises (GCC 12 keeps _Float16 scalar) */
+        const unsigned h = ((const unsigned short *)p)[i], em = (h & 0x7fffu) << 13;
+        float f;
+        memcpy(&f, &em, sizeof f);
+        f *= 0x1p112f;                  /* exponent 15 -> 127 biased; a subnormal half is exact too */
+        unsigned u;
+        memcpy(&u, &f, sizeof u);
+        u = ((h & 0x7c00u) == 0x7c00u ? em | 0x7f800000u : u) | (h & 0x8000u) << 16;    /* inf and NaN kept */
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    return ((const float *)p)[i];
+}
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));      /* eight floats, unaligned loads and stores */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));     /* sixteen: one AVX-512 register */
+typedef unsigned short h8 __attribute__((vector_size(16), aligned(2)));      /* eight bfloat16 / float16 */
+typedef unsigned short h16 __attribute__((vector_size(32), aligned(2)));
+typedef unsigned u8 __attribute__((vector_size(32)));
+typedef unsigned u16v __attribute__((vector_size(64)));
+
+/* eight / sixteen elements of type t from element i of W, as float32 vectors (bfloat16: the bits shifted up;
+ * float16: the F16C conversion, elementwise `ld` without it) */
+LLMI_INLINE v8 load8(const void *W, size_t i, const int t) {
+    if (t == T_BF16) return (v8)(__builtin_convertvector(*(const h8 *)((const unsigned short *)W + i), u8) << 16);
+    if (t == T_F16) {
+#if defined(__F16C__)
+        return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const unsigned short *)W + i)));
+#else
+        v8 r;
+        for (int j = 0; j < 8; j++) r[j] = ld(W, i + j, T_F16);
+        return r;
+#endif
+    }
+    return *(const v8 *)((const float *)W + i);
+}
+LLMI_INLINE v16 load16(const void *W, size_t i, const int t) {
+    if (t == T_BF16) return (v16)(__builtin_convertvector(*(const h16 *)((const unsigned short *)W + i), u16v) << 16);
+#if defined(__AVX512F__)
+    if (t == T_F16) return (v16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const unsigned short *)W + i)));
+#endif
+    const v8 a = load8(W, i, t), b = load8(W, i + 8, t);
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+/* x rounded to type t (to nearest, ties to even, as PyTorch converts; past the type's range: inf), as float32 */
+LLMI_INLINE float rnd(float x, const int t) {
+    if (t == T_BF16) {
+        unsigned u;
+        memcpy(&u, &x, sizeof u);
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        float r;
+        memcpy(&r, &u, sizeof r);
+        return x != x ? x : r;          /* a NaN stays a NaN (the carry would make some an inf) */
+    }
+    if (t == T_F16) return (float)(_Float16)x;
+    return x;
+}
+
+/* element i of a vector of type t set to x, a value rounded to t (exact) */
+LLMI_INLINE void put(void *p, size_t i, float x, const int t) {
+    if (t == T_BF16) {
+        unsigned u;
+        memcpy(&u, &x, sizeof u);
+        ((unsigned short *)p)[i] = (unsigned short)(u >> 16);
+    } else if (t == T_F16) {
+        ((_Float16 *)p)[i] = (_Float16)x;
+    } else {
+        ((float *)p)[i] = x;
+    }
+}
+
+/* a[0:n] rounded to type t in place (a product's outputs: the PyTorch forward's matmul in t rounds each sum once) */
+LLMI_INLINE void round_t(float *a, long n, const int t) {
+    if (t == T_F32) return;
+#pragma omp simd
+    for (long i = 0; i < n; i++) a[i] = rnd(a[i], t);
+}
+static inline void round_to(float *a, long n, int t) {
+#define F(T) round_t(a, n, T)
+    BY_TYPE(t, F);
+#undef F
+}
 
 /* min, max, mean, std, absmax, nan, inf of a[0:n] (rowstat.h); 1 when a value is not finite */
 static inline int stats7(const float *a, long n, float *out) {
     return row_stat(a, 1, (int)n, 0, out);
 }
 
-static inline void rms_norm(const float *x, const float *w, int d, float eps, float *h) {
+/* h = x * rsqrt(mean(x^2) + eps) * w in float32, rounded once to t (F.rms_norm in bf16/fp16 rounds once too) */
+LLMI_INLINE void rms_norm_t(const float *x, const void *w, int d, float eps, float *h, const int t) {
     float s = 0.f;
     for (int i = 0; i < d; i++) s += x[i] * x[i];
     const float r = 1.f / sqrtf(s / (float)d + eps);
-    for (int i = 0; i < d; i++) h[i] = (x[i] * r) * w[i];
+    for (int i = 0; i < d; i++) h[i] = rnd((x[i] * r) * ld(w, i, t), t);
+}
+static inline void rms_norm(const float *x, const void *w, int d, float eps, float *h, int t) {
+#define F(T) rms_norm_t(x, w, d, eps, h, T)
+    BY_TYPE(t, F);
+#undef F
 }
 
-/* x (heads, hd) rotated in place by half-split pairs: x*cos + rotate_half(x)*sin */
-static inline void rope(float *x, int heads, int hd, const float *cos, const float *sin) {
+/* x (heads, hd) rotated in place by half-split pairs: x*cos + rotate_half(x)*sin, each product and the sum rounded
+ * to t as apply_rope's tensors are (cos, sin: the table's rows, exact in float32) */
+LLMI_INLINE void rope_t(float *x, int heads, int hd, const float *cos, const float *sin, const int t) {
     const int half = hd / 2;
     for (int h = 0; h < heads; h++) {
         float *v = x + (size_t)h * hd;
         for (int i = 0; i < half; i++) {
             const float a = v[i], b = v[i + half];
-            v[i] = a * cos[i] - b * sin[i];
-            v[i + half] = b * cos[i + half] + a * sin[i + half];
+            v[i] = rnd(rnd(a * cos[i], t) - rnd(b * sin[i], t), t);
+            v[i + half] = rnd(rnd(b * cos[i + half], t) + rnd(a * sin[i + half], t), t);
         }
     }
 }
+static inline void rope(float *x, int heads, int hd, const float *cos, const float *sin, int t) {
+#define F(T) rope_t(x, heads, hd, cos, sin, T)
+    BY_TYPE(t, F);
+#undef F
+}
 
-/* sc[0:S] = scale * (q . keys[s]) for one query head against S cached keys (rows of hd floats) */
-static inline void head_scores(const float *q, const float *keys, int S, int hd, float scale, float *sc) {
+/* the k and v rows of KV head j .. (K heads of hd) written at kc / vc (cache rows of type ct, `head` elements apart) */
+LLMI_INLINE void cache_write_t(const float *k, const float *v, int K, int hd, void *kc, void *vc, long head,
+                               const int ct) {
+    for (int j = 0; j < K; j++)
+        for (int i = 0; i < hd; i++) {
+            put(kc, (size_t)j * head + i, rnd(k[j * hd + i], ct), ct);
+            put(vc, (size_t)j * head + i, rnd(v[j * hd + i], ct), ct);
+        }
+}
+static inline void cache_write(const float *k, const float *v, int K, int hd, void *kc, void *vc, long head, int ct) {
+#define F(T) cache_write_t(k, v, K, hd, kc, vc, head, T)
+    BY_TYPE(ct, F);
+#undef F
+}
+
+/* sc[0:S] = scale * (q . keys[s]) for one query head against S cached keys (rows of hd elements of type ct): the dot
+ * in float32 rounded to t, then scaled and rounded again (the PyTorch forward's q @ k^T, then * scale) */
+LLMI_INLINE void head_scores_t(const float *q, const void *keys, int S, int hd, float scale, float *sc, const int t,
+                               const int ct) {
     for (int s = 0; s < S; s++) {
         float dot = 0.f;
-        const float *kk = keys + (long)s * hd;
+        const size_t at = (size_t)s * hd;
 #pragma omp simd reduction(+ : dot)
-        for (int i = 0; i < hd; i++) dot += q[i] * kk[i];
-        sc[s] = dot * scale;
+        for (int i = 0; i < hd; i++) dot += q[i] * ld(keys, at + i, ct);
+        sc[s] = rnd(rnd(dot, t) * scale, t);
     }
 }
 
-/* sc[0:S] softmaxed in place (the head's pattern), then zo[0:hd] = pattern @ vals (S rows of hd floats) */
-static inline void head_softmax_values(float *sc, int S, const float *vals, int hd, float *zo) {
+/* sc[0:S] softmaxed in place in float32 and rounded to t (the head's pattern), then zo[0:hd] = pattern @ vals (S
+ * rows of hd elements of type ct), summed in float32 and rounded to t */
+LLMI_INLINE void head_softmax_values_t(float *sc, int S, const void *vals, int hd, float *zo, const int t,
+                                       const int ct) {
     float m = -INFINITY, sum = 0.f;
     for (int s = 0; s < S; s++) m = sc[s] > m ? sc[s] : m;
 #pragma omp simd reduction(+ : sum)
@@ -52,11 +196,55 @@ static inline void head_softmax_values(float *sc, int S, const float *vals, int 
     const float inv = 1.f / sum;
     for (int i = 0; i < hd; i++) zo[i] = 0.f;
     for (int s = 0; s < S; s++) {
-        const float w = (sc[s] *= inv);
-        const float *vv = vals + (long)s * hd;
+        const float w = (sc[s] = rnd(sc[s] * inv, t));
+        const size_t at = (size_t)s * hd;
 #pragma omp simd
-        for (int i = 0; i < hd; i++) zo[i] += w * vv[i];
+        for (int i = 0; i < hd; i++) zo[i] += w * ld(vals, at + i, ct);
     }
+    round_t(zo, hd, t);
+}
+
+#define BY_TYPES(t, ct, f) do { switch ((t) * 3 + (ct)) { \
+    case 0: f(T_F32, T_F32); break; case 1: f(T_F32, T_BF16); break; case 2: f(T_F32, T_F16); break; \
+    case 3: f(T_BF16, T_F32); break; case 4: f(T_BF16, T_BF16); break; case 5: f(T_BF16, T_F16); break; \
+    case 6: f(T_F16, T_F32); break; case 7: f(T_F16, T_BF16); break; default: f(T_F16, T_F16); } } while (0)
+
+static inline void head_scores(const float *q, const void *keys, int S, int hd, float scale, float *sc, int t,
+                               int ct) {
+#define F(T, C) head_scores_t(q, keys, S, hd, scale, sc, T, C)
+    BY_TYPES(t, ct, F);
+#undef F
+}
+static inline void head_softmax_values(float *sc, int S, const void *vals, int hd, float *zo, int t, int ct) {
+#define F(T, C) head_softmax_values_t(sc, S, vals, hd, zo, T, C)
+    BY_TYPES(t, ct, F);
+#undef F
+}
+
+/* act[0:F] = silu(g) * up, silu in float32 with e^-|g| (nothing overflows), rounded to t, then the product rounded
+ * to t (the PyTorch forward's act_fn(gate) * up in t) */
+LLMI_INLINE void silu_mul_t(const float *g, const float *up, float *act, long lo, long hi, const int t) {
+#pragma omp simd
+    for (long i = lo; i < hi; i++) {
+        const float x = g[i], e = exp_le0(x < 0.f ? x : -x);
+        act[i] = rnd(rnd((x < 0.f ? x * e : x) / (1.f + e), t) * up[i], t);
+    }
+}
+static inline void silu_mul(const float *g, const float *up, float *act, long lo, long hi, int t) {
+#define F(T) silu_mul_t(g, up, act, lo, hi, T)
+    BY_TYPE(t, F);
+#undef F
+}
+
+/* x[0:d] += y[0:d], each sum rounded to t (the residual stream's add in t) */
+LLMI_INLINE void add_t(float *x, const float *y, int d, const int t) {
+#pragma omp simd
+    for (int i = 0; i < d; i++) x[i] = rnd(x[i] + y[i], t);
+}
+static inline void add_to(float *x, const float *y, int d, int t) {
+#define F(T) add_t(x, y, d, T)
+    BY_TYPE(t, F);
+#undef F
 }
 
 #endif

@@ -5,12 +5,12 @@ rows when every row's probe is served by it, under the same allow-list.
 A model takes it only when everything it computes is on the allow-list of what decode.c implements (`refusal`): a
 family in NATIVE_FAMILIES whose config has every variation at Llama's value (no q/k norms, post-norms, multipliers,
 soft caps, windows, rotary fraction, layers without RoPE, experts), no biases, no precision plan, every weight a
-contiguous float32 matrix, on the CPU in float32. A call then takes it when it is one token and its probe is none
+contiguous matrix in the model's dtype, on the CPU in float32, bfloat16 or float16 (the kernels round each stage to
+that dtype where the PyTorch forward holds a tensor of it and sum in float32: llama_ops.h). A call then takes it when it is one token and its probe is none
 or asks only for what one pass of decode.c gives (Probe.served_by): statistics of any stages, per-layer timing marks,
 and a capture of the logits (the app's inspected run asks for exactly these) -- no capture of any other stage, no
 replacement, weight override or run-only epsilon. Anything else, or a library that could not be built, runs the
-PyTorch forward, which stays the reference: tests hold the
-two to each other and to transformers.
+PyTorch forward, which stays the reference: tests hold the two to each other (in each dtype) and to transformers.
 
 The native step reads the model's own weight matrices, row-major (in, out) as engine/weights.py stores them and the
 PyTorch forward multiplies them: there is one copy of every weight in memory (an earlier version kept a second copy
@@ -32,7 +32,8 @@ from engine.inspection.stages import PLAIN_STAGES, forward_stages
 from engine.native import build
 
 _P = ctypes.c_void_p
-_FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_len", "pos", "nth")] + [
+_FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_len", "pos", "nth", "wtype",
+                                        "ctype")] + [
     ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("x_in", _P)] + [
     (n, _P) for n in ("attn_norm", "wqkv", "wo", "mlp_norm", "wgu", "wdown", "kc", "vc", "cos", "sin",
                       "final_norm", "lm_head", "logits", "work", "stats", "marks")]
@@ -41,6 +42,9 @@ _FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_
 # What decode.c computes, named: a family whose block is Llama's, the slots it reads, and each config variation at the
 # one value it implements. Anything else decodes on the PyTorch forward (a debugger never computes another model).
 NATIVE_FAMILIES = ("llama", "mistral", "qwen2")
+# The element types decode.c reads and writes (llama_ops.h's T_F32, T_BF16, T_F16): the weights' and activations'
+# (the model's dtype), and the KV cache's.
+TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LAYER_SLOTS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
 MATRICES = tuple(f for f in SLOT_MATRICES if f in LAYER_SLOTS)      # the products it streams
 VARIATIONS = {"activation": "silu", "embed_scale": 1.0, "residual_scale": 1.0, "logits_divisor": 1.0,
@@ -61,14 +65,14 @@ def refusal(model) -> str | None:
         return "sliding windows, per-layer RoPE or longrope"
     if any(set(lw.present()) != set(LAYER_SLOTS) for lw in w.layers):
         return "weights beyond a plain Llama block (biases, norms, experts)"
-    if model.device.type != "cpu" or model.dtype != torch.float32 or model.fp32_units \
-            or model.resid_fp32_from is not None:
-        return "not float32 on the CPU, or a precision plan"
+    if model.device.type != "cpu" or model.dtype not in TYPES or model.cache_dtype not in TYPES \
+            or model.fp32_units or model.resid_fp32_from is not None:
+        return "not float32, bfloat16 or float16 on the CPU, or a precision plan"
     mats = [getattr(lw, f) for lw in w.layers for f in LAYER_SLOTS]
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in [*mats, w.norm, w.lm_head]) \
+    if any(t.dtype != model.dtype or not t.is_contiguous() for t in [*mats, w.norm, w.lm_head]) \
             or any(n % 8 for t in [*mats, w.lm_head] if t.dim() == 2 for n in t.shape) \
             or cfg.head_dim % 2 or cfg.num_heads % cfg.num_kv_heads:
-        return "weights that are not contiguous float32 matrices in multiples of 8"
+        return f"weights that are not contiguous {model.dtype} matrices in multiples of 8"
     return None
 
 
@@ -77,7 +81,7 @@ class StepArgs(ctypes.Structure):
 
 
 class RowsArgs(ctypes.Structure):       # decode_rows.c's Rows
-    _fields_ = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "B", "nth")] + [
+    _fields_ = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "B", "nth", "wtype", "ctype")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
         (n, _P) for n in ("x_in", "attn_norm", "wqkv", "wo", "mlp_norm", "wgu", "wdown", "kc", "vc", "max_len", "pos",
                           "cos", "sin", "final_norm", "lm_head", "logits", "work", "stats", "marks", "bad")]
@@ -124,7 +128,7 @@ class NativeDecoder:
                 or variant.device != self.model.device or variant.fp32_units or variant.resid_fp32_from is not None
                 or len(theirs.layers) != len(mine.layers) or any(a is not b for a, b in same)
                 or any(getattr(theirs.layers[i], field) is not w or w.shape != getattr(lw, field).shape
-                       or w.dtype != torch.float32 or not w.is_contiguous()
+                       or w.dtype != self.model.dtype or not w.is_contiguous()
                        for i, w in layers.items() for lw in [mine.layers[i]])):
             return None
         return NativeDecoder(variant, self.lib)
@@ -148,21 +152,29 @@ class NativeDecoder:
         (`mark_labels`), else None)."""
         m, c = self.model, self.model.config
         w = m.weights
-        x = w.embed[token].contiguous()     # (d,): a row of a tied model's embedding is a strided column
+        # (d,) in float32 (a row of a tied model's embedding is a strided column); the rotary rows likewise: exact
+        x = w.embed[token].to(torch.float32).contiguous()
+        cos, sin = m.cos[pos].to(torch.float32).contiguous(), m.sin[pos].to(torch.float32).contiguous()
         logits = torch.empty(1, c.vocab_size)
         st = torch.empty(len(self.names), 1, 7) if stats else None
         marks = torch.empty(c.num_layers + 2, dtype=torch.float64) if timing else None
         nth = torch.get_num_threads()     # read once: the work buffer is sized for the threads the call uses
         work = self._work(cache, nth)
         s = StepArgs(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                 c.vocab_size, cache.max_len, pos, nth, eps, c.head_dim ** -0.5, x.data_ptr(),
+                 c.vocab_size, cache.max_len, pos, nth, TYPES[m.dtype], TYPES[cache.k.dtype], eps, c.head_dim ** -0.5,
+                 x.data_ptr(),
                  self.layer_ptrs["attn_norm"], self.layer_ptrs["wqkv"], self.layer_ptrs["wo"],
                  self.layer_ptrs["mlp_norm"], self.layer_ptrs["w_gate_up"], self.layer_ptrs["w_down"],
-                 cache.k.data_ptr(), cache.v.data_ptr(), m.cos[pos].data_ptr(), m.sin[pos].data_ptr(),
+                 cache.k.data_ptr(), cache.v.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                  w.norm.data_ptr(), w.lm_head.data_ptr(), logits.data_ptr(), work.data_ptr(),
                  st.data_ptr() if stats else None, marks.data_ptr() if timing else None)
         status = self.lib.llmi_decode_step(ctypes.byref(s))
-        return logits, st, status, (list(zip(self.mark_labels, marks.tolist())) if timing else None)
+        return self._typed(logits), st, status, (list(zip(self.mark_labels, marks.tolist())) if timing else None)
+
+    def _typed(self, logits: torch.Tensor) -> torch.Tensor:
+        """The kernels' float32 logits (each already rounded to the model's dtype) in that dtype, as the PyTorch
+        forward returns them (exact)."""
+        return logits if self.model.dtype == torch.float32 else logits.to(self.model.dtype)
 
     def rows(self, tokens: list[int], caches: list, positions: list[int], eps: float, stats: bool,
              timing: bool = False) -> tuple:
@@ -172,22 +184,25 @@ class NativeDecoder:
         row's cache is written at its position; its attention reads only its own cache."""
         m, c = self.model, self.model.config
         B = len(tokens)
-        x = m.weights.embed[torch.tensor(tokens)].contiguous()                          # (B, d)
+        x = m.weights.embed[torch.tensor(tokens)].to(torch.float32).contiguous()       # (B, d)
         at = torch.tensor(positions)
-        cos, sin = m.cos[at].contiguous(), m.sin[at].contiguous()                       # (B, hd)
+        cos, sin = m.cos[at].to(torch.float32).contiguous(), m.sin[at].to(torch.float32).contiguous()   # (B, hd)
         logits = torch.empty(B, c.vocab_size)
         st = torch.empty(B, len(self.names), 7) if stats else None
         marks = torch.empty(c.num_layers + 2, dtype=torch.float64) if timing else None
         bad = torch.zeros(B, dtype=torch.int32)
         lens = torch.tensor([cache.max_len for cache in caches], dtype=torch.int32)
         pos = torch.tensor(positions, dtype=torch.int32)
+        if any(cache.k.dtype != caches[0].k.dtype for cache in caches):
+            raise ValueError(f"the rows' KV caches differ in dtype: {sorted({str(c.k.dtype) for c in caches})}")
         kc = (_P * B)(*[cache.k.data_ptr() for cache in caches])
         vc = (_P * B)(*[cache.v.data_ptr() for cache in caches])
         nth = torch.get_num_threads()
         work = torch.empty(self.lib.llmi_rows_work_floats(B, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                                           c.intermediate_size, max(positions) + 1))
         r = RowsArgs(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                     c.vocab_size, B, nth, eps, c.head_dim ** -0.5, x.data_ptr(),
+                     c.vocab_size, B, nth, TYPES[m.dtype], TYPES[caches[0].k.dtype], eps, c.head_dim ** -0.5,
+                     x.data_ptr(),
                      self.layer_ptrs["attn_norm"], self.layer_ptrs["wqkv"], self.layer_ptrs["wo"],
                      self.layer_ptrs["mlp_norm"], self.layer_ptrs["w_gate_up"], self.layer_ptrs["w_down"],
                      ctypes.cast(kc, _P), ctypes.cast(vc, _P), lens.data_ptr(), pos.data_ptr(), cos.data_ptr(),
@@ -195,7 +210,7 @@ class NativeDecoder:
                      work.data_ptr(), st.data_ptr() if stats else None, marks.data_ptr() if timing else None,
                      bad.data_ptr())
         failed = self.lib.llmi_decode_rows(ctypes.byref(r))
-        return logits, st, failed, (list(zip(self.mark_labels, marks.tolist())) if timing else None)
+        return self._typed(logits), st, failed, (list(zip(self.mark_labels, marks.tolist())) if timing else None)
 
     def serve_rows(self, tokens: list[int], positions: list[int], caches: list, probe, eps: float):
         """rows() for a batch's fan-out probe (engine.batch.rows.FanProbe, which it serves: served_by), each run's
