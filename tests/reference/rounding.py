@@ -1,5 +1,6 @@
-"""How far two float32 evaluations of the same forward may differ: the bound the reference tier holds the native
-decode step's statistics to against the PyTorch forward's (tests/reference/test_native_reference.py).
+"""How far two float32 evaluations of the same forward may differ: the bounds the reference tier holds the native
+decode step's statistics to against the PyTorch forward's, and a run's logits to another evaluation's
+(tests/reference/test_native_reference.py, test_fidelity.py's cached decode: logits_bound).
 
 The two paths compute the same function and differ only in rounding:
 
@@ -30,7 +31,12 @@ sum over n values: n/32 a lane, then the lanes; torch's vectorised and cascaded 
 elementwise operations' last bits (ELEMENTWISE_ULPS of the stage's largest value)."""
 from __future__ import annotations
 
+from typing import Callable
+from unittest import mock
+
 import torch
+
+import engine.model
 
 U = 2.0 ** -24              # float32's unit roundoff
 DRAWS = 8                   # reordered PyTorch forwards; σ̂ pools a stage's draws over the decode steps compared
@@ -99,3 +105,20 @@ def floor(stats: torch.Tensor, n: int) -> torch.Tensor:
     d_mean = 2 * gamma * amax
     d_std = (gamma * amax ** 2 + gamma * std ** 2 / 2 + abs(mean) * d_mean) / max(std, 1e-30)
     return torch.tensor([base, base, base + d_mean, base + d_std, base], dtype=torch.float64)
+
+
+def reordered_runs(run: Callable[[], torch.Tensor], draws: int, every_product: bool = True,
+                   seed: int = 0) -> list[torch.Tensor]:
+    """run() `draws` times with engine.model's products reordered (reordered_mm, drawn from one seeded generator:
+    the same draws every time)."""
+    gen = torch.Generator().manual_seed(seed)
+    with mock.patch.object(engine.model, "mm", reordered_mm(engine.model.mm, gen, every_product)):
+        return [run() for _ in range(draws)]
+
+
+def logits_bound(draws: list[torch.Tensor], want: torch.Tensor, positions) -> float:
+    """K_NORM times the rms, over the draws and the positions, of a draw's relative error against want (T, V): the
+    bound on a position's relative error for another evaluation of the same logits."""
+    errs = [float((d[t].double() - want[t].double()).norm() / want[t].double().norm()) for d in draws
+            for t in positions]
+    return K_NORM * float(torch.tensor(errs).square().mean().sqrt())

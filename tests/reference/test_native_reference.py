@@ -1,5 +1,6 @@
 """The native decode step (engine/native) on the bundled model against transformers: every decoded position's
-logits, and the statistics of every stage against the PyTorch forward's, at 300 positions of context."""
+logits, and the statistics of every stage against the PyTorch forward's, at 300 positions of context, each within
+the bound tests/reference/rounding.py derives from float32 rounding."""
 from __future__ import annotations
 
 import copy
@@ -7,7 +8,6 @@ import copy
 import pytest
 import torch
 
-import engine.model
 from engine.accelerator import PLAIN
 from engine.inspection.probe import Probe
 from engine.native.step import NativeDecoder
@@ -42,13 +42,8 @@ def test_decoded_logits_equal_transformers(bundled_model, hf_reference, monkeypa
     ours = _run_logits(bundled_model, ids)
     assert calls == list(range(64, 96))
     ref, plain = hf_logits(hf_reference, ids), bundled_model.with_accelerator(PLAIN)
-    want = _run_logits(plain, ids)
-    gen = torch.Generator().manual_seed(0)
-    with monkeypatch.context() as m:
-        m.setattr(engine.model, "mm", rounding.reordered_mm(engine.model.mm, gen, every_product=True))
-        draws = [_run_logits(plain, ids) for _ in range(rounding.LOGITS_DRAWS)]
-    spread = torch.tensor([rel_err(d[t], want[t]) for d in draws for t in range(64, 96)]).square().mean().sqrt()
-    bound = rounding.K_NORM * float(spread)
+    draws = rounding.reordered_runs(lambda: _run_logits(plain, ids), rounding.LOGITS_DRAWS)
+    bound = rounding.logits_bound(draws, _run_logits(plain, ids), range(64, 96))
     errs = [rel_err(ours[t], ref[t]) for t in range(64, 96)]
     print(f"\nnative logits against transformers: at most {max(errs) / bound:.2f} of the bound {bound:.2e}")
     for t, err in zip(range(64, 96), errs):
@@ -64,7 +59,7 @@ def _decode_statistics(model, cache) -> dict:
     return {(b.pos0, n): b.values[g][0].double() for b in probe.recording.stats for g, n in enumerate(b.names)}
 
 
-def test_statistics_at_300_positions_equal_the_pytorch_forward_within_their_rounding(bundled_model, monkeypatch):
+def test_statistics_at_300_positions_equal_the_pytorch_forward_within_their_rounding(bundled_model):
     """Three decode steps after 300 positions: every statistic of every stage of the native step within the bound
     tests/reference/rounding.py derives of the PyTorch forward's (K_SIGMA times the spread of DRAWS PyTorch
     forwards whose products add their terms in random orders, plus what the statistics' own sums and the
@@ -79,10 +74,8 @@ def test_statistics_at_300_positions_equal_the_pytorch_forward_within_their_roun
     ref = _decode_statistics(plain, copy.deepcopy(prefilled))
     assert native.keys() == ref.keys() and len(ref) == 3 * (1 + 17 * 30 + 2)
     assert all(torch.equal(native[k][5:], ref[k][5:]) for k in ref)     # NaN and Inf counts: counts, exactly
-    gen = torch.Generator().manual_seed(0)
-    with monkeypatch.context() as m:
-        m.setattr(engine.model, "mm", rounding.reordered_mm(engine.model.mm, gen))
-        draws = [_decode_statistics(plain, copy.deepcopy(prefilled)) for _ in range(rounding.DRAWS)]
+    draws = rounding.reordered_runs(lambda: _decode_statistics(plain, copy.deepcopy(prefilled)), rounding.DRAWS,
+                                    every_product=False)
     spread: dict[str, list] = {}                                 # stage -> its draws' differences, the steps pooled
     for k in ref:
         spread.setdefault(k[1], []).extend(d[k][:5] - ref[k][:5] for d in draws)
