@@ -29,7 +29,18 @@ Sleeping at once halves the lone user's decode (each of a token's many parallel 
 long stalls beside another busy process (both spin on the cores the other needs). 1,000 spins keep the lone decode
 within noise of spinning and never stalled in these trials. Earlier, at load average 6-9 (many busy processes):
 spin 100,000 3.9 tok/s, 10,000 5.6, 1,000 11.2, PASSIVE 11.4-33.0.
-A variable already set in the environment is left as it is (GOMP_SPINCOUNT=300000 brings libgomp's long spin back)."""
+A variable already set in the environment is left as it is (GOMP_SPINCOUNT=300000 brings libgomp's long spin back).
+
+One variable is set whatever the environment says, because a result depends on it: OMP_DYNAMIC=false (FIXED).
+Every parallel reduction here splits its sum by the team it actually gets (decode.c's products: one block of rows
+a thread, then the blocks' partial sums added; torch's at::parallel_for chunks by omp_get_num_threads()), so the
+team's size decides the order of the additions. With dynamic adjustment on, libgomp sizes each team as the cores
+less the 15-minute load average (its proc.c), so a run's numbers would move with the machine's load. Measured here
+(2026-12-07, load average 9-10 on two cores, the bundled model's decode statistics of three steps, 6,688 of them):
+with OMP_DYNAMIC=true, two threads asked for, every step ran on a team of one and its statistics were bit for bit
+those of OMP_NUM_THREADS=1, and 6,688 of them differed from those of a team of two; with dynamic adjustment off,
+repeated runs beside a busy process were bit for bit equal. A different thread count asked for (OMP_NUM_THREADS,
+torch.set_num_threads) still gives different rounding, as it should: that is a setting, not the load."""
 from __future__ import annotations
 
 import contextlib
@@ -37,13 +48,16 @@ import ctypes
 import os
 
 POLICY = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "1000"}
+FIXED = {"OMP_DYNAMIC": "false"}     # set over the environment's: a team's size must not follow the load
 
 
 def apply() -> dict[str, str]:
-    """Set the policy's variables that the environment does not set already; the policy in force."""
+    """Set the policy's variables that the environment does not set already, and FIXED's whatever it sets; the
+    policy in force."""
     for k, v in POLICY.items():
         os.environ.setdefault(k, v)
-    return {k: os.environ[k] for k in POLICY}
+    os.environ.update(FIXED)
+    return {k: os.environ[k] for k in (*POLICY, *FIXED)}
 
 
 apply()

@@ -6,6 +6,7 @@ import torch
 
 from engine import inspection_probe
 from engine.sources import bundled_gguf
+from tests.reference import rounding
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -79,9 +80,15 @@ def test_kv_cache_decode_equals_full_forward(bundled_model):
     parts += [bundled_model.forward(torch.tensor([t]), cache) for t in ids[28:]]
     stepped = torch.cat(parts).float()
     assert cache.get_pos() == len(ids)
-    assert rel_err(stepped, full) <= 1e-4
-    for t in (0, 19, 20, 27, 28, 47):   # per position too, not only in aggregate
-        assert rel_err(stepped[t], full[t]) <= 1e-4
+    # within what two float32 evaluations of the full forward differ by (tests/reference/rounding.py: the rms over
+    # reordered forwards, K_NORM times); the decode steps are the native step where there is one
+    draws = rounding.reordered_runs(lambda: bundled_model.logits(ids), rounding.LOGITS_DRAWS)
+    bound = rounding.logits_bound(draws, full, range(len(ids)))
+    print(f"\nstepped against full: at most {max(rel_err(stepped[t], full[t]) for t in range(len(ids))) / bound:.2f}"
+          f" of the bound {bound:.2e}")
+    assert rel_err(stepped, full) <= bound
+    for t in range(len(ids)):   # per position too, not only in aggregate
+        assert rel_err(stepped[t], full[t]) <= bound, (t, rel_err(stepped[t], full[t]), bound)
 
 
 def test_dequantised_tensors_equal_transformers_gguf(bundled_dir):
