@@ -21,8 +21,10 @@ the other runs' rows (engine.batch.segments). What follows the packed forward fo
 last progress report, its sampling, its on_token: finish_prefill) is done in its own thread once the gate has handed
 it its row, so that a slow callback there holds up no other run's prefill. A run that comes while a prefill is under
 way waits for it at most PREFILL_WAIT_S (a slow on_progress in it), then the waiting runs' prefill goes beside it.
-(A packed run's on_progress before each block is asked in the leading thread, as the forward runs: a slow one there
-holds up the runs of that pack.)"""
+A packed run's on_progress before each block is answered in a thread of the run's own (engine.batch.segments.Asker)
+and waited for at most ASK_WAIT_S (0.25 s), so a slow one there holds up the other runs of the pack once, by that
+bound; a slow run's answer (STOP, or what it raised) is heard at a later block, or, after the last, when the run
+finishes (finish_prefill waits for its own callbacks, in its thread)."""
 from __future__ import annotations
 
 import threading
@@ -49,15 +51,17 @@ def prefill_reason(run: GenerationRun) -> str | None:
 def prefill_together(runs: list[GenerationRun]) -> list[Outcome]:
     """Each run's prefill step (runs: prefill_reason None, one model), in order: its Step, None (it stopped), or the
     exception its step raised: pack_forward, then each run's finish_prefill."""
-    rows, seconds = pack_forward(runs)
-    return [row if failed(row) else guarded(finish_prefill, run, row, seconds) for run, row in zip(runs, rows)]
+    rows, seconds, askers = pack_forward(runs)
+    return [row if failed(row) else guarded(finish_prefill, run, row, seconds, asker)
+            for run, row, asker in zip(runs, rows, askers)]
 
 
-def pack_forward(runs: list[GenerationRun]) -> tuple[list[torch.Tensor | Stopped | BaseException], float]:
-    """The forward half of a packed prefill (runs: prefill_reason None, one model) -> (rows, seconds): rows[b] run
-    b's logits row (V,), Stopped (its on_progress answered STOP in the forward), or the exception that is its
-    outcome; run b then finishes with finish_prefill(runs[b], rows[b], seconds), in any thread (the gate: the run's
-    own). A failed forward (memory) is every run's exception, with no cache advanced. A run's own failure is its
+def pack_forward(runs: list[GenerationRun]) -> tuple[list[torch.Tensor | Stopped | BaseException], float, list]:
+    """The forward half of a packed prefill (runs: prefill_reason None, one model) -> (rows, seconds, askers): rows[b]
+    run b's logits row (V,), Stopped (its on_progress answered STOP in the forward), or the exception that is its
+    outcome; askers[b] the Asker that answered its on_progress in the forward (None: it has none, or never got to
+    it); run b then finishes with finish_prefill(runs[b], rows[b], seconds, askers[b]), in any thread (the gate: the
+    run's own). A failed forward (memory) is every run's exception, with no cache advanced. A run's own failure is its
     outcome alone: its preparation's leaves it out of the forward; its on_progress's or its probe's in the forward
     (engine.batch.segments, the fence of engine.batch.rows) leaves its cache where it was while the other runs' rows
     stand."""
@@ -65,9 +69,10 @@ def pack_forward(runs: list[GenerationRun]) -> tuple[list[torch.Tensor | Stopped
     if any(r.model is not model for r in runs):
         raise ValueError("runs of one packed prefill must share one model")
     rows: list = [guarded(_prepare, run) for run in runs]
+    askers: list = [None] * len(runs)
     go = [b for b, o in enumerate(rows) if o is None]       # the runs whose preparation went through
     if not go:
-        return rows, 0.0
+        return rows, 0.0, askers
     batch = [runs[b] for b in go]
     prompts = [r.prefill_input() for r in batch]
     lengths, starts = [len(p) for p in prompts], [r.cache.get_pos() for r in batch]
@@ -75,14 +80,18 @@ def pack_forward(runs: list[GenerationRun]) -> tuple[list[torch.Tensor | Stopped
     segments = Segments(model, [r.cache for r in batch], probe,
                         [r.prefill_ask if r.on_progress is not None else None for r in batch])
     positions = torch.cat([p + torch.arange(n) for p, n in zip(starts, lengths)])
+    for g, b in enumerate(go):
+        askers[b] = segments.askers[g]
     t0 = time.perf_counter()
     try:
         logits = model.forward_segments(torch.tensor([t for p in prompts for t in p]), positions, segments, probe)
     except Exception as e:
-        return [e if o is None else o for o in rows], time.perf_counter() - t0
+        return [e if o is None else o for o in rows], time.perf_counter() - t0, askers
+    finally:
+        segments.close_askers()
     for g, b in enumerate(go):
         rows[b] = probe.failed[g] if probe.failed[g] is not None else Stopped() if segments.stopped[g] else logits[g]
-    return rows, time.perf_counter() - t0
+    return rows, time.perf_counter() - t0, askers
 
 
 def failed(row) -> bool:
@@ -97,10 +106,16 @@ def _prepare(run: GenerationRun) -> None:
         run.probe.step = 0
 
 
-def finish_prefill(run: GenerationRun, got: torch.Tensor | Stopped, seconds: float) -> Step | None:
-    """A run's prefill step after its packed forward (pack_forward's row): its cache advanced over its prompt (unless
-    it stopped in the forward), its on_progress asked after the last block as its own prefill asks it, then its
-    step (sampling, on_token)."""
+def finish_prefill(run: GenerationRun, got: torch.Tensor | Stopped, seconds: float, asker=None) -> Step | None:
+    """A run's prefill step after its packed forward (pack_forward's row and asker): its own on_progress's answers in
+    the forward settled (waited for here, in the caller's thread: a STOP heard late stops it, what it raised is
+    raised), its cache advanced over its prompt (unless it stopped), its on_progress asked after the last block as
+    its own prefill asks it, then its step (sampling, on_token)."""
+    late = None if asker is None or isinstance(got, Stopped) else asker.settle()
+    if isinstance(late, Exception):
+        raise late                      # its own failure: its cache not advanced
+    if late is STOP:
+        got = Stopped()
     if not isinstance(got, Stopped):
         run.cache.advance(len(run.prompt_ids))
         if run.on_progress is not None and run.prefill_ask(run.model.config.num_layers) is STOP:
@@ -111,10 +126,11 @@ def finish_prefill(run: GenerationRun, got: torch.Tensor | Stopped, seconds: flo
 class _Waiter:
     """A run waiting at the gate: outcome (a Step or None of a prefill alone, or a row of pack_forward, with seconds),
     done, wake."""
-    __slots__ = ("run", "outcome", "seconds", "done", "wake")
+    __slots__ = ("run", "outcome", "seconds", "asker", "done", "wake")
 
     def __init__(self, run: GenerationRun) -> None:
         self.run, self.outcome, self.seconds, self.done, self.wake = run, None, 0.0, False, threading.Event()
+        self.asker = None
 
 
 class PrefillGate:
@@ -155,7 +171,7 @@ class PrefillGate:
             else:
                 self._take_over(me)
         if isinstance(me.outcome, (torch.Tensor, Stopped)):       # its row of a packed forward
-            return finish_prefill(run, me.outcome, me.seconds)
+            return finish_prefill(run, me.outcome, me.seconds, me.asker)
         if isinstance(me.outcome, BaseException):
             raise me.outcome
         run.tell_token(me.outcome)
@@ -178,17 +194,17 @@ class PrefillGate:
                 rows += len(batch[-1].run.prompt_ids)
             self.serving, self.serves = self.serving + len(batch), self.serves + 1
         try:
-            seconds = 0.0
+            seconds, askers = 0.0, [None] * len(batch)
             if len(batch) == 1:
                 outcomes = [guarded(batch[0].run.step, tell=False)]
             else:
-                outcomes, seconds = pack_forward([w.run for w in batch])
+                outcomes, seconds, askers = pack_forward([w.run for w in batch])
                 self.packs, self.packed = self.packs + 1, self.packed + len(batch)
         except BaseException as e:     # an interrupt in the leader: every run of the batch hears it
             outcomes = [e] * len(batch)
         with self._lock:
-            for w, outcome in zip(batch, outcomes):
-                w.outcome, w.seconds, w.done = outcome, seconds, True
+            for w, outcome, asker in zip(batch, outcomes, askers):
+                w.outcome, w.seconds, w.asker, w.done = outcome, seconds, asker, True
                 w.wake.set()
             self.serving -= len(batch)
             if self._leader is me:

@@ -10,7 +10,7 @@ tokens) packed into one prefill with another run and batched with it at its deco
   it rejoins once its callback returns (engine.batch.barrier: the barrier waits WINDOW_S for a run that is not
   back, then steps the ones present); a run whose prefill's on_progress blocks holds up neither a decoding run
   nor a run that comes to the gate after it past PREFILL_WAIT_S (engine.batch.prefill; here 0.2 s: no time is
-  asserted, the holds are events).
+  asserted, the holds are events), nor one packed into its forward past ASK_WAIT_S (engine.batch.segments).
 
 The pack is made deterministic by a third run (the holder): it comes first and prefills alone, and its on_progress
 holds its prefill until the victim and the other wait at the gate; they are then packed into one forward."""
@@ -262,4 +262,29 @@ def test_a_prefill_whose_on_progress_blocks_holds_up_no_run_that_comes_after_it(
         t.join(120)
     assert seen["victim ended first"], "the victim waited at the gate on the other run's prefill"
     for run, result in zip([slow, victim], out):
+        _same_as_alone(run, result, _alone(run))
+
+
+def test_a_packed_run_whose_on_progress_blocks_holds_up_none_of_its_pack(tiny_model):
+    """The victim and the other run are packed into one prefill (the holder leads); the other's on_progress blocks
+    before block 1 of that packed forward until the victim has ended. Its answer is waited for at most ASK_WAIT_S
+    (engine.batch.segments.Asker), so the forward goes on, the victim decodes to its end, and the blocked run then
+    hears its own callback's answer, prefills, decodes and ends as alone."""
+    model = tiny_model.with_accelerator(PLAIN)
+    victim_ended, seen = threading.Event(), {}
+
+    def tell_end(step):
+        if victim.done:
+            victim_ended.set()
+    holder, victim = _holder(model), _victim(model, on_token=tell_end)
+
+    def blocks(p):
+        if p.layer == 1 and "victim ended first" not in seen:
+            seen["victim ended first"] = victim_ended.wait(WAIT_S)
+    slow = _other(model, on_progress=blocks)
+    barrier = StepBarrier(window_s=0.5)
+    out = _drive_packed(barrier, holder, [victim, slow])
+    assert barrier.prefills.packs == 1 and barrier.prefills.packed == 2
+    assert seen["victim ended first"], "the victim waited on the other run's on_progress in their packed forward"
+    for run, result in zip([holder, victim, slow], out):
         _same_as_alone(run, result, _alone(run))
