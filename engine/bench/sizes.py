@@ -134,6 +134,10 @@ def _tokenizer(w) -> None:
     w.add_eos_token_id(2)
 
 
+READS = 4       # large reads after each pair of decodes, the best of all kept: the first read after a decode
+                # measured 7-12 GB/s where the next ones read 23-29 (the step's threads still winding down)
+
+
 def probe(path: str, dtype: str) -> dict:
     """In a fresh process: load, held figures, decode speed over this dtype's floor (engine.bench.held / speed)."""
     from engine import load_model
@@ -150,10 +154,11 @@ def probe(path: str, dtype: str) -> dict:
     out = held_figures(model, before)
     read = ReadBandwidth(model.device)
     plain, inspected = [], []
-    for _ in range(3):        # plain and inspected decodes in turn, a large read after each pair
+    for _ in range(3):        # plain and inspected decodes in turn, large reads after each pair
         plain += _decode(model, None)
         inspected += _decode(model, inspection_probe())
-        read.measure()
+        for _ in range(READS):
+            read.measure()
     tok_s = 1 / _median(plain)
     floor = read.bytes_per_second / bytes_per_decoded_token(model, PROMPT + NEW / 2)
     return {**out, "decode_path": "native" if model.accelerator.decode is not None else "PyTorch: "
