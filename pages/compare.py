@@ -1,7 +1,8 @@
 """Compare two runs of one prompt (the current run's or the sidebar's) with one seed: sampler settings, dtype
 (another load of the model), KV cache on/off, an intervention. A token-aligned table, the first step where the
-runs diverge, and how much every stage differs at that step. Only the Compare button runs the model; the rest is
-display."""
+runs diverge, and how much every stage differs at that step; and a determinism check (inspector.ui.determinism_panel:
+the same request alone, in a class's batch, on one thread, on the other path, compared bit for bit). Only the Compare
+and Check determinism buttons run the model; the rest is display."""
 import streamlit as st
 
 from engine import EngineError, Probe, RunSettings, SamplingParams
@@ -9,6 +10,7 @@ from inspector.session.limits import LimitError
 from inspector.session.models import model_choices, shared_model
 from inspector.session.run import check_settings
 from inspector.ui.common import current_run, device_slot, get_model, plain, server_limits
+from inspector.ui.determinism_panel import determinism_section
 from inspector.ui.frame import ensure_frame
 from inspector.ui.state import session
 from inspector.ui.widgets import chart, checked, checked_float, checked_text, sampling_form
@@ -172,6 +174,11 @@ if st.button("Compare", key="cmp_run", type="primary", disabled=None in configs)
     bar.empty()
     session().compared = dict(a=ta, b=tb, cfg_a=cfg_a, cfg_b=cfg_b, divergence=d, diff_step=at, diff=diff,
                      names=(ma.name, str(ma.dtype), mb.name, str(mb.dtype)))
+
+with st.expander("Determinism: thirty students, T = 0 — thirty identical answers?",
+                 expanded=bool(s.get("det_run") or s.get("det_report"))):
+    determinism_section(model, RunSettings(prompt=prompt, chat=bool(base.chat), system=base.system,
+                                           allow_special=bool(base.allow_special), seed=seed), limits)
 
 res = session().compared
 if res is None:

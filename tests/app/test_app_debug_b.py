@@ -209,3 +209,23 @@ def test_compares_table_opens_at_a_late_divergence_and_a_toggle_shows_every_step
     at.toggle(key="cmp_all_steps").set_value(True).run()
     every = find_df(at, "id_a", "id_b")
     assert every["id_a"].tolist() == a and every["id_b"].tolist() == b
+
+
+def test_compare_page_checks_determinism_in_a_class_batch(at, tiny_model):
+    """The determinism check on the page: the prompt greedy alone and in a batch of three; the table names every
+    trial, the second run alone is bit-identical to the first (the same kernels in the same order), the batch trial
+    shared forwards, and the headline counts the runs and the distinct outputs as the table shows them."""
+    at.switch_page("views/compare.py").run()
+    assert not at.exception
+    at.number_input(key="det_class").set_value(3)
+    at.number_input(key="det_repeats").set_value(2)
+    at.number_input(key="det_tokens").set_value(4)
+    at.button(key="det_run").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    table = find_df(at, "run", "bit-identical")
+    runs = table["run"].tolist()
+    assert runs[:2] == ["alone #2", "in a batch of 3"]
+    assert bool(table.set_index("run").loc["alone #2", "bit-identical"])
+    assert "shared a forward" in table.set_index("run").loc["in a batch of 3", "notes"]
+    said = [m.value for m in (*at.success, *at.warning) if m.value.startswith("**")]
+    assert said and said[0].startswith(f"**{len(runs) + 1} runs, ")
