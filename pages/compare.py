@@ -1,8 +1,9 @@
 """Compare two runs of one prompt (the current run's or the sidebar's) with one seed: sampler settings, dtype
 (another load of the model), KV cache on/off, an intervention. A token-aligned table, the first step where the
 runs diverge, and how much every stage differs at that step; and a determinism check (inspector.ui.determinism_panel:
-the same request alone, in a class's batch, on one thread, on the other path, compared bit for bit). Only the Compare
-and Check determinism buttons run the model; the rest is display."""
+the same request alone, in a class's batch, on one thread, on the other path, compared bit for bit) and steering
+(inspector.ui.steering_panel). Only the Compare, Check determinism and Steer buttons run the model; the rest is
+display."""
 import streamlit as st
 
 from engine import EngineError, Probe, RunSettings, SamplingParams
@@ -11,6 +12,7 @@ from inspector.session.models import model_choices, shared_model
 from inspector.session.run import check_settings
 from inspector.ui.common import current_run, device_slot, get_model, plain, server_limits
 from inspector.ui.determinism_panel import determinism_section
+from inspector.ui.steering_panel import steering_section
 from inspector.ui.frame import ensure_frame
 from inspector.ui.state import session
 from inspector.ui.widgets import chart, checked, checked_float, checked_text, sampling_form
@@ -179,6 +181,11 @@ with st.expander("Determinism: thirty students, T = 0 — thirty identical answe
                  expanded=bool(s.get("det_run") or s.get("det_report"))):
     determinism_section(model, RunSettings(prompt=prompt, chat=bool(base.chat), system=base.system,
                                            allow_special=bool(base.allow_special), seed=seed), limits)
+
+with st.expander("Steering: add a direction to the residual stream", expanded=bool(s.get("steer_run")
+                                                                                  or s.get("steer_report"))):
+    steering_section(model, RunSettings(prompt=prompt, chat=bool(base.chat), system=base.system,
+                                        allow_special=bool(base.allow_special), seed=seed), limits)
 
 res = session().compared
 if res is None:

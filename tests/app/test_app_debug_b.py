@@ -229,3 +229,22 @@ def test_compare_page_checks_determinism_in_a_class_batch(at, tiny_model):
     assert "shared a forward" in table.set_index("run").loc["in a batch of 3", "notes"]
     said = [m.value for m in (*at.success, *at.warning) if m.value.startswith("**")]
     assert said and said[0].startswith(f"**{len(runs) + 1} runs, ")
+
+
+def test_compare_page_steers_and_shows_what_moved(at, tiny_model):
+    """Steering on the page: coefficient 0 gives the plain continuation and no shift (one run, bit for bit); a large
+    coefficient moves the distribution at every step (KL > 0) and the table lists each steered token."""
+    at.switch_page("views/compare.py").run()
+    at.number_input(key="steer_layer").set_value(1)
+    at.number_input(key="steer_tokens").set_value(4)
+    at.number_input(key="steer_coef").set_value(0.0)
+    at.button(key="steer_run").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    table = find_df(at, "steered token", "KL(steered || plain)")
+    assert len(table) == 4 and (table["KL(steered || plain)"] == 0).all()
+    assert (table["p steered"] == table["p plain"]).all()
+    at.number_input(key="steer_coef").set_value(60.0)
+    at.button(key="steer_run").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    table = find_df(at, "steered token", "KL(steered || plain)")
+    assert (table["KL(steered || plain)"] > 0).all()

@@ -1,0 +1,152 @@
+"""Steering vectors (activation addition): a direction in the residual stream from two contrasting prompt sets, added
+at one layer with a coefficient while a prompt is continued, beside the same prompt continued plainly.
+
+- steering_vector(model, positive, negative, layer): the mean over the positive prompts of each prompt's mean
+  residual stream after block `layer` (the stage blocks.{layer}.resid_post, every position of the prompt), less the
+  same mean over the negative prompts (Turner et al.'s ActAdd takes one pair at the last positions; the mean over
+  positions and prompts is the "mean difference" vector of Rimsky et al.'s contrastive activation addition).
+- steer(model, settings, vector, coefficient): the plain run and the run with coefficient * vector added to
+  blocks.{layer}.resid_post at every position (prompt and generated tokens), both on the PyTorch forward (a replace
+  hook takes it; the plain run takes it too, so the two differ by the vector only: at coefficient 0 they are bit for
+  bit one run), and per step of the steered run, how far the steering moved the distribution: KL(steered || plain)
+  with the plain model's distribution on the steered run's own prefix (teacher-forced, as a run computes), and the
+  probability of the steered token under each.
+
+Bounds: MAX_PROMPTS prompts a side, MAX_PROMPT_TOKENS tokens a prompt, a finite coefficient of at most MAX_COEFFICIENT
+in size; a bad layer or an empty set is an InputError naming it."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine.accelerator import PLAIN
+from engine.errors import InputError
+from engine.generate import GenerationRun, prompt_ids
+from engine.inspection.probe import Probe
+from engine.model import Model
+from engine.settings import RunSettings
+
+MAX_PROMPTS = 16
+MAX_PROMPT_TOKENS = 256
+MAX_COEFFICIENT = 1e4
+
+
+@dataclass(frozen=True, eq=False)
+class SteeringVector:
+    layer: int
+    vector: torch.Tensor           # (d,) float32 on the CPU
+    positive: tuple[str, ...]
+    negative: tuple[str, ...]
+
+    @property
+    def stage(self) -> str:
+        return f"blocks.{self.layer}.resid_post"
+
+    @property
+    def norm(self) -> float:
+        return float(self.vector.norm())
+
+    def as_dict(self) -> dict:
+        return {"layer": self.layer, "stage": self.stage, "norm": self.norm, "positive": list(self.positive),
+                "negative": list(self.negative), "vector": self.vector.tolist()}
+
+
+def _prompts(side: str, prompts) -> tuple[str, ...]:
+    if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+        raise InputError(f"{side} prompts must be a list of strings")
+    out = tuple(p for p in prompts if p.strip())
+    if not out:
+        raise InputError(f"the {side} set needs at least one non-empty prompt")
+    if len(out) > MAX_PROMPTS:
+        raise InputError(f"the {side} set has {len(out)} prompts; at most {MAX_PROMPTS}")
+    return out
+
+
+def steering_vector(model: Model, positive, negative, layer: int, *, chat: bool = False) -> SteeringVector:
+    """mean_p mean_t resid_post[layer](p)[t] over the positive prompts less the same over the negative ones."""
+    last = model.config.num_layers - 1
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= last:
+        raise InputError(f"layer must be a whole number in 0..{last}, got {layer!r}")
+    pos, neg = _prompts("positive", positive), _prompts("negative", negative)
+    stage = f"blocks.{layer}.resid_post"
+
+    def mean_of(prompts: tuple[str, ...]) -> torch.Tensor:
+        means = []
+        for p in prompts:
+            ids = prompt_ids(model, p, chat=chat)
+            if len(ids) > MAX_PROMPT_TOKENS:
+                raise InputError(f"a steering prompt has {len(ids)} tokens; at most {MAX_PROMPT_TOKENS}")
+            probe = Probe().capture(stage)
+            model.logits(ids, probe)
+            means.append(probe.recording.captured(stage)[0].value.float().mean(0))
+        return torch.stack(means).mean(0)
+    return SteeringVector(layer, (mean_of(pos) - mean_of(neg)).cpu(), pos, neg)
+
+
+def steering_probe(vec: SteeringVector, coefficient: float, probe: Probe | None = None) -> Probe:
+    """probe (a new one by default) with coefficient * vec added to vec.stage at every position."""
+    c = _coefficient(coefficient)
+
+    def add(x: torch.Tensor, ctx) -> torch.Tensor:
+        return x + (c * vec.vector).to(x.dtype).to(x.device)
+    return (probe or Probe()).replace(vec.stage, add)
+
+
+def _coefficient(c) -> float:
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or abs(c) > MAX_COEFFICIENT:
+        raise InputError(f"the coefficient must be a finite number of at most {MAX_COEFFICIENT:g} in size, got {c!r}")
+    return float(c)
+
+
+@dataclass
+class SteeredRun:
+    coefficient: float
+    layer: int
+    plain_ids: list[int]
+    plain_text: str
+    steered_ids: list[int]
+    steered_text: str
+    steps: list[dict]               # per steered step: token, text, KL(steered || plain), p steered / plain, plain top
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@torch.inference_mode()
+def _teacher_forced(model: Model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The plain model's float32 logits (len(tokens) + 1, V) after the prompt and after each of tokens, computed as a
+    run computes them (the prompt's prefill, then one token at a time against the cache), so that where the steered
+    run added nothing its logits are these bit for bit."""
+    cache = model.new_cache(len(prompt) + len(tokens) + 1)
+    rows = [model.forward(torch.tensor(prompt), cache, last_only=True)[-1]]
+    rows += [model.forward(torch.tensor([t]), cache)[-1] for t in tokens]
+    return torch.stack(rows).float()
+
+
+def steer(model: Model, settings: RunSettings, vec: SteeringVector, coefficient: float) -> SteeredRun:
+    """The plain and the steered continuation of settings' prompt (same seed and sampler), and the shift per step."""
+    if not isinstance(vec, SteeringVector) or vec.vector.shape != (model.config.hidden_size,):
+        raise InputError("the steering vector does not fit this model (another model's, or not a SteeringVector)")
+    c = _coefficient(coefficient)
+    plain_model = model.with_accelerator(PLAIN)          # both runs on the forward a replace hook takes
+    kw = settings.generation_kwargs()
+    plain = GenerationRun(plain_model, settings.prompt, probe=Probe().capture("logits"), **kw)
+    plain.run()
+    steered = GenerationRun(plain_model, settings.prompt, probe=steering_probe(vec, c, Probe().capture("logits")),
+                            **kw)
+    steered.run()
+    steps = []
+    if steered.token_ids:
+        base = _teacher_forced(plain_model, steered.prompt_ids, steered.token_ids[:-1])
+        for k, tok in enumerate(steered.token_ids):
+            got = steered.probe.recording.captured("logits", k)[0].value.float()[-1]
+            lp, lq = torch.log_softmax(got, -1), torch.log_softmax(base[k], -1)
+            top = int(base[k].argmax())
+            steps.append({"step": k, "token": tok, "text": model.tokenizer.decode([tok]),
+                          "kl_steered_plain": max(0.0, float((lp.exp() * (lp - lq)).sum())),   # (-0.0 and last-bit negatives: 0)
+                          "p_steered": float(lp[tok].exp()), "p_plain": float(lq[tok].exp()),
+                          "plain_top": top, "plain_top_text": model.tokenizer.decode([top])})
+    return SteeredRun(c, vec.layer, list(plain.token_ids), plain.result().text, list(steered.token_ids),
+                      steered.result().text, steps)
