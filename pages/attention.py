@@ -1,5 +1,6 @@
 """Attention: one layer's pattern (a head or the head average) over every position of the run, where one
-token looks, and an all-layers × heads entropy overview. Maps are computed on demand (one forward that
+token looks and why (its score split into query-side x key-side parts: inspector.ui.qk_panel), and an all-layers ×
+heads entropy overview. Maps are computed on demand (one forward that
 stops after the chosen layer) and memoised per run and layer in this session; generation never re-runs."""
 import time
 
@@ -8,6 +9,7 @@ import streamlit as st
 from inspector.session.memo import content_key, memo, view_store
 from inspector.ui.common import on_demand, plain, require_run_and_model, was_stopped
 from inspector.ui.frame import ensure_frame
+from inspector.ui.qk_panel import qk_section
 from inspector.ui.state import session
 from inspector.ui.widgets import chart, checked, shared, table
 from inspector.views.attention import (
@@ -114,6 +116,8 @@ top, top_fig = memo(figures, (key, "top", layer, head, query, k),
 st.caption(f"Query {plain(labels[query])} (layer {layer}, {what})")
 chart(top_fig, key="att_bars")
 table(top, "att_top_table")      # on the projector an HTML table in its type, not the 13-px grid
+
+qk_section(model, ids, labels, layer, head, query, key)
 
 st.subheader("All layers × heads: attention entropy")
 st.caption("Mean entropy (nats) of each head's attention rows: low = sharply focused (e.g. on the first token "

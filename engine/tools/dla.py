@@ -43,22 +43,29 @@ def direction(model, resid: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor,
     return scale * _f64(w.norm) * (cols[:, 0] - cols[:, 1]) / cfg.logits_divisor, scale
 
 
+def layer_parts(model, got: dict[str, torch.Tensor], i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer i's parts of the residual stream at one position: (heads (H, d), mlp (d,)), float64, each through its
+    branch's post-norm frozen at the position's scale, so that embed + the layers' heads and MLPs up to a block sum to
+    the stream entering it. got: each captured stage's row (float64) at the position."""
+    cfg, lw = model.config, model.weights.layers[i]
+    H, hd, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
+    wo = _f64(lw.wo).view(H, hd, -1)                                                         # (H, hd, d)
+    heads = torch.einsum("hk,hkd->hd", got[f"blocks.{i}.attn.z"], wo) * cfg.residual_scale   # (H, d)
+    mlp_raw = got[f"blocks.{i}.mlp_out"]
+    return (_post(heads, got[f"blocks.{i}.attn_out"], lw.attn_post_norm, eps),
+            _post(mlp_raw, mlp_raw, lw.mlp_post_norm, eps))
+
+
 def parts(model, got: dict[str, torch.Tensor], direction: torch.Tensor) -> tuple[dict[str, float], dict[str, float]]:
     """(contributions: embed, blocks.{i}.attn.head.{h}, blocks.{i}.mlp, which sum to the uncapped difference;
     experts: blocks.{i}.mlp.expert.{e} -> that expert's share of its layer's MLP part). got: each captured stage's
     row (float64) at the position."""
-    cfg = model.config
-    L, H, hd, eps = cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
     out, experts = {"embed": float(got["embed"] @ direction)}, {}
-    for i in range(L):
-        lw = model.weights.layers[i]
-        wo = _f64(lw.wo).view(H, hd, -1)                                                     # (H, hd, d)
-        heads = torch.einsum("hk,hkd->hd", got[f"blocks.{i}.attn.z"], wo) * cfg.residual_scale  # (H, d)
-        heads = _post(heads, got[f"blocks.{i}.attn_out"], lw.attn_post_norm, eps) @ direction
-        out.update({f"blocks.{i}.attn.head.{h}": float(v) for h, v in enumerate(heads)})
-        mlp_raw = got[f"blocks.{i}.mlp_out"]
-        out[f"blocks.{i}.mlp"] = float(_post(mlp_raw, mlp_raw, lw.mlp_post_norm, eps) @ direction)
-        if lw.router is not None:
+    for i in range(model.config.num_layers):
+        heads, mlp = layer_parts(model, got, i)
+        out.update({f"blocks.{i}.attn.head.{h}": float(v) for h, v in enumerate(heads @ direction)})
+        out[f"blocks.{i}.mlp"] = float(mlp @ direction)
+        if model.weights.layers[i].router is not None:
             experts |= _expert_shares(model, got, i, direction)
     return out, experts
 

@@ -2,11 +2,12 @@
 button left behind; a stop leaves "Stopped" with a button to compute again and nothing memoised."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
 from inspector.ui.state import session_of
-from tests.app.test_app_pages_a import chart, page, start
+from tests.app.test_app_pages_a import arr, chart, page, start
 
 pytestmark = pytest.mark.app
 
@@ -70,3 +71,28 @@ def test_the_attention_page_computes_its_map_with_progress_and_leaves_no_bar(mon
     assert len(memos["att_maps"]) == 1 and len(memos["att_overviews"]) == 1
     at.selectbox(key="att_layer").set_value(1).run()          # a second map: the rate measured by the first
     assert not at.exception and len(session_of(at.session_state).memos["att_maps"]) == 2
+
+
+def test_the_attention_page_splits_a_heads_score_into_the_streams_parts(monkeypatch, tiny_model_dir, app_file):
+    """Why does it look there: head 1 of layer 1, the last query to key 2 — the map's cells sum to the score the
+    page states, which is the forward's own score (attn.scores, captured here independently)."""
+    from engine import Probe
+    from inspector.session.models import shared_model
+    monkeypatch.setenv("LLM_INSPECTOR_MODEL", str(tiny_model_dir))
+    at = start(monkeypatch, app_file)
+    at.switch_page(page(app_file, "attention")).run()
+    assert not at.exception
+    assert any("Choose one head" in i.value for i in at.info)
+    at.selectbox(key="att_layer").set_value(1)
+    at.selectbox(key="att_head").set_value(1).run()
+    at.number_input(key="qk_key").set_value(2)
+    at.button(key="qk_run").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    spec = chart(at, "qk_map")
+    total = float(np.sum(arr(spec["data"][0]["z"])))
+    ids = session_of(at.session_state).run.ids
+    probe = Probe().capture("blocks.1.attn.scores")
+    shared_model(str(tiny_model_dir), "cpu", "auto").logits(ids, probe)
+    score = float(probe.recording.captured("blocks.1.attn.scores")[0].value[1, len(ids) - 1, 2])
+    assert abs(total - score) <= 1e-5 * max(1.0, abs(score))
+    assert any(f"Score {score:.5g}" in c.value for c in at.caption)

@@ -121,3 +121,23 @@ def test_explain_splits_the_logit_difference_through_each_familys_norms_and_mult
             shares = [v for k, v in e.experts.items() if k.startswith(f"blocks.{layer}.")]
             assert len(shares) == model.config.experts_per_token
             assert math.fsum(shares) == pytest.approx(e.mlp(layer), rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_qk_attribution_sums_to_each_familys_score_or_says_why_not(folders, name):
+    """Why a head attends there, for every family: the query-side x key-side terms sum to the forward's own score
+    within 1e-4 of its size where the block is linear once the attention norm is frozen (biases, partial rotary,
+    Granite's multipliers, no-RoPE layers, post-norms, experts upstream); a family with q/k norms or an attention
+    soft cap is said to be inexact, naming why, and its remainder is the score less the terms' sum."""
+    from engine.tools.qk_attribution import qk_attribution
+    model = load_model(folders[name], device="cpu", dtype="float32")
+    L = model.config.num_layers - 1
+    for layer, head, q, k in ((1, 1, 20, 15), (L, model.config.num_heads - 1, 30, 30)):
+        r = qk_attribution(model, PROMPT, layer, head, q, k)
+        assert r.remainder == r.score - r.total
+        if r.exact:
+            assert abs(r.remainder) <= 1e-4 * max(1.0, abs(r.score)), (name, layer, r.score, r.total)
+        else:
+            assert r.why_inexact and (model.config.attn_softcap is not None
+                                      or any(w.q_norm is not None for w in model.weights.layers))
+    assert r.exact == (name not in ("qwen3", "qwen3_moe", "gemma2", "gemma3_text", "olmo2"))
