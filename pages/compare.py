@@ -178,12 +178,12 @@ if st.button("Compare", key="cmp_run", type="primary", disabled=None in configs)
                      names=(ma.name, str(ma.dtype), mb.name, str(mb.dtype)))
 
 with st.expander("Determinism: thirty students, T = 0 — thirty identical answers?",
-                 expanded=bool(s.get("det_run") or s.get("det_report"))):
+                 expanded=bool(s.get("det_run")) or session().determinism is not None):
     determinism_section(model, RunSettings(prompt=prompt, chat=bool(base.chat), system=base.system,
                                            allow_special=bool(base.allow_special), seed=seed), limits)
 
-with st.expander("Steering: add a direction to the residual stream", expanded=bool(s.get("steer_run")
-                                                                                  or s.get("steer_report"))):
+with st.expander("Steering: add a direction to the residual stream",
+                 expanded=bool(s.get("steer_run")) or session().steered is not None):
     steering_section(model, RunSettings(prompt=prompt, chat=bool(base.chat), system=base.system,
                                         allow_special=bool(base.allow_special), seed=seed), limits)
 

@@ -22,7 +22,9 @@ import math
 import time
 
 from engine.cli.args import load, model_args, prompt_args, run_settings, sampling_args
-from engine.cli import determinism
+from engine.cli.determinism import add_flags as add_determinism_flags
+from engine.cli.determinism import extend as extend_determinism
+from engine.cli.determinism import human_lines as determinism_lines
 from engine.cli.prescribe import add_doctor_flags, doctor_model, extend_doctor, human_lines
 from engine.errors import InputError
 from engine.inspection.stat_columns import STAT_NAMES
@@ -52,7 +54,7 @@ def add_commands(sub) -> None:
     d.add_argument("--keep-going", action="store_true", help="do not stop at the first step with a NaN/Inf")
     d.add_argument("--lead-up", type=int, default=10, help="stages shown before the first non-finite one")
     add_doctor_flags(d)                      # --why-loop, --rescue, --fp32
-    determinism.add_flags(d)                 # --determinism
+    add_determinism_flags(d)                 # --determinism
     d.add_argument("--compare", default=None, metavar="DTYPE",
                    help="also compare this model against a float16 or bfloat16 copy over the prompt")
     d.set_defaults(fn=cmd_doctor)
@@ -100,9 +102,9 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     if a.compare:
         out["precision"] = precision_compare(model, cast_model(model, a.compare), rep.result.prompt_ids).as_dict()
     out = extend_doctor(model, a, out)       # causes (--why-loop), rescue (--rescue)
-    out = determinism.extend(model, a, out)
+    out = extend_determinism(model, a, out)
     print(json.dumps(strict_json(out)) if a.json else "\n".join([_human(out), *human_lines(out),
-                                                                  *determinism.human_lines(out)]))
+                                                                  *determinism_lines(out)]))
     return 0
 
 

@@ -45,7 +45,7 @@ WHY = {"repeat": "the same request run again, alone",
 
 
 @dataclass
-class Trial:
+class DeterminismTrial:
     label: str
     axis: str                        # the one setting in which it differs from the reference (WHY's keys)
     why: str
@@ -65,7 +65,7 @@ class DeterminismReport:
     reference: str                   # how the reference ran (path, threads, dtype)
     token_ids: list[int]
     text: str
-    trials: list[Trial]
+    trials: list[DeterminismTrial]
     skipped: list[str]               # axes not tried here, and why
 
     @property
@@ -196,11 +196,11 @@ def _in_batch(model: Model, settings: RunSettings, n: int) -> GenerationRun:
     return runs[0]
 
 
-def compare(ref: GenerationRun, got: GenerationRun, label: str = "", axis: str = "", why: str = "") -> Trial:
+def compare(ref: GenerationRun, got: GenerationRun, label: str = "", axis: str = "", why: str = "") -> DeterminismTrial:
     """got against ref, both finished runs with the app's full-inspection probe: tokens, then each step's logits in
     step order, then every statistic record in forward order, each torch.equal or the first that is not."""
     same_tokens = got.token_ids == ref.token_ids
-    trial = Trial(label=label, axis=axis, why=why, token_ids=list(got.token_ids), text=got.result().text,
+    trial = DeterminismTrial(label=label, axis=axis, why=why, token_ids=list(got.token_ids), text=got.result().text,
                   same_tokens=same_tokens, bit_identical=False)
     if axis == "batch":
         trial.notes.append(f"{got.batched_steps} of its decode steps shared a forward with other runs")

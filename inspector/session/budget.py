@@ -75,7 +75,7 @@ def nbytes(obj: Any, seen: set | None = None, depth: int = 0) -> int:
 @dataclasses.dataclass
 class Holding:
     """One thing a session keeps that the budget may drop."""
-    key: str                 # where: a SessionState field ("memos", "compared", "opened", "debugger", "runs"), or
+    key: str                 # where: a SessionState field ("memos", "compared", "determinism", "steered", "qk", "opened", "debugger", "runs"), or
                              # "widgets" (a widget's value in st.session_state)
     name: str | None         # the memo's name (memos), the widget's key (widgets); otherwise None
     item: Any                # within a memo store: the entry's key; within runs: the run; otherwise None (whole)
@@ -105,6 +105,9 @@ def holdings(session: SessionState, widgets: Mapping | None = None) -> list[Hold
             if n:
                 out.append(Holding("memos", name, k, n, rank, label))
     out += _whole("compared", None, session.compared, 0, "a cached view (comparison)", seen)
+    out += _whole("determinism", None, session.determinism, 0, "a cached view (determinism check)", seen)
+    out += _whole("steered", None, session.steered, 0, "a cached view (steering)", seen)
+    out += _whole("qk", None, session.qk, 0, "a cached view (score split)", seen)
     out += _whole("opened", None, session.opened, 1, "a trace file", seen)
     for key in list((widgets or {}).keys()):
         value = widgets[key]

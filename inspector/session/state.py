@@ -82,6 +82,9 @@ class SessionState:
     memos: dict[str, dict] = field(default_factory=dict)   # a page's memo store by name: run key ... -> value
     stopped: dict[str, str] = field(default_factory=dict)  # on-demand computation tag -> "stopped" | "again"
     compared: dict | None = None            # the Compare page's last comparison
+    determinism: dict | None = None         # the Compare page's last determinism check (its report's dict)
+    steered: dict | None = None             # the Compare page's last steering (plain and steered runs)
+    qk: tuple | None = None                 # the Attention page's last score split: (what it split, its dict)
     opened: tuple | None = None             # (name, digest, Trace or error) of a trace file just opened
     uploads: int = 0                        # trace files opened so far (a new uploader after each)
     sampling_for: float | None = None       # the run (.created) the Sampling page's columns were set for

@@ -12,9 +12,9 @@ from engine import EngineError, RunSettings, SamplingParams
 from engine.tools.determinism import MAX_BATCH, MAX_NEW_TOKENS, MAX_REPEATS, check_determinism
 from inspector.session.run import check_settings
 from inspector.ui.common import device_slot
+from inspector.ui.state import session
 from inspector.ui.widgets import checked
 
-KEY = "det_report"             # the last check's report (a dict), this session's
 
 
 def determinism_section(model, base: RunSettings, limits) -> None:
@@ -46,8 +46,8 @@ def determinism_section(model, base: RunSettings, limits) -> None:
             st.error(str(e))
             return
         bar.empty()
-        st.session_state[KEY] = rep.as_dict()
-    d = st.session_state.get(KEY)
+        session().determinism = rep.as_dict()
+    d = session().determinism
     if d is None:
         st.info("Press **Check determinism** to run it.")
         return

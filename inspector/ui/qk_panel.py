@@ -7,10 +7,10 @@ import streamlit as st
 from engine import EngineError
 from engine.tools.qk_attribution import MAX_POSITIONS, qk_attribution
 from inspector.ui.common import device_slot, plain
+from inspector.ui.state import session
 from inspector.ui.widgets import chart, checked, table
 from inspector.views.qk import groups_figure, pairs_table
 
-KEY = "qk_report"
 
 
 def qk_section(model, ids: list[int], labels: list[str], layer: int, head: int | None, query: int,
@@ -32,11 +32,11 @@ def qk_section(model, ids: list[int], labels: list[str], layer: int, head: int |
     if st.button("Split the score", key="qk_run"):
         try:
             with device_slot("the score's split"), st.spinner("One forward, then the split…"):
-                st.session_state[KEY] = (want, qk_attribution(model, ids, layer, head, query, key).as_dict(25))
+                session().qk = (want, qk_attribution(model, ids, layer, head, query, key).as_dict(25))
         except EngineError as e:
             st.error(str(e))
             return
-    got = st.session_state.get(KEY)
+    got = session().qk
     if got is None or got[0] != want:
         st.info(f"Press **Split the score** for head {head}, query {plain(labels[query])} → key "
                 f"{plain(labels[key])}.")

@@ -12,9 +12,9 @@ from engine import EngineError, RunSettings, SamplingParams
 from engine.tools.steering import MAX_COEFFICIENT, MAX_PROMPTS, steer, steering_vector
 from inspector.session.run import check_settings
 from inspector.ui.common import device_slot
+from inspector.ui.state import session
 from inspector.ui.widgets import checked, checked_float, checked_text
 
-KEY = "steer_report"
 MAX_SET_CHARS = 4_000          # one side's prompts, one a line
 POSITIVE = "I love this. It is wonderful and I am so happy.\nWhat a great, joyful day!"
 NEGATIVE = "I hate this. It is awful and I am so sad.\nWhat a terrible, miserable day!"
@@ -54,8 +54,8 @@ def steering_section(model, base: RunSettings, limits) -> None:
         except EngineError as e:
             st.error(str(e))
             return
-        st.session_state[KEY] = {**run.as_dict(), "norm": vec.norm, "stage": vec.stage}
-    d = st.session_state.get(KEY)
+        session().steered = {**run.as_dict(), "norm": vec.norm, "stage": vec.stage}
+    d = session().steered
     if d is None:
         st.info("Press **Steer** to run it.")
         return

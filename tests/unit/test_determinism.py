@@ -13,7 +13,7 @@ from engine import GenerationRun, InputError, SamplingParams
 from engine.accelerator import PLAIN
 from engine.inspection.probe import inspection_probe
 from engine.settings import RunSettings
-from engine.tools.determinism import DeterminismReport, Trial, check_determinism, compare
+from engine.tools.determinism import DeterminismReport, DeterminismTrial, check_determinism, compare
 from tests.helpers import engine_cli
 
 pytestmark = pytest.mark.unit
@@ -71,9 +71,9 @@ def test_the_report_counts_distinct_outputs_and_its_batches_share_forwards(tiny_
 
 
 def test_distinct_outputs_leave_out_the_dtype_trial():
-    t = Trial(label="bfloat16", axis="dtype", why="", token_ids=[9], text="", same_tokens=False,
+    t = DeterminismTrial(label="bfloat16", axis="dtype", why="", token_ids=[9], text="", same_tokens=False,
               bit_identical=False)
-    same = Trial(label="alone #2", axis="repeat", why="", token_ids=[1], text="", same_tokens=True,
+    same = DeterminismTrial(label="alone #2", axis="repeat", why="", token_ids=[1], text="", same_tokens=True,
                  bit_identical=True)
     rep = DeterminismReport(prompt="p", reference="r", token_ids=[1], text="", trials=[same, t], skipped=[])
     assert rep.distinct_outputs == 1
