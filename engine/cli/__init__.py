@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.cli import args, bench, debug, explain, prescribe, report, run, show, steer
+from engine.cli import args, bench, debug, explain, prescribe, report, run, scoreboard, show, steer
 from engine.errors import EngineError
 
 
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     prescribe.add_commands(sub, args)
     explain.add_commands(sub, args)
     steer.add_commands(sub, args)
+    scoreboard.add_commands(sub, args)
     return parser
 
 
