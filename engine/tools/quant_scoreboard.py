@@ -245,8 +245,8 @@ def text_ids(model: Model, prompts, *, max_tokens: int = MAX_TOKENS) -> list[lis
         out.append(ids)
     total = sum(len(x) for x in out)
     if total > max_tokens:
-        raise InputError(f"the {len(out)} texts hold {total:,} tokens; at most {max_tokens:,} are scored here "
-                         "(drop texts or shorten them)")
+        raise InputError(f"the texts hold {total:,} tokens ({len(out)} text{'' if len(out) == 1 else 's'}); at most "
+                         f"{max_tokens:,} are scored here (drop texts or shorten them)")
     return out
 
 

@@ -158,7 +158,7 @@ def model_work(monkeypatch):
     ([], FORMATS, {}, "no texts to score"),
     (TEXTS, ["Q8_0", "Q3_Z"], {}, "unknown GGUF format 'Q3_Z'"),
     (TEXTS, [" "], {}, "no format given"),
-    (TEXTS, FORMATS, {"max_tokens": 20}, r"the 3 texts hold \d+ tokens; at most 20 are scored here"),
+    (TEXTS, FORMATS, {"max_tokens": 20}, r"the texts hold \d+ tokens \(3 texts\); at most 20 are scored here"),
     (["fine text here", "a"], FORMATS, {}, "text 2 is 1 token long"),
     (["fine text here", "   "], FORMATS, {}, "text 2: the prompt is empty"),
 ])
