@@ -31,7 +31,9 @@ Over all positions (n of them; formulas as perplexity.cpp's):
 Where this differs from llama.cpp: an uncertainty is given from 2 values up (llama.cpp prints 0 below 11) and
 None for a single value; llama.cpp prints its final statistics only from 100 scored tokens (FEW_TOKENS): with
 fewer they are given here, and the CLI and page say they are few. llama.cpp's base log-probabilities are stored in
-16 bits (its .kld file); here both sides are float32 logits taken to float64 log-probabilities.
+16 bits (its .kld file); here both sides are float32 logits taken to float64 log-probabilities. No BOS token is
+put before a text (the app's tokenization of a prompt); llama.cpp puts one at each chunk's start where the
+vocabulary asks for it.
 """
 from __future__ import annotations
 
