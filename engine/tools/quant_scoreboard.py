@@ -217,15 +217,13 @@ def summarize(fmt: str, kld, top_match, nll, nll_base) -> FormatScore:
 def split_texts(text: str) -> list[str]:
     """Texts written one after another, a blank line between two (a file's, the page's box): each paragraph, with
     its own line breaks kept (code stays code)."""
-    parts, cur = [], []
+    parts: list[list[str]] = [[]]
     for line in text.splitlines():
         if line.strip():
-            cur.append(line)
-        elif cur:
-            parts.append("\n".join(cur)), cur.clear()
-    if cur:
-        parts.append("\n".join(cur))
-    return parts
+            parts[-1].append(line)
+        elif parts[-1]:
+            parts.append([])
+    return ["\n".join(p) for p in parts if p]
 
 
 # ---- the model work -------------------------------------------------------------------------------------------
