@@ -6,13 +6,17 @@ EOS ignored, on the fp32 model (its fastest path), for the tool's own length: th
 before issue 33: the why-loop now diagnoses the user's run at its own length, and this is the run it is given), the
 rescue's replayed tokens (8; float16 with an overflow
 planted at the middle layer's mlp_out), and settings.max_new_tokens (32, the app's default run) for the tools
-that read one prompt or one run (patching grid, head scan, input attribution, quantization).
+that read one prompt or one run (patching grid, head scan, input attribution, quantization). The quantization
+scoreboard reads its own texts (engine.tools.quant_scoreboard.PROMPTS, the default a user scores, in its default
+formats): its plain is the formats' plain runs, one plain generation of settings.max_new_tokens per format (each
+format's copy holds float32 matrices of the model's shapes, so its plain run takes the model's time: measured once,
+counted PLAIN_RUNS times).
 
 This machine's memory speed moves minute to minute, so measurements are interleaved: plain, tool, plain, tool,
 ..., plain over every tool, `rounds` times; a tool's ratio in a round is its time over the mean of the plain
 generations just before and just after it, and the ratio reported is the median over the rounds.
 
-Targets (issue 21, item 11): why-loop and rescue <= 10x, every other tool <= 5x.
+Targets (issue 21, item 11): why-loop and rescue <= 10x, every other tool <= 5x (the scoreboard: issue 47).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from engine.settings import RunSettings
 from engine.tools.attribution import attribute_inputs, neutral_token
 from engine.tools.patching import base_run, head_scan, patching_grid, replace_span
 from engine.tools.quant import quant_report
+from engine.tools.quant_scoreboard import DEFAULT_FORMATS, PROMPTS, scoreboard
 from engine.tools.rescue import MAX_NEW_TOKENS, find_rescue
 from engine.tools.why_loop import why_loop
 from engine.variants import cast_model
@@ -34,7 +39,9 @@ from engine.variants import cast_model
 PROMPT = "I like apples. I like apples. I like"       # loops greedily on the bundled model (the why-loop's case)
 RUN_TOKENS = 32                                       # RunSettings' default max_new_tokens
 WHY_LOOP_TOKENS = 64                                  # the looping run the why-loop diagnoses
-TARGETS = {"why_loop": 10.0, "rescue": 10.0, "patch_grid": 5.0, "head_scan": 5.0, "attribution": 5.0, "quant": 5.0}
+TARGETS = {"why_loop": 10.0, "rescue": 10.0, "patch_grid": 5.0, "head_scan": 5.0, "attribution": 5.0, "quant": 5.0,
+           "scoreboard": 5.0}
+PLAIN_RUNS = {"scoreboard": len(DEFAULT_FORMATS)}     # plain generations a tool is held against (default: one)
 
 
 def plain_seconds(model: Model, prompt: str, new_tokens: int) -> float:
@@ -61,7 +68,8 @@ def tool_jobs(model: Model, prompt: str = PROMPT, tools=tuple(TARGETS)) -> dict[
             "patch_grid": (RUN_TOKENS, lambda: patching_grid(model, ids, corrupt, target, heads=False)),
             "head_scan": (RUN_TOKENS, lambda: head_scan(model, ids, target, base=base_run(model, ids))),
             "attribution": (RUN_TOKENS, lambda: attribute_inputs(model, ids, target)),
-            "quant": (RUN_TOKENS, lambda: quant_report(model, settings))}
+            "quant": (RUN_TOKENS, lambda: quant_report(model, settings)),
+            "scoreboard": (RUN_TOKENS, lambda: scoreboard(model, PROMPTS, DEFAULT_FORMATS))}
     return {k: v for k, v in jobs.items() if k in tools}
 
 
@@ -80,12 +88,13 @@ def run_tools_bench(model: Model, *, prompt: str = PROMPT, rounds: int = 3, tool
             fn()
             took = time.perf_counter() - t0
             after = plain_seconds(model, prompt, n)
-            plain = (before + after) / 2
+            plain = PLAIN_RUNS.get(name, 1) * (before + after) / 2
             ratios[name].append(took / plain)
             seconds[name].append(took)
             plains[name].append(plain)
             if not quiet:
-                print(f"round {r + 1}/{rounds} {name:12s} {took:8.2f} s, plain {n} tokens {plain:6.2f} s: "
+                print(f"round {r + 1}/{rounds} {name:12s} {took:8.2f} s, plain {PLAIN_RUNS.get(name, 1)} x {n} "
+                      f"tokens {plain:6.2f} s: "
                       f"{took / plain:6.2f}x (target {TARGETS[name]:g}x)", flush=True)
     out: dict = {"tools_prompt": prompt, "tools_rounds": rounds}
     for name in jobs:
@@ -94,6 +103,7 @@ def run_tools_bench(model: Model, *, prompt: str = PROMPT, rounds: int = 3, tool
         out[f"{name}_seconds"] = statistics.median(seconds[name])
         out[f"{name}_plain_seconds"] = statistics.median(plains[name])
         out[f"{name}_plain_tokens"] = jobs[name][0]
+        out[f"{name}_plain_runs"] = PLAIN_RUNS.get(name, 1)
         out[f"{name}_target"] = TARGETS[name]
         out[f"{name}_meets"] = ratio <= TARGETS[name]
     return out

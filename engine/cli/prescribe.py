@@ -113,7 +113,7 @@ def settings_of(a: argparse.Namespace, **changes) -> RunSettings:
     return RunSettings(**{**kw, **changes})
 
 
-def _progress(what: str):
+def job_progress(what: str):
     """on_progress (engine.progress) printing one line that updates in place; never answers STOP (Ctrl-C)."""
     line = progress_printer(prefix=f"{what} ", width=60)
 
@@ -138,7 +138,7 @@ def extend_doctor(model: Model, a: argparse.Namespace, report: dict) -> dict:
         ref = fp32_source(model, a)
         rep = find_rescue(ref, model, settings_of(a), injections=report.get("injections", []),
                           norm_eps=report.get("norm_eps"), max_new_tokens=min(a.max_new_tokens, a.rescue_tokens),
-                          on_progress=_progress("rescue"))
+                          on_progress=job_progress("rescue"))
         report["rescue"] = rep.as_dict()
         report["rescue"]["check"] = check_command(settings_of(a), rep, device=a.device, model=a.model)
     if getattr(a, "verify", False):
@@ -150,7 +150,7 @@ def extend_doctor(model: Model, a: argparse.Namespace, report: dict) -> dict:
         raise InputError(f"--why-loop-tokens looks further than the run: it must be above --max-new-tokens "
                          f"({a.max_new_tokens}), got {further}")
     if getattr(a, "why_loop", False):
-        rep = why_loop(model, settings_of(a), look_further=further, on_progress=_progress("why-loop"))
+        rep = why_loop(model, settings_of(a), look_further=further, on_progress=job_progress("why-loop"))
         d = rep.as_dict()
         report["causes"] = d.pop("causes")
         report["why_loop"] = d
@@ -271,7 +271,7 @@ def cmd_quant(a: argparse.Namespace, common) -> int:
     model = common.load(a)
     settings = settings_of(a, params=common.sampling_params(a))
     report = quant_report(model, settings, formats, threshold=a.threshold, embed=a.embed,
-                          on_progress=_progress("quant")).as_dict()
+                          on_progress=job_progress("quant")).as_dict()
     if a.json:
         print(json.dumps(strict(report)))
         return 0

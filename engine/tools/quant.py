@@ -162,6 +162,20 @@ def first_layer_over(rows: list[dict], threshold: float) -> int | None:
                 None)
 
 
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Rows of logits (steps, V) as float64 log-probabilities: the precision every per-step figure is taken in
+    (a float32 softmax loses the small KL divergences of Q8_0 to rounding)."""
+    return torch.log_softmax(logits.double(), -1)
+
+
+def step_figures(ref_lp: torch.Tensor, q_lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of two (steps, V) log-probability tensors (log_probs): KL(p_ref || p_q) in nats, (steps,) float64,
+    clamped at 0 (two near-equal distributions can round to a tiny negative sum), and whether the two top tokens
+    agree, (steps,) bool. The one definition of both figures: the page's per-step ones and the scoreboard's."""
+    kld = (ref_lp.exp() * (ref_lp - q_lp)).sum(-1).clamp(min=0.0)
+    return kld, q_lp.argmax(-1) == ref_lp.argmax(-1)
+
+
 def compare_formats(model: Model, ids: list[int], n_prompt: int, formats, *, threshold: float = THRESHOLD,
                     embed: bool = False, text: str = "", on_progress: OnProgress | None = None) -> QuantReport:
     """Each format's quantized copy against model over the same ids (built, compared and freed one at a
@@ -182,7 +196,7 @@ def compare_formats(model: Model, ids: list[int], n_prompt: int, formats, *, thr
     ref_stages = {c.name: c.value.float() for c in cap.recording.captures}
     del cap
     steps = slice(n_prompt - 1, len(ids) - 1)
-    ref_lp = torch.log_softmax(ref_logits[steps].double(), -1)                 # (steps, V)
+    ref_lp = log_probs(ref_logits[steps])                                      # (steps, V)
     report = QuantReport(f"{model.name} ({str(model.dtype).removeprefix('torch.')})", len(ids),
                          len(ids) - n_prompt, threshold, embed, text)
     for k, fmt in enumerate(fmts):
@@ -191,9 +205,7 @@ def compare_formats(model: Model, ids: list[int], n_prompt: int, formats, *, thr
         tell_units(on_progress, 2 + 2 * k, total, f"running {fmt}")
         rows, logits = _compare(ref_stages, quant, ids)
         del quant                                             # one extra model at a time
-        q_lp = torch.log_softmax(logits[steps].double(), -1)
-        kld = (ref_lp.exp() * (ref_lp - q_lp)).sum(-1).clamp(min=0.0)          # (steps,)
-        match = (q_lp.argmax(-1) == ref_lp.argmax(-1))
+        kld, match = step_figures(ref_lp, log_probs(logits[steps]))
         report.formats.append(FormatResult(fmt, [float(x) for x in kld], [bool(x) for x in match],
                                            float(kld.mean()), float(match.double().mean()),
                                            first_layer_over(rows, threshold), rows))

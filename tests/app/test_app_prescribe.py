@@ -161,3 +161,37 @@ def test_rescue_section_finds_the_set_and_names_a_bad_fault(tiny_model, tiny_run
     assert {m.label: m.value for m in at.metric}["Complement fixes it"] == "no"
     assert "rs_units_fig" in charts(at)
     assert "--fp32 blocks.1.resid" in at.code[0].value and OVERFLOW in at.code[0].value
+
+
+SCORED = ["The river rose slowly through the night and the fields went under water.",
+          "To make bread, mix flour, water, salt and yeast, then knead it for ten minutes."]
+
+
+def test_quantization_page_scoreboard_shows_llama_cpps_figures_per_format(page, tiny_model, tiny_model_dir, tiny_run,
+                                                                         forward_calls):
+    from engine.tools.quant_scoreboard import scoreboard
+    from inspector.views import scoreboard as sv
+    at = page("quantization", tiny_run, tiny_model, str(tiny_model_dir)).run()
+    assert not at.exception, at.exception
+    assert forward_calls["forward"] == 0 and at.text_area(key="qsb_texts").value.count("\n\n") >= 7  # the built-in set
+    at.text_area(key="qsb_texts").set_value("\n\n".join(SCORED)).run()
+    at.button(key="qsb_run").click().run()
+    assert not at.exception, at.exception
+    summary = frame(at, *sv.SUMMARY_COLUMNS).set_index("format")
+    want = scoreboard(tiny_model, SCORED, ["Q8_0", "Q4_0"])
+    assert list(summary.index) == ["Q8_0", "Q4_0"]
+    for fmt in ("Q8_0", "Q4_0"):
+        assert summary.loc[fmt, "Mean KLD"] == pytest.approx(want.result(fmt).mean_kld.value, rel=1e-12)
+        assert summary.loc[fmt, "Same top p (%)"] == pytest.approx(100 * want.result(fmt).same_top.value)
+    tables = [e.value for e in at.dataframe if list(e.value.columns) == sv.FORMAT_COLUMNS]
+    assert len(tables) == 2 and "Mean    KLD" in set(tables[0]["statistic"])
+
+
+def test_quantization_page_scoreboard_refuses_too_many_tokens_before_any_work(page, tiny_model, tiny_model_dir,
+                                                                              tiny_run, forward_calls):
+    at = page("quantization", tiny_run, tiny_model, str(tiny_model_dir)).run()
+    at.text_area(key="qsb_texts").set_value("one two three four five six seven eight nine ten " * 120).run()
+    assert not at.exception, at.exception
+    errors = [e.value.replace("\\", "") for e in at.error]                 # the page escapes Markdown
+    assert any("tokens (1 text); at most 1,024 are scored here" in e for e in errors), errors
+    assert not [b for b in at.button if b.key == "qsb_run"] and forward_calls["forward"] == 0
