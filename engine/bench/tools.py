@@ -16,7 +16,10 @@ This machine's memory speed moves minute to minute, so measurements are interlea
 ..., plain over every tool, `rounds` times; a tool's ratio in a round is its time over the mean of the plain
 generations just before and just after it, and the ratio reported is the median over the rounds.
 
-Targets (issue 21, item 11): why-loop and rescue <= 10x, every other tool <= 5x (the scoreboard: issue 47).
+Targets (issue 21, item 11): why-loop and rescue <= 10x, every other tool <= 5x (the scoreboard: issue 47); the QK
+attribution (the last layer's head 0, the prompt's last position to its first) <= 2x and steering (its vector from
+one pair of prompts at the middle layer, then engine.tools.steering.steer: the plain and the steered continuation
+and the per-step shift) <= 1.5x (issue 47).
 """
 from __future__ import annotations
 
@@ -31,8 +34,10 @@ from engine.settings import RunSettings
 from engine.tools.attribution import attribute_inputs, neutral_token
 from engine.tools.patching import base_run, head_scan, patching_grid, replace_span
 from engine.tools.quant import quant_report
+from engine.tools.qk_attribution import qk_attribution
 from engine.tools.quant_scoreboard import DEFAULT_FORMATS, PROMPTS, scoreboard
 from engine.tools.rescue import MAX_NEW_TOKENS, find_rescue
+from engine.tools.steering import steer, steering_vector
 from engine.tools.why_loop import why_loop
 from engine.variants import cast_model
 
@@ -40,7 +45,8 @@ PROMPT = "I like apples. I like apples. I like"       # loops greedily on the bu
 RUN_TOKENS = 32                                       # RunSettings' default max_new_tokens
 WHY_LOOP_TOKENS = 64                                  # the looping run the why-loop diagnoses
 TARGETS = {"why_loop": 10.0, "rescue": 10.0, "patch_grid": 5.0, "head_scan": 5.0, "attribution": 5.0, "quant": 5.0,
-           "scoreboard": 5.0}
+           "scoreboard": 5.0, "qk": 2.0, "steering": 1.5}
+STEER = (("I love this. It is wonderful and happy.",), ("I hate this. It is awful and sad.",))   # the vector's sets
 PLAIN_RUNS = {"scoreboard": len(DEFAULT_FORMATS)}     # plain generations a tool is held against (default: one)
 
 
@@ -69,7 +75,10 @@ def tool_jobs(model: Model, prompt: str = PROMPT, tools=tuple(TARGETS)) -> dict[
             "head_scan": (RUN_TOKENS, lambda: head_scan(model, ids, target, base=base_run(model, ids))),
             "attribution": (RUN_TOKENS, lambda: attribute_inputs(model, ids, target)),
             "quant": (RUN_TOKENS, lambda: quant_report(model, settings)),
-            "scoreboard": (RUN_TOKENS, lambda: scoreboard(model, PROMPTS, DEFAULT_FORMATS))}
+            "scoreboard": (RUN_TOKENS, lambda: scoreboard(model, PROMPTS, DEFAULT_FORMATS)),
+            "qk": (RUN_TOKENS, lambda: qk_attribution(model, ids, model.config.num_layers - 1, 0, len(ids) - 1, 0)),
+            "steering": (RUN_TOKENS, lambda: steer(model, settings, steering_vector(
+                model, *STEER, model.config.num_layers // 2), 4.0))}
     return {k: v for k, v in jobs.items() if k in tools}
 
 
