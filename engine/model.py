@@ -32,6 +32,7 @@ from engine.inspection.stop_points import StopPoint, stop_point
 from engine.kv_cache import KVCache
 from engine.matmul import mm
 from engine.moe import activation, experts_mlp, route
+from engine.norms import family_norm, rms_norm
 from engine.progress import STOP, Stopped
 from engine.rope import apply_rope, rope_tables, rotate, table_kinds
 from engine.weights import LayerWeights, Weights
@@ -40,32 +41,6 @@ if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
 
 
-
-
-def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in the wider of the stream's and the weight's dtypes, output in the weight's (the dtype the
-    following matmul runs in). In fp32 it is F.rms_norm's arithmetic, op for op (x * rsqrt(mean(x²) + eps) * w),
-    in 7 small ops instead of its 11 (decode runs 61); half precisions keep F.rms_norm, which squares in fp32."""
-    if x.dtype == w.dtype == torch.float32:
-        r = x.pow(2).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_()
-        return (x * r).mul_(w)
-    if x.dtype == w.dtype:
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-    wide = torch.promote_types(x.dtype, w.dtype)
-    return F.rms_norm(x.to(wide), (x.shape[-1],), w.to(wide), eps).to(w.dtype)
-
-
-def _layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """LayerNorm with its bias (GPT-2, GPT-NeoX) in the wider of the stream's and the weight's dtypes, output in
-    the weight's, as _norm."""
-    wide = torch.promote_types(x.dtype, w.dtype)
-    out = F.layer_norm(x.to(wide), (x.shape[-1],), w.to(wide), None if b is None else b.to(wide), eps)
-    return out.to(w.dtype)
-
-
-def family_norm(cfg: ModelConfig, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The family's norm (engine.family: RMSNorm, or LayerNorm with a bias) of x (..., d) with weight w."""
-    return _layer_norm(x, w, b, eps) if cfg.family.norm == "layer" else _norm(x, w, eps)
 
 
 class Model:
@@ -286,16 +261,17 @@ class Model:
         """A block's attention half: the stream x (T, d) -> resid_mid."""
         cfg = self.config
         T, H, K, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = x if lw.attn_norm is None else p("attn_norm", family_norm(cfg, x, lw.attn_norm, lw.attn_norm_bias, eps))
+        h = x if lw.attn_norm is None else p("attn_norm", family_norm(cfg, x, lw.attn_norm, lw.attn_norm_bias,
+                                                                      eps))                       # (T, d)
         qkv = mm(h, lw.wqkv) if lw.bqkv is None else torch.addmm(lw.bqkv, h, lw.wqkv)      # (T, (H + 2K) hd)
         q0, k0, v = qkv.view(T, H + 2 * K, hd).split([H, K, K], dim=1)                  # (T, heads, hd) each
         q, k, v = p("attn.q", q0), p("attn.k", k0), p("attn.v", v)
         if lw.q_norm is not None:
             if lw.q_norm.shape[0] == hd:      # Qwen3, Gemma 3: each head's vector
-                q, k = _norm(q, lw.q_norm, eps), _norm(k, lw.k_norm, eps)
+                q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
             else:                             # OLMo 2: the whole projection
-                q = _norm(q.reshape(T, H * hd), lw.q_norm, eps).view(T, H, hd)
-                k = _norm(k.reshape(T, K * hd), lw.k_norm, eps).view(T, K, hd)
+                q = rms_norm(q.reshape(T, H * hd), lw.q_norm, eps).view(T, H, hd)
+                k = rms_norm(k.reshape(T, K * hd), lw.k_norm, eps).view(T, K, hd)
             q, k = p("attn.q_norm", q), p("attn.k_norm", k)
         kind = cfg.layer_rope[i]
         if kind is not None:                  # SmolLM3's no-RoPE layers leave q and k as they are
@@ -319,7 +295,7 @@ class Model:
             out = out * cfg.residual_scale
         out = p("attn_out", out.to(x.dtype))                                   # (T, d)
         if lw.attn_post_norm is not None:
-            out = p("attn_post_norm", _norm(out, lw.attn_post_norm, eps).to(x.dtype))
+            out = p("attn_post_norm", rms_norm(out, lw.attn_post_norm, eps).to(x.dtype))
         if cfg.parallel_residual:    # GPT-NeoX: the MLP reads the block's input; _mlp adds both branches
             return x, out
         return x.add_(out) if own else p("resid_mid", x + out)
@@ -371,7 +347,7 @@ class Model:
             out = out * cfg.residual_scale
         out = p("mlp_out", out.to(x.dtype))                                     # (T, d)
         if lw.mlp_post_norm is not None:
-            out = p("mlp_post_norm", _norm(out, lw.mlp_post_norm, eps).to(x.dtype))
+            out = p("mlp_post_norm", rms_norm(out, lw.mlp_post_norm, eps).to(x.dtype))
         if attn is not None:
             return p("resid_post", x + attn + out)
         return x.add_(out) if own else p("resid_post", x + out)

@@ -188,7 +188,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, device: torch.device, 
                     if progress:
                         progress(lo + (hi - lo) * len(raw) / len(expected),
                                  f"loading and checking weights: tensor {len(raw) + 1} of {len(expected)} ({name})")
-                    raw[name] = _checked(name, f.get_tensor(stored[name]), expected[name], path).to(device=device, dtype=dtype)
+                    t = _checked(name, f.get_tensor(stored[name]), expected[name], path)
+                    raw[name] = t.to(device=device, dtype=dtype)
         except ModelLoadError:
             raise
         except Exception as e:

@@ -100,7 +100,8 @@ def quantized_model(model: Model, fmt: str, *, embed: bool = False) -> Model:
             emb = head.t()
         else:
             head = requantize(w.lm_head, fmt)
-    return derive(model, dataclasses.replace(w, embed=emb, layers=layers, lm_head=head), dtype=torch.float32, name=f"{model.name} [{fmt.upper()}]")
+    return derive(model, dataclasses.replace(w, embed=emb, layers=layers, lm_head=head), dtype=torch.float32,
+                  name=f"{model.name} [{fmt.upper()}]")
 
 
 @dataclass

@@ -13,7 +13,7 @@ from tests.helpers import tiny_config, write_model_dir
 pytestmark = pytest.mark.unit
 
 CASES = [
-    ({"model_type": "gpt_neox"}, "unsupported architecture model_type='gpt_neox'"),
+    ({"model_type": "falcon"}, "unsupported architecture model_type='falcon'"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling type 'yarn'"),
     ({"model_type": "qwen3", "partial_rotary_factor": 0.5}, "unsupported partial_rotary_factor=0.5"),
     ({"attn_logit_softcapping": 50.0}, "unsupported attn_logit_softcapping=50.0"),
