@@ -105,3 +105,12 @@ def test_explain_refuses_layernorm_families_rather_than_call_a_wrong_split_exact
     from engine.tools.explain import explain_logits
     with pytest.raises(InputError, match="not implemented for gpt"):
         explain_logits(load_model(classic[name], device="cpu", dtype="float32"), PROMPT)
+
+
+def test_the_family_notes_say_what_the_classic_blocks_change(classic):
+    from inspector.views.family import family_notes
+    gpt2, neox, seq = (load_model(classic[n], device="cpu", dtype="float32").config for n in CLASSIC)
+    assert [page for _, page in family_notes(gpt2)] == ["attention"] and "learned" in family_notes(gpt2)[0][0]
+    assert [page for _, page in family_notes(neox)] == ["attention", "activations"]
+    assert "first 4 of each head's 16" in family_notes(neox)[0][0] and "no resid_mid" in family_notes(neox)[1][0]
+    assert family_notes(seq) == []          # rotary_pct 1.0, sequential: nothing a Llama page does not show
