@@ -114,3 +114,28 @@ def test_the_family_notes_say_what_the_classic_blocks_change(classic):
     assert [page for _, page in family_notes(neox)] == ["attention", "activations"]
     assert "first 4 of each head's 16" in family_notes(neox)[0][0] and "no resid_mid" in family_notes(neox)[1][0]
     assert family_notes(seq) == []          # rotary_pct 1.0, sequential: nothing a Llama page does not show
+
+
+def test_pythia_in_the_older_layout_loads_the_same_model(classic, tmp_path):
+    """A Pythia folder as EleutherAI published it: config.json with rotary_pct / rotary_emb_base at the top level and
+    no attention_bias (GPT-NeoX's biases are on by default), and each layer's attention.bias, attention.masked_bias
+    and rotary_emb.inv_freq buffers saved beside the weights."""
+    import json
+    src = classic["gpt_neox"]
+    cfg = json.loads((src / "config.json").read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg.pop("attention_bias")
+    cfg |= {"rotary_pct": rope["partial_rotary_factor"], "rotary_emb_base": rope["rope_theta"], "rope_scaling": None}
+    tensors = load_file(str(src / "model.safetensors"))
+    for i in range(4):
+        tensors[f"gpt_neox.layers.{i}.attention.bias"] = torch.tril(torch.ones(1, 1, 256, 256, dtype=torch.bool))
+        tensors[f"gpt_neox.layers.{i}.attention.masked_bias"] = torch.tensor(-1e9)
+        tensors[f"gpt_neox.layers.{i}.attention.rotary_emb.inv_freq"] = torch.ones(2)
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    old = load_model(tmp_path, device="cpu", dtype="float32")
+    assert (old.config.rotary_dim, old.config.parallel_residual, old.config.attention_bias) == (4, True, True)
+    assert torch.equal(old.logits(PROMPT), load_model(src, device="cpu", dtype="float32").logits(PROMPT))

@@ -30,6 +30,12 @@ CASES = [
     ({"model_type": "phi3", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
      "unsupported rope_scaling type 'llama3'; supported: default, longrope"),
     ({"model_type": "gemma2", "hidden_activation": "relu"}, "unsupported hidden_activation='relu'"),
+    ({"use_parallel_residual": True}, "unsupported use_parallel_residual=True"),
+    ({"model_type": "gpt2", "hidden_act": "gelu_new", "scale_attn_by_inverse_layer_idx": True},
+     "unsupported scale_attn_by_inverse_layer_idx=True"),
+    ({"model_type": "gpt2", "hidden_act": "gelu_new", "add_cross_attention": True},
+     "unsupported add_cross_attention=True"),
+    ({"model_type": "gpt_neox", "hidden_act": "relu"}, "unsupported hidden_act='relu'"),
 ]
 
 
