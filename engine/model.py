@@ -258,7 +258,8 @@ class Model:
         return self._mlp(p, lw, x, eps, own) if mlp else x
 
     def _attention(self, p, lw: LayerWeights, x, cache, i: int, at: Where, eps: float, own: bool) -> torch.Tensor:
-        """A block's attention half: the stream x (T, d) -> resid_mid."""
+        """A block's attention half: the stream x (T, d) -> resid_mid; a parallel block (GPT-NeoX): -> (x, attn_out)
+        for _block, whose MLP also reads x."""
         cfg = self.config
         T, H, K, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = x if lw.attn_norm is None else p("attn_norm", family_norm(cfg, x, lw.attn_norm, lw.attn_norm_bias,
