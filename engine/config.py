@@ -71,6 +71,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     layer_moe: tuple[bool, ...] = ()           # per layer: an experts layer; () = none
+    parallel_residual: bool = False           # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x)), no resid_mid
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -141,6 +142,7 @@ class ModelConfig:
                 f"{where}: unsupported architecture model_type={model_type!r} (architectures={archs}); "
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         fam = family(model_type, where)
+        raw = var.canonical(fam, raw, where)
         act = var.activation(fam, raw, where)
         if raw.get("mlp_bias"):
             raise UnsupportedModelError(f"{where}: mlp_bias=true is not supported")
@@ -158,6 +160,9 @@ class ModelConfig:
             raise UnsupportedModelError(f"{where}: {given} is odd; rotary position embedding (RoPE) rotates pairs "
                                         "of dimensions, so head_dim must be even")
         layers = int(need("num_hidden_layers"))
+        if fam.positions == "learned" and raw.get("rope_scaling"):
+            raise UnsupportedModelError(f"{where}: rope_scaling is set, but model_type={model_type!r} has learned "
+                                        "absolute positions, no RoPE")
 
         max_pos = int(raw.get("max_position_embeddings", 2048))
         rope = _rope_fields(fam, raw, where, head_dim, layers, max_pos)
@@ -187,6 +192,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             activation=act,
+            parallel_residual=var.parallel_residual(fam, raw, where),
             **rope,
             **var.scales(fam, raw, where, hidden, head_dim),
             **var.experts(fam, raw, where, layers),
@@ -216,6 +222,8 @@ def _rope_fields(fam: Family, raw: dict, where: str, head_dim: int, layers: int,
     rope_scaling = _parse_rope_scaling(scaling_raw, where, fam, raw, rotary_dim, max_pos)
     layer_window = var.windows(fam, raw, where, layers, max_pos)
     layer_rope = var.rope_layers(fam, raw, where, layer_window)
+    if fam.positions == "learned":      # GPT-2: positions are added to the embedding; no layer rotates q and k
+        layer_rope = (None,) * layers
     local_theta = None
     if fam.local_rope:
         if local_params is not None and local_params.get("rope_type", "default") != "default":

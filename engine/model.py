@@ -32,6 +32,7 @@ from engine.inspection.stop_points import StopPoint, stop_point
 from engine.kv_cache import KVCache
 from engine.matmul import mm
 from engine.moe import activation, experts_mlp, route
+from engine.norms import family_norm, rms_norm
 from engine.progress import STOP, Stopped
 from engine.rope import apply_rope, rope_tables, rotate, table_kinds
 from engine.weights import LayerWeights, Weights
@@ -40,19 +41,6 @@ if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
 
 
-
-
-def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in the wider of the stream's and the weight's dtypes, output in the weight's (the dtype the
-    following matmul runs in). In fp32 it is F.rms_norm's arithmetic, op for op (x * rsqrt(mean(x²) + eps) * w),
-    in 7 small ops instead of its 11 (decode runs 61); half precisions keep F.rms_norm, which squares in fp32."""
-    if x.dtype == w.dtype == torch.float32:
-        r = x.pow(2).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_()
-        return (x * r).mul_(w)
-    if x.dtype == w.dtype:
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-    wide = torch.promote_types(x.dtype, w.dtype)
-    return F.rms_norm(x.to(wide), (x.shape[-1],), w.to(wide), eps).to(w.dtype)
 
 
 class Model:
@@ -188,6 +176,8 @@ class Model:
         x = F.embedding(ids, embed)                                             # (T, d)
         if cfg.embed_scale != 1.0:    # Gemma's sqrt(d), Granite's multiplier: in the embedding's dtype, as HF
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        if w.pos_embed is not None:   # GPT-2's learned absolute positions, added to the tokens' rows
+            x = x + F.embedding(at.rows, w.pos_embed).to(x.dtype)
         x = probe("embed", x)
         if probe.timing:
             probe.mark("embed")
@@ -197,7 +187,7 @@ class Model:
         own = probe is NO_PROBE and not torch.is_grad_enabled()
         x = self._blocks(x, cache, probe, 0, end, at, eps, on_layer, half, own)
         if final:
-            x = probe("final_norm", _norm(x, norm, eps))
+            x = probe("final_norm", family_norm(cfg, x, norm, w.norm_bias, eps))
         if stop is not None:
             return x
         if last_only:         # the last row; of a packed prefill (engine.batch.segments), each run's last
@@ -262,22 +252,27 @@ class Model:
         own (no probe, no gradient, a stream only this forward holds): the residual adds and the gate's activation
         and product are done in place, the same operations on the same values."""
         x = self._attention(p, lw, x, cache, i, at, eps, own)
+        if self.config.parallel_residual:   # x + attn(ln1(x)) + mlp(ln2(x)); its attention half ends at x + attn
+            x, attn = x
+            return self._mlp(p, lw, x, eps, own, attn) if mlp else x + attn
         return self._mlp(p, lw, x, eps, own) if mlp else x
 
     def _attention(self, p, lw: LayerWeights, x, cache, i: int, at: Where, eps: float, own: bool) -> torch.Tensor:
-        """A block's attention half: the stream x (T, d) -> resid_mid."""
+        """A block's attention half: the stream x (T, d) -> resid_mid; a parallel block (GPT-NeoX): -> (x, attn_out)
+        for _block, whose MLP also reads x."""
         cfg = self.config
         T, H, K, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = x if lw.attn_norm is None else p("attn_norm", _norm(x, lw.attn_norm, eps))    # (T, d)
+        h = x if lw.attn_norm is None else p("attn_norm", family_norm(cfg, x, lw.attn_norm, lw.attn_norm_bias,
+                                                                      eps))                       # (T, d)
         qkv = mm(h, lw.wqkv) if lw.bqkv is None else torch.addmm(lw.bqkv, h, lw.wqkv)      # (T, (H + 2K) hd)
         q0, k0, v = qkv.view(T, H + 2 * K, hd).split([H, K, K], dim=1)                  # (T, heads, hd) each
         q, k, v = p("attn.q", q0), p("attn.k", k0), p("attn.v", v)
         if lw.q_norm is not None:
             if lw.q_norm.shape[0] == hd:      # Qwen3, Gemma 3: each head's vector
-                q, k = _norm(q, lw.q_norm, eps), _norm(k, lw.k_norm, eps)
+                q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
             else:                             # OLMo 2: the whole projection
-                q = _norm(q.reshape(T, H * hd), lw.q_norm, eps).view(T, H, hd)
-                k = _norm(k.reshape(T, K * hd), lw.k_norm, eps).view(T, K, hd)
+                q = rms_norm(q.reshape(T, H * hd), lw.q_norm, eps).view(T, H, hd)
+                k = rms_norm(k.reshape(T, K * hd), lw.k_norm, eps).view(T, K, hd)
             q, k = p("attn.q_norm", q), p("attn.k_norm", k)
         kind = cfg.layer_rope[i]
         if kind is not None:                  # SmolLM3's no-RoPE layers leave q and k as they are
@@ -295,11 +290,15 @@ class Model:
             z = self.attend(p, q, k, v, cache, i, at)
         z = p("attn.z", z.transpose(0, 1))                                      # (T, H, hd)
         out = mm(z.reshape(T, H * hd), lw.wo)
+        if lw.bo is not None:
+            out = out + lw.bo
         if cfg.residual_scale != 1.0:         # Granite: the branch scaled before it joins the stream
             out = out * cfg.residual_scale
         out = p("attn_out", out.to(x.dtype))                                   # (T, d)
         if lw.attn_post_norm is not None:
-            out = p("attn_post_norm", _norm(out, lw.attn_post_norm, eps).to(x.dtype))
+            out = p("attn_post_norm", rms_norm(out, lw.attn_post_norm, eps).to(x.dtype))
+        if cfg.parallel_residual:    # GPT-NeoX: the MLP reads the block's input; _mlp adds both branches
+            return x, out
         return x.add_(out) if own else p("resid_mid", x + out)
 
     def attend(self, p, q, k, v, cache, i: int, at: Where) -> torch.Tensor:
@@ -324,15 +323,20 @@ class Model:
             z = fused(qh, keys, values, mask, p.guards_nan, cfg.attn_scale, K != H)   # statistics steer nothing
         return z
 
-    def _mlp(self, p, lw: LayerWeights, x, eps: float, own: bool) -> torch.Tensor:
-        """A block's MLP half (dense, or a router and its experts): resid_mid -> resid_post."""
+    def _mlp(self, p, lw: LayerWeights, x, eps: float, own: bool, attn: torch.Tensor | None = None) -> torch.Tensor:
+        """A block's MLP half (gated, plain, or a router and its experts): resid_mid -> resid_post; with attn (a
+        parallel block) the block's input -> resid_post = x + attn + mlp_out."""
         cfg = self.config
-        h = x if lw.mlp_norm is None else p("mlp_norm", _norm(x, lw.mlp_norm, eps))
+        h = x if lw.mlp_norm is None else p("mlp_norm", family_norm(cfg, x, lw.mlp_norm, lw.mlp_norm_bias, eps))
         act_fn = activation(cfg.activation)
         if lw.router is not None:
             gates = p("mlp.experts", route(p("mlp.router", mm(h, lw.router)), cfg.experts_per_token,
                                            cfg.norm_topk_prob))                  # (T, E): 0 but each row's top k
             out = experts_mlp(h, gates, lw.experts_gate_up, lw.experts_down, act_fn)
+        elif lw.w_up is not None:             # GPT-2, GPT-NeoX: act(h W_up + b) W_down + b, no gate
+            up = p("mlp.up", mm(h, lw.w_up) if lw.b_up is None else torch.addmm(lw.b_up, h, lw.w_up))   # (T, F)
+            act = p("mlp.act", act_fn(up))
+            out = mm(act, lw.w_down) if lw.b_down is None else torch.addmm(lw.b_down, act, lw.w_down)
         else:
             gate, up = mm(h, lw.w_gate_up).chunk(2, dim=-1)                    # (T, F) each
             if own and cfg.activation == "silu":
@@ -344,7 +348,9 @@ class Model:
             out = out * cfg.residual_scale
         out = p("mlp_out", out.to(x.dtype))                                     # (T, d)
         if lw.mlp_post_norm is not None:
-            out = p("mlp_post_norm", _norm(out, lw.mlp_post_norm, eps).to(x.dtype))
+            out = p("mlp_post_norm", rms_norm(out, lw.mlp_post_norm, eps).to(x.dtype))
+        if attn is not None:
+            return p("resid_post", x + attn + out)
         return x.add_(out) if own else p("resid_post", x + out)
 
     def _inspect(self, p, qh, keys, values, mask: Mask | None, first: int) -> None:
@@ -375,7 +381,8 @@ class Model:
         """Residual-stream vectors (..., d) through the final norm and lm_head -> float32 CPU logits (..., V).
         The logit lens: what the model would predict if it stopped at that layer."""
         stream = torch.float32 if self.resid_fp32_from is not None or "embed" in self.fp32_units else self.dtype
-        x = _norm(resid.to(self.device, stream), self.weights.norm, self.config.rms_norm_eps)
+        x = family_norm(self.config, resid.to(self.device, stream), self.weights.norm, self.weights.norm_bias,
+                        self.config.rms_norm_eps)
         return self._head(x.reshape(-1, x.shape[-1]), self.weights.lm_head, NO_PROBE).view(
             *x.shape[:-1], -1).float().cpu()
 

@@ -29,4 +29,6 @@ def experts_mlp(h: torch.Tensor, gates: torch.Tensor, gate_up: torch.Tensor, dow
 
 
 def activation(name: str):
+    if name == "gelu":        # GPT-NeoX's exact erf GELU
+        return F.gelu
     return F.silu if name == "silu" else (lambda x: F.gelu(x, approximate="tanh"))

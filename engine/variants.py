@@ -38,7 +38,8 @@ def cast_model(model: Model, dtype: str | torch.dtype) -> Model:
         return None if t is None else t.to(dt, copy=True)
     layers = [LayerWeights(**{f.name: cv(getattr(lw, f.name)) for f in dataclasses.fields(lw)}) for lw in w.layers]
     head = cv(w.lm_head)
-    weights = Weights(head.t() if w.tied() else cv(w.embed), layers, cv(w.norm), head)
+    weights = dataclasses.replace(w, embed=head.t() if w.tied() else cv(w.embed), layers=layers, norm=cv(w.norm),
+                                  lm_head=head, norm_bias=cv(w.norm_bias), pos_embed=cv(w.pos_embed))
     return derive(model, weights, dtype=dt, name=f"{model.name} [{str(dt).removeprefix('torch.')}]")
 
 
@@ -98,7 +99,7 @@ def precision_plan(model: Model, units: list[str] | tuple[str, ...], source: Mod
                 for f in fields})
         else:
             whole[ends[part]] = getattr(src.weights, ends[part]).to(torch.float32, copy=True)
-    weights = Weights(layers=layers, **whole)
+    weights = dataclasses.replace(model.weights, layers=layers, **whole)   # LayerNorm bias, positions: shared
     plan = derive(model, weights, dtype=model.dtype, name=f"{model.base_name} [fp32: {', '.join(units) or 'none'}]")
     plan.base_name, plan.resid_fp32_from, plan.fp32_units = model.base_name, resid_from, units
     if any(u.endswith(".attn") for u in units):

@@ -23,8 +23,6 @@ from engine.family import part_shape
 from engine.family.slots import BY_FIELD, FIELDS
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Buffers some older checkpoints carry that are recomputed here, never weights.
-IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
 @dataclass
@@ -32,15 +30,21 @@ class LayerWeights:
     """One block's weights, one field per slot of engine.family.slots (None where the family's block has no such
     weight). Matrices are stored (in, out)."""
     attn_norm: torch.Tensor | None = None       # (d,)
+    attn_norm_bias: torch.Tensor | None = None  # (d,) LayerNorm's
     wqkv: torch.Tensor | None = None            # (d, (H + 2K) * hd)  columns: q heads, then k heads, then v heads
     bqkv: torch.Tensor | None = None            # ((H + 2K) * hd,)
     q_norm: torch.Tensor | None = None          # (hd,) per head, or (H * hd,) over the projection
     k_norm: torch.Tensor | None = None          # (hd,) or (K * hd,)
     wo: torch.Tensor | None = None              # (H * hd, d)
+    bo: torch.Tensor | None = None              # (d,)
     attn_post_norm: torch.Tensor | None = None  # (d,)
     mlp_norm: torch.Tensor | None = None        # (d,)
+    mlp_norm_bias: torch.Tensor | None = None   # (d,) LayerNorm's
     w_gate_up: torch.Tensor | None = None       # (d, 2F)  columns: gate, then up
+    w_up: torch.Tensor | None = None            # (d, F)  a plain MLP's
+    b_up: torch.Tensor | None = None            # (F,)
     w_down: torch.Tensor | None = None          # (F, d)
+    b_down: torch.Tensor | None = None          # (d,)
     router: torch.Tensor | None = None          # (d, E)
     experts_gate_up: torch.Tensor | None = None  # (E, d, 2Fe)
     experts_down: torch.Tensor | None = None    # (E, Fe, d)
@@ -56,6 +60,8 @@ class Weights:
     layers: list[LayerWeights]
     norm: torch.Tensor           # (d,)
     lm_head: torch.Tensor        # (d, V)  when tied, embed is this matrix's transpose (one copy: tied())
+    norm_bias: torch.Tensor | None = None    # (d,) the final LayerNorm's bias
+    pos_embed: torch.Tensor | None = None    # (n_positions, d) learned absolute positions (GPT-2)
 
     def tied(self) -> bool:
         """Whether embed is a view of lm_head (a tied checkpoint's one matrix, read both ways)."""
@@ -69,6 +75,7 @@ class Weights:
         lm_head are one matrix, engine.weights.tied; a variant's shared tensors are the model's)."""
         seen, out = set(), {}
         for t in [self.embed, self.norm, self.lm_head] + [
+                t for t in (self.norm_bias, self.pos_embed) if t is not None] + [
                 x for lw in self.layers for x in lw.present().values()]:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
@@ -79,22 +86,29 @@ class Weights:
 def layer_parts(cfg: ModelConfig, i: int) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """Layer i's slots -> the Hugging Face tensors they are made of (full names, shapes), from the family's
     declaration. An experts part ("{e}") stands for one tensor per expert, in expert order."""
-    out = {}
+    out, ck = {}, cfg.family.checkpoint
+    prefix = ck.layer.format(i=i)
     for slot, parts in cfg.family.slots(cfg.layer_moe[i], cfg.attention_bias).items():
         names = []
+        flip = ck.transposed and BY_FIELD[slot].kind == "matrix"     # Conv1D: stored (in, out)
         for hf, key, _ in parts:
             experts = range(cfg.num_experts) if "{e}" in hf else [None]
-            names += [(f"model.layers.{i}." + hf.format(e=e), part_shape(key, cfg)) for e in experts]
+            shape = part_shape(key, cfg)
+            names += [(prefix + hf.format(e=e), shape[::-1] if flip else shape) for e in experts]
         out[slot] = names
     return out
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint must hold, by its Hugging Face name, with its shape."""
-    d = cfg.hidden_size
-    names = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    d, ck = cfg.hidden_size, cfg.family.checkpoint
+    names = {ck.embed: (cfg.vocab_size, d), ck.norm: (d,)}
+    if ck.norm_bias:
+        names[ck.norm_bias] = (d,)
+    if ck.pos_embed:
+        names[ck.pos_embed] = (cfg.max_position_embeddings, d)
     if not cfg.tie_word_embeddings:
-        names["lm_head.weight"] = (cfg.vocab_size, d)
+        names[ck.lm_head] = (cfg.vocab_size, d)
     for i in range(cfg.num_layers):
         names |= {n: shape for parts in layer_parts(cfg, i).values() for n, shape in parts}
     return names
@@ -143,10 +157,16 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, device: torch.device, 
     load's callback (engine.loader), told per tensor across `span`."""
     model_dir = Path(model_dir)
     expected = expected_tensors(cfg)
+    ck = cfg.family.checkpoint
     where = _shard_files(model_dir)
-    ignored = {n for n in where if IGNORED.fullmatch(n)}
-    if cfg.tie_word_embeddings and "lm_head.weight" in where:
-        ignored.add("lm_head.weight")  # tied models sometimes save a copy; the embedding is used, as in HF
+    stored = {n: n for n in where}       # the engine's name of a tensor -> its name in the file
+    if ck.optional_prefix and not any(n.startswith(ck.optional_prefix) for n in where):
+        stored = {ck.optional_prefix + n: n for n in where}
+        where = {ck.optional_prefix + n: f for n, f in where.items()}
+    ignore = re.compile(ck.ignored)
+    ignored = {n for n in where if ignore.fullmatch(n)}
+    if cfg.tie_word_embeddings and ck.lm_head in where:
+        ignored.add(ck.lm_head)  # tied models sometimes save a copy; the embedding is used, as in HF
     missing = sorted(set(expected) - set(where))
     unexpected = sorted(set(where) - set(expected) - ignored)
     if missing:
@@ -168,7 +188,8 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, device: torch.device, 
                     if progress:
                         progress(lo + (hi - lo) * len(raw) / len(expected),
                                  f"loading and checking weights: tensor {len(raw) + 1} of {len(expected)} ({name})")
-                    raw[name] = _checked(name, f.get_tensor(name), expected[name], path).to(device=device, dtype=dtype)
+                    t = _checked(name, f.get_tensor(stored[name]), expected[name], path)
+                    raw[name] = t.to(device=device, dtype=dtype)
         except ModelLoadError:
             raise
         except Exception as e:
@@ -190,7 +211,7 @@ def _assemble(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> Weights:
     """The checkpoint's tensors in the engine's slots: parts concatenated along the output dimension, matrices
     transposed to (in, out), experts stacked, and the family's norm offset folded in (Gemma's (1 + w), computed in
     float32 as transformers does)."""
-    off = cfg.family.norm_offset
+    off, ck = cfg.family.norm_offset, cfg.family.checkpoint
     layers = []
     for i in range(cfg.num_layers):
         slots = {}
@@ -202,19 +223,35 @@ def _assemble(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> Weights:
                 slots[slot] = torch.stack([_t(torch.cat(ts[e::cfg.num_experts])) if per > 1 else _t(ts[e])
                                            for e in range(cfg.num_experts)])
             elif kind in ("matrix", "router"):
-                slots[slot] = _t(torch.cat(ts))
+                slots[slot] = _own(torch.cat(ts, dim=1)) if ck.transposed and kind == "matrix" else _t(torch.cat(ts))
             elif kind == "norm":
                 slots[slot] = _offset(ts[0], off)
             else:
                 slots[slot] = torch.cat(ts)
+        if ck.qkv_per_head:
+            slots["wqkv"] = _heads_first(slots["wqkv"], cfg, 1)
+            if "bqkv" in slots:
+                slots["bqkv"] = _heads_first(slots["bqkv"], cfg, 0)
         layers.append(LayerWeights(**slots))
-    embed = raw.pop("model.embed_tokens.weight")
+    embed = raw.pop(ck.embed)
     if cfg.tie_word_embeddings:     # one matrix: the lm_head (d, V), and the embedding its transposed view (V, d)
         lm_head = _t(embed)
         embed = lm_head.t()
     else:
-        embed, lm_head = _own(embed), _t(raw.pop("lm_head.weight"))
-    return Weights(embed=embed, layers=layers, norm=_offset(raw.pop("model.norm.weight"), off), lm_head=lm_head)
+        embed, lm_head = _own(embed), _t(raw.pop(ck.lm_head))
+    return Weights(embed=embed, layers=layers, norm=_offset(raw.pop(ck.norm), off), lm_head=lm_head,
+                   norm_bias=_own(raw.pop(ck.norm_bias)) if ck.norm_bias else None,
+                   pos_embed=_own(raw.pop(ck.pos_embed)) if ck.pos_embed else None)
+
+
+def _heads_first(t: torch.Tensor, cfg: ModelConfig, dim: int) -> torch.Tensor:
+    """A fused qkv laid out per head (GPT-NeoX: head h's q, k, v side by side along dim) -> the engine's q heads,
+    then k heads, then v heads."""
+    H, hd = cfg.num_heads, cfg.head_dim
+    if dim == 0:
+        return t.view(H, 3, hd).transpose(0, 1).reshape(-1).contiguous()
+    d = t.shape[0]
+    return t.view(d, H, 3, hd).transpose(1, 2).reshape(d, -1).contiguous()
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ def part_shape(key: str, cfg) -> tuple[int, ...]:
     d, hd, H, K, F = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     Fe, E = cfg.moe_intermediate_size, cfg.num_experts
     return {"d": (d,), "hd": (hd,), "q": (H * hd, d), "k": (K * hd, d), "v": (K * hd, d),
-            "qkv": ((H + 2 * K) * hd, d), "qb": (H * hd,), "kb": (K * hd,), "vb": (K * hd,), "qn": (H * hd,),
+            "qkv": ((H + 2 * K) * hd, d),
+            "qkvb": ((H + 2 * K) * hd,), "upb": (F,), "qb": (H * hd,), "kb": (K * hd,), "vb": (K * hd,), "qn": (H * hd,),
             "kn": (K * hd,), "o": (d, H * hd), "gate": (F, d), "up": (F, d), "gate_up": (2 * F, d), "down": (d, F),
             "router": (E, d), "egate": (Fe, d), "eup": (Fe, d), "edown": (d, Fe)}[key]

@@ -35,6 +35,52 @@ POST_NORMS = {"attn_post_norm": _parts(("post_attention_layernorm.weight", "d", 
               "mlp_post_norm": _parts(("post_feedforward_layernorm.weight", "d", "post_ffw_norm.weight"))}
 GEMMA_MLP_NORM = {"mlp_norm": _parts(("pre_feedforward_layernorm.weight", "d", "ffn_norm.weight"))}
 LLAMA = {**ATTN_NORM, **QKV, **WO, **MLP_NORM, **GATED_MLP}
+# GPT-2 (under transformer.h.{i}.): LayerNorms with biases, one Conv1D c_attn (stored (in, out), columns q | k | v),
+# a plain GELU MLP with biases
+GPT2 = {"attn_norm": _parts(("ln_1.weight", "d", "attn_norm.weight")),
+        "attn_norm_bias": _parts(("ln_1.bias", "d", "attn_norm.bias")),
+        "wqkv": _parts(("attn.c_attn.weight", "qkv", "attn_qkv.weight")),
+        "bqkv": _parts(("attn.c_attn.bias", "qkvb", "attn_qkv.bias")),
+        "wo": _parts(("attn.c_proj.weight", "o", "attn_output.weight")),
+        "bo": _parts(("attn.c_proj.bias", "d", "attn_output.bias")),
+        "mlp_norm": _parts(("ln_2.weight", "d", "ffn_norm.weight")),
+        "mlp_norm_bias": _parts(("ln_2.bias", "d", "ffn_norm.bias")),
+        "w_up": _parts(("mlp.c_fc.weight", "up", "ffn_up.weight")),
+        "b_up": _parts(("mlp.c_fc.bias", "upb", "ffn_up.bias")),
+        "w_down": _parts(("mlp.c_proj.weight", "down", "ffn_down.weight")),
+        "b_down": _parts(("mlp.c_proj.bias", "d", "ffn_down.bias"))}
+# GPT-NeoX (under gpt_neox.layers.{i}.): query_key_value fused per head (head h's q, k, v side by side)
+NEOX = {"attn_norm": _parts(("input_layernorm.weight", "d", "attn_norm.weight")),
+        "attn_norm_bias": _parts(("input_layernorm.bias", "d", "attn_norm.bias")),
+        "wqkv": _parts(("attention.query_key_value.weight", "qkv", "attn_qkv.weight")),
+        "bqkv": _parts(("attention.query_key_value.bias", "qkvb", "attn_qkv.bias")),
+        "wo": _parts(("attention.dense.weight", "o", "attn_output.weight")),
+        "bo": _parts(("attention.dense.bias", "d", "attn_output.bias")),
+        "mlp_norm": _parts(("post_attention_layernorm.weight", "d", "ffn_norm.weight")),
+        "mlp_norm_bias": _parts(("post_attention_layernorm.bias", "d", "ffn_norm.bias")),
+        "w_up": _parts(("mlp.dense_h_to_4h.weight", "up", "ffn_up.weight")),
+        "b_up": _parts(("mlp.dense_h_to_4h.bias", "upb", "ffn_up.bias")),
+        "w_down": _parts(("mlp.dense_4h_to_h.weight", "down", "ffn_down.weight")),
+        "b_down": _parts(("mlp.dense_4h_to_h.bias", "d", "ffn_down.bias"))}
+BIAS_SLOTS = ("bqkv", "bo")     # the attention biases a family's bias flag switches
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Where a family's Hugging Face checkpoint keeps its tensors and how it lays them out."""
+    layer: str = "model.layers.{i}."      # the prefix of a layer's parts
+    embed: str = "model.embed_tokens.weight"
+    norm: str = "model.norm.weight"
+    norm_bias: str | None = None          # the final LayerNorm's bias
+    lm_head: str = "lm_head.weight"
+    pos_embed: str | None = None          # learned absolute positions (n_positions, d)
+    transposed: bool = False              # matrices stored (in, out) (GPT-2's Conv1D), not (out, in)
+    optional_prefix: str = ""             # a prefix older checkpoints left off every name (GPT-2's "transformer.")
+    qkv_per_head: bool = False            # fused qkv rows grouped by head: [q_h | k_h | v_h] for each head h
+    ignored: str = r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"   # buffers saved beside the weights
+
+
+LLAMA_CHECKPOINT = Checkpoint()
 
 
 def _experts(router: str, expert: str, gate: str, up: str, down: str) -> dict[str, tuple[Part, ...]]:
@@ -71,6 +117,14 @@ class Family:
     no_rope_layers: bool = False          # SmolLM3: no_rope_layers[i] == 0 has no RoPE
     experts: str | None = None            # "mixtral" (renormalised top-k) or "qwen3_moe" (norm_topk_prob)
     moe_parts: dict[str, tuple[Part, ...]] = field(default_factory=dict)   # slots of a mixture-of-experts layer
+    norm: str = "rms"                     # "rms" (RMSNorm) or "layer" (LayerNorm, with a bias slot beside each)
+    mlp: str = "gated"                    # "gated" (act(gate) * up) or "plain" (act(up), with biases)
+    positions: str = "rope"               # "rope" or "learned" (absolute position embeddings added to the tokens)
+    parallel_residual: bool = False       # reads use_parallel_residual: x + attn(ln1(x)) + mlp(ln2(x))
+    bias_default: bool = False            # attention_bias when config.json does not say
+    tie_default: bool = False             # tie_word_embeddings when config.json does not say
+    config_keys: dict[str, str] = field(default_factory=dict)   # this family's config.json key -> the engine's
+    checkpoint: Checkpoint = LLAMA_CHECKPOINT
 
     def slots(self, moe: bool, bias: bool) -> dict[str, tuple[Part, ...]]:
         """The slots (and their parts) of one layer: an experts layer swaps the dense MLP for router and experts."""
@@ -80,7 +134,8 @@ class Family:
             out.pop("w_down", None)
             out |= self.moe_parts
         if not bias:
-            out.pop("bqkv", None)
+            for slot in BIAS_SLOTS:
+                out.pop(slot, None)
         return out
 
 
@@ -115,6 +170,25 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     replace(_qwen3, model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM", gguf_arch="qwen3moe",
             experts="qwen3_moe",
             moe_parts=_experts("mlp.gate.weight", "mlp.experts.{e}.", "gate_proj", "up_proj", "down_proj")),
+    Family("gpt2", "GPT2LMHeadModel", GPT2, bias="always", activation="gelu_tanh", norm="layer", mlp="plain",
+           positions="learned", tie_default=True,
+           config_keys={"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+                        "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
+                        "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"},
+           checkpoint=Checkpoint(layer="transformer.h.{i}.", embed="transformer.wte.weight",
+                                 norm="transformer.ln_f.weight", norm_bias="transformer.ln_f.bias",
+                                 pos_embed="transformer.wpe.weight", transposed=True,
+                                 optional_prefix="transformer.",
+                                 # the causal-mask buffers older checkpoints saved
+                                 ignored=r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")),
+    Family("gpt_neox", "GPTNeoXForCausalLM", NEOX, activation="gelu", norm="layer", mlp="plain",
+           rotary_fraction=True, parallel_residual=True, bias_default=True,
+           config_keys={"layer_norm_eps": "rms_norm_eps", "rotary_pct": "partial_rotary_factor",
+                        "rotary_emb_base": "rope_theta"},
+           checkpoint=Checkpoint(layer="gpt_neox.layers.{i}.", embed="gpt_neox.embed_in.weight",
+                                 norm="gpt_neox.final_layer_norm.weight", norm_bias="gpt_neox.final_layer_norm.bias",
+                                 lm_head="embed_out.weight", qkv_per_head=True,
+                                 ignored=r"gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)")),
 )}
 # llama.cpp's mixtral files say "llama" (experts are told by their tensors)
 BY_GGUF_ARCH = {f.gguf_arch: f for f in FAMILIES.values() if f.gguf_arch and f.model_type != "mistral"}

@@ -18,15 +18,21 @@ class Slot:
 
 SLOTS: tuple[Slot, ...] = (
     Slot("attn_norm", "attn_norm.weight", "attn", "norm"),
+    Slot("attn_norm_bias", "attn_norm.bias", "attn", "bias"),   # (d,) LayerNorm's
     Slot("wqkv", "attn.wqkv", "attn", "matrix"),            # (d, (H + 2K) hd): q heads, k heads, v heads
     Slot("bqkv", "attn.bqkv", "attn", "bias"),              # ((H + 2K) hd,)
     Slot("q_norm", "attn.q_norm.weight", "attn", "norm"),   # (hd,) per head, or (H hd,) over the projection
     Slot("k_norm", "attn.k_norm.weight", "attn", "norm"),   # (hd,) or (K hd,)
     Slot("wo", "attn.wo", "attn", "matrix"),                # (H hd, d)
+    Slot("bo", "attn.bo", "attn", "bias"),                  # (d,)
     Slot("attn_post_norm", "attn_post_norm.weight", "attn", "norm"),
     Slot("mlp_norm", "mlp_norm.weight", "mlp", "norm"),
+    Slot("mlp_norm_bias", "mlp_norm.bias", "mlp", "bias"),  # (d,) LayerNorm's
     Slot("w_gate_up", "mlp.w_gate_up", "mlp", "matrix"),    # (d, 2F): gate columns, then up
+    Slot("w_up", "mlp.w_up", "mlp", "matrix"),              # (d, F): a plain MLP's
+    Slot("b_up", "mlp.b_up", "mlp", "bias"),                # (F,)
     Slot("w_down", "mlp.w_down", "mlp", "matrix"),          # (F, d)
+    Slot("b_down", "mlp.b_down", "mlp", "bias"),            # (d,)
     Slot("router", "mlp.router", "mlp", "router"),          # (d, E)
     Slot("experts_gate_up", "mlp.experts.w_gate_up", "mlp", "experts"),   # (E, d, 2Fe)
     Slot("experts_down", "mlp.experts.w_down", "mlp", "experts"),         # (E, Fe, d)

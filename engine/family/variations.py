@@ -34,11 +34,46 @@ def _refuse(where: str, key: str, value, fam: Family, why: str) -> None:
 
 def activation(fam: Family, raw: dict, where: str) -> str:
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
-    want = {"silu": ("silu",), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}[fam.activation]
+    want = {"silu": ("silu",), "gelu": ("gelu",),
+            "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")}[fam.activation]   # gelu_new: GPT-2's tanh
     if act not in want:
         key = "hidden_activation" if raw.get("hidden_activation") else "hidden_act"
         _refuse(where, key, act, fam, f"this family's MLP is implemented with {' / '.join(want)}")
     return fam.activation
+
+
+def canonical(fam: Family, raw: dict, where: str) -> dict:
+    """config.json in the engine's key names: the family's own names (GPT-2's n_embd, ...) renamed, a null dropped
+    (GPT-2's n_inner: null = 4 x n_embd), and a key spelled both ways refused."""
+    out = dict(raw)
+    for theirs, ours in fam.config_keys.items():
+        if theirs not in out:
+            continue
+        v = out.pop(theirs)
+        if v is None:
+            continue
+        if ours in raw and raw[ours] != v:
+            raise ModelLoadError(f"{where}: {theirs}={v!r} and {ours}={raw[ours]!r} disagree")
+        out[ours] = v
+    if fam.model_type == "gpt2":
+        if "intermediate_size" not in out and isinstance(out.get("hidden_size"), int):
+            out["intermediate_size"] = 4 * out["hidden_size"]
+        for key, value in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                           ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
+            if out.get(key, value) != value:
+                _refuse(where, key, out[key], fam, f"GPT-2 is implemented with {key}={value}")
+    out.setdefault("tie_word_embeddings", fam.tie_default)
+    out.setdefault("attention_bias", fam.bias_default)
+    return out
+
+
+def parallel_residual(fam: Family, raw: dict, where: str) -> bool:
+    """Whether attention and the MLP both read the block's input (GPT-NeoX's use_parallel_residual)."""
+    if not fam.parallel_residual:
+        if flag(raw, "use_parallel_residual", where):
+            _refuse(where, "use_parallel_residual", True, fam, "a parallel residual is declared for gpt_neox")
+        return False
+    return flag(raw, "use_parallel_residual", where) if "use_parallel_residual" in raw else True
 
 
 def scales(fam: Family, raw: dict, where: str, hidden: int, head_dim: int) -> dict:
@@ -159,7 +194,7 @@ def rotary_fraction(fam: Family, raw: dict, rope_params: dict, where: str) -> fl
     if v is None or v == 1:
         return 1.0
     if not fam.rotary_fraction:
-        _refuse(where, "partial_rotary_factor", v, fam, "a rotary fraction is declared for phi3 only")
+        _refuse(where, "partial_rotary_factor", v, fam, "a rotary fraction is declared for phi3 and gpt_neox")
     v = positive(v, "partial_rotary_factor", where)
     if v > 1:
         raise ModelLoadError(f"{where}: partial_rotary_factor={v} must be in (0, 1]")

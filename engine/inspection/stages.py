@@ -24,15 +24,18 @@ _NEEDS = {"attn_norm": "attn_norm", "attn.q_norm": "q_norm", "attn.k_norm": "k_n
           "attn_post_norm": "attn_post_norm", "mlp_norm": "mlp_norm", "mlp_post_norm": "mlp_post_norm"}
 _DENSE = ("mlp.gate", "mlp.up", "mlp.act")
 _MOE = ("mlp.router", "mlp.experts")
+# a plain MLP (GPT-2, GPT-NeoX) has no gate; a parallel block no stream between its halves
+_PLAIN_MLP_LACKS = ("mlp.gate",)
 
 
 def layer_stages(cfg, i: int) -> tuple[str, ...]:
     """The stages block i of a model of this config offers, in forward order."""
     slots = cfg.family.slots(cfg.layer_moe[i], cfg.attention_bias)
     moe = cfg.layer_moe[i]
+    lacks = (_PLAIN_MLP_LACKS if "w_up" in slots else ()) + (("resid_mid",) if cfg.parallel_residual else ())
     return tuple(s for s in LAYER_STAGES
                  if (s not in _NEEDS or _NEEDS[s] in slots) and not (moe and s in _DENSE)
-                 and not (not moe and s in _MOE))
+                 and not (not moe and s in _MOE) and s not in lacks)
 
 
 def global_stages(cfg) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -165,6 +165,11 @@ def explain_logits(model, ids: list[int], target: int | None = None, versus: int
     cfg, T = model.config, len(ids)
     if T == 0:
         raise InputError("nothing to explain: the context is empty")
+    if cfg.family.norm != "rms" or cfg.parallel_residual:
+        # the attribution freezes RMSNorm scales; a LayerNorm also centres the stream and adds its bias, a constant
+        # no head owns, so the parts would not sum to the difference while the explanation called them exact
+        raise InputError(f"Explain (direct logit attribution) is not implemented for {cfg.model_type}'s LayerNorm "
+                         "blocks yet; the other pages work on this model")
     for name, tid in (("target", target), ("versus", versus)):
         if tid is not None and not 0 <= int(tid) < cfg.vocab_size:
             raise InputError(f"{name} token id {tid} is outside the vocabulary [0, {cfg.vocab_size})")

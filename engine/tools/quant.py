@@ -38,7 +38,6 @@ from engine.progress import OnProgress, tell_units
 from engine.settings import RunSettings
 from engine.tools import gguf_blocks
 from engine.variants import derive
-from engine.weights import Weights
 
 FORMATS = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
 MATRICES = SLOT_MATRICES + tuple(s.field for s in SLOTS if s.kind == "experts")   # every product's weights
@@ -101,7 +100,8 @@ def quantized_model(model: Model, fmt: str, *, embed: bool = False) -> Model:
             emb = head.t()
         else:
             head = requantize(w.lm_head, fmt)
-    return derive(model, Weights(emb, layers, w.norm, head), dtype=torch.float32, name=f"{model.name} [{fmt.upper()}]")
+    return derive(model, dataclasses.replace(w, embed=emb, layers=layers, lm_head=head), dtype=torch.float32,
+                  name=f"{model.name} [{fmt.upper()}]")
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """What a model's family changes from a plain Llama block, said in a line each with the page that shows it: sliding-
-window layers (KV cache, Attention), mixture-of-experts layers (Activations), a final logit soft cap (Sampling)."""
+window layers (KV cache, Attention), learned positions or a rotary fraction (Attention), mixture-of-experts layers and
+a parallel residual (Activations), a final logit soft cap (Sampling)."""
 from __future__ import annotations
 
 
@@ -18,6 +19,15 @@ def family_notes(cfg) -> list[tuple[str, str]]:
     if moe:
         notes.append((f"{moe} of {cfg.num_layers} layers are mixture-of-experts layers: each token goes to "
                       f"{cfg.experts_per_token} of {cfg.num_experts} experts", "activations"))
+    if cfg.family.positions == "learned":
+        notes.append(("positions are learned vectors added to the token embedding, not RoPE: attn.q_rot and attn.k_rot "
+                      "are attn.q and attn.k unrotated", "attention"))
+    elif cfg.rotary_dim != cfg.head_dim:
+        notes.append((f"RoPE rotates the first {cfg.rotary_dim} of each head's {cfg.head_dim} dimensions; the rest "
+                      "carry no position", "attention"))
+    if cfg.parallel_residual:
+        notes.append(("attention and the MLP both read the block's input and add to the stream together (a parallel "
+                      "residual): a block has no resid_mid", "activations"))
     if cfg.final_softcap is not None:
         notes.append((f"the logits are soft-capped: {cfg.final_softcap:g} · tanh(logits / {cfg.final_softcap:g}) "
                       "before sampling", "sampling"))

@@ -36,7 +36,15 @@ CASES = {
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[2]),
+    # classic shapes: multi-head attention (None drops a BASE key their configs do not have)
+    "gpt2": dict(model_type="gpt2", n_inner=96, intermediate_size=None, num_key_value_heads=None,
+                 tie_word_embeddings=True),
+    "gpt_neox": dict(model_type="gpt_neox", num_key_value_heads=None, rotary_pct=0.25, use_parallel_residual=True),
+    "gpt_neox-sequential": dict(model_type="gpt_neox", num_key_value_heads=None, rotary_pct=1.0,
+                                use_parallel_residual=False),
 }
+# the token (and position) embeddings of each family's checkpoint
+EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "wpe.weight", "embed_in.weight")
 
 
 def scaled_(model, seed: int) -> None:
@@ -49,7 +57,7 @@ def scaled_(model, seed: int) -> None:
             if p.dim() == 1:      # norms (and biases)
                 base = 0.0 if gemma or name.endswith("bias") else 1.0
                 p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
-            elif "embed_tokens" in name:
+            elif name.endswith(EMBEDDINGS):
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
@@ -58,7 +66,7 @@ def scaled_(model, seed: int) -> None:
 def build(name: str, out: Path, tokenizer_files: Path) -> Path:
     """CASES[name] saved to `out` by transformers (with the bundled tokenizer's files)."""
     import transformers
-    kw = dict(BASE, **CASES[name])
+    kw = {k: v for k, v in dict(BASE, **CASES[name]).items() if v is not None}
     model_type = kw.pop("model_type")
     cfg = transformers.AutoConfig.for_model(model_type, **kw)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()

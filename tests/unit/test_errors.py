@@ -94,8 +94,8 @@ def test_wrong_dtype_and_nan_weights(tmp_path, tokenizer_files):
 
 
 def test_unsupported_architecture_and_fields(tmp_path, tokenizer_files):
-    cases = [({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
-              "unsupported architecture model_type='gpt2'"),
+    cases = [({"model_type": "bloom", "architectures": ["BloomForCausalLM"]},
+              "unsupported architecture model_type='bloom'"),
              ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling type 'yarn'"),
              ({"hidden_act": "gelu"}, "unsupported hidden_act='gelu'"),
              ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3")]

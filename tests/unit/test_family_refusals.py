@@ -13,7 +13,7 @@ from tests.helpers import tiny_config, write_model_dir
 pytestmark = pytest.mark.unit
 
 CASES = [
-    ({"model_type": "gpt_neox"}, "unsupported architecture model_type='gpt_neox'"),
+    ({"model_type": "falcon"}, "unsupported architecture model_type='falcon'"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling type 'yarn'"),
     ({"model_type": "qwen3", "partial_rotary_factor": 0.5}, "unsupported partial_rotary_factor=0.5"),
     ({"attn_logit_softcapping": 50.0}, "unsupported attn_logit_softcapping=50.0"),
@@ -30,6 +30,12 @@ CASES = [
     ({"model_type": "phi3", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
      "unsupported rope_scaling type 'llama3'; supported: default, longrope"),
     ({"model_type": "gemma2", "hidden_activation": "relu"}, "unsupported hidden_activation='relu'"),
+    ({"use_parallel_residual": True}, "unsupported use_parallel_residual=True"),
+    ({"model_type": "gpt2", "hidden_act": "gelu_new", "scale_attn_by_inverse_layer_idx": True},
+     "unsupported scale_attn_by_inverse_layer_idx=True"),
+    ({"model_type": "gpt2", "hidden_act": "gelu_new", "add_cross_attention": True},
+     "unsupported add_cross_attention=True"),
+    ({"model_type": "gpt_neox", "hidden_act": "relu"}, "unsupported hidden_act='relu'"),
 ]
 
 
