@@ -91,6 +91,11 @@ def _inexact(model) -> str:
 def qk_attribution(model, ids: list[int], layer: int, head: int, query: int, key: int) -> QKAttribution:
     cfg = model.config
     T = len(ids)
+    if cfg.family.norm != "rms" or cfg.parallel_residual:
+        # a LayerNorm centres the stream and adds its bias, and these blocks add output biases no head owns: the
+        # split would need those as terms of their own (as Explain, it is refused rather than called exact)
+        raise InputError(f"the QK attribution is not implemented for {cfg.model_type}'s LayerNorm blocks yet; the "
+                         "rest of the Attention page works on this model")
     if not 1 <= T <= MAX_POSITIONS:
         raise InputError(f"the QK attribution takes 1 to {MAX_POSITIONS:,} positions, got {T:,}")
     checks = (("layer", layer, cfg.num_layers - 1), ("head", head, cfg.num_heads - 1), ("query", query, T - 1))
