@@ -3,6 +3,7 @@ current run, a device slot for on-demand model work, and the per-session memo ar
 registry, limits and queue live in inspector.session."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import re
@@ -14,7 +15,7 @@ import streamlit as st
 import torch
 from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
-from engine import EngineError, Model, Trace
+from engine import EngineError, Model, SamplingParams, Trace
 from engine.generate import STOP, Progress
 from engine.heap import trim
 from engine.progress import Stopped
@@ -352,3 +353,9 @@ def plain(text: object) -> str:
     each http://, www. and name@host, which GitHub-flavoured Markdown would otherwise turn into a link."""
     text = _AUTOLINK.sub(_ZWSP, str(text))
     return "".join("\\" + c if c in _PUNCTUATION else c for c in text)
+
+
+def greedy(base, tokens: int):
+    """base (RunSettings: a page's prompt and seed) greedy (T = 0) for `tokens` new tokens, EOS ignored: the run a
+    page's own check makes of the page's prompt (the determinism check, steering)."""
+    return dataclasses.replace(base, max_new_tokens=tokens, params=SamplingParams(temperature=0), ignore_eos=True)

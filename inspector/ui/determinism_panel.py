@@ -8,10 +8,10 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from engine import EngineError, RunSettings, SamplingParams
+from engine import EngineError, RunSettings
 from engine.tools.determinism import MAX_BATCH, MAX_NEW_TOKENS, MAX_REPEATS, check_determinism
 from inspector.session.run import check_settings
-from inspector.ui.common import device_slot
+from inspector.ui.common import device_slot, greedy
 from inspector.ui.state import session
 from inspector.ui.widgets import checked
 
@@ -33,9 +33,7 @@ def determinism_section(model, base: RunSettings, limits) -> None:
     tokens = checked(c[2].number_input("New tokens", 1, most, min(16, most), key="det_tokens"), 1, most,
                      "New tokens")
     if st.button("Check determinism", key="det_run"):
-        settings = RunSettings(prompt=base.prompt, chat=bool(base.chat), system=base.system,
-                               allow_special=bool(base.allow_special), max_new_tokens=tokens,
-                               params=SamplingParams(temperature=0), seed=base.seed, ignore_eos=True)
+        settings = greedy(base, tokens)
         try:
             check_settings(model, settings, limits)           # the server's own bounds, as a Run's
             bar = st.progress(0.0, text="Waiting for the model…")

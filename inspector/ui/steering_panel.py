@@ -8,10 +8,10 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from engine import EngineError, RunSettings, SamplingParams
+from engine import EngineError, RunSettings
 from engine.tools.steering import MAX_COEFFICIENT, MAX_PROMPTS, steer, steering_vector
 from inspector.session.run import check_settings
-from inspector.ui.common import device_slot
+from inspector.ui.common import device_slot, greedy
 from inspector.ui.state import session
 from inspector.ui.widgets import checked, checked_float, checked_text
 
@@ -40,9 +40,7 @@ def steering_section(model, base: RunSettings, limits) -> None:
     tokens = checked(c[2].number_input("New tokens", 1, most, min(16, most), key="steer_tokens"), 1, most,
                      "New tokens")
     if st.button("Steer", key="steer_run"):
-        settings = RunSettings(prompt=base.prompt, chat=bool(base.chat), system=base.system,
-                               allow_special=bool(base.allow_special), max_new_tokens=tokens,
-                               params=SamplingParams(temperature=0), seed=base.seed, ignore_eos=True)
+        settings = greedy(base, tokens)
         lines = [[x for x in text.splitlines() if x.strip()] for text in (pos, neg)]
         try:
             check_settings(model, settings, limits)
