@@ -33,6 +33,7 @@ from engine.kv_cache import KVCache
 from engine.matmul import mm
 from engine.moe import activation, experts_mlp, route
 from engine.progress import STOP, Stopped
+from engine.quant_matrix import QuantMatrix
 from engine.rope import apply_rope, rope_tables, rotate, table_kinds
 from engine.weights import LayerWeights, Weights
 
@@ -185,7 +186,7 @@ class Model:
         at = at or Where(cfg, self.rope, pos + torch.arange(T, device=ids.device))
         if probe.timing:
             probe.mark("start")
-        x = F.embedding(ids, embed)                                             # (T, d)
+        x = embed.rows(ids) if isinstance(embed, QuantMatrix) else F.embedding(ids, embed)       # (T, d)
         if cfg.embed_scale != 1.0:    # Gemma's sqrt(d), Granite's multiplier: in the embedding's dtype, as HF
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         x = probe("embed", x)

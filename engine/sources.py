@@ -119,6 +119,14 @@ def _is_dir(p: Path) -> bool:
         return False
 
 
+def gguf_path_of(source: str | os.PathLike | None) -> Path | None:
+    """The GGUF file a source names (the bundled one for None/"default"/"bundled"), None for any other source."""
+    if source is None or str(source) in ("", "default", "bundled"):
+        return bundled_gguf()
+    path = Path(str(source)).expanduser()
+    return path.resolve() if path.suffix == ".gguf" and path.is_file() else None
+
+
 def resolve(source: str | os.PathLike | None, progress: Progress | None = None) -> tuple[Path, str]:
     """Return (HF-layout directory, display name) for a model source."""
     if source is None or str(source) in ("", "default", "bundled"):
