@@ -66,6 +66,23 @@ class Weights:
             return self.embed is self.lm_head
         return self.embed.data_ptr() == self.lm_head.data_ptr() and self.embed.shape == self.lm_head.t().shape
 
+    def embed_rows(self, ids) -> torch.Tensor:
+        """The embedding rows of these token ids as float (a QuantMatrix decodes just those rows)."""
+        if isinstance(self.embed, QuantMatrix):
+            return self.embed.rows(torch.as_tensor(ids))
+        return self.embed[ids]
+
+    def floats(self) -> Weights:
+        """These weights with every matrix kept quantised replaced by its dequantised float32 value (QuantMatrix.
+        dequantize; a tied matrix stays one): what a tool that needs the float matrices reads. Self when none is."""
+        if not self.quantized():
+            return self
+        layers = [LayerWeights(**{f: as_float(t) for f, t in lw.present().items()}) for lw in self.layers]
+        head = as_float(self.lm_head)
+        embed = head.t() if self.tied() else (self.embed.dequantize().t().contiguous()
+                                              if isinstance(self.embed, QuantMatrix) else self.embed)
+        return Weights(embed, layers, self.norm, head, notes=[*self.notes, FLOAT_NOTE])
+
     def nbytes(self) -> int:
         return sum(self.nbytes_by_dtype().values())
 
@@ -89,6 +106,14 @@ class Weights:
                 key, n = (t.format, t.nbytes) if quant else (t.dtype, t.numel() * t.element_size())
                 out[key] = out.get(key, 0) + n
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+FLOAT_NOTE = "weights kept quantized: this uses their dequantised float32 values (QuantMatrix.dequantize)"
+
+
+def as_float(t):
+    """A weight as a float tensor in the engine's layout: a QuantMatrix dequantised ((in, out)), a tensor as it is."""
+    return t.dequantize() if isinstance(t, QuantMatrix) else t
 
 
 def layer_parts(cfg: ModelConfig, i: int) -> dict[str, list[tuple[str, tuple[int, ...]]]]:

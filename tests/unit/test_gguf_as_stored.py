@@ -193,3 +193,25 @@ def test_stored_is_refused_for_a_non_gguf_source_and_a_bad_mode(cache, tiny_mode
         load_model(tiny_model_dir, quant="q4")
     with pytest.raises(EngineError, match="CPU in float32"):
         load_model(write_gguf(cache / "tiny.gguf"), dtype="bfloat16", quant="stored")
+
+
+def test_tools_that_read_float_matrices_use_the_dequantised_values(cache):
+    """Direct logit attribution, occlusion, casts and head ablation on a model kept quantised: each reads the
+    dequantised matrices, so it gives the dequantised file's answer (the same values; products within LOGITS_RTOL)."""
+    from engine.tools.attribution import occlusion
+    from engine.tools.dla import direction, parts
+    from engine.variants import cast_model, without_heads
+
+    stored, floats = both(write_gguf(cache / "tiny.gguf"))
+    resid = torch.randn(D, generator=torch.Generator().manual_seed(3))
+    (ds, ss), (df, sf) = direction(stored, resid, 5, 260), direction(floats, resid, 5, 260)
+    assert torch.equal(ds, df) and ss == sf
+    got = {"embed": resid.double(), "blocks.0.attn.z": torch.randn(HEADS, D // HEADS).double(),
+           "blocks.0.attn_out": resid.double(), "blocks.0.mlp_out": resid.double()}
+    assert parts(stored, got, ds)[0] == parts(floats, got, df)[0]
+    ids = IDS[:5].tolist()
+    assert np.allclose(occlusion(stored, ids, 7, 3), occlusion(floats, ids, 7, 3), rtol=0, atol=1e-4)
+    assert stored.weights.embed_rows(3).shape == (D,)
+    cast = cast_model(stored, "float32")
+    assert not cast.weights.quantized() and torch.equal(cast.weights.layers[0].w_down, floats.weights.layers[0].w_down)
+    close_logits(without_heads(stored, [(0, 1)]).logits(IDS), without_heads(floats, [(0, 1)]).logits(IDS))
