@@ -11,7 +11,7 @@ from engine.gguf_import import Progress
 from engine.gguf_stored import stored_weights
 from engine.memory import check_fits, check_fits_bytes
 from engine.model import Model
-from engine.sources import gguf_path_of, resolve
+from engine.sources import BUNDLED_NAME, gguf_path_of, resolve, stored_dir
 from engine.weights import load_weights
 
 QUANT_MODES = ("dequantized", "stored")
@@ -66,7 +66,11 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
         if dev.type != "cpu" or dt != torch.float32:
             raise EngineError("quant='stored' runs on the CPU in float32 (its products decode blocks in the native "
                               f"kernel); got {dev.type} {str(dt).removeprefix('torch.')}")
-    model_dir, name = resolve(source, progress)     # config.json and the tokenizer (a GGUF file: its import)
+    if gguf is None:
+        model_dir, name = resolve(source, progress)
+    else:       # config.json and the tokenizer only: no tensor is dequantised to disk
+        model_dir = stored_dir(gguf)
+        name = BUNDLED_NAME if source is None or str(source) in ("", "default", "bundled") else gguf.name
     cfg = ModelConfig.from_json(model_dir / "config.json")
     if gguf is None:
         check_fits(cfg, dt, str(model_dir))            # refused before a byte of the weights is read

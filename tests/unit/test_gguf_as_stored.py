@@ -215,3 +215,14 @@ def test_tools_that_read_float_matrices_use_the_dequantised_values(cache):
     cast = cast_model(stored, "float32")
     assert not cast.weights.quantized() and torch.equal(cast.weights.layers[0].w_down, floats.weights.layers[0].w_down)
     close_logits(without_heads(stored, [(0, 1)]).logits(IDS), without_heads(floats, [(0, 1)]).logits(IDS))
+
+
+def test_a_load_as_stored_writes_no_dequantised_import(cache):
+    """Only config.json and the tokenizer are written for it: a file too large for memory as floats still loads."""
+    from engine.sources import import_dir_for, stored_dir
+
+    path = write_gguf(cache / "tiny.gguf")
+    model = load_model(path, quant="stored")
+    assert not import_dir_for(path).exists()
+    assert model.path == stored_dir(path) and not list(model.path.glob("*.safetensors"))
+    assert model.tokenizer.eos_ids == load_model(path).tokenizer.eos_ids
