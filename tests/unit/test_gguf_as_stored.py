@@ -226,3 +226,15 @@ def test_a_load_as_stored_writes_no_dequantised_import(cache):
     assert not import_dir_for(path).exists()
     assert model.path == stored_dir(path) and not list(model.path.glob("*.safetensors"))
     assert model.tokenizer.eos_ids == load_model(path).tokenizer.eos_ids
+
+
+def test_the_cli_loads_a_gguf_as_stored_with_quant_stored(cache, capsys, monkeypatch):
+    from engine.cli import args as cli_args
+    from engine.cli import main
+
+    loaded = []
+    real = cli_args.load_model
+    monkeypatch.setattr(cli_args, "load_model", lambda *a, **kw: loaded.append(real(*a, **kw)) or loaded[-1])
+    path = write_gguf(cache / "tiny.gguf")
+    assert main(["generate", "hello", "--model", str(path), "--quant", "stored", "--max-new-tokens", "2"]) == 0
+    assert loaded and loaded[-1].weights.quantized() and "weights kept quantized" in capsys.readouterr().err
