@@ -100,7 +100,8 @@ def stored_weights(gguf_path: Path, cfg: ModelConfig) -> Weights:
 
 
 def _matrix(name: str, parts: list, notes: list[str]) -> QuantMatrix | torch.Tensor:
-    """A slot's matrix from its parts: their block rows joined where all are kept in one format, else float (in, out)."""
+    """A slot's matrix from its parts: their block rows joined where all are kept in one format, else float32
+    (in, out)."""
     if all(isinstance(p, QuantMatrix) for p in parts):
         if len({p.format for p in parts}) == 1:
             return parts[0] if len(parts) == 1 else QuantMatrix.cat(name, parts)

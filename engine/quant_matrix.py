@@ -102,7 +102,8 @@ class QuantMatrix:
         N, K = self.shape
         flat = ids.reshape(-1).to(torch.long).cpu()
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= N):
-            raise IndexError(f"tensor {self.name}: row ids must lie in [0, {N}); got {int(flat.min())}..{int(flat.max())}")
+            raise IndexError(f"tensor {self.name}: row ids must lie in [0, {N}); got "
+                             f"{int(flat.min())}..{int(flat.max())}")
         got = dequantize(self.blocks[flat].numpy(), GGMLQuantizationType[self.format])        # (n, K)
         return torch.from_numpy(np.ascontiguousarray(got)).to(dtype).reshape(*ids.shape, K).to(ids.device)
 
