@@ -89,6 +89,11 @@ def stored_weights(gguf_path: Path, cfg: ModelConfig) -> Weights:
                 raise UnsupportedModelError(f"layer {i}: experts are not kept quantised; load the file dequantised")
             else:       # fused biases
                 slots[slot] = torch.cat([_float(t) for t in ts])
+        if slots.get("bqkv") is not None and isinstance(slots.get("wqkv"), QuantMatrix):
+            # engine.model adds a q/k/v bias in one float addmm (its block math, not this module's): that
+            # product needs the float matrix
+            notes.append(f"layer {i}: q/k/v with a bias ({slots['wqkv'].format}) dequantised to float32")
+            slots["wqkv"] = slots["wqkv"].dequantize()
         layers.append(LayerWeights(**slots))
     embed = raw.pop("model.embed_tokens.weight")
     if cfg.tie_word_embeddings:

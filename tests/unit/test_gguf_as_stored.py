@@ -47,8 +47,9 @@ def k_quant_blocks(rows: int, K: int, seed: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def write_gguf(path: Path, *, tied: bool = False, k_quant: bool = False) -> Path:
-    """A one-layer Llama GGUF, byte-level tokenizer, its matrices in FORMATS (ffn_down Q4_K with k_quant)."""
+def write_gguf(path: Path, *, tied: bool = False, k_quant: bool = False, bias: bool = False) -> Path:
+    """A one-layer Llama GGUF, byte-level tokenizer, its matrices in FORMATS (ffn_down Q4_K with k_quant; q/k/v
+    biases in float32 with bias)."""
     from engine.gguf_tokenizer import BYTE_TO_CHAR
 
     tokens = ["<|end|>", "<s>"] + [BYTE_TO_CHAR[b] for b in range(256)] + ["he", "ll", "hell", "hello", "Ġhello"]
@@ -70,6 +71,8 @@ def write_gguf(path: Path, *, tied: bool = False, k_quant: bool = False) -> Path
               "blk.0.ffn_gate.weight": (f, D), "blk.0.ffn_up.weight": (f, D), "blk.0.ffn_down.weight": (D, f)}
     if tied:
         del shapes["output.weight"]
+    if bias:
+        shapes |= {"blk.0.attn_q.bias": (HEADS * hd,), "blk.0.attn_k.bias": (KV * hd,), "blk.0.attn_v.bias": (KV * hd,)}
     for name, shape in shapes.items():
         values = (rng.standard_normal(shape) * 0.3).astype(np.float32)
         if name == "blk.0.ffn_down.weight" and k_quant:
@@ -238,3 +241,14 @@ def test_the_cli_loads_a_gguf_as_stored_with_quant_stored(cache, capsys, monkeyp
     path = write_gguf(cache / "tiny.gguf")
     assert main(["generate", "hello", "--model", str(path), "--quant", "stored", "--max-new-tokens", "2"]) == 0
     assert loaded and loaded[-1].weights.quantized() and "weights kept quantized" in capsys.readouterr().err
+
+
+def test_a_qkv_with_a_bias_is_dequantised_and_noted(cache):
+    """The biased q/k/v product is one float addmm in the model's block: that matrix is dequantised, said in the
+    notes, and the logits still match the dequantised file."""
+    stored, floats = both(write_gguf(cache / "bias.gguf", bias=True))
+    lw = stored.weights.layers[0]
+    assert lw.bqkv is not None and not isinstance(lw.wqkv, QuantMatrix) and isinstance(lw.wo, QuantMatrix)
+    assert stored.weights.notes == ["layer 0: q/k/v with a bias (Q8_0) dequantised to float32"]
+    assert torch.equal(lw.wqkv, floats.weights.layers[0].wqkv) and torch.equal(lw.bqkv, floats.weights.layers[0].bqkv)
+    close_logits(stored.logits(IDS), floats.logits(IDS))
