@@ -329,6 +329,36 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress |
     return out_dir
 
 
+def write_header_dir(gguf_path: Path, out_dir: Path) -> Path:
+    """out_dir with the file's config.json, tokenizer files and import.json, no weights (a load as stored reads
+    them from the file itself: engine.gguf_stored), written atomically."""
+    from engine.gguf_file import open_gguf
+    from engine.gguf_tokenizer import write_tokenizer_dir
+
+    try:
+        reader = open_gguf(gguf_path)
+    except Exception as e:
+        raise ModelLoadError(f"{gguf_path}: not a readable GGUF file: {e}") from None
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        raise ModelLoadError(f"{gguf_path.name}: the GGUF file carries no tokenizer (tokenizer.ggml.tokens)")
+    cfg = config_from_gguf(reader)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        write_tokenizer_dir(reader, tmp)
+        gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        (tmp / "import.json").write_text(json.dumps({"import_version": IMPORT_VERSION, **source_facts(gguf_path)}))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
 def source_facts(gguf_path: Path) -> dict:
     """What identifies a GGUF file's content: resolved path, size, modification time and SHA-256."""
     st = gguf_path.stat()

@@ -8,11 +8,13 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import EngineError, ModelLoadError
 from engine.gguf_import import Progress
-from engine.memory import check_fits
+from engine.gguf_stored import stored_weights
+from engine.memory import check_fits, check_fits_bytes
 from engine.model import Model
-from engine.sources import resolve
+from engine.sources import BUNDLED_NAME, gguf_path_of, resolve, stored_dir
 from engine.weights import load_weights
 
+QUANT_MODES = ("dequantized", "stored")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -45,18 +47,42 @@ def pick_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.d
 
 
 def load_model(source: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
-               dtype: str | torch.dtype | None = None, progress: Progress | None = None) -> Model:
-    """Load the bundled default (source=None), an HF directory, a .gguf file or an org/name from the hub cache."""
+               dtype: str | torch.dtype | None = None, progress: Progress | None = None,
+               quant: str = "dequantized") -> Model:
+    """Load the bundled default (source=None), an HF directory, a .gguf file or an org/name from the hub cache.
+    quant (GGUF sources): "dequantized", every tensor imported as float (dtype); "stored", the matrices in the
+    formats engine.quant_matrix decodes kept in the file's blocks (engine.gguf_stored), the rest float32, run by
+    the PyTorch forward (the native step reads float matrices) on the CPU in float32."""
     from engine.tokenizer import Tokenizer
 
+    if quant not in QUANT_MODES:
+        raise EngineError(f"unsupported quant {quant!r}; use {' or '.join(QUANT_MODES)}")
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    model_dir, name = resolve(source, progress)
+    gguf = gguf_path_of(source) if quant == "stored" else None
+    if quant == "stored":
+        if gguf is None:
+            raise EngineError(f"quant='stored' keeps a GGUF file's blocks; {str(source)[:80]!r} is not a .gguf file")
+        if dev.type != "cpu" or dt != torch.float32:
+            raise EngineError("quant='stored' runs on the CPU in float32 (its products decode blocks in the native "
+                              f"kernel); got {dev.type} {str(dt).removeprefix('torch.')}")
+    if gguf is None:
+        model_dir, name = resolve(source, progress)
+    else:       # config.json and the tokenizer only: no tensor is dequantised to disk
+        model_dir = stored_dir(gguf)
+        name = BUNDLED_NAME if source is None or str(source) in ("", "default", "bundled") else gguf.name
     cfg = ModelConfig.from_json(model_dir / "config.json")
-    check_fits(cfg, dt, str(model_dir))            # refused before a byte of the weights is read
+    if gguf is None:
+        check_fits(cfg, dt, str(model_dir))            # refused before a byte of the weights is read
+    else:       # the blocks are held as the file holds them: at most its size (plus float norms)
+        check_fits_bytes(gguf.stat().st_size, f"{gguf.name} (weights kept quantized)")
     if progress:
         progress(0.95, "loading weights")
-    weights = load_weights(model_dir, cfg, dev, dt, progress)
+    if gguf is None:
+        weights = load_weights(model_dir, cfg, dev, dt, progress)
+    else:
+        weights = stored_weights(gguf, cfg)
+        name = f"{name} [weights kept quantized]"
     try:
         tokenizer = Tokenizer.from_dir(model_dir)
     except FileNotFoundError as e:

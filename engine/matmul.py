@@ -6,13 +6,18 @@ import functools
 
 import torch
 
+from engine.quant_matrix import QuantMatrix
+
 
 def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (T, K) @ w (K, N). One row on a multi-core CPU (decode, bound by reading w): MKL runs a one-row
     product on one thread, streaming at about half the machine's read bandwidth, so w is split into one
     chunk per thread, multiplied as a batch (MKL gives each its own thread) and put back together: a wide
     matrix (the lm_head) by column blocks, whose products are the output's pieces; any other by contiguous
-    row blocks, whose partial products are added."""
+    row blocks, whose partial products are added. A QuantMatrix (a GGUF matrix kept in its blocks) multiplies
+    itself (QuantMatrix.matmul): this is the one place the model's products reach it."""
+    if isinstance(w, QuantMatrix):
+        return w.matmul(x)
     if x.shape[0] != 1 or x.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous():
         return x @ w        # (half precisions: partial products rounded to 16 bits would add error)
     K, N = w.shape

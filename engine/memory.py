@@ -40,13 +40,18 @@ def available_bytes() -> int:
 def check_fits(cfg: ModelConfig, dtype: torch.dtype, where: str, available: int | None = None) -> int:
     """The weights' bytes in dtype; ModelLoadError when they (with HEADROOM) exceed what is available, naming the
     size in every dtype the engine holds and what this machine has."""
-    need = weight_bytes(cfg, dtype)
+    sizes = ", ".join(f"{_name(dt)} {gb(weight_bytes(cfg, dt))}" for dt in HELD_DTYPES)
+    return check_fits_bytes(weight_bytes(cfg, dtype), where, f"in {_name(dtype)} ({sizes})", available)
+
+
+def check_fits_bytes(need: int, where: str, detail: str = "", available: int | None = None) -> int:
+    """need (the weights' bytes, e.g. a GGUF file's blocks kept quantized); ModelLoadError when it (with HEADROOM)
+    exceeds what is available."""
     avail = available_bytes() if available is None else available
     room = avail - max(MIN_HEADROOM, int(HEADROOM * avail))
     if need > room:
-        sizes = ", ".join(f"{_name(dt)} {gb(weight_bytes(cfg, dt))}" for dt in HELD_DTYPES)
         raise ModelLoadError(
-            f"{where}: this model's weights need {gb(need)} in {_name(dtype)} ({sizes}) and this machine has "
+            f"{where}: this model's weights need {gb(need)}{' ' + detail if detail else ''} and this machine has "
             f"{gb(avail)} of memory available (some kept for the caches and runs): not loaded. Choose a smaller dtype "
             "or model, or free memory.")
     return need

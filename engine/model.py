@@ -34,6 +34,7 @@ from engine.matmul import mm
 from engine.moe import activation, experts_mlp, route
 from engine.norms import family_norm, rms_norm
 from engine.progress import STOP, Stopped
+from engine.quant_matrix import QuantMatrix
 from engine.rope import apply_rope, rope_tables, rotate, table_kinds
 from engine.weights import LayerWeights, Weights
 
@@ -173,7 +174,7 @@ class Model:
         at = at or Where(cfg, self.rope, pos + torch.arange(T, device=ids.device))
         if probe.timing:
             probe.mark("start")
-        x = F.embedding(ids, embed)                                             # (T, d)
+        x = embed.rows(ids) if isinstance(embed, QuantMatrix) else F.embedding(ids, embed)       # (T, d)
         if cfg.embed_scale != 1.0:    # Gemma's sqrt(d), Granite's multiplier: in the embedding's dtype, as HF
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         if w.pos_embed is not None:   # GPT-2's learned absolute positions, added to the tokens' rows

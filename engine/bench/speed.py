@@ -32,6 +32,7 @@ from engine.bench.inspection import run_inspection_bench
 from engine.bench.prefill import LENGTHS, prefill_vs_transformers
 from engine.family.slots import MATRICES
 from engine.generate import GenerationRun
+from engine.quant_matrix import QuantMatrix
 from engine.inspection.probe import Probe
 
 READ_BUFFER_BYTES = 512 * 2 ** 20        # far larger than any last-level cache
@@ -109,10 +110,11 @@ def bytes_per_decoded_token(model, position: float) -> int:
     tensors = [w.norm, w.lm_head] + [t for lw in w.layers for t in lw.present().values()]
     seen, total = set(), 0
     for t in tensors:
+        t = t.blocks if isinstance(t, QuantMatrix) else t       # kept quantised: its block bytes are what is read
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
-    total += w.embed.shape[1] * w.embed.element_size()
+    total += w.embed.blocks.shape[1] if isinstance(w.embed, QuantMatrix) else w.embed.shape[1] * w.embed.element_size()
     cache = model.new_cache(1)
     return int(total + cache.bytes_per_token * position)
 
@@ -145,7 +147,8 @@ class MatrixReads:
 
     def __init__(self, model) -> None:
         w = model.weights
-        self.mats = [t for lw in w.layers for f in MATRICES if (t := getattr(lw, f)) is not None] + [w.lm_head]
+        self.mats = [t.blocks if isinstance(t, QuantMatrix) else t       # kept quantised: its bytes are read
+                     for t in [getattr(lw, f) for lw in w.layers for f in MATRICES] + [w.lm_head] if t is not None]
         self.device = model.device
         self.best = float("inf")
 

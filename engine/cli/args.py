@@ -28,6 +28,9 @@ def model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF directory, .gguf file or org/name (default: bundled SmolLM2)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--quant", default="dequantized", choices=("dequantized", "stored"),
+                   help="a GGUF model's weights: dequantized (imported as floats, the default) or stored (its "
+                        "matrices kept in the file's quantised blocks; CPU float32, PyTorch forward)")
 
 
 def prompt_args(p: argparse.ArgumentParser, *, optional: bool = False) -> None:
@@ -61,4 +64,5 @@ def run_settings(a: argparse.Namespace, **extra) -> RunSettings:
 
 
 def load(a: argparse.Namespace):
-    return load_model(a.model, device=a.device, dtype=a.dtype, progress=progress_printer())
+    return load_model(a.model, device=a.device, dtype=a.dtype, progress=progress_printer(),
+                      quant=getattr(a, "quant", "dequantized"))

@@ -24,6 +24,7 @@ from engine.inspection.recording import Capture, Recording, Watched
 from engine.inspection.row_stats import PYTORCH, StatsBackend
 from engine.inspection.stat_sources import Given
 from engine.inspection.stats import StatsBatcher
+from engine.quant_matrix import QuantMatrix
 
 WEIGHT_SLOTS = {s.probe: s.field for s in SLOTS}     # a block's weights by name (engine.family.slots)
 
@@ -81,10 +82,14 @@ class Probe:
         return self
 
     def weight(self, name: str, original: torch.Tensor) -> torch.Tensor:
-        """The weight this run uses: the original, or its override (computed once per run)."""
+        """The weight this run uses: the original, or its override (computed once per run). A matrix kept quantised
+        (QuantMatrix) is overridden on its dequantised value, in the layout a float model holds (embed.weight:
+        (V, d); any other matrix (in, out)), and the run multiplies by the float result."""
         fn = self._weight_overrides.get(name)
         if fn is None:
             return original
+        if isinstance(original, QuantMatrix):
+            original = original.dequantize() if name != "embed.weight" else original.dequantize().t().contiguous()
         if name not in self._weight_cache:
             w = fn(original.clone())
             if not isinstance(w, torch.Tensor) or w.shape != original.shape:

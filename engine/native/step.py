@@ -54,6 +54,8 @@ VARIATIONS = {"activation": "silu", "embed_scale": 1.0, "residual_scale": 1.0, "
 def refusal(model) -> str | None:
     """Why this model cannot take the native step (None: it can): the first thing off the allow-list."""
     cfg, w = model.config, model.weights
+    if w.quantized():       # the step reads float matrices; QuantMatrix products run in the PyTorch forward
+        return f"weights kept quantized ({len(w.quantized())} GGUF matrices in their blocks, e.g. {w.quantized()[0]})"
     if cfg.model_type not in NATIVE_FAMILIES:
         return f"family {cfg.model_type} is not in the native step's list ({', '.join(NATIVE_FAMILIES)})"
     for key, value in VARIATIONS.items():

@@ -53,7 +53,7 @@ def occlusion(model, ids: list[int], target: int, neutral: int, base: Base | Non
     """log p(target) with the prompt minus log p(target) with token t replaced by `neutral`, for every t
     (positive: the token supports the target). on_progress and part as in engine.tools.patching.run_packed."""
     base = base or base_run(model, ids)
-    row = model.weights.embed[neutral]
+    row = model.weights.embed_rows(neutral)
     logits = run_packed(model, base, [_removed_run(base, row, [t]) for t in range(len(ids))],
                         on_progress=on_progress, what="occlusion", part=part)
     return (float(_logp(base.logits, target)) - _logp(logits, target)).tolist()
@@ -79,7 +79,7 @@ def deletion_curves(model, ids: list[int], target: int, orders: list[list[int]],
     """For each order: log p(target) after removing its first k tokens, k = 0..T (all orders in one pack).
     on_progress hears each packed call, counted after `done` units of the job, and the job's end."""
     base = base or base_run(model, ids)
-    row, T = model.weights.embed[neutral], len(ids)
+    row, T = model.weights.embed_rows(neutral), len(ids)
     runs = [_removed_run(base, row, order[:k]) for order in orders for k in range(1, T + 1)]
     lp = _logp(run_packed(model, base, runs, on_progress=on_progress, what="deletion curves",
                           part=(done, done + packs(runs, T))), target).view(len(orders), T)      # (orders, T)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from engine.moe import activation
+from engine.quant_matrix import QuantMatrix
+from engine.weights import as_float
 
 
 def capture_names(model, last: int) -> list[str]:
@@ -39,7 +41,8 @@ def direction(model, resid: torch.Tensor, a: int, b: int) -> tuple[torch.Tensor,
     the frozen final-norm scale."""
     cfg, w = model.config, model.weights
     scale = float(torch.rsqrt(resid.pow(2).mean() + cfg.rms_norm_eps))
-    cols = _f64(w.lm_head[:, [a, b]])                                                         # (d, 2)
+    cols = _f64(w.lm_head.rows(torch.tensor([a, b])).t() if isinstance(w.lm_head, QuantMatrix)    # kept quantised:
+                else w.lm_head[:, [a, b]])                                             # (d, 2), dequantised
     return scale * _f64(w.norm) * (cols[:, 0] - cols[:, 1]) / cfg.logits_divisor, scale
 
 
@@ -49,7 +52,7 @@ def layer_parts(model, got: dict[str, torch.Tensor], i: int) -> tuple[torch.Tens
     the stream entering it. got: each captured stage's row (float64) at the position."""
     cfg, lw = model.config, model.weights.layers[i]
     H, hd, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
-    wo = _f64(lw.wo).view(H, hd, -1)                                                         # (H, hd, d)
+    wo = _f64(as_float(lw.wo)).view(H, hd, -1)                                               # (H, hd, d)
     heads = torch.einsum("hk,hkd->hd", got[f"blocks.{i}.attn.z"], wo) * cfg.residual_scale   # (H, d)
     mlp_raw = got[f"blocks.{i}.mlp_out"]
     return (_post(heads, got[f"blocks.{i}.attn_out"], lw.attn_post_norm, eps),

@@ -87,11 +87,12 @@ def requantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def quantized_model(model: Model, fmt: str, *, embed: bool = False) -> Model:
     """A new Model sharing config and tokenizer, with every block matrix (and the embedding with embed=True)
-    replaced by its fmt round trip. Vectors (norms, biases) are shared with the model, never copied."""
+    replaced by its fmt round trip. Vectors (norms, biases) are shared with the model, never copied. A model kept
+    quantised is round-tripped from its dequantised values (Weights.floats)."""
+    w = model.weights.floats()
     layers = [dataclasses.replace(lw, **{f: requantize(getattr(lw, f), fmt) for f in MATRICES
                                                 if getattr(lw, f) is not None})
-              for lw in model.weights.layers]
-    w = model.weights
+              for lw in w.layers]
     emb, head = w.embed, w.lm_head
     if embed:
         emb = requantize(w.embed.t(), fmt).t().contiguous()             # (V, d): rows are token vectors

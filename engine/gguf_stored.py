@@ -1,0 +1,122 @@
+"""A GGUF file's weights "as stored": its 2-D matrices in the formats engine.quant_matrix decodes (Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) kept as QuantMatrix, in the file's own block bytes; every other tensor (F32/F16,
+norms, biases, matrices of other quant types) dequantised to float32 as the import does. A matrix that had to be
+dequantised is listed in the notes the model carries (Weights.notes), so nothing is silently turned into floats.
+
+Layout: a QuantMatrix stays in the file's (out, in) rows; its product (engine.matmul.mm) is x @ W in the engine's
+sense. llama.cpp's q/k row permutation (engine.gguf_import.unpermute) is undone on the block rows, which are whole
+blocks. Fused slots (q|k|v, gate|up) concatenate their parts' block rows when the parts share a format, else are
+dequantised (and noted). A tied model's token_embd is one QuantMatrix, the embedding lookup (rows by id) and the
+lm_head product both.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.family import FAMILIES
+from engine.family.slots import BY_FIELD
+from engine.gguf_import import SKIPPED, hf_name, unpermute
+from engine.quant_matrix import BLOCKS, QuantMatrix
+from engine.weights import LayerWeights, Weights, layer_parts
+
+
+def read_tensors(gguf_path: Path, cfg: ModelConfig) -> tuple[dict[str, QuantMatrix | torch.Tensor], list[str]]:
+    """Every tensor under its Hugging Face name: a QuantMatrix (N, K) where kept, else float32 in the file's
+    (out, in) layout; and the notes on what was dequantised."""
+    from gguf.quants import dequantize
+
+    from engine.gguf_file import open_gguf
+
+    try:
+        reader = open_gguf(gguf_path)
+    except Exception as e:
+        raise ModelLoadError(f"{gguf_path}: not a readable GGUF file: {e}") from None
+    fam = FAMILIES[cfg.model_type]
+    out, notes = {}, []
+    for t in reader.tensors:
+        if t.name in SKIPPED:
+            continue
+        fmt = getattr(t.tensor_type, "name", str(t.tensor_type))
+        name = hf_name(t.name, fam)
+        if "{e}" in name:
+            raise UnsupportedModelError(f"tensor {t.name}: stacked experts are not kept quantised; load the file "
+                                        "dequantised (quant='dequantized')")
+        heads = (cfg.num_heads if t.name.endswith(("attn_q.weight", "attn_q.bias")) else
+                 cfg.num_kv_heads if t.name.endswith(("attn_k.weight", "attn_k.bias")) else None)
+        permute = fam.gguf_permutes_qk and heads is not None
+        if len(t.shape) == 2 and fmt in BLOCKS:
+            m = QuantMatrix.from_gguf(t)
+            if permute:
+                order = torch.from_numpy(unpermute(np.arange(m.shape[0]), heads).copy())
+                m = m.permute_rows(order)
+            out[name] = m       # keeps the file's name: errors and notes name the tensor as the file does
+            continue
+        try:
+            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except (NotImplementedError, ValueError, KeyError, TypeError) as e:
+            raise UnsupportedModelError(f"tensor {t.name}: quantization type {fmt} cannot be dequantised here "
+                                        f"({type(e).__name__})") from None
+        arr = arr.reshape(tuple(int(s) for s in reversed(t.shape)))
+        if permute:
+            arr = unpermute(arr, heads)
+        if fam.norm_offset and t.name.endswith("norm.weight"):     # llama.cpp's Gemma converters store 1 + w
+            arr = arr - np.float32(fam.norm_offset)
+        if len(t.shape) == 2 and fmt not in ("F32", "F16", "BF16"):
+            notes.append(f"{t.name}: {fmt} is not a format kept quantised; dequantised to float32")
+        out[name] = torch.from_numpy(np.ascontiguousarray(arr).copy())
+    return out, notes
+
+
+def stored_weights(gguf_path: Path, cfg: ModelConfig) -> Weights:
+    """The model's Weights with its matrices kept as stored (see the module's docstring)."""
+    raw, notes = read_tensors(gguf_path, cfg)
+    layers = []
+    for i in range(cfg.num_layers):
+        slots = {}
+        for slot, parts in layer_parts(cfg, i).items():
+            kind = BY_FIELD[slot].kind
+            ts = [raw.pop(n) for n, _ in parts]
+            if kind in ("matrix", "router"):
+                slots[slot] = _matrix(f"model.layers.{i}.{slot}", ts, notes)
+            elif kind == "norm" or len(ts) == 1:
+                slots[slot] = _float(ts[0])
+            elif kind == "experts":
+                raise UnsupportedModelError(f"layer {i}: experts are not kept quantised; load the file dequantised")
+            else:       # fused biases
+                slots[slot] = torch.cat([_float(t) for t in ts])
+        if slots.get("bqkv") is not None and isinstance(slots.get("wqkv"), QuantMatrix):
+            # engine.model adds a q/k/v bias in one float addmm (its block math, not this module's): that
+            # product needs the float matrix
+            notes.append(f"layer {i}: q/k/v with a bias ({slots['wqkv'].format}) dequantised to float32")
+            slots["wqkv"] = slots["wqkv"].dequantize()
+        layers.append(LayerWeights(**slots))
+    embed = raw.pop("model.embed_tokens.weight")
+    if cfg.tie_word_embeddings:
+        lm_head = embed if isinstance(embed, QuantMatrix) else embed.t().contiguous()
+        embed = lm_head if isinstance(lm_head, QuantMatrix) else lm_head.t()
+    else:
+        lm_head = _matrix("lm_head.weight", [raw.pop("lm_head.weight")], notes)
+    return Weights(embed=embed, layers=layers, norm=_float(raw.pop("model.norm.weight")), lm_head=lm_head, notes=notes)
+
+
+def _matrix(name: str, parts: list, notes: list[str]) -> QuantMatrix | torch.Tensor:
+    """A slot's matrix from its parts: their block rows joined where all are kept in one format, else float32
+    (in, out)."""
+    if all(isinstance(p, QuantMatrix) for p in parts):
+        if len({p.format for p in parts}) == 1:
+            return parts[0] if len(parts) == 1 else QuantMatrix.cat(name, parts)
+        notes.append(f"{name}: its parts are {', '.join(p.format for p in parts)}; one fused product needs one "
+                     "format, so it is dequantised to float32")
+    elif any(isinstance(p, QuantMatrix) for p in parts):
+        notes.append(f"{name}: float and quantised parts; dequantised to float32")
+    rows = [p.dequantize().t() if isinstance(p, QuantMatrix) else p for p in parts]
+    return torch.cat(rows).t().contiguous()
+
+
+def _float(t) -> torch.Tensor:
+    return t.dequantize().t().contiguous() if isinstance(t, QuantMatrix) else t
