@@ -9,9 +9,9 @@ bound by reading the weights.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
