@@ -65,8 +65,8 @@ BROKEN_MODELS = [
     ("tokenizer vocabulary larger than the model's", lambda d: (_config(d, vocab_size=1000), _tensors(d, lambda t: [
         t.__setitem__(k, t[k][:1000].clone()) for k in ("model.embed_tokens.weight", "lm_head.weight")])),
      r"the tokenizer has 49152 tokens but the model's vocabulary has 1000: they do not belong together"),
-    ("unsupported architecture", lambda d: _config(d, model_type="gpt2"),
-     r"unsupported architecture model_type='gpt2'"),
+    ("unsupported architecture", lambda d: _config(d, model_type="bloom"),
+     r"unsupported architecture model_type='bloom'"),
     ("config.json not JSON", lambda d: (d / "config.json").write_text("{not json"), r"config.json is not valid JSON"),
     ("config.json missing", lambda d: (d / "config.json").unlink(), r"has no config.json"),
     ("config key missing", lambda d: (d / "config.json").write_text(json.dumps(

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.app
 
 
 def test_an_unsupported_architecture_fails_as_unsupported(tmp_path, tiny_model_dir):
-    d = broken_copy(tmp_path, tiny_model_dir, "gpt2", lambda d: _config(d, model_type="gpt2"))
+    d = broken_copy(tmp_path, tiny_model_dir, "bloom", lambda d: _config(d, model_type="bloom"))
     for _ in range(2):                     # the second time from the remembered failure (within LOAD_RETRY_S)
         load = models._Load()
         load.run(str(d), "cpu", "auto")
