@@ -10,8 +10,9 @@ engine expects for the config (engine.weights.expected_tensors), random normal s
 activations stay finite, in float32 (one file; a bf16 run converts at load). The tokenizer is the bundled model's
 (its 49,152 tokens fit inside each vocabulary; the bench feeds token ids). A Llama-3.1-8B-shaped GGUF in Q4_K is
 written too, layer by layer (random block bytes with small finite scales are valid blocks: gguf-py can dequantise
-K-quants but not quantise them), and opened as the app opens a GGUF: the engine still imports a GGUF as float32,
-so today it is refused before loading for its size (engine.memory), which the bench reports as it is."""
+K-quants but not quantise them), and it and the bundled model's own Q4_1 file are opened both ways a GGUF opens:
+dequantised to float32 (an import: the 8B file is refused before loading for its size, engine.memory) and as stored
+(its matrices kept in their blocks, engine.gguf_stored, decoded on the PyTorch forward)."""
 from __future__ import annotations
 
 import json
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from engine.sources import bundled_gguf
 
 SHAPES = {   # the public config.json of each model, the fields the engine reads (bos/eos set inside the tokenizer's)
     "qwen3-0.6b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
@@ -47,6 +50,9 @@ SHAPES = {   # the public config.json of each model, the fields the engine reads
 DTYPES = ("float32", "bfloat16")
 PROMPT, NEW = 32, 16          # a run's prompt and decoded tokens in each process
 Q4_K_8B = {"hidden": 4096, "ffn": 14336, "layers": 32, "heads": 32, "kv": 8, "vocab": 128256}
+
+
+QUANTS = ("dequantized", "stored")     # how each GGUF file is loaded (engine.loader.load_model's quant)
 
 
 def folder() -> Path:
@@ -84,7 +90,7 @@ def make_q4k_gguf(out: Path) -> Path:
     random block bytes whose fp16 scales (d, dmin) are set small and finite: never 32 GB of float32."""
     import gguf
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
-    path = out / "llama-3.1-8b.Q4_K.gguf"
+    path = out / "llama-3.1-8b.Q4_K.v2.gguf"     # v2: says its vocabulary (128,256: more than the tokenizer's list)
     if path.is_file():
         return path
     s = Q4_K_8B
@@ -94,7 +100,7 @@ def make_q4k_gguf(out: Path) -> Path:
     w = gguf.GGUFWriter(str(path) + ".tmp", "llama")
     for key, value in (("context_length", 8192), ("embedding_length", d), ("feed_forward_length", f),
                        ("block_count", s["layers"]), ("head_count", s["heads"]), ("head_count_kv", s["kv"]),
-                       ("layer_norm_rms_eps", 1e-5), ("rope_freq_base", 500000.0)):
+                       ("layer_norm_rms_eps", 1e-5), ("rope_freq_base", 500000.0), ("vocab_size", s["vocab"])):
         getattr(w, f"add_{key}")(value)
     _tokenizer(w)
     shapes = {"token_embd.weight": (s["vocab"], d), "output.weight": (s["vocab"], d), "output_norm.weight": (d,)}
@@ -138,8 +144,9 @@ READS = 4       # large reads after each pair of decodes, the best of all kept: 
                 # measured 7-12 GB/s where the next ones read 23-29 (the step's threads still winding down)
 
 
-def probe(path: str, dtype: str) -> dict:
-    """In a fresh process: load, held figures, decode speed over this dtype's floor (engine.bench.held / speed)."""
+def probe(path: str, dtype: str, quant: str = "dequantized") -> dict:
+    """In a fresh process: load (a GGUF file dequantised, or its matrices kept as stored: engine.gguf_stored), held
+    figures, decode speed over the floor of what it holds (engine.bench.held / speed)."""
     from engine import load_model
     from engine.bench.held import held_figures
     from engine.bench.speed import ReadBandwidth, bytes_per_decoded_token
@@ -148,7 +155,7 @@ def probe(path: str, dtype: str) -> dict:
     from engine.memory import process_rss
     before = process_rss()
     try:
-        model = load_model(path, device="cpu", dtype=dtype)
+        model = load_model(path, device="cpu", dtype=dtype, quant=quant)
     except ModelLoadError as e:
         return {"refused": str(e).replace(str(Path(path).parent), "…")}
     out = held_figures(model, before)
@@ -196,9 +203,9 @@ def peer(path: str, dtype: str) -> dict:
     return {"peer_decode_tok_s": max(hf_speed(hf, ids, NEW, "cpu")[1] for _ in range(2))}
 
 
-def _child(fn: str, path: Path, dtype: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "engine.bench.sizes", fn, str(path), dtype], capture_output=True,
-                         text=True, timeout=1800)
+def _child(fn: str, path: Path, dtype: str, *extra: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "engine.bench.sizes", fn, str(path), dtype, *extra],
+                         capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         return {f"{fn}_failed": out.stderr.strip().splitlines()[-1][:300] if out.stderr.strip() else "no output"}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -222,9 +229,12 @@ def sizes_bench(names: tuple[str, ...] = tuple(SHAPES), dtypes: tuple[str, ...] 
             say(line(f"{name} {dtype}", r))
     if gguf:
         say("llama-3.1-8b Q4_K GGUF: writing it (once, ~4.6 GB)")
-        r = _child("probe", make_q4k_gguf(root), "float32")
-        out["llama-3.1-8b Q4_K"] = r
-        say(line("llama-3.1-8b Q4_K", r))
+        files = {"llama-3.1-8b Q4_K": make_q4k_gguf(root), "smollm2-135m Q4_1 (bundled)": bundled_gguf()}
+        for name, path in files.items():
+            for quant in QUANTS:          # the file dequantised to float32 (an import), then as stored
+                key = f"{name} {'as stored' if quant == 'stored' else 'dequantised float32'}"
+                out[key] = _child("probe", path, "float32", quant)
+                say(line(key, out[key]))
     return out
 
 
@@ -243,4 +253,4 @@ def line(key: str, r: dict) -> str:
 
 if __name__ == "__main__":      # the children: python -m engine.bench.sizes probe|peer PATH DTYPE
     import engine  # noqa: F401  (the thread policy, before torch's threads start)
-    print(json.dumps({"probe": probe, "peer": peer}[sys.argv[1]](sys.argv[2], sys.argv[3])))
+    print(json.dumps({"probe": probe, "peer": peer}[sys.argv[1]](*sys.argv[2:])))
