@@ -412,3 +412,12 @@ def test_statistics_enter_the_batcher_by_one_door():
                     and n.value.attr in ("stats_batcher", "_batcher") and n.attr not in BATCHER_API:
                 used.append(f"{mod}:{n.lineno} {ast.unparse(n)}")
     assert not used, used
+
+
+def test_test_files_have_unique_names_across_the_tiers():
+    """pytest imports a test file by its basename (no packages under tests/<tier>/): two tiers with the same file name
+    fail the whole collection ("import file mismatch"), as tests/model/ and tests/unit/test_quant_scoreboard.py did."""
+    names: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {n: p for n, p in names.items() if len(p) > 1} == {}
