@@ -287,7 +287,6 @@ def dequantized_tensors(reader, cfg: dict, progress: Progress | None = None) -> 
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress | None = None) -> Path:
     """Write an HF-layout directory for gguf_path at out_dir (atomically). Returns out_dir."""
-    from engine.gguf_file import open_gguf
     from engine.gguf_tokenizer import tokenizer_files_from_gguf
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -295,12 +294,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress |
         raise ModelLoadError(f"GGUF file not found: {gguf_path}")
     progress = progress or (lambda f, m: None)
     progress(0.0, f"reading {gguf_path.name}")
-    try:
-        reader = open_gguf(gguf_path)
-    except Exception as e:
-        raise ModelLoadError(f"{gguf_path}: not a readable GGUF file: {e}") from None
-    if "tokenizer.ggml.tokens" not in reader.fields:
-        raise ModelLoadError(f"{gguf_path.name}: the GGUF file carries no tokenizer (tokenizer.ggml.tokens)")
+    reader = _reader(gguf_path)
     cfg = config_from_gguf(reader)
     # The import holds every tensor dequantised to float32 before it writes them: refused before that if they cannot fit
     check_fits(ModelConfig.from_dict(cfg, where=gguf_path.name), torch.float32,
@@ -308,23 +302,12 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress |
     tensors = dequantized_tensors(reader, cfg, progress)
     tok_json, tok_cfg = tokenizer_files_from_gguf(reader)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-    try:
+    def write(tmp: Path) -> None:
         progress(0.92, "writing model.safetensors")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / "tokenizer.json").write_text(tok_json, encoding="utf-8")
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False), encoding="utf-8")
-        gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
-        (tmp / "import.json").write_text(json.dumps({"import_version": IMPORT_VERSION, **source_facts(gguf_path)}))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _write_dir(out_dir, gguf_path, cfg, write)
     progress(1.0, f"imported {gguf_path.name}")   # progress may reach a browser: the file's name, not a folder
     return out_dir
 
@@ -332,21 +315,32 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress |
 def write_header_dir(gguf_path: Path, out_dir: Path) -> Path:
     """out_dir with the file's config.json, tokenizer files and import.json, no weights (a load as stored reads
     them from the file itself: engine.gguf_stored), written atomically."""
-    from engine.gguf_file import open_gguf
     from engine.gguf_tokenizer import write_tokenizer_dir
 
+    reader = _reader(gguf_path)
+    return _write_dir(out_dir, gguf_path, config_from_gguf(reader), lambda tmp: write_tokenizer_dir(reader, tmp))
+
+
+def _reader(gguf_path: Path):
+    """The file opened by engine.gguf_file, refused when it is unreadable or carries no tokenizer."""
+    from engine.gguf_file import open_gguf
     try:
         reader = open_gguf(gguf_path)
     except Exception as e:
         raise ModelLoadError(f"{gguf_path}: not a readable GGUF file: {e}") from None
     if "tokenizer.ggml.tokens" not in reader.fields:
         raise ModelLoadError(f"{gguf_path.name}: the GGUF file carries no tokenizer (tokenizer.ggml.tokens)")
-    cfg = config_from_gguf(reader)
+    return reader
+
+
+def _write_dir(out_dir: Path, gguf_path: Path, cfg: dict, write) -> Path:
+    """out_dir written atomically (a temporary folder beside it, then one rename): config.json,
+    generation_config.json and import.json (the source's facts), and what write(folder) adds."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     try:
+        write(tmp)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        write_tokenizer_dir(reader, tmp)
         gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         (tmp / "import.json").write_text(json.dumps({"import_version": IMPORT_VERSION, **source_facts(gguf_path)}))
