@@ -31,26 +31,10 @@ from dataclasses import replace
 from .rooms_live import MAX_LIVE_BYTES, Live
 from .rooms_memory import Backend, MemoryBackend
 from .rooms_redis import DEFAULT_LIMIT, Full, RedisBackend, RedisError
-from .rooms_state import (
-    CODE_ALPHABET,
-    CODE_LEN,
-    HASH_RE,
-    MAX_CHOICES,
-    MAX_PAST_POLLS,
-    MAX_RUN_BYTES,
-    MAX_TOKEN_ID,
-    MAX_VOTERS,
-    ROOM_ANSWERS,
-    Forbidden,
-    NoRoom,
-    Poll,
-    RoomError,
-    RoomState,
-    View,
-    check_code,
-    check_int,
-    check_run_id,
-)
+from .rooms_steer import SteeringStore
+from .rooms_state import (CODE_ALPHABET, CODE_LEN, HASH_RE, MAX_CHOICES, MAX_PAST_POLLS, MAX_RUN_BYTES, MAX_TOKEN_ID,
+                          MAX_VOTERS, ROOM_ANSWERS, Forbidden, NoRoom, Poll, RoomError, RoomState, View, check_code,
+                          check_int, check_run_id)
 
 STORE_ENV, TTL_ENV = "LLM_INSPECTOR_ROOMS", "LLM_INSPECTOR_ROOM_TTL_S"
 ANSWERS_ENV = "LLM_INSPECTOR_ROOM_ANSWERS"
@@ -86,7 +70,7 @@ def _count(v: bytes | None) -> int:
     return int(v) if v is not None and v.isdigit() and len(v) < 19 else 0
 
 
-class RoomStore:
+class RoomStore(SteeringStore):
     """Rooms over a Backend. Publishing (run, view, polls, ending) needs the token from `create`; reading does not."""
 
     def __init__(self, backend: Backend, ttl_s: int = DEFAULT_TTL_S, prefix: str = "llmi:room:",
@@ -146,7 +130,7 @@ class RoomStore:
                 return list(ops), s
             n = max(_count(values[kv]), s.version) + 1
             new = replace(s, **changes, version=n)
-            keep = [ka, self._k(code, "polls")] + [self._k(code, "run", r) for r in (new.run_id, new.prev_run_id)
+            keep = [ka, self._k(code, "polls"), self._k(code, "steer")] + [self._k(code, "run", r) for r in (new.run_id, new.prev_run_id)
                                                    if r] + ([self._k(code, "poll", new.poll.id)] if new.poll else [])
             return [*ops, ("set", ks, new.as_json(), self.ttl), ("set", kv, str(n).encode(), self.ttl),
                     *[("expire", k, self.ttl) for k in keep]], new
@@ -334,7 +318,8 @@ class RoomStore:
             polls = [p.id for p in s.past_polls] + ([s.poll.id] if s.poll else [])
             runs = [r for r in (s.run_id, s.prev_run_id) if r]
             gone = [*[self._k(code, "poll", i) for i in polls], *[self._k(code, "run", r) for r in runs],
-                    *[self._k(code, k) for k in ("state", "ver", "polls", "auth", "live", "livever", "liveseq")]]
+                    *[self._k(code, k) for k in ("state", "ver", "polls", "auth", "live", "livever", "liveseq",
+                                                   "steer")]]
             ended = ("set", self._k(code, "ended"), b"1", self.ttl)      # students told "ended", not "reconnecting"
             return [("del", *gone), ended], None
         self.b.update((self._k(code, "auth"), self._k(code, "state")), tx)

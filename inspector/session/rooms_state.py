@@ -146,12 +146,13 @@ class RoomState:
     poll: Poll | None = None
     past_polls: tuple[Poll, ...] = ()
     prev_run_id: str | None = None            # kept one publish longer, for a student still loading it
+    steer_id: str | None = None               # the steering vector published to the room (rooms_steer), if any
 
     def as_json(self) -> bytes:
         return json.dumps({"code": self.code, "version": self.version, "run_id": self.run_id,
                            "prev_run_id": self.prev_run_id, "view": self.view.as_dict(),
                            "poll": None if self.poll is None else self.poll.as_dict(),
-                           "past_polls": [p.as_dict() for p in self.past_polls]}).encode()
+                           "past_polls": [p.as_dict() for p in self.past_polls], "steer_id": self.steer_id}).encode()
 
     @classmethod
     def from_json(cls, data: bytes, code: str) -> "RoomState":
@@ -168,4 +169,4 @@ class RoomState:
                    run_id=check_run_id(d.get("run_id")), view=View.from_dict(d.get("view")),
                    prev_run_id=check_run_id(d.get("prev_run_id")),
                    poll=None if d.get("poll") is None else Poll.from_dict(d["poll"]),
-                   past_polls=tuple(Poll.from_dict(p) for p in past))
+                   past_polls=tuple(Poll.from_dict(p) for p in past), steer_id=check_run_id(d.get("steer_id")))
