@@ -10,6 +10,7 @@ from engine.generate import nonfinite_stop
 from engine.report.data import attention_maps, default_layers
 from engine.report.html import build_html
 from engine.sources import BUNDLED_NAME
+from engine.tools.quant_scoreboard import Scoreboard
 from inspector.session.limits import LimitError, check_run_positions, cut_text
 from inspector.session.memo import run_key
 from inspector.ui import common
@@ -30,11 +31,22 @@ STOP_HELP = {"eos": "The model chose its end-of-text token.", "stop_string": "Th
              "stopped": "Stop was pressed."}
 
 
-def make_report(run, model, on_progress=None) -> str:
+def session_tools() -> tuple:
+    """What this session's tools computed last (a QK score split, a steering run, a determinism check, a quantization
+    scoreboard), each as its JSON-able dict or None: the report's Tools section (engine.report.tools)."""
+    s = session()
+    boards = s.memo("qsb_boards")
+    board = next(reversed(boards.values()), None) if boards else None
+    return (s.qk[1] if s.qk else None, s.steered, s.determinism, board)
+
+
+def make_report(run, model, on_progress=None, tools=()) -> str:
     """The run's report; with the model it was made with, also token texts and attention maps (first, middle
-    and last layer), computed here under this server's limits (on_progress: engine.report.data.attention_maps')."""
+    and last layer), computed here under this server's limits (on_progress: engine.report.data.attention_maps');
+    tools: session_tools(), shown in its Tools section."""
+    tools = [t.as_dict() if isinstance(t, Scoreboard) else t for t in tools if t is not None]
     if model is None or model.name != run.model_name:
-        return build_html(run, command=reproduce_command(run, out="report.html"),
+        return build_html(run, command=reproduce_command(run, out="report.html"), tools=tools,
                           notes=["The model this run was made with is not loaded: no attention maps."])
     notes, maps = [], {}
     try:
@@ -48,7 +60,7 @@ def make_report(run, model, on_progress=None) -> str:
     source = None if model.name == BUNDLED_NAME else model.path.name
     cmd = reproduce_command(run, out="report.html", model=source, dtype=str(model.dtype).removeprefix("torch."),
                             device=model.device.type)
-    return build_html(run, tokenizer=model.tokenizer, attention=maps, command=cmd, notes=notes)
+    return build_html(run, tokenizer=model.tokenizer, attention=maps, command=cmd, notes=notes, tools=tools)
 
 
 st.header("Overview")
@@ -151,10 +163,11 @@ st.caption("One HTML file with this run: overview, token splits, every step, att
            "last layer), activation statistics, sampling distributions, NaN/loop findings and the command line "
            "that reproduces it. It opens in any browser with no network and no Python.")
 reports = session().memo("ov_report")
-key = run_key(run)
+tools = session_tools()
+key = (run_key(run), *map(id, tools))        # a tool computed since makes a new report
 if key not in reports and (was_stopped("the report", key) or st.button("Make a report (HTML)", key="ov_report_make")):
     maps_too = model is not None and model.name == run.model_name      # else the report has no attention maps
-    on_demand(reports, key, "the report", lambda tell: make_report(run, model, tell),
+    on_demand(reports, key, "the report", lambda tell: make_report(run, model, tell, tools),
               work=(model, len(run.ids), model.config.num_layers) if maps_too else None, max_entries=1)
 if key in reports:
     st.download_button("Download report (HTML)", data=reports[key], mime="text/html", key="ov_report_download",

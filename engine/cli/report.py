@@ -4,6 +4,10 @@
     python -m engine report "PROMPT" [generation flags] [--inject KIND@STAGE[:N]]... [--layers 0,15,-1]
                             [--steps 0,5,-1] [--trace run.trace] --out run.html
     python -m engine report --from-trace run.trace [--layers ...] [--steps ...] --out run.html
+                            [--tool-json qk.json]...
+
+--tool-json: a tool's own --json output (qk, steer, quant-scoreboard, doctor --determinism), shown in a Tools
+section (engine.report.tools checks it as input).
 
 --layers / --steps: whole numbers separated by commas (negative counts from the end), 'all' or 'none';
 default first, middle and last. Prints one JSON line: out, bytes, seconds (run), build_seconds (report).
@@ -24,6 +28,7 @@ from engine.inspection.trace import Trace, load_trace, make_trace, save_trace
 from engine.inspection.trace_check import TraceBounds
 from engine.report.data import attention_maps, default_layers, parse_indices, resolve_indices
 from engine.report.html import build_html
+from engine.report.tools import read_tool_json
 from engine.sampling import SamplingParams
 from engine.sources import BUNDLED_NAME
 from engine.tools.doctor import fault_probe, run_doctor
@@ -41,6 +46,9 @@ def add_commands(sub) -> None:
     r.add_argument("--from-trace", default=None, metavar="FILE", help="report a saved trace instead of running")
     r.add_argument("--trace", default=None, metavar="FILE", help="also save the run as a trace file")
     r.add_argument("--out", required=True, help="the HTML file to write")
+    r.add_argument("--tool-json", action="append", default=[], metavar="FILE",
+                   help="a tool's --json output to show in the report's Tools section (qk, steer, quant-scoreboard, "
+                        "doctor --determinism); may be given several times")
     r.set_defaults(fn=cmd_report)
     r.set_defaults(run_defaults={k: v for k, v in vars(r.parse_args(["--out", "run.html"])).items()
                                  if k not in REPORT_ONLY and k != "run_defaults"})
@@ -142,6 +150,7 @@ def cmd_report(a: argparse.Namespace) -> int:
         if too_far:
             raise InputError(f"--steps: {too_far[0]} is out of range; at most {a.max_new_tokens} steps are made "
                              f"(--max-new-tokens), 0..{a.max_new_tokens - 1}")
+    tools = [read_tool_json(f) for f in a.tool_json]           # before the run: a bad file costs nothing
     faults = faults_of(a) if a.from_trace is None else None      # before loading: a --preset may bring a dtype
     trace, model = _saved(a) if a.from_trace is not None else (None, load(a))
     n_layers = model.config.num_layers
@@ -157,7 +166,7 @@ def cmd_report(a: argparse.Namespace) -> int:
                                 dtype=str(model.dtype).removeprefix("torch."), device=model.device.type,
                                 model_from_extra=a.from_trace is None)
     html = build_html(trace, tokenizer=model.tokenizer, attention=maps, steps=_steps(a, trace, steps_asked),
-                      command=command)
+                      command=command, tools=tools)
     out.write_text(html, encoding="utf-8")
     print(json.dumps({"out": str(out), "bytes": out.stat().st_size, "seconds": round(trace.seconds, 3),
                       "build_seconds": round(time.perf_counter() - t0, 3), "layers": layers,

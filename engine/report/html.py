@@ -24,6 +24,7 @@ from importlib import resources
 from engine.inspection.trace import Trace
 from engine.report import data as rd
 from engine.report import figures as rf
+from engine.report.tools import tool_sections
 from engine.sampling import SamplingParams
 
 FORMAT, VERSION = "llm-inspector-report", 1
@@ -76,9 +77,10 @@ def _safe(x):
 
 
 def report_data(trace: Trace, *, tokenizer=None, attention: dict[int, rd.AttentionMap] | None = None,
-                steps: list[int] | None = None, command: str | None = None, notes=()) -> dict:
+                steps: list[int] | None = None, command: str | None = None, notes=(), tools=()) -> dict:
     """Everything the report shows, as JSON-able data (embedded in the file as <script id="report-data">).
-    steps: the steps whose sampling distributions are shown (default: first, middle, last)."""
+    steps: the steps whose sampling distributions are shown (default: first, middle, last). tools: the JSON of
+    tools run beside it (engine.report.tools), each drawn as a section of its own."""
     r = trace.result
     chosen = rd.default_steps(len(r.steps)) if steps is None else [s for s in steps if 0 <= s < len(r.steps)]
     return _safe({
@@ -93,13 +95,15 @@ def report_data(trace: Trace, *, tokenizer=None, attention: dict[int, rd.Attenti
         "sampling": rd.sampling(trace, chosen, tokenizer),
         "attention": [{"layer": m.layer, "block": m.block, "starts": m.starts, "positions": m.positions}
                       for m in (attention or {}).values()],
+        "tools": tool_sections(tools),
     })
 
 
 def build_html(trace: Trace, *, tokenizer=None, attention: dict[int, rd.AttentionMap] | None = None,
-               steps: list[int] | None = None, command: str | None = None, notes=()) -> str:
+               steps: list[int] | None = None, command: str | None = None, notes=(), tools=()) -> str:
     """The report of one run as one self-contained HTML document (see the module docstring)."""
-    data = report_data(trace, tokenizer=tokenizer, attention=attention, steps=steps, command=command, notes=notes)
+    data = report_data(trace, tokenizer=tokenizer, attention=attention, steps=steps, command=command, notes=notes,
+                       tools=tools)
     labels = [f"{t['position']} {t['text'][:12]}" for t in data["tokens"]]
     figs: dict[str, dict] = {}
     if data["steps"]:
@@ -118,11 +122,11 @@ def build_html(trace: Trace, *, tokenizer=None, attention: dict[int, rd.Attentio
         f"{len(trace.result.prompt_ids)} prompt tokens, {len(trace.result.token_ids)} generated</p>",
         '<nav><a href="#overview">Overview</a><a href="#findings">Findings</a><a href="#tokens">Tokens</a>'
         '<a href="#steps">Steps</a><a href="#attention">Attention</a><a href="#activations">Activations</a>'
-        '<a href="#sampling">Sampling</a></nav>',
+        '<a href="#sampling">Sampling</a>' + ('<a href="#tools">Tools</a>' if data["tools"] else "") + '</nav>',
         _overview(data), _findings(data["findings"], data["tokens"], len(trace.result.prompt_ids)),
         _tokens(data["tokens"]), _steps(data["steps"], "fig-steps" in figs),
         _attention(attention or {}, data["attention"]), _activations(data["layer_stats"]),
-        _sampling(data["sampling"], steps, len(trace.result.steps)),
+        _sampling(data["sampling"], steps, len(trace.result.steps)), _tools(data["tools"]),
     ])
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
@@ -152,6 +156,18 @@ def _table(header: list[str] | None, rows: list[list], bad: list[bool] | None = 
             f'<td{" class=n" if j in numeric else ""}>{escape(str(c))}</td>' for j, c in enumerate(row)) + "</tr>"
         for i, row in enumerate(rows))
     return f"<table>{head}<tbody>{body}</tbody></table>"
+
+
+def _tools(sections: list[dict]) -> str:
+    """The tools computed beside the run (engine.report.tools), a table each."""
+    if not sections:
+        return ""
+    parts = ['<section id="tools"><h2>Tools</h2>']
+    for t in sections:
+        rows = [[_num(c) if j in t["numeric"] else c for j, c in enumerate(r)] for r in t["rows"]]
+        parts += [f'<h3 id="{escape(t["id"])}">{escape(t["title"])}</h3>', f'<p>{escape(t["caption"])}</p>',
+                  _table(t["header"], rows, numeric=t["numeric"])]
+    return "\n".join(parts + ["</section>"])
 
 
 def _settings_rows(data: dict) -> list[list]:

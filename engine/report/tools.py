@@ -1,0 +1,145 @@
+"""The report's tool sections: what the session's tools computed beside the run (issue 47: "appears in the offline
+report where it applies"): a QK score split, a steering run, a determinism check, a quantization scoreboard. Each
+comes as the tool's own JSON (`as_dict()`, the `--json` of its CLI twin: `python -m engine qk|steer|quant-scoreboard|
+doctor --determinism`) and is turned here into a titled table of plain values for engine.report.html to draw.
+
+A tool's JSON may come from a file a user hands the CLI (`report --tool-json FILE`), so it is input like any other:
+each kind is recognised by its keys, every value is checked for its type (text cut to MAX_TEXT characters, numbers
+finite or shown as missing), rows are bounded (MAX_ROWS), and anything that is not what it should be is an
+InputError naming the file's kind and the field."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from engine.errors import InputError
+
+MAX_FILE_BYTES = 8 << 20     # a tool's JSON file (a scoreboard keeps its per-position lists: a few MB at most)
+MAX_ROWS = 40
+MAX_TEXT = 200
+KINDS = ("qk", "steering", "determinism", "scoreboard")
+
+
+def kind_of(d: dict) -> str:
+    """Which tool made this JSON (by its keys); InputError when none did."""
+    if not isinstance(d, dict):
+        raise InputError("a tool's JSON must be an object")
+    if "determinism" in d and isinstance(d["determinism"], dict):
+        return "determinism"                  # the doctor's report with its --determinism section
+    for kind, keys in (("qk", {"top_pairs", "score", "remainder"}), ("steering", {"steered_text", "plain_text"}),
+                       ("determinism", {"trials", "headline"}), ("scoreboard", {"formats", "reference"})):
+        if keys <= set(d):
+            return kind
+    raise InputError(f"not the JSON of a tool the report shows ({', '.join(KINDS)}); its keys: "
+                     f"{', '.join(sorted(map(str, d))[:8])}")
+
+
+def read_tool_json(path: str) -> dict:
+    """One --tool-json file, parsed (bounded in size), its kind recognised."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"--tool-json {path!r}: no such file")
+    if p.stat().st_size > MAX_FILE_BYTES:
+        raise InputError(f"--tool-json {path!r}: over {MAX_FILE_BYTES >> 20} MB")
+    try:
+        d = json.loads(p.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise InputError(f"--tool-json {path!r}: not valid JSON ({str(e)[:80]})") from None
+    kind_of(d)
+    return d
+
+
+def _text(v, what: str) -> str:
+    if v is None:
+        return ""
+    if not isinstance(v, (str, int, float)) or isinstance(v, bool):
+        raise InputError(f"the tool's {what} must be text")
+    return str(v)[:MAX_TEXT]
+
+
+def _num(v, what: str) -> float | None:
+    """A finite number, or None (shown as missing) for null, NaN or an infinity."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InputError(f"the tool's {what} must be a number")
+    return float(v) if math.isfinite(v) else None
+
+
+def _list(v, what: str) -> list:
+    if not isinstance(v, list):
+        raise InputError(f"the tool's {what} must be a list")
+    return v[:MAX_ROWS]
+
+
+def _obj(v, what: str) -> dict:
+    if not isinstance(v, dict):
+        raise InputError(f"the tool's {what} must be an object")
+    return v
+
+
+def _qk(d: dict) -> dict:
+    exact = d.get("exact") is True
+    caption = (f"Layer {int(_num(d.get('layer'), 'layer') or 0)} head {int(_num(d.get('head'), 'head') or 0)}: the "
+               f"pre-softmax score of query position {_text(d.get('query'), 'query')} at key position "
+               f"{_text(d.get('key'), 'key')} is {_num(d.get('score'), 'score')}; the terms sum to "
+               f"{_num(d.get('total'), 'total')} (remainder {_num(d.get('remainder'), 'remainder')}"
+               + ("" if exact else f"; inexact: {_text(d.get('why_inexact'), 'reason')}") + ").")
+    rows = [[_text(p.get("query side"), "query side"), _text(p.get("key side"), "key side"),
+             _num(p.get("term"), "term")] for p in map(lambda x: _obj(x, "pair"), _list(d["top_pairs"], "pairs"))]
+    return {"id": "tool-qk", "title": "Why this head attends there (QK attribution)", "caption": caption,
+            "header": ["query side", "key side", "term"], "rows": rows, "numeric": [2]}
+
+
+def _steering(d: dict) -> dict:
+    caption = (f"{_text(d.get('stage'), 'stage') or 'layer ' + _text(d.get('layer'), 'layer')}, coefficient "
+               f"{_num(d.get('coefficient'), 'coefficient')}. Plain: {_text(d.get('plain_text'), 'plain text')!r}. "
+               f"Steered: {_text(d.get('steered_text'), 'steered text')!r}.")
+    rows = [[_num(s.get("step"), "step"), repr(_text(s.get("text"), "token")),
+             _num(s.get("kl_steered_plain"), "KL"), _num(s.get("p_steered"), "p"), _num(s.get("p_plain"), "p"),
+             repr(_text(s.get("plain_top_text"), "token"))]
+            for s in map(lambda x: _obj(x, "step"), _list(d.get("steps", []), "steps"))]
+    return {"id": "tool-steering", "title": "Steering", "caption": caption,
+            "header": ["step", "steered token", "KL(steered || plain)", "p steered", "p plain", "plain's top"],
+            "rows": rows, "numeric": [2, 3, 4]}
+
+
+def _determinism(d: dict) -> dict:
+    d = _obj(d.get("determinism", d), "determinism report")
+    caption = f"{_text(d.get('headline'), 'headline')}. Reference: {_text(d.get('reference'), 'reference')}."
+    rows = []
+    for t in map(lambda x: _obj(x, "trial"), _list(d.get("trials", []), "trials")):
+        where = t.get("first_stage")
+        stage = "" if not isinstance(where, dict) else _text(where.get("stage"), "stage")
+        rows.append([_text(t.get("label"), "label"), _text(t.get("why"), "why"), "yes" if t.get("same_tokens") is True
+                     else "no", "yes" if t.get("bit_identical") is True else "no",
+                     _text(t.get("first_step"), "first step"), stage, _num(t.get("logits_max_abs"), "difference")])
+    return {"id": "tool-determinism", "title": "Determinism", "caption": caption,
+            "header": ["run", "why", "same tokens", "bit-identical", "first step", "first stage", "max |Δ logit|"],
+            "rows": rows, "numeric": [6]}
+
+
+def _stat(f: dict, key: str) -> float | None:
+    v = f.get(key)
+    return _num(v.get("value"), key) if isinstance(v, dict) else None
+
+
+def _scoreboard(d: dict) -> dict:
+    caption = (f"Against {_text(d.get('reference'), 'reference')}: {_text(d.get('texts'), 'texts')} texts, "
+               f"{_text(d.get('count'), 'count')} scored positions (llama.cpp's --kl-divergence figures).")
+    rows = [[_text(name, "format"), _stat(f, "mean_kld"), _stat(f, "same_top"), _stat(f, "rms_p_diff"),
+             _stat(f, "ppl_ratio")]
+            for name, f in list(_obj(d["formats"], "formats").items())[:MAX_ROWS] if isinstance(f, dict)]
+    return {"id": "tool-scoreboard", "title": "Quantization scoreboard", "caption": caption,
+            "header": ["format", "mean KLD", "same top p", "RMS Δp", "PPL(Q)/PPL(base)"], "rows": rows,
+            "numeric": [1, 2, 3, 4]}
+
+
+SECTIONS = {"qk": _qk, "steering": _steering, "determinism": _determinism, "scoreboard": _scoreboard}
+
+
+def tool_sections(tools) -> list[dict]:
+    """Each tool JSON (a list, in the order given) as a section: id, title, caption, header, rows (bounded), and
+    which columns are numbers."""
+    return [SECTIONS[kind_of(d)](d) for d in list(tools or [])[:len(KINDS) * 4]]
