@@ -150,6 +150,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     replace(_llama, model_type="mistral", architecture="MistralForCausalLM", windows="all"),
     Family("qwen2", "Qwen2ForCausalLM", LLAMA, gguf_arch="qwen2", bias="always"),
     _qwen3,
+    # Gemma (v1): Llama's block (norms before attention and MLP only) with Gemma's (1 + w) norms, GELU-tanh and
+    # embeddings x sqrt(d); its head is tied unless config.json says otherwise
+    replace(_llama, model_type="gemma", architecture="GemmaForCausalLM", gguf_arch="gemma", gguf_permutes_qk=False,
+            norm_offset=1.0, activation="gelu_tanh", embed_scale="sqrt_d", tie_default=True),
     _gemma2,
     replace(_gemma2, model_type="gemma3_text", architecture="Gemma3ForCausalLM", gguf_arch="gemma3",
             parts={**_gemma2.parts, **HEAD_QK_NORM}, qk_norm="head", local_rope=True),

@@ -18,6 +18,7 @@ CASES = {
     "mistral-window": dict(model_type="mistral", sliding_window=WINDOW),
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=16),
+    "gemma": dict(model_type="gemma", head_dim=24, tie_word_embeddings=True),
     "gemma2": dict(model_type="gemma2", head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0, tie_word_embeddings=True),
     "gemma3_text": dict(model_type="gemma3_text", head_dim=16, sliding_window=WINDOW,
