@@ -62,6 +62,9 @@ NEOX = {"attn_norm": _parts(("input_layernorm.weight", "d", "attn_norm.weight"))
         "b_up": _parts(("mlp.dense_h_to_4h.bias", "upb", "ffn_up.bias")),
         "w_down": _parts(("mlp.dense_4h_to_h.weight", "down", "ffn_down.weight")),
         "b_down": _parts(("mlp.dense_4h_to_h.bias", "d", "ffn_down.bias"))}
+# StableLM (stablelm-2, stablelm-3b-4e1t): Llama's names and gated MLP under LayerNorms with biases
+STABLELM = {**LLAMA, "attn_norm_bias": _parts(("input_layernorm.bias", "d", "attn_norm.bias")),
+            "mlp_norm_bias": _parts(("post_attention_layernorm.bias", "d", "ffn_norm.bias"))}
 BIAS_SLOTS = ("bqkv", "bo")     # the attention biases a family's bias flag switches
 
 
@@ -124,6 +127,7 @@ class Family:
     bias_default: bool = False            # attention_bias when config.json does not say
     tie_default: bool = False             # tie_word_embeddings when config.json does not say
     config_keys: dict[str, str] = field(default_factory=dict)   # this family's config.json key -> the engine's
+    fixed: dict[str, object] = field(default_factory=dict)      # config.json keys computed at one value only
     checkpoint: Checkpoint = LLAMA_CHECKPOINT
 
     def slots(self, moe: bool, bias: bool) -> dict[str, tuple[Part, ...]]:
@@ -179,12 +183,20 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            config_keys={"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
                         "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
                         "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"},
+           fixed={"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                  "reorder_and_upcast_attn": False, "add_cross_attention": False},
            checkpoint=Checkpoint(layer="transformer.h.{i}.", embed="transformer.wte.weight",
                                  norm="transformer.ln_f.weight", norm_bias="transformer.ln_f.bias",
                                  pos_embed="transformer.wpe.weight", transposed=True,
                                  optional_prefix="transformer.",
                                  # the causal-mask buffers older checkpoints saved
                                  ignored=r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")),
+    # q/k/v biases by use_qkv_bias, none on o_proj; a rotary fraction (0.25 by default); a sequential block only
+    # (stablelm-2-12b's parallel residual shares one norm, and its qk_layernorm is a LayerNorm per head)
+    Family("stablelm", "StableLmForCausalLM", STABLELM, norm="layer", rotary_fraction=True,
+           config_keys={"layer_norm_eps": "rms_norm_eps", "use_qkv_bias": "attention_bias"},
+           fixed={"qk_layernorm": False},
+           checkpoint=Checkpoint(norm_bias="model.norm.bias")),
     Family("gpt_neox", "GPTNeoXForCausalLM", NEOX, activation="gelu", norm="layer", mlp="plain",
            rotary_fraction=True, parallel_residual=True, bias_default=True,
            config_keys={"layer_norm_eps": "rms_norm_eps", "rotary_pct": "partial_rotary_factor",

@@ -40,6 +40,9 @@ CASES = {
     # classic shapes: multi-head attention (None drops a BASE key their configs do not have)
     "gpt2": dict(model_type="gpt2", n_inner=96, intermediate_size=None, num_key_value_heads=None,
                  tie_word_embeddings=True),
+    # StableLM's defaults (partial_rotary_factor 0.25, no q/k/v bias) and stablelm-2-1.6b's biases
+    "stablelm": dict(model_type="stablelm", num_key_value_heads=4),
+    "stablelm-qkv-bias": dict(model_type="stablelm", use_qkv_bias=True, partial_rotary_factor=0.5),
     "gpt_neox": dict(model_type="gpt_neox", num_key_value_heads=None, rotary_pct=0.25, use_parallel_residual=True),
     "gpt_neox-sequential": dict(model_type="gpt_neox", num_key_value_heads=None, rotary_pct=1.0,
                                 use_parallel_residual=False),
