@@ -39,7 +39,8 @@ def cast_model(model: Model, dtype: str | torch.dtype) -> Model:
     layers = [LayerWeights(**{f.name: cv(getattr(lw, f.name)) for f in dataclasses.fields(lw)}) for lw in w.layers]
     head = cv(w.lm_head)
     weights = dataclasses.replace(w, embed=head.t() if w.tied() else cv(w.embed), layers=layers, norm=cv(w.norm),
-                                  lm_head=head, norm_bias=cv(w.norm_bias), pos_embed=cv(w.pos_embed))
+                                  lm_head=head, norm_bias=cv(w.norm_bias), pos_embed=cv(w.pos_embed),
+                                  head_bias=cv(w.head_bias))
     return derive(model, weights, dtype=dt, name=f"{model.name} [{str(dt).removeprefix('torch.')}]")
 
 

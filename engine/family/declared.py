@@ -65,6 +65,17 @@ NEOX = {"attn_norm": _parts(("input_layernorm.weight", "d", "attn_norm.weight"))
 # StableLM (stablelm-2, stablelm-3b-4e1t): Llama's names and gated MLP under LayerNorms with biases
 STABLELM = {**LLAMA, "attn_norm_bias": _parts(("input_layernorm.bias", "d", "attn_norm.bias")),
             "mlp_norm_bias": _parts(("post_attention_layernorm.bias", "d", "ffn_norm.bias"))}
+# Phi (phi-1, phi-1.5, phi-2): a parallel block under one LayerNorm (no mlp_norm: the MLP reads the attention's
+# normed input), q/k/v and dense biases, a plain MLP fc1 -> GELU-tanh -> fc2 with biases
+PHI = {"attn_norm": _parts(("input_layernorm.weight", "d", "attn_norm.weight")),
+       "attn_norm_bias": _parts(("input_layernorm.bias", "d", "attn_norm.bias")),
+       **QKV,
+       "wo": _parts(("self_attn.dense.weight", "o", "attn_output.weight")),
+       "bo": _parts(("self_attn.dense.bias", "d", "attn_output.bias")),
+       "w_up": _parts(("mlp.fc1.weight", "up", "ffn_up.weight")),
+       "b_up": _parts(("mlp.fc1.bias", "upb", "ffn_up.bias")),
+       "w_down": _parts(("mlp.fc2.weight", "down", "ffn_down.weight")),
+       "b_down": _parts(("mlp.fc2.bias", "d", "ffn_down.bias"))}
 BIAS_SLOTS = ("bqkv", "bo")     # the attention biases a family's bias flag switches
 
 
@@ -76,6 +87,7 @@ class Checkpoint:
     norm: str = "model.norm.weight"
     norm_bias: str | None = None          # the final LayerNorm's bias
     lm_head: str = "lm_head.weight"
+    lm_head_bias: str | None = None       # the head's bias (Phi)
     pos_embed: str | None = None          # learned absolute positions (n_positions, d)
     transposed: bool = False              # matrices stored (in, out) (GPT-2's Conv1D), not (out, in)
     optional_prefix: str = ""             # a prefix older checkpoints left off every name (GPT-2's "transformer.")
@@ -123,7 +135,8 @@ class Family:
     norm: str = "rms"                     # "rms" (RMSNorm) or "layer" (LayerNorm, with a bias slot beside each)
     mlp: str = "gated"                    # "gated" (act(gate) * up) or "plain" (act(up), with biases)
     positions: str = "rope"               # "rope" or "learned" (absolute position embeddings added to the tokens)
-    parallel_residual: bool = False       # reads use_parallel_residual: x + attn(ln1(x)) + mlp(ln2(x))
+    parallel_residual: bool = False       # reads use_parallel_residual: x + attn(ln1(x)) + mlp(ln2(x)), or
+    #                                       x + attn(ln1(x)) + mlp(ln1(x)) where the block has no mlp_norm (Phi)
     bias_default: bool = False            # attention_bias when config.json does not say
     tie_default: bool = False             # tie_word_embeddings when config.json does not say
     config_keys: dict[str, str] = field(default_factory=dict)   # this family's config.json key -> the engine's
@@ -197,6 +210,11 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            config_keys={"layer_norm_eps": "rms_norm_eps", "use_qkv_bias": "attention_bias"},
            fixed={"qk_layernorm": False},
            checkpoint=Checkpoint(norm_bias="model.norm.bias")),
+    Family("phi", "PhiForCausalLM", PHI, bias="always", activation="gelu_tanh", norm="layer", mlp="plain",
+           rotary_fraction=True, parallel_residual=True, config_keys={"layer_norm_eps": "rms_norm_eps"},
+           fixed={"qk_layernorm": False},
+           checkpoint=Checkpoint(norm="model.final_layernorm.weight", norm_bias="model.final_layernorm.bias",
+                                 lm_head_bias="lm_head.bias")),
     Family("gpt_neox", "GPTNeoXForCausalLM", NEOX, activation="gelu", norm="layer", mlp="plain",
            rotary_fraction=True, parallel_residual=True, bias_default=True,
            config_keys={"layer_norm_eps": "rms_norm_eps", "rotary_pct": "partial_rotary_factor",

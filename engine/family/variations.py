@@ -69,7 +69,7 @@ def parallel_residual(fam: Family, raw: dict, where: str) -> bool:
     """Whether attention and the MLP both read the block's input (GPT-NeoX's use_parallel_residual)."""
     if not fam.parallel_residual:
         if flag(raw, "use_parallel_residual", where):
-            _refuse(where, "use_parallel_residual", True, fam, "a parallel residual is declared for gpt_neox")
+            _refuse(where, "use_parallel_residual", True, fam, "a parallel residual is declared for gpt_neox and phi")
         return False
     return flag(raw, "use_parallel_residual", where) if "use_parallel_residual" in raw else True
 
@@ -192,7 +192,8 @@ def rotary_fraction(fam: Family, raw: dict, rope_params: dict, where: str) -> fl
     if v is None or v == 1:
         return 1.0
     if not fam.rotary_fraction:
-        _refuse(where, "partial_rotary_factor", v, fam, "a rotary fraction is declared for phi3, gpt_neox and stablelm")
+        _refuse(where, "partial_rotary_factor", v, fam,
+                "a rotary fraction is declared for phi3, phi, gpt_neox and stablelm")
     v = positive(v, "partial_rotary_factor", where)
     if v > 1:
         raise ModelLoadError(f"{where}: partial_rotary_factor={v} must be in (0, 1]")

@@ -43,6 +43,8 @@ CASES = {
     # StableLM's defaults (partial_rotary_factor 0.25, no q/k/v bias) and stablelm-2-1.6b's biases
     "stablelm": dict(model_type="stablelm", num_key_value_heads=4),
     "stablelm-qkv-bias": dict(model_type="stablelm", use_qkv_bias=True, partial_rotary_factor=0.5),
+    # Phi's defaults: one norm for a parallel block, partial_rotary_factor 0.5, biases everywhere, the head's too
+    "phi": dict(model_type="phi", num_key_value_heads=None, intermediate_size=96),
     "gpt_neox": dict(model_type="gpt_neox", num_key_value_heads=None, rotary_pct=0.25, use_parallel_residual=True),
     "gpt_neox-sequential": dict(model_type="gpt_neox", num_key_value_heads=None, rotary_pct=1.0,
                                 use_parallel_residual=False),

@@ -41,6 +41,8 @@ CASES = [
      "unsupported qk_layernorm=True for model_type='stablelm' (stablelm is implemented with qk_layernorm=False)"),
     ({"model_type": "stablelm", "use_parallel_residual": True},
      "unsupported use_parallel_residual=True for model_type='stablelm'"),
+    ({"model_type": "phi", "hidden_act": "gelu_new", "qk_layernorm": True},
+     "unsupported qk_layernorm=True for model_type='phi'"),
 ]
 
 
