@@ -200,11 +200,11 @@ class Model:
         return logits
 
     def _head(self, x: torch.Tensor, lm_head: torch.Tensor, probe) -> torch.Tensor:
-        """The final-normed stream (T, d) -> logits (T, V): the lm_head, Granite's logits_scaling, Gemma 2's final
-        soft cap (the logits before it offered as logits_uncapped)."""
+        """The final-normed stream (T, d) -> logits (T, V): the lm_head (and Phi's head bias), Granite's
+        logits_scaling, Gemma 2's final soft cap (the logits before it offered as logits_uncapped)."""
         cfg = self.config
         logits = mm(x.to(lm_head.dtype), lm_head)
-        if self.weights.head_bias is not None:    # Phi's; a precision plan's fp32 head adds it in fp32
+        if self.weights.head_bias is not None:    # in the product's dtype (a precision plan's fp32 head: fp32)
             logits = logits + self.weights.head_bias.to(logits.dtype)
         if cfg.logits_divisor != 1.0:
             logits = logits / cfg.logits_divisor
