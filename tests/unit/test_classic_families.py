@@ -146,14 +146,18 @@ def test_pythia_in_the_older_layout_loads_the_same_model(classic, tmp_path):
 
 
 def test_phis_head_bias_is_loaded_cast_and_added_to_the_logits(classic):
-    """Phi's lm_head has a bias (V,): a cast copy casts it with the head, and the logit lens (unembed) adds it as the
-    forward does."""
+    """Phi's lm_head has a bias (V,): a cast copy casts it with the head, a precision plan's fp32 logits unit takes it
+    in fp32, and the logit lens (unembed) adds it as the forward does."""
     from engine.variants import cast_model
     model = load_model(classic["phi"], device="cpu", dtype="float32")
     assert model.weights.head_bias.shape == (model.config.vocab_size,) and bool(model.weights.head_bias.any())
     half = cast_model(model, "bfloat16")
     assert half.weights.head_bias.dtype == torch.bfloat16
     assert torch.equal(half.weights.head_bias, model.weights.head_bias.to(torch.bfloat16))
+    # a precision plan's fp32 logits unit takes the bias with the head (from the fp32 source, not the bf16 copy's)
+    from engine.variants import precision_plan
+    plan = precision_plan(half, ["logits"], source=model)
+    assert torch.equal(plan.weights.head_bias, model.weights.head_bias)
     last = f"blocks.{model.config.num_layers - 1}.resid_post"
     probe = inspection_probe().capture(last)
     want = model.forward(torch.tensor(PROMPT), model.new_cache(16), probe)
