@@ -200,10 +200,12 @@ class Model:
         return logits
 
     def _head(self, x: torch.Tensor, lm_head: torch.Tensor, probe) -> torch.Tensor:
-        """The final-normed stream (T, d) -> logits (T, V): the lm_head, Granite's logits_scaling, Gemma 2's final
-        soft cap (the logits before it offered as logits_uncapped)."""
+        """The final-normed stream (T, d) -> logits (T, V): the lm_head (and Phi's head bias), Granite's
+        logits_scaling, Gemma 2's final soft cap (the logits before it offered as logits_uncapped)."""
         cfg = self.config
         logits = mm(x.to(lm_head.dtype), lm_head)
+        if self.weights.head_bias is not None:    # in the product's dtype (a precision plan's fp32 head: fp32)
+            logits = logits + self.weights.head_bias.to(logits.dtype)
         if cfg.logits_divisor != 1.0:
             logits = logits / cfg.logits_divisor
         if cfg.final_softcap is not None:
@@ -254,13 +256,13 @@ class Model:
         and product are done in place, the same operations on the same values."""
         x = self._attention(p, lw, x, cache, i, at, eps, own)
         if self.config.parallel_residual:   # x + attn(ln1(x)) + mlp(ln2(x)); its attention half ends at x + attn
-            x, attn = x
-            return self._mlp(p, lw, x, eps, own, attn) if mlp else x + attn
+            x, attn, h = x
+            return self._mlp(p, lw, x, eps, own, attn, h) if mlp else x + attn
         return self._mlp(p, lw, x, eps, own) if mlp else x
 
     def _attention(self, p, lw: LayerWeights, x, cache, i: int, at: Where, eps: float, own: bool) -> torch.Tensor:
-        """A block's attention half: the stream x (T, d) -> resid_mid; a parallel block (GPT-NeoX): -> (x, attn_out)
-        for _block, whose MLP also reads x."""
+        """A block's attention half: the stream x (T, d) -> resid_mid; a parallel block (GPT-NeoX, Phi): -> (x,
+        attn_out, attn_norm's output) for _block, whose MLP also reads x (Phi's: the normed x, its one norm)."""
         cfg = self.config
         T, H, K, hd = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = x if lw.attn_norm is None else p("attn_norm", family_norm(cfg, x, lw.attn_norm, lw.attn_norm_bias,
@@ -298,8 +300,8 @@ class Model:
         out = p("attn_out", out.to(x.dtype))                                   # (T, d)
         if lw.attn_post_norm is not None:
             out = p("attn_post_norm", rms_norm(out, lw.attn_post_norm, eps).to(x.dtype))
-        if cfg.parallel_residual:    # GPT-NeoX: the MLP reads the block's input; _mlp adds both branches
-            return x, out
+        if cfg.parallel_residual:    # GPT-NeoX, Phi: the MLP reads the block's input; _mlp adds both branches
+            return x, out, h
         return x.add_(out) if own else p("resid_mid", x + out)
 
     def attend(self, p, q, k, v, cache, i: int, at: Where) -> torch.Tensor:
@@ -324,11 +326,16 @@ class Model:
             z = fused(qh, keys, values, mask, p.guards_nan, cfg.attn_scale, K != H)   # statistics steer nothing
         return z
 
-    def _mlp(self, p, lw: LayerWeights, x, eps: float, own: bool, attn: torch.Tensor | None = None) -> torch.Tensor:
+    def _mlp(self, p, lw: LayerWeights, x, eps: float, own: bool, attn: torch.Tensor | None = None,
+             normed: torch.Tensor | None = None) -> torch.Tensor:
         """A block's MLP half (gated, plain, or a router and its experts): resid_mid -> resid_post; with attn (a
-        parallel block) the block's input -> resid_post = x + attn + mlp_out."""
+        parallel block) the block's input -> resid_post = x + attn + mlp_out, the MLP reading its own norm of x
+        or, a block with no mlp_norm (Phi), `normed`: attn_norm's output."""
         cfg = self.config
-        h = x if lw.mlp_norm is None else p("mlp_norm", family_norm(cfg, x, lw.mlp_norm, lw.mlp_norm_bias, eps))
+        if lw.mlp_norm is not None:
+            h = p("mlp_norm", family_norm(cfg, x, lw.mlp_norm, lw.mlp_norm_bias, eps))
+        else:
+            h = x if normed is None else normed
         act_fn = activation(cfg.activation)
         if lw.router is not None:
             gates = p("mlp.experts", route(p("mlp.router", mm(h, lw.router)), cfg.experts_per_token,

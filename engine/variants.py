@@ -39,7 +39,8 @@ def cast_model(model: Model, dtype: str | torch.dtype) -> Model:
     layers = [LayerWeights(**{f.name: cv(getattr(lw, f.name)) for f in dataclasses.fields(lw)}) for lw in w.layers]
     head = cv(w.lm_head)
     weights = dataclasses.replace(w, embed=head.t() if w.tied() else cv(w.embed), layers=layers, norm=cv(w.norm),
-                                  lm_head=head, norm_bias=cv(w.norm_bias), pos_embed=cv(w.pos_embed))
+                                  lm_head=head, norm_bias=cv(w.norm_bias), pos_embed=cv(w.pos_embed),
+                                  head_bias=cv(w.head_bias))
     return derive(model, weights, dtype=dt, name=f"{model.name} [{str(dt).removeprefix('torch.')}]")
 
 
@@ -85,8 +86,8 @@ def precision_plan(model: Model, units: list[str] | tuple[str, ...], source: Mod
     units = list(dict.fromkeys([*model.fp32_units, *units]))
     src = source or model
     layers, resid_from = list(model.weights.layers), model.resid_fp32_from
-    ends = {"embed": "embed", "final_norm": "norm", "logits": "lm_head"}    # unit -> Weights field
-    whole = {f: getattr(model.weights, f) for f in ends.values()}
+    ends = {"embed": ("embed",), "final_norm": ("norm",), "logits": ("lm_head", "head_bias")}  # unit -> Weights fields
+    whole = {f: getattr(model.weights, f) for fields in ends.values() for f in fields}
     for unit in units:
         layer, part = _split_unit(unit, model.config.num_layers)
         if part == "resid":
@@ -98,7 +99,9 @@ def precision_plan(model: Model, units: list[str] | tuple[str, ...], source: Mod
                 f: None if getattr(lw, f) is None else getattr(lw, f).to(torch.float32, copy=True)
                 for f in fields})
         else:
-            whole[ends[part]] = getattr(src.weights, ends[part]).to(torch.float32, copy=True)
+            for f in ends[part]:
+                t = getattr(src.weights, f)
+                whole[f] = None if t is None else t.to(torch.float32, copy=True)
     weights = dataclasses.replace(model.weights, layers=layers, **whole)   # LayerNorm bias, positions: shared
     plan = derive(model, weights, dtype=model.dtype, name=f"{model.base_name} [fp32: {', '.join(units) or 'none'}]")
     plan.base_name, plan.resid_fp32_from, plan.fp32_units = model.base_name, resid_from, units

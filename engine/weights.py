@@ -64,6 +64,7 @@ class Weights:
     lm_head: torch.Tensor        # (d, V)  when tied, embed is this matrix's transpose (one copy: tied())
     norm_bias: torch.Tensor | None = None    # (d,) the final LayerNorm's bias
     pos_embed: torch.Tensor | None = None    # (n_positions, d) learned absolute positions (GPT-2)
+    head_bias: torch.Tensor | None = None    # (V,) the lm_head's bias (Phi)
     notes: list[str] = field(default_factory=list)    # what a load "as stored" dequantised (engine.gguf_stored)
 
     def tied(self) -> bool:
@@ -98,8 +99,8 @@ class Weights:
         return [t.name for t in self.all() if isinstance(t, QuantMatrix)]
 
     def all(self) -> list:
-        return [self.embed, self.norm, self.lm_head] + [t for t in (self.norm_bias, self.pos_embed) if t is not None] \
-            + [x for lw in self.layers for x in lw.present().values()]
+        extra = [t for t in (self.norm_bias, self.pos_embed, self.head_bias) if t is not None]
+        return [self.embed, self.norm, self.lm_head, *extra] + [x for lw in self.layers for x in lw.present().values()]
 
     def nbytes_by_dtype(self) -> dict[torch.dtype | str, int]:
         """Bytes of the weights per dtype, largest first: each tensor's memory once (a tied model's embedding and
@@ -150,6 +151,8 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         names[ck.pos_embed] = (cfg.max_position_embeddings, d)
     if not cfg.tie_word_embeddings:
         names[ck.lm_head] = (cfg.vocab_size, d)
+    if ck.lm_head_bias:
+        names[ck.lm_head_bias] = (cfg.vocab_size,)
     for i in range(cfg.num_layers):
         names |= {n: shape for parts in layer_parts(cfg, i).values() for n, shape in parts}
     return names
@@ -282,7 +285,8 @@ def _assemble(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> Weights:
         embed, lm_head = _own(embed), _t(raw.pop(ck.lm_head))
     return Weights(embed=embed, layers=layers, norm=_offset(raw.pop(ck.norm), off), lm_head=lm_head,
                    norm_bias=_own(raw.pop(ck.norm_bias)) if ck.norm_bias else None,
-                   pos_embed=_own(raw.pop(ck.pos_embed)) if ck.pos_embed else None)
+                   pos_embed=_own(raw.pop(ck.pos_embed)) if ck.pos_embed else None,
+                   head_bias=_own(raw.pop(ck.lm_head_bias)) if ck.lm_head_bias else None)
 
 
 def _heads_first(t: torch.Tensor, cfg: ModelConfig, dim: int) -> torch.Tensor:

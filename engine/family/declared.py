@@ -62,6 +62,20 @@ NEOX = {"attn_norm": _parts(("input_layernorm.weight", "d", "attn_norm.weight"))
         "b_up": _parts(("mlp.dense_h_to_4h.bias", "upb", "ffn_up.bias")),
         "w_down": _parts(("mlp.dense_4h_to_h.weight", "down", "ffn_down.weight")),
         "b_down": _parts(("mlp.dense_4h_to_h.bias", "d", "ffn_down.bias"))}
+# StableLM (stablelm-2, stablelm-3b-4e1t): Llama's names and gated MLP under LayerNorms with biases
+STABLELM = {**LLAMA, "attn_norm_bias": _parts(("input_layernorm.bias", "d", "attn_norm.bias")),
+            "mlp_norm_bias": _parts(("post_attention_layernorm.bias", "d", "ffn_norm.bias"))}
+# Phi (phi-1, phi-1.5, phi-2): a parallel block under one LayerNorm (no mlp_norm: the MLP reads the attention's
+# normed input), q/k/v and dense biases, a plain MLP fc1 -> GELU-tanh -> fc2 with biases
+PHI = {"attn_norm": _parts(("input_layernorm.weight", "d", "attn_norm.weight")),
+       "attn_norm_bias": _parts(("input_layernorm.bias", "d", "attn_norm.bias")),
+       **QKV,
+       "wo": _parts(("self_attn.dense.weight", "o", "attn_output.weight")),
+       "bo": _parts(("self_attn.dense.bias", "d", "attn_output.bias")),
+       "w_up": _parts(("mlp.fc1.weight", "up", "ffn_up.weight")),
+       "b_up": _parts(("mlp.fc1.bias", "upb", "ffn_up.bias")),
+       "w_down": _parts(("mlp.fc2.weight", "down", "ffn_down.weight")),
+       "b_down": _parts(("mlp.fc2.bias", "d", "ffn_down.bias"))}
 BIAS_SLOTS = ("bqkv", "bo")     # the attention biases a family's bias flag switches
 
 
@@ -73,6 +87,7 @@ class Checkpoint:
     norm: str = "model.norm.weight"
     norm_bias: str | None = None          # the final LayerNorm's bias
     lm_head: str = "lm_head.weight"
+    lm_head_bias: str | None = None       # the head's bias (Phi)
     pos_embed: str | None = None          # learned absolute positions (n_positions, d)
     transposed: bool = False              # matrices stored (in, out) (GPT-2's Conv1D), not (out, in)
     optional_prefix: str = ""             # a prefix older checkpoints left off every name (GPT-2's "transformer.")
@@ -120,10 +135,12 @@ class Family:
     norm: str = "rms"                     # "rms" (RMSNorm) or "layer" (LayerNorm, with a bias slot beside each)
     mlp: str = "gated"                    # "gated" (act(gate) * up) or "plain" (act(up), with biases)
     positions: str = "rope"               # "rope" or "learned" (absolute position embeddings added to the tokens)
-    parallel_residual: bool = False       # reads use_parallel_residual: x + attn(ln1(x)) + mlp(ln2(x))
+    parallel_residual: bool = False       # reads use_parallel_residual: x + attn(ln1(x)) + mlp(ln2(x)), or
+    #                                       x + attn(ln1(x)) + mlp(ln1(x)) where the block has no mlp_norm (Phi)
     bias_default: bool = False            # attention_bias when config.json does not say
     tie_default: bool = False             # tie_word_embeddings when config.json does not say
     config_keys: dict[str, str] = field(default_factory=dict)   # this family's config.json key -> the engine's
+    fixed: dict[str, object] = field(default_factory=dict)      # config.json keys computed at one value only
     checkpoint: Checkpoint = LLAMA_CHECKPOINT
 
     def slots(self, moe: bool, bias: bool) -> dict[str, tuple[Part, ...]]:
@@ -150,6 +167,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     replace(_llama, model_type="mistral", architecture="MistralForCausalLM", windows="all"),
     Family("qwen2", "Qwen2ForCausalLM", LLAMA, gguf_arch="qwen2", bias="always"),
     _qwen3,
+    # Gemma (v1): Llama's block (norms before attention and MLP only) with Gemma's (1 + w) norms, GELU-tanh and
+    # embeddings x sqrt(d); its head is tied unless config.json says otherwise
+    replace(_llama, model_type="gemma", architecture="GemmaForCausalLM", gguf_arch="gemma", gguf_permutes_qk=False,
+            norm_offset=1.0, activation="gelu_tanh", embed_scale="sqrt_d", tie_default=True),
     _gemma2,
     replace(_gemma2, model_type="gemma3_text", architecture="Gemma3ForCausalLM", gguf_arch="gemma3",
             parts={**_gemma2.parts, **HEAD_QK_NORM}, qk_norm="head", local_rope=True),
@@ -175,12 +196,25 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            config_keys={"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
                         "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
                         "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"},
+           fixed={"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                  "reorder_and_upcast_attn": False, "add_cross_attention": False},
            checkpoint=Checkpoint(layer="transformer.h.{i}.", embed="transformer.wte.weight",
                                  norm="transformer.ln_f.weight", norm_bias="transformer.ln_f.bias",
                                  pos_embed="transformer.wpe.weight", transposed=True,
                                  optional_prefix="transformer.",
                                  # the causal-mask buffers older checkpoints saved
                                  ignored=r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")),
+    # q/k/v biases by use_qkv_bias, none on o_proj; a rotary fraction (0.25 by default); a sequential block only
+    # (stablelm-2-12b's parallel residual shares one norm, and its qk_layernorm is a LayerNorm per head)
+    Family("stablelm", "StableLmForCausalLM", STABLELM, norm="layer", rotary_fraction=True,
+           config_keys={"layer_norm_eps": "rms_norm_eps", "use_qkv_bias": "attention_bias"},
+           fixed={"qk_layernorm": False},
+           checkpoint=Checkpoint(norm_bias="model.norm.bias")),
+    Family("phi", "PhiForCausalLM", PHI, bias="always", activation="gelu_tanh", norm="layer", mlp="plain",
+           rotary_fraction=True, parallel_residual=True, config_keys={"layer_norm_eps": "rms_norm_eps"},
+           fixed={"qk_layernorm": False},
+           checkpoint=Checkpoint(norm="model.final_layernorm.weight", norm_bias="model.final_layernorm.bias",
+                                 lm_head_bias="lm_head.bias")),
     Family("gpt_neox", "GPTNeoXForCausalLM", NEOX, activation="gelu", norm="layer", mlp="plain",
            rotary_fraction=True, parallel_residual=True, bias_default=True,
            config_keys={"layer_norm_eps": "rms_norm_eps", "rotary_pct": "partial_rotary_factor",

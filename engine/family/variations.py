@@ -55,13 +55,11 @@ def canonical(fam: Family, raw: dict, where: str) -> dict:
         if ours in raw and raw[ours] != v:
             raise ModelLoadError(f"{where}: {theirs}={v!r} and {ours}={raw[ours]!r} disagree")
         out[ours] = v
-    if fam.model_type == "gpt2":
-        if "intermediate_size" not in out and isinstance(out.get("hidden_size"), int):
-            out["intermediate_size"] = 4 * out["hidden_size"]
-        for key, value in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                           ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
-            if out.get(key, value) != value:
-                _refuse(where, key, out[key], fam, f"GPT-2 is implemented with {key}={value}")
+    if fam.model_type == "gpt2" and "intermediate_size" not in out and isinstance(out.get("hidden_size"), int):
+        out["intermediate_size"] = 4 * out["hidden_size"]
+    for key, value in fam.fixed.items():
+        if out.get(key, value) != value:
+            _refuse(where, key, out[key], fam, f"{fam.model_type} is implemented with {key}={value}")
     out.setdefault("tie_word_embeddings", fam.tie_default)
     out.setdefault("attention_bias", fam.bias_default)
     return out
@@ -71,7 +69,7 @@ def parallel_residual(fam: Family, raw: dict, where: str) -> bool:
     """Whether attention and the MLP both read the block's input (GPT-NeoX's use_parallel_residual)."""
     if not fam.parallel_residual:
         if flag(raw, "use_parallel_residual", where):
-            _refuse(where, "use_parallel_residual", True, fam, "a parallel residual is declared for gpt_neox")
+            _refuse(where, "use_parallel_residual", True, fam, "a parallel residual is declared for gpt_neox and phi")
         return False
     return flag(raw, "use_parallel_residual", where) if "use_parallel_residual" in raw else True
 
@@ -194,7 +192,8 @@ def rotary_fraction(fam: Family, raw: dict, rope_params: dict, where: str) -> fl
     if v is None or v == 1:
         return 1.0
     if not fam.rotary_fraction:
-        _refuse(where, "partial_rotary_factor", v, fam, "a rotary fraction is declared for phi3 and gpt_neox")
+        _refuse(where, "partial_rotary_factor", v, fam,
+                "a rotary fraction is declared for phi3, phi, gpt_neox and stablelm")
     v = positive(v, "partial_rotary_factor", where)
     if v > 1:
         raise ModelLoadError(f"{where}: partial_rotary_factor={v} must be in (0, 1]")

@@ -18,6 +18,7 @@ CASES = {
     "mistral-window": dict(model_type="mistral", sliding_window=WINDOW),
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=16),
+    "gemma": dict(model_type="gemma", head_dim=24, tie_word_embeddings=True),
     "gemma2": dict(model_type="gemma2", head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0, tie_word_embeddings=True),
     "gemma3_text": dict(model_type="gemma3_text", head_dim=16, sliding_window=WINDOW,
@@ -39,6 +40,11 @@ CASES = {
     # classic shapes: multi-head attention (None drops a BASE key their configs do not have)
     "gpt2": dict(model_type="gpt2", n_inner=96, intermediate_size=None, num_key_value_heads=None,
                  tie_word_embeddings=True),
+    # StableLM's defaults (partial_rotary_factor 0.25, no q/k/v bias) and stablelm-2-1.6b's biases
+    "stablelm": dict(model_type="stablelm", num_key_value_heads=4),
+    "stablelm-qkv-bias": dict(model_type="stablelm", use_qkv_bias=True, partial_rotary_factor=0.5),
+    # Phi's defaults: one norm for a parallel block, partial_rotary_factor 0.5, biases everywhere, the head's too
+    "phi": dict(model_type="phi", num_key_value_heads=None, intermediate_size=96),
     "gpt_neox": dict(model_type="gpt_neox", num_key_value_heads=None, rotary_pct=0.25, use_parallel_residual=True),
     "gpt_neox-sequential": dict(model_type="gpt_neox", num_key_value_heads=None, rotary_pct=1.0,
                                 use_parallel_residual=False),

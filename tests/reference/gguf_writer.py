@@ -55,7 +55,7 @@ def metadata(w, cfg: dict, arch: str, fam) -> None:
                                        * hidden) // heads)
         w.add_rope_scaling_orig_ctx_len(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
         w.add_sliding_window(cfg.get("sliding_window") or 0)
-    if fam.model_type.startswith("gemma"):
+    if fam.model_type in ("gemma2", "gemma3_text"):     # GemmaModel (v1) writes no window
         w.add_sliding_window(cfg["sliding_window"])
     if fam.model_type == "gemma2":
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])

@@ -66,8 +66,8 @@ def test_family_logits_and_greedy_tokens_equal_transformers(folders, name):
     assert result.token_ids == hf_tokens
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3_text", "olmo2", "phi3", "granite", "mixtral", "qwen3_moe",
-                                  "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "granite", "mixtral",
+                                  "qwen3_moe", "gpt2", "gpt_neox", "stablelm", "stablelm-qkv-bias", "phi"])
 def test_family_bf16_within_tolerance_of_fp32(folders, name):
     """bf16 (8 bits of mantissa) against transformers' fp32: every position within 5% of the largest logit, or within
     1.25x transformers' own bf16 error where that is larger (Gemma 2's soft caps squeeze the logits to +-3, so the
@@ -101,7 +101,8 @@ def test_window_layers_cache_only_their_window(folders):
     assert cache.bytes_allocated == sum(a for a, _ in per_layer)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma2", "gemma3_text", "olmo2", "granite", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "mixtral",
+                                  "qwen3_moe"])
 def test_explain_splits_the_logit_difference_through_each_familys_norms_and_multipliers(folders, name):
     """Direct logit attribution through post-norms (frozen scales), q/k norms, Granite's multipliers and experts:
     the parts sum to the forward's own difference (before Gemma 2's final cap, which the explanation reports as

@@ -22,8 +22,8 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.reference
 PROMPT = [int(t) for t in torch.randint(3, 49000, (24,), generator=torch.Generator().manual_seed(11))]
 # The cases of every family with a gguf_arch (mixtral is written as llama), without longrope.
-GGUF_CASES = ["llama3", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "mixtral",
-              "qwen3_moe"]
+GGUF_CASES = ["llama3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "smollm3",
+              "mixtral", "qwen3_moe"]
 # What llama.cpp hard-codes rather than stores, so a file can only say it one way: the case set that way.
 LLAMA_CPP_FIXED = {
     "gemma2": dict(query_pre_attn_scalar=16),         # = head_dim (key_length), below the 27B model's 46 layers

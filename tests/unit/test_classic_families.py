@@ -1,4 +1,4 @@
-"""GPT-2 and GPT-NeoX (Pythia) in the engine: the app's full inspection records every stage their blocks offer (and
+"""GPT-2, GPT-NeoX (Pythia) and Phi in the engine: the app's full inspection records every stage their blocks offer (and
 no stage they lack), the native decode step refuses them by name, a position past GPT-2's n_positions is refused,
 and GPT-2 checkpoints in the older layout (no "transformer." prefix, causal-mask buffers saved) load the same.
 
@@ -18,7 +18,7 @@ from engine.native.step import refusal
 
 pytestmark = pytest.mark.unit
 transformers = pytest.importorskip("transformers")
-CLASSIC = ("gpt2", "gpt_neox", "gpt_neox-sequential")
+CLASSIC = ("gpt2", "gpt_neox", "gpt_neox-sequential", "phi")
 PROMPT = [1, 400, 2000, 31, 77, 1234, 9000, 15]
 STEPS = [5, 4000, 321]
 
@@ -47,9 +47,11 @@ def test_a_full_inspection_records_every_stage_the_block_offers(classic, name):
     for b in probe.recording.stats:     # the statistics of each stage are numbers (a masked score's -inf aside)
         v = torch.as_tensor(b.values)
         assert not bool(torch.isnan(v).any())
-    # the stages the family lacks are absent: no gate in a plain MLP, no resid_mid in a parallel block
+    # the stages the family lacks are absent: no gate in a plain MLP, no resid_mid in a parallel block, no mlp_norm
+    # in Phi's (one norm for both halves)
     assert "blocks.0.mlp.gate" not in names and "blocks.0.mlp.up" in names and "blocks.0.mlp.act" in names
-    assert ("blocks.0.resid_mid" in names) == (name != "gpt_neox")
+    assert ("blocks.0.resid_mid" in names) == (name not in ("gpt_neox", "phi"))
+    assert ("blocks.0.mlp_norm" in names) == (name != "phi")
 
 
 @pytest.mark.parametrize("name", CLASSIC)
@@ -109,11 +111,13 @@ def test_explain_refuses_layernorm_families_rather_than_call_a_wrong_split_exact
 
 def test_the_family_notes_say_what_the_classic_blocks_change(classic):
     from inspector.views.family import family_notes
-    gpt2, neox, seq = (load_model(classic[n], device="cpu", dtype="float32").config for n in CLASSIC)
+    gpt2, neox, seq, phi = (load_model(classic[n], device="cpu", dtype="float32").config for n in CLASSIC)
     assert [page for _, page in family_notes(gpt2)] == ["attention"] and "learned" in family_notes(gpt2)[0][0]
     assert [page for _, page in family_notes(neox)] == ["attention", "activations"]
     assert "first 4 of each head's 16" in family_notes(neox)[0][0] and "no resid_mid" in family_notes(neox)[1][0]
     assert family_notes(seq) == []          # rotary_pct 1.0, sequential: nothing a Llama page does not show
+    assert [page for _, page in family_notes(phi)] == ["attention", "activations"]
+    assert "first 8 of each head's 16" in family_notes(phi)[0][0]
 
 
 def test_pythia_in_the_older_layout_loads_the_same_model(classic, tmp_path):
@@ -139,3 +143,23 @@ def test_pythia_in_the_older_layout_loads_the_same_model(classic, tmp_path):
     old = load_model(tmp_path, device="cpu", dtype="float32")
     assert (old.config.rotary_dim, old.config.parallel_residual, old.config.attention_bias) == (4, True, True)
     assert torch.equal(old.logits(PROMPT), load_model(src, device="cpu", dtype="float32").logits(PROMPT))
+
+
+def test_phis_head_bias_is_loaded_cast_and_added_to_the_logits(classic):
+    """Phi's lm_head has a bias (V,): a cast copy casts it with the head, a precision plan's fp32 logits unit takes it
+    in fp32, and the logit lens (unembed) adds it as the forward does."""
+    from engine.variants import cast_model
+    model = load_model(classic["phi"], device="cpu", dtype="float32")
+    assert model.weights.head_bias.shape == (model.config.vocab_size,) and bool(model.weights.head_bias.any())
+    half = cast_model(model, "bfloat16")
+    assert half.weights.head_bias.dtype == torch.bfloat16
+    assert torch.equal(half.weights.head_bias, model.weights.head_bias.to(torch.bfloat16))
+    # a precision plan's fp32 logits unit takes the bias with the head (from the fp32 source, not the bf16 copy's)
+    from engine.variants import precision_plan
+    plan = precision_plan(half, ["logits"], source=model)
+    assert torch.equal(plan.weights.head_bias, model.weights.head_bias)
+    last = f"blocks.{model.config.num_layers - 1}.resid_post"
+    probe = inspection_probe().capture(last)
+    want = model.forward(torch.tensor(PROMPT), model.new_cache(16), probe)
+    resid = next(c.value for c in probe.recording.captures if c.name == last)
+    assert torch.allclose(model.unembed(resid), want, rtol=0, atol=1e-5 * float(want.abs().max()))

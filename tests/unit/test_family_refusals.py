@@ -36,6 +36,13 @@ CASES = [
     ({"model_type": "gpt2", "hidden_act": "gelu_new", "add_cross_attention": True},
      "unsupported add_cross_attention=True"),
     ({"model_type": "gpt_neox", "hidden_act": "relu"}, "unsupported hidden_act='relu'"),
+    # stablelm-2-12b's per-head LayerNorm of q and k, and its parallel block with one shared norm
+    ({"model_type": "stablelm", "qk_layernorm": True},
+     "unsupported qk_layernorm=True for model_type='stablelm' (stablelm is implemented with qk_layernorm=False)"),
+    ({"model_type": "stablelm", "use_parallel_residual": True},
+     "unsupported use_parallel_residual=True for model_type='stablelm'"),
+    ({"model_type": "phi", "hidden_act": "gelu_new", "qk_layernorm": True},
+     "unsupported qk_layernorm=True for model_type='phi'"),
 ]
 
 
