@@ -35,6 +35,7 @@ from engine.progress import tell_units
 TEXT_SCORES = ("previous-token", "first-token", "self", "duplicate-token", "entropy")
 SCORE_NAMES = TEXT_SCORES + ("induction",)
 MAX_TEXT_TOKENS = 256          # one text's forward: its (heads, T, T) pattern is scored and dropped per layer
+MAX_LENGTH, MAX_REPEATS = 512, 64   # the random sequences: 2 x length positions a forward
 CORPUS_TOKENS = 2048           # the default corpus, in tokens over all texts
 DOC_FILES = ("README.md", "docs/ENGINE_API.md", "docs/CLASSROOM.md")
 
@@ -176,8 +177,9 @@ def head_atlas(model, texts: list[str] | None = None, *, repeats: int = 4, lengt
     """Every head of model scored (SCORE_NAMES) on texts (None: default_corpus) and on `repeats` repeated random
     sequences of `length` tokens. One forward per text and per random sequence; on_progress hears each as a unit
     (engine.progress.tell_units) and a STOP between two raises Stopped (no half atlas)."""
-    if repeats < 1 or length < 2:
-        raise InputError(f"head atlas wants repeats >= 1 and length >= 2; got repeats={repeats}, length={length}")
+    if not (1 <= repeats <= MAX_REPEATS and 2 <= length <= MAX_LENGTH):
+        raise InputError(f"head atlas wants 1 <= repeats <= {MAX_REPEATS} and 2 <= length <= {MAX_LENGTH}; got "
+                         f"repeats={repeats}, length={length}")
     L, H = model.config.num_layers, model.config.num_heads
     texts = list(texts) if texts is not None else default_corpus(tokenizer=model.tokenizer)
     encoded = [model.tokenizer.encode(t)[:max_text_tokens] for t in texts]

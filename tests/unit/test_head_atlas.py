@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import load_model
+from engine import InputError, load_model
 from engine.progress import STOP, Stopped
 from engine.tools.head_atlas import default_corpus, head_atlas, induction_score, pattern_scores
 from tests.helpers import ROOT, engine_cli, tiny_config, write_model_dir
@@ -170,3 +170,15 @@ def test_the_cli_prints_the_atlas_as_json(planted):
     assert d["top"]["previous-token"][0] == [0, 0] and d["top"]["induction"][0] == [1, 0]
     head = next(h for h in d["heads_scored"] if (h["layer"], h["head"]) == (1, 0))
     assert head["induction"] > 0.9
+
+
+@pytest.mark.parametrize("kw, named", [({"repeats": 0}, "repeats=0"), ({"length": 1}, "length=1"),
+                                       ({"length": 513}, "length=513"), ({"repeats": 65}, "repeats=65")])
+def test_bad_sizes_are_refused_by_name(planted, kw, named):
+    with pytest.raises(InputError, match=named):
+        head_atlas(planted[1], TEXTS, **kw)
+
+
+def test_texts_too_short_to_score_are_refused(planted):
+    with pytest.raises(InputError, match="two or more tokens"):
+        head_atlas(planted[1], ["a"], repeats=1, length=8)
