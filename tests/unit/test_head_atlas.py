@@ -1,7 +1,8 @@
 """The head atlas (engine.tools.head_atlas) on a hand-built two-layer Llama whose heads are planted: layer 0 head 0
 is a previous-token head (its query and key are constants, so RoPE alone makes its score peak at offset 1), layer 1
 head 0 an induction head (layer 0 head 0 copies the previous token's content into the stream; layer 1 head 0 matches
-the query's token against that copy on the slowest rotary pairs). MLPs and every other head are zero. The planted
+the query's token against that copy on the slowest rotary pairs) and layer 1 head 2 a duplicate-token head (the
+query's token against each key's own, so it splits its attention evenly over the copies of its token). MLPs and every other head are zero. The planted
 heads rank first; the previous-token score equals the softmax of the analytic RoPE scores computed here by hand;
 the scoring functions give hand-computed answers on hand-made patterns; two atlases are identical; STOP stops it;
 the CLI prints the same in JSON."""
@@ -22,6 +23,7 @@ from tests.helpers import ROOT, engine_cli, tiny_config, write_model_dir
 pytestmark = pytest.mark.unit
 AMP = (12.0, 12.0, 6.0, 3.0)        # layer 0 head 0: score(i, j) = sum_f AMP[f] cos(theta_f (i - j - 1))
 MATCH = 60.0                        # layer 1 head 0: score = MATCH x cos(this token's content, previous token's)
+DUP = 8.0                           # layer 1 head 2: score = DUP x cos(content, content) x 64/3 (layer 1's RMS)
 CONTENT = 8                         # content in dims 1..8, the previous token's copy in 9..16
 SLOTS = [4, 5, 6, 7, 12, 13, 14, 15]      # head dims of rotary pairs 4..7: with rope_theta 1e6, < 0.13 rad in 128
 TEXTS = ["The cat sat on the mat. The cat sat on the mat again, and the dog sat on the cat.",
@@ -56,8 +58,10 @@ def planted_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         v[j, 1 + j], o[1 + CONTENT + j, j] = 1.0, 1.0
     q1, k1 = t["model.layers.1.self_attn.q_proj.weight"], t["model.layers.1.self_attn.k_proj.weight"]
     s = math.sqrt(MATCH * math.sqrt(hd))
+    d_s = math.sqrt(DUP * math.sqrt(hd))
     for j, slot in enumerate(SLOTS):
         q1[slot, 1 + j], k1[slot, 1 + CONTENT + j] = s, s
+        q1[2 * hd + slot, 1 + j], k1[hd + slot, 1 + j] = d_s, d_s      # head 2 (KV head 1): token vs token
     return t
 
 
@@ -87,11 +91,18 @@ def test_the_planted_heads_rank_first(planted, atlas):
     model = planted[1]
     assert (atlas.layers, atlas.heads) == (2, 4)
     prev, ind = atlas.ranked("previous-token"), atlas.ranked("induction")
+    encoded = [model.tokenizer.encode(t) for t in TEXTS]
     assert (prev[0]["layer"], prev[0]["head"]) == (0, 0) and prev[0]["previous-token"] > 0.9
     assert prev[1]["previous-token"] < 0.2                    # the others attend uniformly or by content
     assert (ind[0]["layer"], ind[0]["head"]) == (1, 0) and ind[0]["induction"] > 0.9
     assert ind[1]["induction"] < 0.2
-    encoded = [model.tokenizer.encode(t) for t in TEXTS]       # pooled by position over the two texts
+    dup = atlas.ranked("duplicate-token")
+    assert (dup[0]["layer"], dup[0]["head"]) == (1, 2) and dup[0]["duplicate-token"] > 0.45
+    assert dup[1]["duplicate-token"] < 0.2
+    shares = [c / (c + 1) for ids in encoded for i, t in enumerate(ids) if (c := ids[:i].count(t))]
+    # an even split over the earlier copies and itself; within 0.01, as the layer-1 RMS differs a little from key to
+    # key (layer 0's copy is 98 % one-hot, not 100 %), which moves the split at this sharpness
+    assert dup[0]["duplicate-token"] == pytest.approx(sum(shares) / len(shares), abs=0.01)
     want = sum(hand_previous_token(model, ids) * (len(ids) - 1) for ids in encoded) / sum(len(i) - 1 for i in encoded)
     assert atlas.scores["previous-token"][0, 0] == pytest.approx(want, abs=2e-4)
     assert atlas.scores["entropy"][0, 0] < atlas.scores["entropy"][0, 1]     # sharp against uniform
