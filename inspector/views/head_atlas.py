@@ -21,9 +21,9 @@ def atlas_table(atlas) -> pd.DataFrame:
 
 def atlas_figure(df: pd.DataFrame, x: str, y: str) -> go.Figure:
     """One point per head at (score x, score y), coloured by layer; hover names the head and both scores."""
-    text = [f"L{int(l)}H{int(h)}" for l, h in zip(df["layer"], df["head"])]
+    text = [f"L{int(layer)}H{int(head)}" for layer, head in zip(df["layer"], df["head"])]
     fig = go.Figure(go.Scatter(
-        x=df[x], y=df[y], mode="markers", text=text, customdata=df["layer"],
+        x=df[x], y=df[y], mode="markers", text=text,
         marker=dict(color=df["layer"], colorscale="Viridis", size=9, colorbar=dict(title="layer"),
                     line=dict(width=0.5, color="white")),
         hovertemplate=f"%{{text}}<br>{x} %{{x:.3f}}<br>{y} %{{y:.3f}}<extra></extra>"))
