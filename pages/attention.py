@@ -1,6 +1,7 @@
 """Attention: one layer's pattern (a head or the head average) over every position of the run, where one
 token looks and why (its score split into query-side x key-side parts: inspector.ui.qk_panel), and an all-layers ×
-heads entropy overview. Maps are computed on demand (one forward that
+heads entropy overview, and a head atlas (every head scored previous-token, sink, self, duplicate, induction:
+inspector.ui.atlas_panel). Maps are computed on demand (one forward that
 stops after the chosen layer) and memoised per run and layer in this session; generation never re-runs."""
 import time
 
@@ -9,6 +10,7 @@ import streamlit as st
 from inspector.session.memo import content_key, memo, view_store
 from inspector.ui.common import on_demand, plain, require_run_and_model, was_stopped
 from inspector.ui.frame import ensure_frame
+from inspector.ui.atlas_panel import atlas_section
 from inspector.ui.qk_panel import qk_section
 from inspector.ui.state import session
 from inspector.ui.widgets import chart, checked, shared, table
@@ -135,3 +137,5 @@ if ok:
               key="att_entropy")
 else:
     st.info(f"{T} positions: one full forward (several seconds on a CPU). Press the button to compute it.")
+
+atlas_section(model)
