@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.accelerator import quantized_product
 from engine.errors import ModelLoadError, UnsupportedModelError
 
 # Values and bytes of one block per format (gguf.GGML_QUANT_SIZES), the formats quant.c decodes.
@@ -124,9 +125,6 @@ class QuantMatrix:
                              f"(its last dimension must be {K})")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, K).to(torch.float32)                                       # (B, K)
-        # imported here: engine.accelerator's decode step (engine.native.step) reads QuantMatrix in turn
-        from engine.accelerator import quantized_product
-
         product = quantized_product() if native and x.device.type == "cpu" else None
         if product is not None:
             y = product(self.format, self.blocks, N, K, x2)                             # (B, N)

@@ -35,7 +35,6 @@ from engine.family.slots import MATRICES as SLOT_MATRICES
 from engine.inspection.stages import PLAIN_STAGES, forward_stages
 from engine.native import build
 from engine.native.quant import TYPES as QUANT_TYPES
-from engine.quant_matrix import QuantMatrix
 
 _P = ctypes.c_void_p
 _FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_len", "pos", "nth", "wtype",
@@ -61,7 +60,7 @@ VARIATIONS = {"activation": "silu", "embed_scale": 1.0, "residual_scale": 1.0, "
 def refusal(model) -> str | None:
     """Why this model cannot take the native step (None: it can): the first thing off the allow-list."""
     cfg, w = model.config, model.weights
-    kept = [t for t in w.all() if isinstance(t, QuantMatrix)]
+    kept = [t for t in w.all() if _kept(t)]
     other = sorted({t.format for t in kept} - set(QUANT_TYPES))
     if other:
         return f"weights kept quantized in {', '.join(other)} (decode.c decodes {', '.join(QUANT_TYPES)})"
@@ -83,8 +82,8 @@ def refusal(model) -> str | None:
             or model.fp32_units or model.resid_fp32_from is not None:
         return "not float32, bfloat16 or float16 on the CPU, or a precision plan"
     # a matrix kept in its blocks is whole blocks by construction (QuantMatrix): the rules below are the float kernel's
-    mats = [t for t in [getattr(lw, f) for lw in w.layers for f in LAYER_SLOTS] if not isinstance(t, QuantMatrix)]
-    head = [] if isinstance(w.lm_head, QuantMatrix) else [w.lm_head]
+    mats = [t for t in [getattr(lw, f) for lw in w.layers for f in LAYER_SLOTS] if not _kept(t)]
+    head = [] if _kept(w.lm_head) else [w.lm_head]
     if any(t.dtype != model.dtype or not t.is_contiguous() for t in [*mats, w.norm, *head]) \
             or any(n % 8 for t in [*mats, *head] if t.dim() == 2 for n in t.shape) \
             or cfg.head_dim % 2 or cfg.num_heads % cfg.num_kv_heads:
@@ -259,11 +258,18 @@ class NativeDecoder:
         return logits
 
 
+def _kept(t) -> bool:
+    """Whether a weight is a matrix kept in GGUF blocks (engine.quant_matrix.QuantMatrix: its `format` and its
+    `blocks`). Recognised by those attributes, not imported: engine.quant_matrix multiplies through
+    engine.accelerator, which imports this module (tests/unit/test_layout.py forbids the circle)."""
+    return isinstance(getattr(t, "format", None), str) and isinstance(getattr(t, "blocks", None), torch.Tensor)
+
+
 def _data(t) -> int:
     """The address decode.c reads a weight at: a float tensor's data, a QuantMatrix's block bytes."""
-    return (t.blocks if isinstance(t, QuantMatrix) else t).data_ptr()
+    return (t.blocks if _kept(t) else t).data_ptr()
 
 
 def _qtype(t) -> int:
     """decode.c's type code of a matrix: its GGML type number kept in GGUF blocks, 0 as a float tensor."""
-    return QUANT_TYPES[t.format] if isinstance(t, QuantMatrix) else 0
+    return QUANT_TYPES[t.format] if _kept(t) else 0
