@@ -15,12 +15,14 @@ import torch
 
 pytest.importorskip("gguf")
 
-from engine import load_model                                        # noqa: E402
+from engine import GenerationRun, load_model                         # noqa: E402
 from engine.accelerator import PLAIN                                 # noqa: E402
 from engine.inspection.probe import inspection_probe                 # noqa: E402
 from engine.native import build                                      # noqa: E402
 from engine.quant_matrix import QuantMatrix                          # noqa: E402
 from engine.sampling import SamplingParams                           # noqa: E402
+from engine.native.step import NativeDecoder                          # noqa: E402
+from tests.helpers import step_together_to_the_end                   # noqa: E402
 from tests.unit.test_gguf_as_stored import write_gguf                # noqa: E402
 
 pytestmark = pytest.mark.unit
@@ -94,3 +96,24 @@ def test_the_batched_native_rows_refuse_a_quantized_model_and_the_batch_runs_on_
     assert "weights kept quantized" in step.rows_refusal
     with pytest.raises(ValueError, match="batched native step cannot run this model: weights kept quantized"):
         step.rows([5, 6], [model.new_cache(8), model.new_cache(8)], [0, 0], 1e-5, False)
+
+
+def test_runs_of_a_quantized_model_stepped_together_never_call_the_rows_kernel(cache, monkeypatch):
+    """engine.batch's shared step (Model.forward_rows) leaves a quantized model's rows to the PyTorch forward: the
+    tokens are each run's alone on the PyTorch path, and decode_rows.c (which reads float matrices) is never called."""
+    model = stored_model(write_gguf(cache / "q.gguf"))
+    calls = []
+    real = NativeDecoder.rows
+    monkeypatch.setattr(NativeDecoder, "rows", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    specs = [(PROMPT, 0, 6), (PROMPT[:2], 3, 5), (STEPS, 7, 4)]
+    greedy = SamplingParams(temperature=0.0)
+
+    def runs(m):
+        return [GenerationRun(m, torch.tensor(p), params=greedy, seed=s, max_new_tokens=n, ignore_eos=True)
+                for p, s, n in specs]
+    together, alone = runs(model), runs(model.with_accelerator(PLAIN))
+    step_together_to_the_end(together)
+    for r in alone:
+        r.run()
+    assert calls == []
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
