@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "decode_rows.c", "inspect.c", "quant.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("vexp.h", "rowstat.h", "llama_ops.h"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("vexp.h", "rowstat.h", "llama_ops.h", "quant_ops.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 

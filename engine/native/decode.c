@@ -1,4 +1,5 @@
-/* One decode step of a Llama-family model (CPU, batch 1; weights in float32, bfloat16 or float16) in one call: every
+/* One decode step of a Llama-family model (CPU, batch 1; weights in float32, bfloat16 or float16, or float32 with any
+ * matrix kept in its GGUF blocks) in one call: every
  * layer, the final norm and the lm_head. In bfloat16 or float16 it reads half the bytes of float32 and rounds each
  * stage to the model's dtype where the PyTorch forward in that dtype holds one (llama_ops.h), summing in float32.
  * Python (engine/native/step.py) compiles this file, checks each run's eligibility and falls back to the PyTorch
@@ -19,6 +20,7 @@
 #include <stddef.h>
 
 #include "llama_ops.h"
+#include "quant_ops.h"
 #include "rowstat.h"
 #include "vexp.h"
 
@@ -38,6 +40,9 @@ typedef struct {
     float *stats;                  /* NULL, or (1 + 17 L + 2) x 7 out */
     double *marks;                 /* NULL, or L + 2 out: seconds since the call began when the embedding, each
                                       layer and the logits were done (the PyTorch forward's timing marks) */
+    const int *qwqkv, *qwo, *qwgu, *qwdown;   /* L GGML types each: 0, the slot's matrix is (in, out) of wtype; else
+                                                 it is kept in GGUF blocks, (out, in) rows (engine/quant_matrix.py) */
+    int qlm;                       /* the lm_head's: 0 or a GGML type ((V, d) rows: a tied model's token embedding) */
 } Step;
 
 long llmi_work_floats(int d, int H, int K, int hd, int F, int V, int max_len, int nth) {
@@ -95,9 +100,19 @@ static void row_product(const float *x, const void *W, int k0, int k1, int N, fl
 }
 
 /* out = x @ W, called by every thread of the team: each reads its share of W's rows (blocks of eight) once; each
- * output, the sum of the threads' partial sums, is rounded once to the type t (the PyTorch matmul's output dtype). */
-static void product(const float *x, const void *W, int K, int N, float *out, float *part, long stride, int t) {
+ * output, the sum of the threads' partial sums, is rounded once to the type t (the PyTorch matmul's output dtype).
+ * q != 0: W is N rows of K values in GGUF blocks of type q (float32 models only: step.py's refusal): each thread
+ * takes a contiguous share of the N rows, each output one row's dot product with x, summed as quant.c's product of
+ * one row of x sums it (the PyTorch forward's QuantMatrix.matmul at one token), so no partial sums are added. */
+static void product(const float *x, const void *W, int K, int N, float *out, float *part, long stride, int t, int q) {
     int u0 = omp_get_thread_num(), T = omp_get_num_threads(), G = K / 8;
+    if (q) {
+        const long nb = K / q_block_values(q);
+        const int n0 = (int)((long)N * u0 / T), n1 = (int)((long)N * (u0 + 1) / T);
+        for (int n = n0; n < n1; n++) out[n] = q_dot(q, W, n, nb, x);
+#pragma omp barrier
+        return;
+    }
     int g0 = (int)((long)G * u0 / T), g1 = (int)((long)G * (u0 + 1) / T);
     row_product(x, W, 8 * g0, 8 * g1, N, part + (size_t)u0 * stride, t);
 #pragma omp barrier
@@ -140,7 +155,7 @@ int llmi_decode_step(const Step *p) {
                 rms_norm(x, p->attn_norm[l], d, p->eps, h, wt);
                 if (st) bad |= stats7(h, d, st), st += NSTAT;
             }
-            product(h, p->wqkv[l], d, (int)qkv_n, qkv, part, stride, wt);
+            product(h, p->wqkv[l], d, (int)qkv_n, qkv, part, stride, wt, p->qwqkv[l]);
 #pragma omp single
             {
                 float *q = qkv, *k = qkv + (long)H * hd, *v = k + (long)K * hd;
@@ -180,7 +195,7 @@ int llmi_decode_step(const Step *p) {
                     st += 2 * NSTAT;
                 }
             }
-            product(z, p->wo[l], H * hd, d, attn_out, part, stride, wt);
+            product(z, p->wo[l], H * hd, d, attn_out, part, stride, wt, p->qwo[l]);
 #pragma omp single
             {
                 add_to(x, attn_out, d, wt);
@@ -192,7 +207,7 @@ int llmi_decode_step(const Step *p) {
                     st += 3 * NSTAT;
                 }
             }
-            product(h, p->wgu[l], d, 2 * F, gu, part, stride, wt);
+            product(h, p->wgu[l], d, 2 * F, gu, part, stride, wt, p->qwgu[l]);
             {    /* silu(g) * up, the team's threads a share each */
                 const int u = omp_get_thread_num(), T = omp_get_num_threads();
                 silu_mul(gu, gu + F, act, (long)F * u / T, (long)F * (u + 1) / T, wt);
@@ -207,7 +222,7 @@ int llmi_decode_step(const Step *p) {
                     st += 3 * NSTAT;
                 }
             }
-            product(act, p->wdown[l], F, d, mlp_out, part, stride, wt);
+            product(act, p->wdown[l], F, d, mlp_out, part, stride, wt, p->qwdown[l]);
 #pragma omp single
             {
                 add_to(x, mlp_out, d, wt);
@@ -224,7 +239,7 @@ int llmi_decode_step(const Step *p) {
             rms_norm(x, p->final_norm, d, p->eps, xf, wt);
             if (st) bad |= stats7(xf, d, st), st += NSTAT;
         }
-        product(xf, p->lm_head, d, V, p->logits, part, stride, wt);
+        product(xf, p->lm_head, d, V, p->logits, part, stride, wt, p->qlm);
 #pragma omp single
         {
             if (st) bad |= stats7(p->logits, V, st), st += NSTAT;

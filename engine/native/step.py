@@ -6,7 +6,11 @@ A model takes it only when everything it computes is on the allow-list of what d
 family in NATIVE_FAMILIES whose config has every variation at Llama's value (no q/k norms, post-norms, multipliers,
 soft caps, windows, rotary fraction, layers without RoPE, experts), no biases, no precision plan, every weight a
 contiguous matrix in the model's dtype, on the CPU in float32, bfloat16 or float16 (the kernels round each stage to
-that dtype where the PyTorch forward holds a tensor of it and sum in float32: llama_ops.h). A call then takes it when it is one token and its probe is none
+that dtype where the PyTorch forward holds a tensor of it and sum in float32: llama_ops.h), or, in a float32 model,
+a GGUF matrix kept in its blocks (engine.quant_matrix.QuantMatrix, any format engine.native.quant.TYPES names):
+decode.c multiplies the file's bytes by quant_ops.h's row dot product, the one the PyTorch forward's product of one
+token sums with. The batched step (decode_rows.c) reads float matrices only: for a model with quantised weights
+`rows_refusal` says so and serve_rows leaves the batch to the PyTorch forward. A call then takes it when it is one token and its probe is none
 or asks only for what one pass of decode.c gives (Probe.served_by): statistics of any stages, per-layer timing marks,
 and a capture of the logits (the app's inspected run asks for exactly these) -- no capture of any other stage, no
 replacement, weight override or run-only epsilon. Anything else, or a library that could not be built, runs the
@@ -30,13 +34,15 @@ import torch
 from engine.family.slots import MATRICES as SLOT_MATRICES
 from engine.inspection.stages import PLAIN_STAGES, forward_stages
 from engine.native import build
+from engine.native.quant import TYPES as QUANT_TYPES
 
 _P = ctypes.c_void_p
 _FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_len", "pos", "nth", "wtype",
                                         "ctype")] + [
     ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("x_in", _P)] + [
     (n, _P) for n in ("attn_norm", "wqkv", "wo", "mlp_norm", "wgu", "wdown", "kc", "vc", "cos", "sin",
-                      "final_norm", "lm_head", "logits", "work", "stats", "marks")]
+                      "final_norm", "lm_head", "logits", "work", "stats", "marks")] + [
+    (n, _P) for n in ("qwqkv", "qwo", "qwgu", "qwdown")] + [("qlm", ctypes.c_int)]
 
 
 # What decode.c computes, named: a family whose block is Llama's, the slots it reads, and each config variation at the
@@ -54,8 +60,13 @@ VARIATIONS = {"activation": "silu", "embed_scale": 1.0, "residual_scale": 1.0, "
 def refusal(model) -> str | None:
     """Why this model cannot take the native step (None: it can): the first thing off the allow-list."""
     cfg, w = model.config, model.weights
-    if w.quantized():       # the step reads float matrices; QuantMatrix products run in the PyTorch forward
-        return f"weights kept quantized ({len(w.quantized())} GGUF matrices in their blocks, e.g. {w.quantized()[0]})"
+    kept = [t for t in w.all() if _kept(t)]
+    other = sorted({t.format for t in kept} - set(QUANT_TYPES))
+    if other:
+        return f"weights kept quantized in {', '.join(other)} (decode.c decodes {', '.join(QUANT_TYPES)})"
+    if kept and model.dtype != torch.float32:
+        # QuantMatrix.matmul sums in float32 and returns x's dtype: decode.c's quantised products are float32's
+        return f"weights kept quantized in a {model.dtype} model (decode.c multiplies GGUF blocks in float32 only)"
     if cfg.model_type not in NATIVE_FAMILIES:
         return f"family {cfg.model_type} is not in the native step's list ({', '.join(NATIVE_FAMILIES)})"
     for key, value in VARIATIONS.items():
@@ -70,9 +81,11 @@ def refusal(model) -> str | None:
     if model.device.type != "cpu" or model.dtype not in TYPES or model.cache_dtype not in TYPES \
             or model.fp32_units or model.resid_fp32_from is not None:
         return "not float32, bfloat16 or float16 on the CPU, or a precision plan"
-    mats = [getattr(lw, f) for lw in w.layers for f in LAYER_SLOTS]
-    if any(t.dtype != model.dtype or not t.is_contiguous() for t in [*mats, w.norm, w.lm_head]) \
-            or any(n % 8 for t in [*mats, w.lm_head] if t.dim() == 2 for n in t.shape) \
+    # a matrix kept in its blocks is whole blocks by construction (QuantMatrix): the rules below are the float kernel's
+    mats = [t for t in [getattr(lw, f) for lw in w.layers for f in LAYER_SLOTS] if not _kept(t)]
+    head = [] if _kept(w.lm_head) else [w.lm_head]
+    if any(t.dtype != model.dtype or not t.is_contiguous() for t in [*mats, w.norm, *head]) \
+            or any(n % 8 for t in [*mats, *head] if t.dim() == 2 for n in t.shape) \
             or cfg.head_dim % 2 or cfg.num_heads % cfg.num_kv_heads:
         return f"weights that are not contiguous {model.dtype} matrices in multiples of 8"
     return None
@@ -99,6 +112,9 @@ class NativeDecoder:
         self.layers = [None] + [i for i in range(model.config.num_layers) for _ in PLAIN_STAGES] + [None, None]
         self.mark_labels = ["embed", *(f"blocks.{i}" for i in range(model.config.num_layers)), "logits"]
         self._layer_ptrs, self._lock = None, threading.Lock()    # made once, however many runs start at once
+        kept = model.weights.quantized()
+        # decode_rows.c reads float (in, out) matrices only; a lone token's step (decode.c) reads GGUF blocks too
+        self.rows_refusal = f"weights kept quantized ({len(kept)} GGUF matrices, e.g. {kept[0]})" if kept else ""
 
     @property
     def layer_ptrs(self) -> dict:
@@ -107,13 +123,21 @@ class NativeDecoder:
         with self._lock:
             if self._layer_ptrs is None:
                 self._keep = []      # ctypes arrays the StepArgs point into
-                self._layer_ptrs = {f: self._ptrs([getattr(lw, f) for lw in self.model.weights.layers])
-                                    for f in LAYER_SLOTS}
+                layers = self.model.weights.layers
+                self._layer_ptrs = {f: self._ptrs([getattr(lw, f) for lw in layers]) for f in LAYER_SLOTS}
+                self._layer_ptrs |= {f"q_{f}": self._types([getattr(lw, f) for lw in layers]) for f in MATRICES}
         return self._layer_ptrs
 
     def _ptrs(self, tensors) -> ctypes.c_void_p:
-        """A C array of the tensors' data pointers (kept alive with this decoder)."""
-        arr = (_P * len(tensors))(*[t.data_ptr() for t in tensors])
+        """A C array of the tensors' data pointers (a matrix kept quantised: its blocks'; kept alive with this
+        decoder)."""
+        arr = (_P * len(tensors))(*[_data(t) for t in tensors])
+        self._keep.append(arr)
+        return ctypes.cast(arr, _P)
+
+    def _types(self, matrices) -> ctypes.c_void_p:
+        """A C array of each matrix's GGML type for decode.c: 0 for a float (in, out) matrix."""
+        arr = (ctypes.c_int * len(matrices))(*[_qtype(t) for t in matrices])
         self._keep.append(arr)
         return ctypes.cast(arr, _P)
 
@@ -126,7 +150,7 @@ class NativeDecoder:
         same = [(getattr(a, f), getattr(b, f)) for i, (a, b) in enumerate(zip(mine.layers, theirs.layers))
                 for f in (f.name for f in dataclasses.fields(a)) if not (f == field and i in layers)]
         same += [(mine.embed, theirs.embed), (mine.norm, theirs.norm), (mine.lm_head, theirs.lm_head)]
-        if (field not in MATRICES or variant.config != self.model.config or variant.dtype != self.model.dtype
+        if (mine.quantized() or field not in MATRICES or variant.config != self.model.config or variant.dtype != self.model.dtype
                 or variant.device != self.model.device or variant.fp32_units or variant.resid_fp32_from is not None
                 or len(theirs.layers) != len(mine.layers) or any(a is not b for a, b in same)
                 or any(getattr(theirs.layers[i], field) is not w or w.shape != getattr(lw, field).shape
@@ -155,7 +179,7 @@ class NativeDecoder:
         m, c = self.model, self.model.config
         w = m.weights
         # (d,) in float32 (a row of a tied model's embedding is a strided column); the rotary rows likewise: exact
-        x = w.embed[token].to(torch.float32).contiguous()
+        x = w.embed_rows(torch.tensor([token]))[0].to(torch.float32).contiguous()
         cos, sin = m.cos[pos].to(torch.float32).contiguous(), m.sin[pos].to(torch.float32).contiguous()
         logits = torch.empty(1, c.vocab_size)
         st = torch.empty(len(self.names), 1, 7) if stats else None
@@ -168,8 +192,9 @@ class NativeDecoder:
                  self.layer_ptrs["attn_norm"], self.layer_ptrs["wqkv"], self.layer_ptrs["wo"],
                  self.layer_ptrs["mlp_norm"], self.layer_ptrs["w_gate_up"], self.layer_ptrs["w_down"],
                  cache.k.data_ptr(), cache.v.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                 w.norm.data_ptr(), w.lm_head.data_ptr(), logits.data_ptr(), work.data_ptr(),
-                 st.data_ptr() if stats else None, marks.data_ptr() if timing else None)
+                 w.norm.data_ptr(), _data(w.lm_head), logits.data_ptr(), work.data_ptr(),
+                 st.data_ptr() if stats else None, marks.data_ptr() if timing else None,
+                 *(self.layer_ptrs[f"q_{f}"] for f in ("wqkv", "wo", "w_gate_up", "w_down")), _qtype(w.lm_head))
         status = self.lib.llmi_decode_step(ctypes.byref(s))
         return self._typed(logits), st, status, (list(zip(self.mark_labels, marks.tolist())) if timing else None)
 
@@ -184,6 +209,8 @@ class NativeDecoder:
         block layout: this model has no windows) -> (logits (B, V), statistics (B, G, 7) or None (row b's in the
         order of `names`, as __call__ gives one row's), how many rows met a NaN/Inf, marks as __call__'s). Each
         row's cache is written at its position; its attention reads only its own cache."""
+        if self.rows_refusal:
+            raise ValueError(f"the batched native step cannot run this model: {self.rows_refusal}")
         m, c = self.model, self.model.config
         B = len(tokens)
         x = m.weights.embed[torch.tensor(tokens)].to(torch.float32).contiguous()       # (B, d)
@@ -218,7 +245,10 @@ class NativeDecoder:
         """rows() for a batch's fan-out probe (engine.batch.rows.FanProbe, which it serves: served_by), each run's
         probe offered its own row as a lone step's -> logits (B, V); None when a row met a NaN or Inf (nothing
         offered: the caller redoes the step on the PyTorch path, which rewrites the same cache positions and whose
-        accounting of non-finite values is the reference)."""
+        accounting of non-finite values is the reference), and None when `rows_refusal` says why decode_rows.c cannot
+        run this model (the caller's PyTorch path then runs the batch)."""
+        if self.rows_refusal:
+            return None
         watched, start = probe.watching, time.perf_counter()
         logits, values, failed, marks = self.rows(tokens, caches, positions, eps, watched, watched and probe.timing)
         if failed:
@@ -226,3 +256,20 @@ class NativeDecoder:
         if watched:
             probe.offer_step(self.names, self.layers, values, logits, marks, start)
         return logits
+
+
+def _kept(t) -> bool:
+    """Whether a weight is a matrix kept in GGUF blocks (engine.quant_matrix.QuantMatrix: its `format` and its
+    `blocks`). Recognised by those attributes, not imported: engine.quant_matrix multiplies through
+    engine.accelerator, which imports this module (tests/unit/test_layout.py forbids the circle)."""
+    return isinstance(getattr(t, "format", None), str) and isinstance(getattr(t, "blocks", None), torch.Tensor)
+
+
+def _data(t) -> int:
+    """The address decode.c reads a weight at: a float tensor's data, a QuantMatrix's block bytes."""
+    return (t.blocks if _kept(t) else t).data_ptr()
+
+
+def _qtype(t) -> int:
+    """decode.c's type code of a matrix: its GGML type number kept in GGUF blocks, 0 as a float tensor."""
+    return QUANT_TYPES[t.format] if _kept(t) else 0

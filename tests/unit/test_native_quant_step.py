@@ -1,0 +1,119 @@
+"""The native decode step (decode.c) on a GGUF model kept in its blocks (load_model(quant="stored")): each matrix's
+product is quant_ops.h's row dot product over the file's bytes, held to the PyTorch forward of the same model
+(Model.with_accelerator(PLAIN)), whose QuantMatrix.matmul decodes the same blocks.
+
+Tolerance: both paths multiply the very same weights (the decoders are one copy, quant_ops.h) and at one token sum
+each product in the same order (quant.c's one-row product is the dot decode.c calls), so the products agree exactly;
+what differs is the rest of the step (RMSNorm, attention, SiLU: decode.c's loops against PyTorch's kernels), whose
+fp32 sums of a few hundred terms differ by a few ulp, as on the float model (test_native_decode.py holds those to
+1e-5). STEP_TOL = 1e-5 of the logits' scale (max |logit|) is that bound (measured here: below 1e-6, 4-6e-6 absolute on
+logits of scale 8-9); the greedy tokens must be equal."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from engine import GenerationRun, load_model                         # noqa: E402
+from engine.accelerator import PLAIN                                 # noqa: E402
+from engine.inspection.probe import inspection_probe                 # noqa: E402
+from engine.native import build                                      # noqa: E402
+from engine.quant_matrix import QuantMatrix                          # noqa: E402
+from engine.sampling import SamplingParams                           # noqa: E402
+from engine.native.step import NativeDecoder                          # noqa: E402
+from tests.helpers import step_together_to_the_end                   # noqa: E402
+from tests.unit.test_gguf_as_stored import write_gguf                # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+STEP_TOL = 1e-5
+PROMPT = [1, 260, 72, 101]
+STEPS = [262, 33, 5, 104, 200, 7]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_INSPECTOR_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def stored_model(path):
+    if build.load()[0] is None:
+        pytest.skip(f"native library unavailable here: {build.load()[1]}")
+    return load_model(path, device="cpu", dtype="float32", quant="stored")
+
+
+def run(model, steps=STEPS):
+    """Prompt (PyTorch prefill), then one token a call -> logits (1 + steps, V)."""
+    kv = model.new_cache(32)
+    out = [model.forward(torch.tensor(PROMPT), kv, last_only=True)]
+    out += [model.forward(torch.tensor([t]), kv) for t in steps]
+    return torch.cat(out)
+
+
+# Q8_0 q/k/v and embedding, Q4_1 lm_head, Q5_1 wo, Q4_0 gate/up, Q5_0 down (test_gguf_as_stored.FORMATS); tied: the
+# Q8_0 embedding is the head; k_quant: down in Q4_K (valid random blocks)
+@pytest.mark.parametrize("tied,k_quant", [(False, False), (True, False), (False, True)])
+def test_the_native_step_decodes_the_files_blocks_as_the_pytorch_forward_does(cache, tied, k_quant):
+    model = stored_model(write_gguf(cache / "q.gguf", tied=tied, k_quant=k_quant))
+    w = model.weights
+    assert all(isinstance(getattr(lw, f), QuantMatrix) for lw in w.layers for f in ("wqkv", "wo", "w_gate_up",
+                                                                                      "w_down"))
+    assert isinstance(w.lm_head, QuantMatrix) and w.tied() == tied
+    step = model.accelerator.decode
+    assert step is not None, model.accelerator.why_not
+    calls = []
+    real = type(step).__call__
+    type(step).__call__ = lambda self, *a, **k: calls.append(a[2]) or real(self, *a, **k)
+    try:
+        a = run(model)
+    finally:
+        type(step).__call__ = real
+    b = run(model.with_accelerator(PLAIN))
+    assert calls == list(range(len(PROMPT), len(PROMPT) + len(STEPS)))       # every decode step went native
+    diff = (a - b).abs().max().item()
+    assert diff <= STEP_TOL * b.abs().max().item(), (diff, b.abs().max().item())
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_greedy_tokens_and_inspection_statistics_match_the_pytorch_forward(cache):
+    model = stored_model(write_gguf(cache / "q.gguf"))
+    assert model.accelerator.decode is not None, model.accelerator.why_not
+    plain = model.with_accelerator(PLAIN)
+    greedy = SamplingParams(temperature=0.0)
+    p, q = inspection_probe(), inspection_probe()
+    run_n = model.generate(torch.tensor(PROMPT), max_new_tokens=12, ignore_eos=True, probe=p, params=greedy)
+    run_p = plain.generate(torch.tensor(PROMPT), max_new_tokens=12, ignore_eos=True, probe=q, params=greedy)
+    assert run_n.token_ids == run_p.token_ids
+    got, want = p.recording.stat_records(), q.recording.stat_records()
+    assert [(r.name, r.layer) for r in got] == [(r.name, r.layer) for r in want] and got
+
+
+def test_the_batched_native_rows_refuse_a_quantized_model_and_the_batch_runs_on_pytorch(cache):
+    model = stored_model(write_gguf(cache / "q.gguf"))
+    step = model.accelerator.decode
+    assert "weights kept quantized" in step.rows_refusal
+    with pytest.raises(ValueError, match="batched native step cannot run this model: weights kept quantized"):
+        step.rows([5, 6], [model.new_cache(8), model.new_cache(8)], [0, 0], 1e-5, False)
+
+
+def test_runs_of_a_quantized_model_stepped_together_never_call_the_rows_kernel(cache, monkeypatch):
+    """engine.batch's shared step (Model.forward_rows) leaves a quantized model's rows to the PyTorch forward: the
+    tokens are each run's alone on the PyTorch path, and decode_rows.c (which reads float matrices) is never called."""
+    model = stored_model(write_gguf(cache / "q.gguf"))
+    calls = []
+    real = NativeDecoder.rows
+    monkeypatch.setattr(NativeDecoder, "rows", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    specs = [(PROMPT, 0, 6), (PROMPT[:2], 3, 5), (STEPS, 7, 4)]
+    greedy = SamplingParams(temperature=0.0)
+
+    def runs(m):
+        return [GenerationRun(m, torch.tensor(p), params=greedy, seed=s, max_new_tokens=n, ignore_eos=True)
+                for p, s, n in specs]
+    together, alone = runs(model), runs(model.with_accelerator(PLAIN))
+    step_together_to_the_end(together)
+    for r in alone:
+        r.run()
+    assert calls == []
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
