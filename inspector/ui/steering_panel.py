@@ -48,11 +48,7 @@ def steering_section(model, base: RunSettings, limits) -> None:
     last = model.config.num_layers - 1
     layer = checked(c[0].number_input("Layer", 0, last, min(last, model.config.num_layers * 2 // 5),
                                       key="steer_layer"), 0, last, "Layer")
-    coefficient = checked_float(c[1].number_input("Coefficient", -100.0, 100.0, 4.0, step=0.5, key="steer_coef"),
-                                -MAX_COEFFICIENT, MAX_COEFFICIENT, "Coefficient")
-    most = min(64, limits.max_new_tokens)
-    tokens = checked(c[2].number_input("New tokens", 1, most, min(16, most), key="steer_tokens"), 1, most,
-                     "New tokens")
+    coefficient, tokens = run_inputs(c[1], c[2], limits, "Coefficient", 4.0, "steer")
     if st.button("Steer", key="steer_run"):
         settings = greedy(base, tokens)
         lines = [[x for x in text.splitlines() if x.strip()] for text in (pos, neg)]
@@ -112,12 +108,7 @@ def room_steering(model, base: RunSettings, limits, r) -> None:
         st.info(f"The room's vector was made on **{plain(doc.model)}**; choose that model to add it to your prompt.")
         return
     c = st.columns(2)
-    coefficient = checked_float(c[0].number_input("Your coefficient", -100.0, 100.0, float(doc.coefficient),
-                                                  step=0.5, key="steer_room_coef"),
-                                -MAX_COEFFICIENT, MAX_COEFFICIENT, "Your coefficient")
-    most = min(64, limits.max_new_tokens)
-    tokens = checked(c[1].number_input("New tokens", 1, most, min(16, most), key="steer_room_tokens"), 1, most,
-                     "New tokens")
+    coefficient, tokens = run_inputs(c[0], c[1], limits, "Your coefficient", float(doc.coefficient), "steer_room")
     if st.button("Add the room's vector to my prompt", key="steer_room_run"):
         settings = greedy(base, tokens)
         vec = SteeringVector(doc.layer, torch.tensor(doc.vector, dtype=torch.float32), doc.positive, doc.negative)
@@ -130,6 +121,16 @@ def room_steering(model, base: RunSettings, limits, r) -> None:
             return
         session().steered = {**run.as_dict(), "norm": vec.norm, "stage": vec.stage}
     st.divider()
+
+
+def run_inputs(left, right, limits, label: str, default: float, prefix: str) -> tuple[float, int]:
+    """The coefficient and the number of new tokens (keys prefix_coef, prefix_tokens), checked on the server."""
+    coefficient = checked_float(left.number_input(label, -100.0, 100.0, default, step=0.5, key=f"{prefix}_coef"),
+                                -MAX_COEFFICIENT, MAX_COEFFICIENT, label)
+    most = min(64, limits.max_new_tokens)
+    tokens = checked(right.number_input("New tokens", 1, most, min(16, most), key=f"{prefix}_tokens"), 1, most,
+                     "New tokens")
+    return coefficient, tokens
 
 
 def draw(d: dict) -> None:

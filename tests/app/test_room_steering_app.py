@@ -17,19 +17,13 @@ from inspector.session.run import inspect_run
 from inspector.session.state import RoomSeat
 from inspector.ui.state import session_of
 from tests.app.test_app_pages_b import fresh_app
+from tests.app.test_room_live_app import env  # noqa: F401  (a fixture: the tiny model, rooms in memory)
 
 pytestmark = pytest.mark.app
 PROMPT = "Tell me about lighthouses."
 
 
-@pytest.fixture
-def env(monkeypatch, tiny_model_dir):
-    monkeypatch.setenv("LLM_INSPECTOR_MODEL", str(tiny_model_dir))
-    monkeypatch.delenv("LLM_INSPECTOR_ROOMS", raising=False)
-    return str(tiny_model_dir)
-
-
-def test_a_teachers_steering_reaches_the_students_and_reruns_there(env, app_file, tiny_model):
+def test_a_teachers_steering_reaches_the_students_and_reruns_there(env, app_file, tiny_model):  # noqa: F811
     store = shared_store()
     code, token = store.create()
     run = inspect_run(tiny_model, RunSettings(prompt=PROMPT, chat=False, max_new_tokens=4, seed=3))
