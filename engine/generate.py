@@ -10,7 +10,9 @@ on_token or on_progress returned STOP.
 
 Long prompts are prefilled in chunks of PREFILL_CHUNK positions (the same attention, causal within a chunk and
 over the cache before it), so on_progress can report the prefill by chunk and layer and a stop can land
-between them, and no attention map larger than chunk x prompt is ever materialised.
+between them, and no attention map larger than chunk x prompt is ever materialised. A chat prompt's template opening
+is a chunk of its own (prefill_chunks), its keys and values copied from the process's prefix cache when another run
+computed them (engine.prefix_cache): the same arithmetic either way.
 """
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ from engine.errors import InputError
 from engine.inspection.probe import Probe
 from engine.inspection.recording import Recording
 from engine.inspection.stat_columns import Col
+from engine.kv_cache import ReleasedCache
+from engine.prefix_cache import PrefixCache, prefix_key, shared_prefix_cache, shared_prefix_len
+from engine.prompt import prompt_ids
 from engine.sampling import SamplingParams, all_finite, draw, entropy, first_max, sampler_chain
 from engine.settings import check_stop
 from engine.threads import one_thread
@@ -119,63 +124,23 @@ class GenerationResult:
         return self.prompt_ids + self.token_ids
 
 
-def prompt_ids(model, prompt_or_ids, *, chat: bool = False, system: str | None = None,
-               allow_special: bool = False) -> list[int]:
-    if isinstance(prompt_or_ids, str):
-        if not prompt_or_ids.strip():
-            raise InputError("the prompt is empty")
-        # Refused before tokenizing: the tokenizer holds the GIL, so a few MB of text would stall every thread
-        # of a server for seconds, and text this long could never fit the context anyway.
-        longest = model.context_length * model.tokenizer.max_token_chars
-        text_chars = len(prompt_or_ids) + len(system or "")
-        if text_chars > longest:
-            raise InputError(f"the prompt is {text_chars:,} characters long; the model's context "
-                             f"({model.context_length:,} tokens of at most {model.tokenizer.max_token_chars} "
-                             f"characters each) can never hold more than {longest:,}")
-        if chat:
-            msgs = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": prompt_or_ids}]
-            ids = model.tokenizer.encode_chat(msgs, add_generation_prompt=True,
-                                              allow_special_in_content=allow_special)
-        else:
-            ids = model.tokenizer.encode(prompt_or_ids, allow_special=allow_special)
-    else:
-        ids = [int(i) for i in prompt_or_ids]
-    if not ids:
-        raise InputError("the prompt is empty (no tokens)")
-    if len(ids) >= model.context_length:
-        raise InputError(f"the prompt has {len(ids)} tokens; the model's context is {model.context_length} "
-                         "tokens and at least one must be left to generate")
-    return ids
-
-
-@dataclass(frozen=True)
-class ReleasedCache:
-    """What a finished run still reads of its KV cache (the figures its record reports) once the cache's
-    tensors are given back: a session keeps a finished debugger run for its pages, not its cache."""
-    bytes_allocated: int
-    bytes_used: int
-    bytes_per_token: int
-    pos: int
-
-    def get_pos(self) -> int:
-        return self.pos
-
-
 class GenerationRun:
     def __init__(self, model, prompt_or_ids, *, params: SamplingParams | None = None, max_new_tokens: int = 64,
                  seed: int = 0, stop: list[str] | str | None = None, chat: bool = False,
                  system: str | None = None, allow_special: bool = False, ignore_eos: bool = False,
                  use_cache: bool = True, probe: Probe | None = None,
                  on_token: Callable[[Step], object] | None = None,
-                 on_progress: Callable[[Progress], object] | None = None) -> None:
+                 on_progress: Callable[[Progress], object] | None = None,
+                 prefix_cache: PrefixCache | None | bool = True) -> None:
         """use_cache=False recomputes the whole sequence at every step (a fresh cache each time): the same
         tokens as with the cache up to rounding, at the cost of a full forward per token (Compare runs).
 
         on_token(step) after each token and on_progress(Progress) during the prefill may return STOP to end
-        the run. prompt_or_ids: text (tokenised here, as chat / system / allow_special say) or the prompt's token
-        ids as the model sees them (taken as they are: a caller that already tokenised, such as the app's checked
-        run, never tokenises twice)."""
+        the run. prefix_cache: where the prompt's chat-template opening is shared (engine.prefix_cache): True the
+        process's cache, a PrefixCache that one, None computed here and kept nowhere (the opening still its own
+        chunk), False no opening rule at all (the prompt prefilled as any other). prompt_or_ids: text (tokenised
+        here, as chat / system / allow_special say) or the prompt's token ids as the model sees them (taken as they
+        are: a caller that already tokenised, such as the app's checked run, never tokenises twice)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63:
@@ -192,6 +157,11 @@ class GenerationRun:
         self.timings = {"tokenize": time.perf_counter() - t0, "prefill": 0.0, "decode": 0.0}
         self.max_new_tokens = max_new_tokens
         self.cache = model.new_cache(len(self.prompt_ids) + max_new_tokens)
+        # the chat-template opening prefilled as a chunk of its own (0: none); where it is shared
+        self.prefix_len = 0 if prefix_cache is False or not use_cache else shared_prefix_len(model, self.prompt_ids)
+        shared = shared_prefix_cache() if prefix_cache is True else prefix_cache    # (an empty PrefixCache is falsy)
+        self.prefix_cache = None if prefix_cache is False else shared
+        self.prefix_copied = False     # the opening's keys and values came from the prefix cache
         self.generator = torch.Generator().manual_seed(seed)
         self.detok = model.tokenizer.stream()
         self.eos = set() if ignore_eos else set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
@@ -219,10 +189,28 @@ class GenerationRun:
 
     def prefill_input(self) -> list[int] | None:
         """The prompt this run's next step feeds the model when that step is its prefill in one piece on its cache
-        (engine.batch packs several such runs into one forward); None: any other step, or a chunked prompt."""
-        if self.done or self.steps or not self.use_cache or len(self.prompt_ids) > PREFILL_CHUNK:
+        (engine.batch packs several such runs into one forward): the positions after the template opening
+        (prefix_len; fill_prefix puts the opening into the cache first); None: any other step, or a chunked prompt."""
+        if self.done or self.steps or not self.use_cache or len(self.prompt_ids) - self.prefix_len > PREFILL_CHUNK:
             return None
-        return self.prompt_ids
+        return self.prompt_ids[self.prefix_len:]
+
+    def fill_prefix(self) -> None:
+        """The template opening (prefix_len positions) into the cache, once, before the rest of the prefill: copied
+        from the prefix cache, or computed by this run's own forward (and kept there). Stopped: on_progress's STOP."""
+        n = self.prefix_len
+        if n == 0 or self.cache.get_pos() >= n:
+            return
+        if self.probe is not None:
+            self.probe.step = 0
+        if self.prefix_cache is None:
+            self._chunk(0, n)
+            return
+        key = prefix_key(self.model, self.prompt_ids[:n], self.cache, self.probe)
+        self.prefix_copied = self.prefix_cache.fill(self.model, key, n, self.cache, None if self.probe is None
+                                                    else self.probe.recording, lambda: self._chunk(0, n))
+        if self.prefix_copied:          # its chunk's one report: done
+            self._tell(Progress(0, n, len(self.prompt_ids), *(self.model.config.num_layers,) * 2))
 
     def prefill_ask(self, layer: int) -> object:
         """What on_progress answers just before block `layer` of this run's prefill in one piece (== layers: after
@@ -230,7 +218,7 @@ class GenerationRun:
         if self.on_progress is None:
             return None
         n = len(self.prompt_ids)
-        return self.on_progress(Progress(0, n, n, layer, self.model.config.num_layers))
+        return self.on_progress(Progress(self.prefix_len, n, n, layer, self.model.config.num_layers))
 
     def step(self, logits: torch.Tensor | None = None, *, seconds: float = 0.0, tell: bool = True) -> Step | None:
         """Run one forward + sample + detokenize. None once the run has stopped (also when this step's logits held a
@@ -314,23 +302,27 @@ class GenerationRun:
         return model.forward(torch.tensor(ids), self.cache, self.probe, last_only=True)[0].float().cpu()
 
     def _prefill(self) -> torch.Tensor:
-        """The prompt into the cache, PREFILL_CHUNK positions at a time when it is longer than that. Only the
-        last chunk computes logits (the step's); the others end at the final norm, so the probe holds what one
-        forward over the prompt would have left, however the prompt was split."""
-        ids, probe, n = self.prompt_ids, self.probe, len(self.prompt_ids)
-        size = PREFILL_CHUNK if n > PREFILL_CHUNK else n
-        layers = self.model.config.num_layers
+        """The prompt into the cache by prefill_chunks (the opening by fill_prefix). Only the last chunk computes
+        logits (the step's); the others end at the final norm: the probe holds what one forward would have left."""
+        self.fill_prefix()
         logits = None
-        for a in range(0, n, size):
-            b = min(n, a + size)
-            on_layer = None
-            if self.on_progress is not None:          # told just before each block runs
-                def on_layer(i: int, a: int = a, b: int = b) -> object:
-                    return self.on_progress(Progress(a, b, n, i, layers))      # STOP: the forward ends there
-            logits = self.model.forward(torch.tensor(ids[a:b]), self.cache, probe, last_only=True, on_layer=on_layer,
-                                        stop_after=None if b == n else "final_norm")
-            self._tell(Progress(a, b, n, layers, layers))
+        for a, b in prefill_chunks(self.model, self.prompt_ids, self.prefix_len):
+            if a >= self.prefix_len:            # the opening's chunk is fill_prefix's
+                logits = self._chunk(a, b)
         return logits[0].float().cpu()
+
+    def _chunk(self, a: int, b: int) -> torch.Tensor:
+        """Prompt positions [a, b) through the model into the cache (the last chunk's logits; another ends at the
+        final norm), on_progress told before each block and after the chunk."""
+        n, layers = len(self.prompt_ids), self.model.config.num_layers
+        on_layer = None
+        if self.on_progress is not None:          # told just before each block runs
+            def on_layer(i: int) -> object:
+                return self.on_progress(Progress(a, b, n, i, layers))      # STOP: the forward ends there
+        logits = self.model.forward(torch.tensor(self.prompt_ids[a:b]), self.cache, self.probe, last_only=True,
+                                    on_layer=on_layer, stop_after=None if b == n else "final_norm")
+        self._tell(Progress(a, b, n, layers, layers))
+        return logits
 
     def _tell(self, progress: Progress) -> None:
         if self.on_progress is not None and self.on_progress(progress) is STOP:
@@ -377,6 +369,14 @@ class GenerationRun:
                                 {"bytes_allocated": c.bytes_allocated, "bytes_used": c.bytes_used,
                                  "bytes_per_token": c.bytes_per_token},
                                 None if self.probe is None else self.probe.recording)
+
+
+def prefill_chunks(model, ids: list[int], opening: int | None = None) -> list[tuple[int, int]]:
+    """The pieces [a, b) a run prefills ids in (what repeats its prefill bit for bit follows them): the template
+    opening alone (opening: its length; None: the model's, engine.prefix_cache), then PREFILL_CHUNK at a time."""
+    n, first = len(ids), shared_prefix_len(model, ids) if opening is None else opening
+    size = min(PREFILL_CHUNK, n - first)
+    return [(0, first)] * (first > 0) + [(a, min(n, a + size)) for a in range(first, n, size)]
 
 
 def nonfinite_stop(result: GenerationResult) -> dict | None:

@@ -4,6 +4,8 @@ A global-attention layer keeps every position. A sliding-window layer (Mistral, 
 window: a ring of `window` rows, position p in row p % window, so its memory stops growing at the window."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.config import ModelConfig
@@ -103,3 +105,16 @@ class KVCache:
     def layer_bytes(self) -> list[tuple[int, int]]:
         """Per layer: (bytes allocated, bytes used)."""
         return [(self._bytes_per_row * r, self._bytes_per_row * min(self._pos, r)) for r in self.rows]
+
+
+@dataclass(frozen=True)
+class ReleasedCache:
+    """What a finished run still reads of its KV cache (the figures its record reports) once the cache's
+    tensors are given back: a session keeps a finished debugger run for its pages, not its cache."""
+    bytes_allocated: int
+    bytes_used: int
+    bytes_per_token: int
+    pos: int
+
+    def get_pos(self) -> int:
+        return self.pos

@@ -100,8 +100,11 @@ def failed(row) -> bool:
 
 
 def _prepare(run: GenerationRun) -> None:
-    """A run's own part of a packed prefill before its forward: room in its cache, its probe told the step."""
+    """A run's own part of a packed prefill before its forward: room in its cache, its template opening in it (copied
+    from the prefix cache or computed by its own forward, as alone: GenerationRun.fill_prefix; a STOP there is its
+    outcome), its probe told the step. The packed forward then covers prefill_input(), from the cache's position."""
     run.cache.check_room(len(run.prompt_ids))
+    run.fill_prefix()
     if run.probe is not None:
         run.probe.step = 0
 
@@ -117,7 +120,7 @@ def finish_prefill(run: GenerationRun, got: torch.Tensor | Stopped, seconds: flo
     if late is STOP:
         got = Stopped()
     if not isinstance(got, Stopped):
-        run.cache.advance(len(run.prompt_ids))
+        run.cache.advance(len(run.prefill_input()))      # the rows of its packed forward (after the opening)
         if run.on_progress is not None and run.prefill_ask(run.model.config.num_layers) is STOP:
             got = Stopped()
     return run.step(got, seconds=seconds)
@@ -189,9 +192,9 @@ class PrefillGate:
         then the lead passes to the first run still waiting (unless another took it over meanwhile)."""
         with self._lock:
             batch, rows = [], 0
-            while self._waiting and (not batch or rows + len(self._waiting[0].run.prompt_ids) <= self.pack_tokens):
+            while self._waiting and (not batch or rows + len(self._waiting[0].run.prefill_input()) <= self.pack_tokens):
                 batch.append(self._waiting.pop(0))
-                rows += len(batch[-1].run.prompt_ids)
+                rows += len(batch[-1].run.prefill_input())
             self.serving, self.serves = self.serving + len(batch), self.serves + 1
         try:
             seconds, askers = 0.0, [None] * len(batch)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import InputError
-from engine.generate import PREFILL_CHUNK, GenerationRun
+from engine.generate import GenerationRun, prefill_chunks
 from engine.inspection.interventions import HookContext
 from engine.inspection.probe import Probe
 from engine.inspection.stages import forward_stages
@@ -95,12 +95,12 @@ def fault_only_probe(model: Model, injections, norm_eps: float | None, *, watch:
 def replay(model: Model, prompt_ids: list[int], fed: list[int], probe: Probe | None = None,
            watch: Watch | None = None) -> torch.Tensor | None:
     """Logits (1 + len(fed), V), float32 on the CPU, as a generation computes them: the prompt prefilled into
-    a KV cache (PREFILL_CHUNK positions at a time, last row kept), then each token of fed, one at a time. None
-    as soon as the watch (reading the probe's stages) has seen a NaN or Inf: the rest could only say the same."""
+    a KV cache in a run's chunks (engine.generate.prefill_chunks, last row kept), then each token of fed, one at a
+    time. None as soon as the watch (reading the probe's stages) has seen a NaN or Inf: the rest could only say the
+    same."""
     cache = model.new_cache(len(prompt_ids) + len(fed))
-    size = min(len(prompt_ids), PREFILL_CHUNK)
-    for a in range(0, len(prompt_ids), size):
-        last = model.forward(torch.tensor(prompt_ids[a:a + size]), cache, probe, last_only=True)
+    for a, b in prefill_chunks(model, prompt_ids):
+        last = model.forward(torch.tensor(prompt_ids[a:b]), cache, probe, last_only=True)
         if watch is not None and watch.stage is not None:
             return None
     rows = [last[0].float().cpu()]

@@ -23,7 +23,7 @@ import torch
 
 from engine.accelerator import PLAIN
 from engine.errors import InputError
-from engine.generate import GenerationRun, prompt_ids
+from engine.generate import GenerationRun, prefill_chunks, prompt_ids
 from engine.inspection.probe import Probe
 from engine.model import Model
 from engine.settings import RunSettings
@@ -117,10 +117,11 @@ class SteeredRun:
 @torch.inference_mode()
 def _teacher_forced(model: Model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """The plain model's float32 logits (len(tokens) + 1, V) after the prompt and after each of tokens, computed as a
-    run computes them (the prompt's prefill, then one token at a time against the cache), so that where the steered
-    run added nothing its logits are these bit for bit."""
+    run computes them (the prompt's prefill in a run's chunks, engine.generate.prefill_chunks, then one token at a
+    time against the cache), so that where the steered run added nothing its logits are these bit for bit."""
     cache = model.new_cache(len(prompt) + len(tokens) + 1)
-    rows = [model.forward(torch.tensor(prompt), cache, last_only=True)[-1]]
+    rows = [model.forward(torch.tensor(prompt[a:b]), cache, last_only=True)[-1]
+            for a, b in prefill_chunks(model, prompt)][-1:]
     rows += [model.forward(torch.tensor([t]), cache)[-1] for t in tokens]
     return torch.stack(rows).float()
 
