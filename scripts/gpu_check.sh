@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared GPU check: CUDA tests (bf16; two new families' blocks: Gemma 2 and Qwen3-MoE; the batched decode step
-# across runs and the packed prefill: tests/cuda/test_cuda_batch.py) and the benchmark
+# across runs and the packed prefill: tests/cuda/test_cuda_batch.py; a GGUF file dequantised to bf16 on the GPU against
+# the file as stored on the CPU: tests/cuda/test_cuda_quant.py) and the benchmark
 # on the GPU. Run on a machine with a CUDA GPU
 # after scripts/setup.sh --test. Prints everything; exits non-zero if a CUDA test fails.
 set -uo pipefail
