@@ -9,8 +9,9 @@ at one layer with a coefficient while a prompt is continued, beside the same pro
   blocks.{layer}.resid_post at every position (prompt and generated tokens), both on the PyTorch forward (a replace
   hook takes it; the plain run takes it too, so the two differ by the vector only: at coefficient 0 they are bit for
   bit one run), and per step of the steered run, how far the steering moved the distribution: KL(steered || plain)
-  with the plain model's distribution on the steered run's own prefix (teacher-forced, as a run computes), and the
-  probability of the steered token under each.
+  with the plain model's distribution on the steered run's own prefix (teacher-forced), and the
+  probability of the steered token under each (the plain run's own logits up to the step where the two runs part,
+  then one forward over the steered prefix).
 
 Bounds: MAX_PROMPTS prompts a side, MAX_PROMPT_TOKENS tokens a prompt, a finite coefficient of at most MAX_COEFFICIENT
 in size; a bad layer or an empty set is an InputError naming it."""
@@ -115,15 +116,25 @@ class SteeredRun:
 
 
 @torch.inference_mode()
-def _teacher_forced(model: Model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """The plain model's float32 logits (len(tokens) + 1, V) after the prompt and after each of tokens, computed as a
-    run computes them (the prompt's prefill in a run's chunks, engine.generate.prefill_chunks, then one token at a
-    time against the cache), so that where the steered run added nothing its logits are these bit for bit."""
-    cache = model.new_cache(len(prompt) + len(tokens) + 1)
-    rows = [model.forward(torch.tensor(prompt[a:b]), cache, last_only=True)[-1]
-            for a, b in prefill_chunks(model, prompt)][-1:]
-    rows += [model.forward(torch.tensor([t]), cache)[-1] for t in tokens]
-    return torch.stack(rows).float()
+def _plain_on_steered_prefix(model: Model, prompt: list[int], plain_ids: list[int], plain_logits: list[torch.Tensor],
+                             tokens: list[int]) -> list[torch.Tensor]:
+    """The plain model's float32 logits before each of the steered tokens (after the prompt and each prefix of
+    tokens). Up to the first step where the steered run left the plain one, the prefix is the plain run's own, so its
+    logits are the plain run's, bit for bit (at coefficient 0 every step: KL 0 exactly). After it, one forward over
+    the prompt and the steered tokens (in a run's prefill chunks, engine.generate.prefill_chunks, every position's
+    logits kept): the prefix's logits at the cost of one prefill instead of a decode step a token."""
+    j = 0
+    while j < len(tokens) and j < len(plain_logits) and j < len(plain_ids) and tokens[j] == plain_ids[j]:
+        j += 1
+    got = plain_logits[:min(j + 1, len(plain_logits), len(tokens))]
+    if len(got) == len(tokens):
+        return got
+    ids, first = prompt + tokens[:-1], len(prompt) - 1 + len(got)     # the positions whose logits are wanted
+    cache, rows = model.new_cache(len(ids)), []
+    for a, b in prefill_chunks(model, ids):
+        logits = model.forward(torch.tensor(ids[a:b]), cache)
+        rows += [logits[i - a].float() for i in range(max(a, first), b)]     # only those rows kept (chunk x V each)
+    return got + rows
 
 
 def steer(model: Model, settings: RunSettings, vec: SteeringVector, coefficient: float) -> SteeredRun:
@@ -140,7 +151,10 @@ def steer(model: Model, settings: RunSettings, vec: SteeringVector, coefficient:
     steered.run()
     steps = []
     if steered.token_ids:
-        base = _teacher_forced(plain_model, steered.prompt_ids, steered.token_ids[:-1])
+        base = _plain_on_steered_prefix(
+            plain_model, steered.prompt_ids, plain.token_ids,
+            [plain.probe.recording.captured("logits", k)[0].value.float()[-1] for k in range(len(plain.token_ids))],
+            steered.token_ids)
         for k, tok in enumerate(steered.token_ids):
             got = steered.probe.recording.captured("logits", k)[0].value.float()[-1]
             lp, lq = torch.log_softmax(got, -1), torch.log_softmax(base[k], -1)
