@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import Probe, load_model
+from engine.tools import dla
 from tests.reference.family_models import build
 
 transformers = pytest.importorskip("transformers")
@@ -64,10 +65,13 @@ def test_explain_terms_sum_to_transformers_logit_difference(folders, name):
     assert ("lm_head.bias" in terms) == (name == "phi") and ("blocks.0.attn.bias" in terms) == (lw.bo is not None)
     assert (lw.bo is not None) == (name in ("gpt2", "gpt_neox", "gpt_neox-sequential", "phi"))
     assert w.norm_bias is not None and e.contributions["final_norm.bias"] != 0.0
+    if name == "phi":           # the head bias's term is the checkpoint's own lm_head.bias[A] - lm_head.bias[B]
+        from safetensors.torch import load_file
+        hb = load_file(str(folders[name] / "model.safetensors"))["lm_head.bias"].double()
+        assert e.contributions["lm_head.bias"] == pytest.approx(float(hb[e.target] - hb[e.versus]), rel=1e-12)
     # each layer's attention share is its heads and its bias: the share of attn_out itself, frozen and centred
     probe = Probe().capture("blocks.*.attn_out", positions=[len(PROMPT) - 1])
     model.logits(PROMPT, probe)
-    from engine.tools import dla
     cols = w.lm_head[:, [e.target, e.versus]].double()
     u = e.norm_scale * w.norm.double() * (cols[:, 0] - cols[:, 1])
     for c in probe.recording.captures:

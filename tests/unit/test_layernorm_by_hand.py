@@ -93,3 +93,21 @@ def test_each_qk_term_is_its_hand_computed_share(toy):
         for j, b in enumerate(r.names):
             assert float(r.terms[i, j]) == pytest.approx(0.5 * float(q[a] @ k[b]), rel=1e-9, abs=1e-12), (a, b)
     assert abs(r.remainder) <= 1e-5 * max(1.0, abs(r.score)) and r.exact
+
+
+def test_the_explain_views_show_every_term_and_end_at_the_sum(toy):
+    """The page's table has a row for each term (the positions and the biases included, each named), and the
+    layer figure's running total, through the terms that are no layer's, ends at the sum of them all."""
+    from engine.tools.explain import explain_logits
+    from inspector.views import explain as xv
+    model, _ = toy
+    e = explain_logits(model, IDS, A, B)
+    df = xv.contributions_frame(e)
+    assert list(df["component"]) == list(e.contributions)
+    assert dict(zip(df["component"], df["kind"])) == {
+        "embed": "embedding", "positions": "positions", "blocks.0.attn.head.0": "attention head",
+        "blocks.0.attn.bias": "L0 attn bias", "blocks.0.mlp": "MLP", "final_norm.bias": "final norm bias"}
+    assert float(df["contribution"].sum()) == pytest.approx(e.total, abs=1e-12)
+    line = xv.layer_figure(e).data[-1]
+    assert list(line.x) == ["positions", "0", "final norm bias"]
+    assert line.y[-1] == pytest.approx(e.total, abs=1e-12)
