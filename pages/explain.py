@@ -70,8 +70,10 @@ def show_attribution(e) -> None:
     st.caption(f"logit({plain(repr(e.target_text))}) = {e.logit_a:.4f}, "
                f"logit({plain(repr(e.versus_text))}) = {e.logit_b:.4f}. The "
                "final residual stream is the embedding plus every attention and MLP output; with the final "
-               "RMSNorm's scale frozen at its value for this position, each part's share of the logit difference "
-               "is exact, and the parts add up to it (the residual error is the forward's float rounding).")
+               "norm's scale frozen at its value for this position, each part's share of the logit difference "
+               "is exact, and the parts add up to it (the residual error is the forward's float rounding). "
+               "Through a LayerNorm each part is centred first, and the norm's bias (as a head's bias, a learned "
+               "position and each layer's attention output bias) is a term of its own: no head owns it.")
     chart(xv.layer_figure(e), key="ex_layers")
     left, right = columns([3, 2])
     with left:

@@ -1,10 +1,12 @@
 """Why A and not B at one step: direct logit attribution (DLA) and what each sampler stage did to A and B.
 
 DLA: the final residual stream at the step's position is the sum of the embedding, every layer's attention
-output and every layer's MLP output. Freezing the final RMSNorm's scale at its value for that position makes
+output and every layer's MLP output. Freezing the final norm's scale at its value for that position makes
 the map from the residual stream to logit(A) - logit(B) linear, so the difference splits exactly into those
 parts; attention splits further into heads, because attn_out = z.reshape(T, H*hd) @ wo is a sum over heads
-of z[:, h] @ wo[rows of head h]. One forward with captures at that one position gives every part.
+of z[:, h] @ wo[rows of head h]. A LayerNorm family (GPT-2, GPT-NeoX, StableLM, Phi) adds terms no head owns:
+GPT-2's learned position, each layer's attention output bias, the final norm's bias and Phi's head bias, each a
+term of its own (engine.tools.dla). One forward with captures at that one position gives every part.
 
 The step-N convention of a run: the logits at step N come from prompt_ids + token_ids[:N] at the last
 position, and token_ids[N] was drawn from them.
@@ -99,10 +101,10 @@ class Explanation:
     logit_a: float
     logit_b: float
     logit_diff: float              # logit(A) - logit(B) from the forward's logits
-    contributions: dict[str, float]   # embed, blocks.{i}.attn.head.{h}, blocks.{i}.mlp: these sum to `total`
+    contributions: dict[str, float]   # embed, blocks.{i}.attn.head.{h}, blocks.{i}.mlp, ...: these sum to `total`
     num_layers: int
     num_heads: int
-    norm_scale: float              # the frozen final RMSNorm factor 1/sqrt(mean(x^2)+eps) at this position
+    norm_scale: float              # the frozen final norm factor 1/sqrt(mean(x^2)+eps) (LayerNorm: var(x)) here
     sampler: list[SamplerEffect] = field(default_factory=list)
     seconds: float = 0.0
     experts: dict[str, float] = field(default_factory=dict)   # blocks.{i}.mlp.expert.{e}: chosen experts' shares
@@ -130,7 +132,9 @@ class Explanation:
         return self.contributions[f"blocks.{layer}.attn.head.{h}"]
 
     def attn(self, layer: int) -> float:
-        return math.fsum(self.head(layer, h) for h in range(self.num_heads))
+        """The layer's attention output's share: its heads and, where it has one, its output bias."""
+        return math.fsum([*(self.head(layer, h) for h in range(self.num_heads)),
+                          self.contributions.get(f"blocks.{layer}.attn.bias", 0.0)])
 
     def mlp(self, layer: int) -> float:
         return self.contributions[f"blocks.{layer}.mlp"]
@@ -165,11 +169,6 @@ def explain_logits(model, ids: list[int], target: int | None = None, versus: int
     cfg, T = model.config, len(ids)
     if T == 0:
         raise InputError("nothing to explain: the context is empty")
-    if cfg.family.norm != "rms" or cfg.parallel_residual:
-        # the attribution freezes RMSNorm scales; a LayerNorm also centres the stream and adds its bias, a constant
-        # no head owns, so the parts would not sum to the difference while the explanation called them exact
-        raise InputError(f"Explain (direct logit attribution) is not implemented for {cfg.model_type}'s LayerNorm "
-                         "blocks yet; the other pages work on this model")
     for name, tid in (("target", target), ("versus", versus)):
         if tid is not None and not 0 <= int(tid) < cfg.vocab_size:
             raise InputError(f"{name} token id {tid} is outside the vocabulary [0, {cfg.vocab_size})")
@@ -183,7 +182,8 @@ def explain_logits(model, ids: list[int], target: int | None = None, versus: int
         raise InputError("A and B are the same token; pick two different tokens to compare")
     got = {c.name: c.value[-1].to(torch.float64) for c in probe.recording.captures}      # each (...) at position T-1
     direction, scale = dla.direction(model, got[f"blocks.{last}.resid_post"], a, b)
-    parts, experts = dla.parts(model, got, direction)
+    parts, experts = dla.parts(model, got, direction, T - 1)
+    parts |= dla.constants(model, a, b)
     raw = got.get("logits_uncapped")
     effects = sampler_effects(logits, params or SamplingParams(), list(ids), list(generated or []), a, b)
     return Explanation(list(ids), step, a, b, _token(model, a), _token(model, b), float(logits[a]),

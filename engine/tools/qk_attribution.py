@@ -4,11 +4,15 @@ The score of head h at layer L, query position i, key position j is scale * q_i 
 (s_i w ⊙ x_i)) (+ RoPE_i(b_q,h)) and k_j likewise with head h's KV head, x_p the residual stream entering block L at
 position p and s_p the attention norm's scale there. With s_i and s_j frozen at their values (as Explain freezes the
 final norm), q and k are linear in x, and x_p is the sum of the embedding, every earlier head and every earlier MLP
-(engine.tools.dla.layer_parts), so the score is exactly the sum over pairs (a query-side component, a key-side
-component) of scale * q(a) . k(b), plus bias terms. The terms are summed in float64 and set against the score the
-forward computed (its attn.scores stage): the remainder is the forward's own float32 rounding for Llama-style
-blocks. Where a block is not linear in its input once the norm is frozen (a q/k norm, an attention soft cap), the
-split cannot be exact: the report says so and shows the remainder it leaves.
+(engine.tools.dla.components), so the score is exactly the sum over pairs (a query-side component, a key-side
+component) of scale * q(a) . k(b), plus bias terms. Through a LayerNorm (GPT-2, GPT-NeoX, StableLM, Phi) each
+component is centred (centring is linear) before the frozen scale, and the norm's bias is a constant of each side
+(blocks.{L}.attn_norm.bias, through the projection and RoPE), as the projection's bias is ("bias"); each constant
+pairs with every component of the other side. GPT-2's learned position is a component ("positions"), and its
+attention has no RoPE. The terms are summed in float64 and set against the score the forward computed (its
+attn.scores stage): the remainder is the forward's own float32 rounding for these blocks. Where a block is not
+linear in its input once the norm is frozen (a q/k norm, an attention soft cap), the split cannot be exact: the
+report says so and shows the remainder it leaves.
 
 Entry point: qk_attribution(model, ids, layer, head, query, key) -> QKAttribution."""
 from __future__ import annotations
@@ -31,7 +35,8 @@ class QKAttribution:
     head: int
     query: int
     key: int
-    names: list[str]               # the components, both sides: embed, blocks.{l}.attn.head.{h}, blocks.{l}.mlp, bias
+    names: list[str]               # the components, both sides: embed, blocks.{l}.attn.head.{h}, blocks.{l}.mlp, ...,
+    #                                the constants last (blocks.{L}.attn_norm.bias of a LayerNorm, then "bias")
     terms: torch.Tensor            # (n, n) float64: terms[a, b] = the score's part from query-side a and key-side b
     score: float                   # the forward's own score (attn.scores before softmax)
     exact: bool                    # whether the block is linear once the norm is frozen (no q/k norm, no soft cap)
@@ -91,11 +96,6 @@ def _inexact(model) -> str:
 def qk_attribution(model, ids: list[int], layer: int, head: int, query: int, key: int) -> QKAttribution:
     cfg = model.config
     T = len(ids)
-    if cfg.family.norm != "rms" or cfg.parallel_residual:
-        # a LayerNorm centres the stream and adds its bias, and these blocks add output biases no head owns: the
-        # split would need those as terms of their own (as Explain, it is refused rather than called exact)
-        raise InputError(f"the QK attribution is not implemented for {cfg.model_type}'s LayerNorm blocks yet; the "
-                         "rest of the Attention page works on this model")
     if not 1 <= T <= MAX_POSITIONS:
         raise InputError(f"the QK attribution takes 1 to {MAX_POSITIONS:,} positions, got {T:,}")
     checks = (("layer", layer, cfg.num_layers - 1), ("head", head, cfg.num_heads - 1), ("query", query, T - 1))
@@ -119,38 +119,40 @@ def qk_attribution(model, ids: list[int], layer: int, head: int, query: int, key
             continue
         for r, p in enumerate(c.positions):
             rows[p][c.name] = c.value[r].to(torch.float64)
-    q_parts, names_q = _side(model, rows[query], layer)
-    k_parts, _ = _side(model, rows[key], layer)
-    q = _project(model, q_parts, layer, head, query, T, "q")          # (n + 1, hd): the components, then the bias
+    names_q, q_parts = dla.components(model, rows[query], layer, query)
+    _, k_parts = dla.components(model, rows[key], layer, key)
+    constants = ([f"blocks.{layer}.attn_norm.bias"] if model.weights.layers[layer].attn_norm_bias is not None
+                 else []) + ["bias"]
+    q = _project(model, q_parts, layer, head, query, T, "q")          # (n + c, hd): the components, the constants
     k = _project(model, k_parts, layer, head // (cfg.num_heads // cfg.num_kv_heads), key, T, "k")
     terms = cfg.attn_scale * (q @ k.T)
     why = _inexact(model)
-    return QKAttribution(layer, head, query, key, names_q + ["bias"], terms, score, not why, why)
+    return QKAttribution(layer, head, query, key, names_q + constants, terms, score, not why, why)
 
 
-def _side(model, got: dict[str, torch.Tensor], layer: int) -> tuple[torch.Tensor, list[str]]:
-    """The stream entering block `layer` at one position as its components (n, d) float64, and their names."""
-    parts, names = [got["embed"]], ["embed"]
-    for i in range(layer):
-        heads, mlp = dla.layer_parts(model, got, i)
-        parts += list(heads) + [mlp]
-        names += [f"blocks.{i}.attn.head.{h}" for h in range(heads.shape[0])] + [f"blocks.{i}.mlp"]
-    return torch.stack(parts), names
+def _normed(model, parts: torch.Tensor, layer: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Each part (n, d) through the attention norm frozen at the sum's scale (a LayerNorm's: each part centred
+    first), and the norm's constant rows: [its bias (d,)] for a LayerNorm with one, else []."""
+    lw = model.weights.layers[layer]
+    if lw.attn_norm is None:
+        return parts, []
+    if dla.layer_norm(model):
+        parts = parts - parts.mean(-1, keepdim=True)
+    h = parts * dla.frozen_scale(model, parts.sum(0)) * lw.attn_norm.to(torch.float64)
+    return h, [] if lw.attn_norm_bias is None else [lw.attn_norm_bias.to(torch.float64)]
 
 
 def _project(model, parts: torch.Tensor, layer: int, head: int, pos: int, end: int, side: str) -> torch.Tensor:
     """Each part (n, d) through the attention norm frozen at the sum's scale, the head's (q) or KV head's (k)
-    projection and RoPE at pos (the table a call ending at `end` reads) -> (n + 1, hd), the last row the bias's share
-    (zero without a bias)."""
+    projection and RoPE at pos (the table a call ending at `end` reads) -> (n + c, hd): the components' rows, then
+    the LayerNorm bias's (where the norm has one) and the projection bias's (zero without a bias)."""
     cfg, lw = model.config, model.weights.layers[layer]
-    H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    x = parts.sum(0)
-    h = parts
-    if lw.attn_norm is not None:
-        h = parts * torch.rsqrt(x.pow(2).mean() + cfg.rms_norm_eps) * lw.attn_norm.to(torch.float64)
+    H, hd = cfg.num_heads, cfg.head_dim
+    h, norm_bias = _normed(model, parts, layer)
     first = head * hd if side == "q" else (H + head) * hd
     w = lw.wqkv[:, first:first + hd].to(torch.float64)
-    out = torch.cat([h @ w, torch.zeros(1, hd, dtype=torch.float64)])
+    rows = torch.cat([h, *(b.unsqueeze(0) for b in norm_bias)])                  # (n + c - 1, d)
+    out = torch.cat([rows @ w, torch.zeros(1, hd, dtype=torch.float64)])
     if lw.bqkv is not None:
         out[-1] = lw.bqkv[first:first + hd].to(torch.float64)
     kind = cfg.layer_rope[layer]

@@ -25,7 +25,9 @@ def qk_section(model, ids: list[int], labels: list[str], layer: int, head: int |
     st.caption("The score (before softmax) of this head from the query to one key is scale · q · k, and with the "
                "attention norm's scale frozen at each of the two positions, q and k are sums over the parts of "
                "the residual stream entering the layer: the embedding, every earlier head, every earlier MLP. "
-               "Each cell is one (query-side part, key-side part) pair's share; the cells sum to the score.")
+               "Each cell is one (query-side part, key-side part) pair's share; the cells sum to the score. "
+               "Through a LayerNorm each part is centred first; the norm's bias and the projection's bias are "
+               "constants of each side, paired with every part of the other.")
     key = checked(st.number_input("Key position", 0, query, min(query, max(0, query - 1)), key="qk_key"), 0, query,
                   "Key position")
     want = (run_key, layer, head, query, key)

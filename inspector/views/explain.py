@@ -28,12 +28,27 @@ def _layout(fig: go.Figure, height: int) -> go.Figure:
 
 
 # ---- logit attribution -----------------------------------------------------------------------------------
+# the terms that are not a layer's: the token's row, GPT-2's learned position, and the constants of a LayerNorm
+# family's final norm and Phi's head (engine.tools.dla)
+WHOLE = {"embed": "embedding", "positions": "positions", "final_norm.bias": "final norm bias",
+         "lm_head.bias": "head bias"}
+CONSTANTS = ("final_norm.bias", "lm_head.bias")
+
+
+def _row(name: str, v: float) -> tuple:
+    """(component, kind, layer, head, contribution) of one term of e.contributions."""
+    if name in WHOLE:
+        return name, WHOLE[name], None, None, v
+    _, i, rest = name.split(".", 2)
+    if rest.startswith("attn.head."):
+        return name, "attention head", int(i), int(rest.rsplit(".", 1)[1]), v
+    return name, {"attn.bias": f"L{i} attn bias"}.get(rest, "MLP"), int(i), None, v
+
+
 def contributions_frame(e: Explanation) -> pd.DataFrame:
-    """One row per component (embedding, each head, each MLP), in model order; the values sum to e.total."""
-    rows = [("embed", "embedding", None, None, e.contributions["embed"])]
-    for i in range(e.num_layers):
-        rows += [(f"blocks.{i}.attn.head.{h}", "attention head", i, h, e.head(i, h)) for h in range(e.num_heads)]
-        rows.append((f"blocks.{i}.mlp", "MLP", i, None, e.mlp(i)))
+    """One row per term (embedding, positions, each head, each layer's attention bias, each MLP, the constants), in
+    model order; the values sum to e.total."""
+    rows = [_row(name, v) for name, v in e.contributions.items()]
     df = pd.DataFrame(rows, columns=["component", "kind", "layer", "head", "contribution"])
     df["sign"] = np.where(df["contribution"] >= 0, "+ favours A", "− favours B")
     return df
@@ -55,22 +70,34 @@ def top_components(e: Explanation, n: int = 15) -> pd.DataFrame:
     return df.reindex(df["contribution"].abs().sort_values(ascending=False).index).head(n).reset_index(drop=True)
 
 
+def _start(e: Explanation) -> float:
+    """The stream's share before the first layer: the token's row and (GPT-2) its position's."""
+    return e.contributions["embed"] + e.contributions.get("positions", 0.0)
+
+
 def layer_frame(e: Explanation) -> pd.DataFrame:
-    """Per layer: attention (all heads) and MLP contributions, and their running total from the embedding."""
+    """Per layer: attention (all heads, and its output bias where it has one) and MLP contributions, and their
+    running total from the embedding (and positions)."""
     df = pd.DataFrame({"layer": range(e.num_layers), "attention": [e.attn(i) for i in range(e.num_layers)],
                        "mlp": [e.mlp(i) for i in range(e.num_layers)]})
-    df["cumulative"] = e.contributions["embed"] + (df["attention"] + df["mlp"]).cumsum()
+    df["cumulative"] = _start(e) + (df["attention"] + df["mlp"]).cumsum()
     return df
 
 
 def layer_figure(e: Explanation) -> go.Figure:
-    """Bars: each layer's attention and MLP contribution to logit(A) − logit(B); line: the running total."""
+    """Bars: each layer's attention and MLP contribution to logit(A) − logit(B) (and the terms that are no
+    layer's); line: the running total, which ends at the sum of every term."""
     df = layer_frame(e)
+    first = [n for n in ("embed", "positions") if n in e.contributions]
+    last = [n for n in CONSTANTS if n in e.contributions]
+    after = (df["cumulative"].iloc[-1] + pd.Series([e.contributions[n] for n in last]).cumsum()).tolist()
     fig = go.Figure([
-        go.Bar(x=["embed"], y=[e.contributions["embed"]], name="embedding", marker_color=EMBED),
+        *(go.Bar(x=[n], y=[e.contributions[n]], name=WHOLE[n], marker_color=EMBED) for n in first),
         go.Bar(x=df["layer"].astype(str), y=df["attention"], name="attention", marker_color=ATTN),
         go.Bar(x=df["layer"].astype(str), y=df["mlp"], name="MLP", marker_color=MLP),
-        go.Scatter(x=["embed", *df["layer"].astype(str)], y=[e.contributions["embed"], *df["cumulative"]],
+        *(go.Bar(x=[WHOLE[n]], y=[e.contributions[n]], name=WHOLE[n], marker_color=EMBED) for n in last),
+        go.Scatter(x=[first[-1], *df["layer"].astype(str), *(WHOLE[n] for n in last)],
+                   y=[_start(e), *df["cumulative"], *after],
                    name="running total", mode="lines+markers", line=dict(color="black", width=1)),
     ])
     fig.update_xaxes(title="layer", type="category")

@@ -131,14 +131,10 @@ def test_qk_attribution_sums_to_each_familys_score_or_says_why_not(folders, name
     within 1e-4 of its size where the block is linear once the attention norm is frozen (biases, partial rotary,
     Granite's multipliers, no-RoPE layers, post-norms, experts upstream); a family with q/k norms or an attention
     soft cap is said to be inexact, naming why, and its remainder is the score less the terms' sum; LayerNorm
-    families (GPT-2, GPT-NeoX) are refused by name."""
-    from engine.errors import InputError
+    families (GPT-2, GPT-NeoX, StableLM, Phi) are exact too, their norm's bias a term of its own (against
+    transformers' own scores: tests/reference/test_layernorm_attribution.py)."""
     from engine.tools.qk_attribution import qk_attribution
     model = load_model(folders[name], device="cpu", dtype="float32")
-    if model.config.family.norm == "layer":
-        with pytest.raises(InputError, match="not implemented for .*LayerNorm blocks"):
-            qk_attribution(model, PROMPT, 1, 1, 20, 15)
-        return
     L = model.config.num_layers - 1
     for layer, head, q, k in ((1, 1, 20, 15), (L, model.config.num_heads - 1, 30, 30)):
         r = qk_attribution(model, PROMPT, layer, head, q, k)

@@ -100,15 +100,6 @@ def test_models_made_from_gpt2_keep_its_positions_and_final_norm_bias(classic):
     assert torch.allclose(plan.logits(PROMPT), want, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gpt_neox"])
-def test_explain_refuses_layernorm_families_rather_than_call_a_wrong_split_exact(classic, name):
-    """Direct logit attribution freezes RMSNorm scales; through a LayerNorm (centring, a bias) its parts do not sum to
-    the difference (2.5 of 8.1 on the gpt2 case), so it says it is not implemented instead."""
-    from engine.tools.explain import explain_logits
-    with pytest.raises(InputError, match="not implemented for gpt"):
-        explain_logits(load_model(classic[name], device="cpu", dtype="float32"), PROMPT)
-
-
 def test_the_family_notes_say_what_the_classic_blocks_change(classic):
     from inspector.views.family import family_notes
     gpt2, neox, seq, phi = (load_model(classic[n], device="cpu", dtype="float32").config for n in CLASSIC)

@@ -211,7 +211,7 @@ def test_tools_that_read_float_matrices_use_the_dequantised_values(cache):
     assert torch.equal(ds, df) and ss == sf
     got = {"embed": resid.double(), "blocks.0.attn.z": torch.randn(HEADS, D // HEADS).double(),
            "blocks.0.attn_out": resid.double(), "blocks.0.mlp_out": resid.double()}
-    assert parts(stored, got, ds)[0] == parts(floats, got, df)[0]
+    assert parts(stored, got, ds, 0)[0] == parts(floats, got, df, 0)[0]      # at position 0
     ids = IDS[:5].tolist()
     assert np.allclose(occlusion(stored, ids, 7, 3), occlusion(floats, ids, 7, 3), rtol=0, atol=1e-4)
     assert stored.weights.embed_rows(3).shape == (D,)
