@@ -1,0 +1,110 @@
+"""Issue 44 item 3 in the app (AppTest): for a GGUF file the sidebar offers its weights dequantised or as stored, the
+registry holds both loads of the one file, and the sidebar says which is loaded with its weight bytes, counted here
+from the file's own tensor table (gguf-py's reader: each tensor's elements and bytes); a mode the browser invents is
+refused on the server. The Quantization page sets the file as stored against its dequantised self with the engine's
+numbers (engine.tools.quant_stored.stored_report on the same two models and the run's prompt and settings)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from engine.errors import EngineError
+from engine.sources import bundled_gguf
+from engine.tools.quant_stored import stored_report
+from inspector.session import models
+from inspector.session.model_choices import QUANT_LABELS, quant_of
+from inspector.ui.state import session_of
+from inspector.views.kv_cache import human_bytes
+from tests.helpers import as_shown
+
+pytestmark = pytest.mark.app
+
+TINY_LABEL = "tiny-llama (server default)"
+STORED = next(k for k, v in QUANT_LABELS.items() if v == "stored")
+
+
+@pytest.fixture
+def fresh_registry():
+    models.shared_model.clear()
+    yield
+    models.shared_model.clear()
+
+
+def open_app(monkeypatch, app_file, tiny_model_dir) -> AppTest:
+    from streamlit.runtime.pages_manager import PagesManager
+    monkeypatch.setenv("LLM_INSPECTOR_MODEL", str(tiny_model_dir))      # a model that is no GGUF file comes first
+    monkeypatch.setattr(PagesManager, "uses_pages_directory", None)
+    models.model_choices.clear()
+    at = AppTest.from_file(str(app_file), default_timeout=300)
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def model_line(at: AppTest) -> str:
+    (line,) = [as_shown(c.value) for c in at.sidebar.caption if c.value.startswith("Model: ")]
+    return line
+
+
+def quant_box(at: AppTest) -> list:
+    return [s for s in at.sidebar.selectbox if s.key == "sb_quant"]
+
+
+def file_bytes() -> tuple[int, dict[str, int]]:
+    """The bundled file's weights from its tensor table: dequantised, every element in float32; as stored, each
+    tensor's own bytes under its type's name (F32 norms as float32)."""
+    from gguf import GGUFReader
+    floats, stored = 0, {}
+    for t in GGUFReader(str(bundled_gguf())).tensors:
+        kind = t.tensor_type.name
+        floats += 4 * int(t.n_elements)
+        key = "float32" if kind == "F32" else kind
+        stored[key] = stored.get(key, 0) + int(t.n_bytes)
+    return floats, stored
+
+
+def test_the_sidebar_loads_a_gguf_as_stored_beside_its_dequantised_self(monkeypatch, app_file, tiny_model_dir,
+                                                                        fresh_registry):
+    floats, stored = file_bytes()
+    assert 530e6 < floats < 545e6 and 95e6 < sum(stored.values()) < 99e6      # ~538 MB and ~97 MB
+    at = open_app(monkeypatch, app_file, tiny_model_dir)
+    assert not quant_box(at)                       # a Hugging Face folder has no blocks to keep
+    at.sidebar.selectbox(key="sb_model").set_value(models.BUNDLED).run()
+    assert not at.exception, at.exception
+    (box,) = quant_box(at)
+    assert box.options == list(QUANT_LABELS) and box.value == "dequantised (floats)"
+    line = model_line(at)
+    assert f"· weights {human_bytes(floats)} float32 ·" in line and "as stored" not in line, line
+    box.set_value(STORED).run()
+    assert not at.exception, at.exception
+    line = model_line(at)
+    parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(stored.items(), key=lambda kv: -kv[1]))
+    assert f"· cpu · float32 · weights as stored (GGUF blocks) {human_bytes(sum(stored.values()))}: {parts} ·" \
+        in line, line
+    assert "weights kept quantized" in line
+    held = {(h.name, h.dtype): sum(h.weight_bytes.values()) for h in models.held()}
+    assert held[(models.BUNDLED, "float32")] == floats                      # both modes of the one file are held
+    assert held[(f"{models.BUNDLED} (as stored)", "float32")] == sum(stored.values())
+
+
+def test_a_weights_mode_the_browser_invents_is_refused_on_the_server(monkeypatch, app_file, tiny_model_dir,
+                                                                     fresh_registry):
+    for bad in ("q4; rm -rf /", "STORED", ["stored"], 3):
+        mode = quant_of(bad, None)               # the bundled file: a label no choice names is passed on as it came
+        assert mode == bad
+        state = models.model_load(None, "cpu", "float32", quant=mode)
+        assert state.model is None and "unsupported weights mode" in state.error, (bad, state)
+        with pytest.raises(EngineError, match="unsupported weights mode"):
+            models.shared_model(None, "cpu", "float32", quant=mode)
+    assert not models.held()                     # nothing was loaded for any of them
+    assert quant_of(STORED, str(tiny_model_dir)) == "dequantized"      # no GGUF file: never "stored"
+    at = open_app(monkeypatch, app_file, tiny_model_dir)
+    # A forged value in the widget's state, in the same script run as the choice of the GGUF file: Streamlit puts
+    # the box back to its first option, and the model loaded is the dequantised one (the registry refuses the rest).
+    at.session_state["sb_model"] = models.BUNDLED
+    at.session_state["sb_quant"] = "../../etc/passwd"
+    at.run(timeout=300)
+    assert not at.exception and at.session_state["sb_quant"] == "dequantised (floats)"
+    assert "as stored" not in model_line(at) and all("passwd" not in h.name for h in models.held())
