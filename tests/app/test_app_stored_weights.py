@@ -6,17 +6,20 @@ numbers (engine.tools.quant_stored.stored_report on the same two models and the 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from streamlit.testing.v1 import AppTest
 
 from engine.errors import EngineError
 from engine.sources import bundled_gguf
-from engine.tools.quant_stored import stored_report
+from engine.tools.quant_stored import TOLERANCE, stored_report
 from inspector.session import models
 from inspector.session.model_choices import QUANT_LABELS, quant_of
 from inspector.ui.state import session_of
 from inspector.views.kv_cache import human_bytes
+from inspector.views.stored import FLOOR
+from tests.app.test_app_pages_a import arr
 from tests.helpers import as_shown
 
 pytestmark = pytest.mark.app
@@ -108,3 +111,63 @@ def test_a_weights_mode_the_browser_invents_is_refused_on_the_server(monkeypatch
     at.run(timeout=300)
     assert not at.exception and at.session_state["sb_quant"] == "dequantised (floats)"
     assert "as stored" not in model_line(at) and all("passwd" not in h.name for h in models.held())
+
+
+def test_the_quantization_page_sets_the_file_as_stored_against_its_dequantised_self(monkeypatch, app_file,
+                                                                                     tiny_model_dir, fresh_registry):
+    at = open_app(monkeypatch, app_file, tiny_model_dir)
+    at.sidebar.selectbox(key="sb_model").set_value(models.BUNDLED).run()
+    at.sidebar.text_area(key="sb_prompt").set_value("The capital of France is")
+    at.sidebar.number_input(key="sb_max_new").set_value(5)
+    at.sidebar.button(key="sb_run").click().run()
+    assert not at.exception, at.exception
+    run = session_of(at.session_state).run
+    at.switch_page("views/quantization.py").run()
+    assert not at.exception, at.exception
+    at.button(key="qz_stored_run").click().run()
+    assert not at.exception, at.exception
+    # the engine's numbers on the same two models (the registry's: the sidebar's dequantised one and the stored
+    # load the page made), the run's prompt and settings, as many tokens as it generated
+    stored = models.shared_model(None, "cpu", "float32", quant="stored")
+    dequant = models.shared_model(None, "cpu", "float32")
+    assert stored.weights.quantized() and not dequant.weights.quantized()
+    want = stored_report(stored, dequant, dataclasses.replace(run.settings, max_new_tokens=len(run.result.token_ids)))
+    (table,) = [d.value for d in at.dataframe if "rel_l2" in d.value.columns]
+    assert table["stage"].tolist() == [r["stage"] for r in want.per_stage]
+    assert table["rel_l2"].tolist() == [r["rel_l2"] for r in want.per_stage]
+    assert table["max_abs_diff"].tolist() == [r["max_abs"] for r in want.per_stage]
+    assert not table["over_tolerance"].any()
+    (steps,) = [d.value for d in at.dataframe if "KL (nats)" in d.value.columns and "format" not in d.value.columns]
+    assert steps["KL (nats)"].tolist() == [s["kl"] for s in want.per_step] and steps["same top"].all()
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Logits max |Δ|"] == f"{want.logits_max_abs:.3g}" and metrics["KL mean (nats)"] == \
+        f"{want.kl_mean:.3g}" and metrics["First stage over the tolerance"] == "none"
+    (fig,) = [json.loads(e.proto.spec) for e in at.get("plotly_chart") if e.key == "qz_stored_fig"]
+    rel = next(t for t in fig["data"] if t["name"] == "relative L2")
+    assert arr(rel["y"]).tolist() == pytest.approx([max(r["rel_l2"], FLOOR) for r in want.per_stage], rel=1e-12)
+    assert fig["layout"]["shapes"][0]["y0"] == TOLERANCE
+    (heat,) = [json.loads(e.proto.spec) for e in at.get("plotly_chart") if e.key == "qz_stored_heat"]
+    assert arr(heat["data"][0]["z"]).shape == (len(want.per_stage), want.steps)
+
+
+def test_compare_runs_sets_the_file_as_stored_against_the_sidebars_dequantised_model(monkeypatch, app_file,
+                                                                                      tiny_model_dir, fresh_registry):
+    at = open_app(monkeypatch, app_file, tiny_model_dir)
+    at.switch_page("views/compare.py").run()
+    assert "GGUF as stored" not in at.selectbox(key="cmp_dtype_b").options        # the tiny folder: no blocks
+    at.sidebar.selectbox(key="sb_model").set_value(models.BUNDLED).run()
+    at.number_input(key="cmp_max_new").set_value(6)
+    at.selectbox(key="cmp_dtype_b").set_value("GGUF as stored").run()
+    at.button(key="cmp_run").click().run()
+    assert not at.exception, at.exception
+    res = session_of(at.session_state).compared
+    na, da, nb, db = res["names"]
+    assert "kept quantized" not in na and nb.endswith("[weights kept quantized]") and da == db == "torch.float32"
+    # which load each side ran: each configuration again on the registry's two loads of the file, by name
+    from inspector.views.compare import run_config
+    ids, seed = res["a"].prompt_ids, at.session_state["cmp_seed"]
+    stored = models.shared_model(None, "cpu", "float32", quant="stored")
+    dequant = models.shared_model(None, "cpu", "float32")
+    assert run_config(dequant, ids, res["cfg_a"], max_new_tokens=6, seed=seed).token_ids == res["a"].token_ids
+    assert run_config(stored, ids, res["cfg_b"], max_new_tokens=6, seed=seed).token_ids == res["b"].token_ids
+    assert any("[weights kept quantized]" in as_shown(c.value) for c in at.caption)
