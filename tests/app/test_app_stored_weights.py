@@ -171,3 +171,28 @@ def test_compare_runs_sets_the_file_as_stored_against_the_sidebars_dequantised_m
     assert run_config(dequant, ids, res["cfg_a"], max_new_tokens=6, seed=seed).token_ids == res["a"].token_ids
     assert run_config(stored, ids, res["cfg_b"], max_new_tokens=6, seed=seed).token_ids == res["b"].token_ids
     assert any("[weights kept quantized]" in as_shown(c.value) for c in at.caption)
+
+
+def test_the_nan_doctor_says_a_weight_fault_on_the_stored_file_worked_on_its_dequantised_value(
+        monkeypatch, app_file, tiny_model_dir, fresh_registry):
+    at = open_app(monkeypatch, app_file, tiny_model_dir)
+    at.sidebar.selectbox(key="sb_model").set_value(models.BUNDLED).run()
+    at.sidebar.selectbox(key="sb_quant").set_value(STORED).run()
+    at.sidebar.text_area(key="sb_prompt").set_value("Hi")
+    at.sidebar.number_input(key="sb_max_new").set_value(2)
+    at.sidebar.button(key="sb_run").click().run()
+    assert not at.exception, at.exception
+    at.switch_page("views/nan_doctor.py").run()
+    at.selectbox(key="nd_preset").set_value("custom").run()
+    at.selectbox(key="nd_kind").set_value("scale").run()
+    at.selectbox(key="nd_target").set_value("weight: mlp.w_down").run()
+    at.number_input(key="nd_layer").set_value(3)
+    at.number_input(key="nd_factor").set_value(2.0)
+    at.number_input(key="nd_max_new").set_value(2).run()
+    at.button(key="nd_inject").click().run()
+    assert not at.exception, at.exception
+    fmt = models.shared_model(None, "cpu", "float32", quant="stored").weights.layers[3].w_down.format
+    said = [as_shown(w.value) for w in at.warning if "weight override" in as_shown(w.value)]
+    assert said == [f"weight override blocks.3.mlp.w_down ({fmt}, kept quantized): weights kept quantized: this uses "
+                    "their dequantised float32 values (QuantMatrix.dequantize); the run multiplies by the overridden "
+                    "float32 matrix"], [w.value for w in at.warning]
