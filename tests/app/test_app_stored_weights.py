@@ -21,6 +21,7 @@ from inspector.views.kv_cache import human_bytes
 from inspector.views.stored import FLOOR
 from tests.app.test_app_pages_a import arr
 from tests.helpers import as_shown
+from tests.unit.test_report import embedded
 
 pytestmark = pytest.mark.app
 
@@ -148,6 +149,15 @@ def test_the_quantization_page_sets_the_file_as_stored_against_its_dequantised_s
     assert fig["layout"]["shapes"][0]["y0"] == TOLERANCE
     (heat,) = [json.loads(e.proto.spec) for e in at.get("plotly_chart") if e.key == "qz_stored_heat"]
     assert arr(heat["data"][0]["z"]).shape == (len(want.per_stage), want.steps)
+    # the Overview's take-home report carries it in its Tools section, the engine's numbers again
+    at.switch_page("views/overview.py").run()
+    at.button(key="ov_report_make").click().run()
+    assert not at.exception, at.exception
+    html = list(session_of(at.session_state).memos["ov_report"].values())[-1]
+    (tool,) = embedded(html, "report-data")["tools"]
+    worst = sorted(want.per_stage, key=lambda r: -r["rel_l2"])[:len(tool["rows"])]
+    assert tool["id"] == "tool-stored" and [r[:3] for r in tool["rows"]] == [
+        [r["stage"], r["max_abs"], r["rel_l2"]] for r in worst]
 
 
 def test_compare_runs_sets_the_file_as_stored_against_the_sidebars_dequantised_model(monkeypatch, app_file,
