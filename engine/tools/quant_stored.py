@@ -92,7 +92,8 @@ def compare_stored(stored: Model, dequant: Model, ids: list[int], n_prompt: int,
                    text: str = "", own: list[int] | None = None, own_text: str = "",
                    on_progress: OnProgress | None = None) -> StoredReport:
     """Stored against dequantised over the same ids; the generated steps are logits rows n_prompt-1 ..
-    len(ids)-2. own: the stored model's own generated tokens (compared with ids[n_prompt:])."""
+    len(ids)-2. own: the stored model's own generated tokens (compared with ids[n_prompt:]; None: taken as ids').
+    on_progress hears units 2-4 of stored_report's four (the two forwards, the end)."""
     check_pair(stored, dequant)
     ids = [int(i) for i in ids]
     if not 0 < n_prompt < len(ids):
