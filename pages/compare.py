@@ -1,5 +1,6 @@
 """Compare two runs of one prompt (the current run's or the sidebar's) with one seed: sampler settings, dtype
-(another load of the model), KV cache on/off, an intervention. A token-aligned table, the first step where the
+(another load of the model; for a GGUF file, the file as stored against its dequantised self), KV cache on/off, an
+intervention. A token-aligned table, the first step where the
 runs diverge, and how much every stage differs at that step; and a determinism check (inspector.ui.determinism_panel:
 the same request alone, in a class's batch, on one thread, on the other path, compared bit for bit) and steering
 (inspector.ui.steering_panel). Only the Compare, Check determinism and Steer buttons run the model; the rest is
@@ -8,9 +9,10 @@ import streamlit as st
 
 from engine import EngineError, Probe, RunSettings, SamplingParams
 from inspector.session.limits import LimitError
-from inspector.session.models import model_choices, shared_model
+from inspector.session.model_choices import is_gguf
+from inspector.session.models import shared_model
 from inspector.session.run import check_settings
-from inspector.ui.common import current_run, device_slot, get_model, plain, server_limits
+from inspector.ui.common import chosen_source, current_run, device_slot, get_model, plain, server_limits
 from inspector.ui.determinism_panel import determinism_section
 from inspector.ui.steering_panel import steering_section
 from inspector.ui.frame import ensure_frame
@@ -22,6 +24,7 @@ from inspector.views.tokens import visible
 MAX_RECOMPUTED_POSITIONS = 16_384     # KV cache off: positions computed over all steps, per configuration
 MAX_ATTENTION_POSITIONS = 1_024       # attention maps: (heads, T, T) of one layer at a time
 DTYPES = ["sidebar's", "float32", "bfloat16", "float16"]
+STORED = "GGUF as stored"             # the sidebar's GGUF file with its matrices kept in blocks (CPU, float32)
 IV_KINDS = ["none", "zero heads", "scale a stage"]
 MAX_FIELD_CHARS = 200                 # heads or a stage glob, parsed and matched against every stage
 MAX_FACTOR = 1e30
@@ -71,7 +74,9 @@ def config_panel(k: str, temperature: float) -> cmp.RunConfig | None:
     st.markdown(f"**Run {k.upper()}**")
     params = sampling_form(f"cmp_{k}", SamplingParams(temperature=temperature))
     c = st.columns(2)
-    dtype = c[0].selectbox("Dtype", DTYPES, key=f"cmp_dtype_{k}")
+    dtype = c[0].selectbox("Dtype", DTYPES + ([STORED] if is_gguf(chosen_source()) else []), key=f"cmp_dtype_{k}",
+                           help="A dtype loads the sidebar's model again dequantised to it; for a GGUF file, "
+                                f"{STORED!r} loads it with its matrices kept in the file's blocks.")
     cache = c[1].toggle("KV cache", True, key=f"cmp_cache_{k}", help="Off: the whole sequence is recomputed "
                         "with model.logits at every step")
     kind = st.selectbox("Intervention", IV_KINDS, key=f"cmp_iv_{k}")
@@ -117,11 +122,17 @@ attention_maps = st.toggle("Include attention scores/pattern in the stage differ
 
 
 def model_for(dtype: str):
-    """The sidebar's model, or the same source loaded in another dtype (shared, cached like the sidebar's)."""
-    if dtype == DTYPES[0] or dtype == str(model.dtype).removeprefix("torch."):
+    """The sidebar's model, or the same source loaded in another dtype or, for a GGUF file, as stored (shared, cached
+    like the sidebar's). dtype came from the browser: the registry refuses anything but a dtype (pick_dtype)."""
+    stored = bool(model.weights.quantized())          # the sidebar's model is the GGUF file as stored
+    if dtype == DTYPES[0] or (dtype == STORED and stored) or (
+            not stored and dtype == str(model.dtype).removeprefix("torch.")):
         return model
-    choices = model_choices()
-    source = choices.get(s.get("sb_model"), next(iter(choices.values())))
+    source = chosen_source()
+    if dtype == STORED:
+        if not is_gguf(source):
+            raise EngineError(f"{STORED!r} needs a GGUF model in the sidebar")
+        return shared_model(source, "cpu", "float32", quant="stored")
     return shared_model(source, model.device.type, dtype)
 
 

@@ -147,6 +147,8 @@ if report is not None:
                 + (f", RMSNorm ε {report.norm_eps}" if report.norm_eps is not None else "") + f") · stop: "
                 f"**{plain(report.result.stop_reason)}**" + (f" · {plain(report.error)}" if report.error else ""))
     show_stop(report.result)
+    for note in report.notes:           # an override on a matrix kept quantised worked on its dequantised values
+        st.warning(plain(note))
     if report.first_nonfinite is None:
         st.success("The fault produced no NaN or Inf: every stage stayed finite.")
     else:

@@ -11,6 +11,7 @@ from engine.report.data import attention_maps, default_layers
 from engine.report.html import build_html
 from engine.sources import BUNDLED_NAME
 from engine.tools.quant_scoreboard import Scoreboard
+from engine.tools.quant_stored import StoredReport
 from inspector.session.limits import LimitError, check_run_positions, cut_text
 from inspector.session.memo import run_key
 from inspector.ui import common
@@ -33,18 +34,20 @@ STOP_HELP = {"eos": "The model chose its end-of-text token.", "stop_string": "Th
 
 def session_tools() -> tuple:
     """What this session's tools computed last (a QK score split, a steering run, a determinism check, a quantization
-    scoreboard), each as its JSON-able dict or None: the report's Tools section (engine.report.tools)."""
+    scoreboard, a GGUF file as stored vs dequantised), each as its JSON-able dict or None: the report's Tools
+    section (engine.report.tools)."""
     s = session()
-    boards = s.memo("qsb_boards")
+    boards, stored = s.memo("qsb_boards"), s.memo("qz_stored")
     board = next(reversed(boards.values()), None) if boards else None
-    return (s.qk[1] if s.qk else None, s.steered, s.determinism, board)
+    last_stored = next(reversed(stored.values()), None) if stored else None
+    return (s.qk[1] if s.qk else None, s.steered, s.determinism, board, last_stored)
 
 
 def make_report(run, model, on_progress=None, tools=()) -> str:
     """The run's report; with the model it was made with, also token texts and attention maps (first, middle
     and last layer), computed here under this server's limits (on_progress: engine.report.data.attention_maps');
     tools: session_tools(), shown in its Tools section."""
-    tools = [t.as_dict() if isinstance(t, Scoreboard) else t for t in tools if t is not None]
+    tools = [t.as_dict() if isinstance(t, (Scoreboard, StoredReport)) else t for t in tools if t is not None]
     if model is None or model.name != run.model_name:
         return build_html(run, command=reproduce_command(run, out="report.html"), tools=tools,
                           notes=["The model this run was made with is not loaded: no attention maps."])

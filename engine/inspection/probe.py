@@ -25,6 +25,7 @@ from engine.inspection.row_stats import PYTORCH, StatsBackend
 from engine.inspection.stat_sources import Given
 from engine.inspection.stats import StatsBatcher
 from engine.quant_matrix import QuantMatrix
+from engine.weights import FLOAT_NOTE
 
 WEIGHT_SLOTS = {s.probe: s.field for s in SLOTS}     # a block's weights by name (engine.family.slots)
 
@@ -53,6 +54,7 @@ class Probe:
         self._t0: Any = None
         self._weight_overrides: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         self._weight_cache: dict[str, torch.Tensor] = {}
+        self._dequantised: dict[str, str] = {}     # overridden weights kept quantised -> their format (notes())
         self.norm_eps: float | None = None   # run-only RMSNorm epsilon (fault injection: eps 0 on a zero input)
         self.recording.watched = self.watched()
 
@@ -89,6 +91,7 @@ class Probe:
         if fn is None:
             return original
         if isinstance(original, QuantMatrix):
+            self._dequantised[name] = original.format
             original = original.dequantize() if name != "embed.weight" else original.dequantize().t().contiguous()
         if name not in self._weight_cache:
             w = fn(original.clone())
@@ -129,6 +132,12 @@ class Probe:
         """What this probe changes, by name (replace patterns, overridden weights): the code itself is not kept."""
         return ([f"replace {'|'.join(pats)}" for pats, _, _ in self._replace_specs]
                 + [f"weight {name}" for name in self._weight_overrides])
+
+    def notes(self) -> list[str]:
+        """What a run's user must be told about its interventions: a weight override on a matrix kept in a GGUF
+        file's blocks (a model loaded as stored) worked on its dequantised float32 values, not on the blocks."""
+        return [f"weight override {name} ({fmt}, kept quantized): {FLOAT_NOTE}; the run multiplies by the "
+                "overridden float32 matrix" for name, fmt in self._dequantised.items()]
 
     @property
     def stats_batcher(self) -> StatsBatcher:

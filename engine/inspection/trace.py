@@ -82,9 +82,10 @@ def make_trace(settings: RunSettings, result: GenerationResult, probe: Probe | N
     rec = probe.recording if probe is not None else result.recording
     nf = locate_nonfinite(rec) if rec is not None else None
     inter = probe.interventions() if probe is not None else []
+    said = list(notes or []) + (probe.notes() if probe is not None else [])     # an override on stored blocks
     return Trace(settings, result, rec, model_name, float(seconds),
                  time.time() if created is None else float(created), find_loops(result.token_ids),
-                 None if nf is None else nf.as_dict(), inter, dict(extra or {}), list(notes or []))
+                 None if nf is None else nf.as_dict(), inter, dict(extra or {}), said)
 
 
 # ---- writing --------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The report's tool sections: what the session's tools computed beside the run (issue 47: "appears in the offline
-report where it applies"): a QK score split, a steering run, a determinism check, a quantization scoreboard. Each
-comes as the tool's own JSON (`as_dict()`, the `--json` of its CLI twin: `python -m engine qk|steer|quant-scoreboard|
-doctor --determinism`) and is turned here into a titled table of plain values for engine.report.html to draw.
+report where it applies"): a QK score split, a steering run, a determinism check, a quantization scoreboard, a GGUF
+file as stored against its dequantised self. Each comes as the tool's own JSON (`as_dict()`, the `--json` of its CLI twin: `python -m engine qk|steer|quant-scoreboard|
+quant-stored|doctor --determinism`) and is turned here into a titled table of plain values for engine.report.html to draw.
 
 A tool's JSON may come from a file a user hands the CLI (`report --tool-json FILE`), so it is input like any other:
 each kind is recognised by its keys, every value is checked for its type (text cut to MAX_TEXT characters, numbers
@@ -18,7 +18,7 @@ from engine.errors import InputError
 MAX_FILE_BYTES = 8 << 20     # a tool's JSON file (a scoreboard keeps its per-position lists: a few MB at most)
 MAX_ROWS = 40
 MAX_TEXT = 200
-KINDS = ("qk", "steering", "determinism", "scoreboard")
+KINDS = ("qk", "steering", "determinism", "scoreboard", "stored")
 
 
 def kind_of(d: dict) -> str:
@@ -28,7 +28,8 @@ def kind_of(d: dict) -> str:
     if "determinism" in d and isinstance(d["determinism"], dict):
         return "determinism"                  # the doctor's report with its --determinism section
     for kind, keys in (("qk", {"top_pairs", "score", "remainder"}), ("steering", {"steered_text", "plain_text"}),
-                       ("determinism", {"trials", "headline"}), ("scoreboard", {"formats", "reference"})):
+                       ("determinism", {"trials", "headline"}), ("scoreboard", {"formats", "reference"}),
+                       ("stored", {"stored", "dequantized", "per_stage", "tolerance"})):
         if keys <= set(d):
             return kind
     raise InputError(f"not the JSON of a tool the report shows ({', '.join(KINDS)}); its keys: "
@@ -136,7 +137,24 @@ def _scoreboard(d: dict) -> dict:
             "numeric": [1, 2, 3, 4]}
 
 
-SECTIONS = {"qk": _qk, "steering": _steering, "determinism": _determinism, "scoreboard": _scoreboard}
+def _stored(d: dict) -> dict:
+    tol = _num(d.get("tolerance"), "tolerance")
+    caption = (f"{_text(d.get('stored'), 'stored')} against {_text(d.get('dequantized'), 'dequantized')} (the same "
+               f"file dequantised to float32), token-aligned over {_text(d.get('positions'), 'positions')} positions: "
+               f"logits max |Δ| {_num(d.get('logits_max_abs'), 'logits max |Δ|')}, KL mean "
+               f"{_num(d.get('kl_mean'), 'KL mean')} nats, same top token {_num(d.get('same_top'), 'same top')}; "
+               f"first stage over the tolerance {tol}: {_text(d.get('first_stage_over'), 'stage') or 'none'}. The "
+               "stages with the largest relative L2 difference:")
+    stages = [_obj(x, "stage") for x in d["per_stage"][:4096]] if isinstance(d["per_stage"], list) else []
+    worst = sorted(stages, key=lambda r: -(_num(r.get("rel_l2"), "relative L2") or 0.0))
+    rows = [[_text(r.get("stage"), "stage"), _num(r.get("max_abs"), "max |Δ|"), _num(r.get("rel_l2"), "relative L2"),
+             "yes" if r.get("over") is True else "no"] for r in _list(worst, "stages")]
+    return {"id": "tool-stored", "title": "GGUF as stored vs dequantised", "caption": caption,
+            "header": ["stage", "max |Δ|", "relative L2", "over the tolerance"], "rows": rows, "numeric": [1, 2]}
+
+
+SECTIONS = {"qk": _qk, "steering": _steering, "determinism": _determinism, "scoreboard": _scoreboard,
+            "stored": _stored}
 
 
 def tool_sections(tools) -> list[dict]:

@@ -162,6 +162,7 @@ class DoctorReport:
     first_nonfinite: FirstNonFinite | None
     lead_up: list[dict] = field(default_factory=list)
     error: str | None = None
+    notes: list[str] = field(default_factory=list)    # the probe's: an override that worked on dequantised blocks
 
     def as_dict(self) -> dict:
         from engine.inspection.loops import find_loops
@@ -171,7 +172,8 @@ class DoctorReport:
                 "text": r.text, "stop_reason": r.stop_reason, "error": self.error,
                 "nonfinite_logits": nonfinite_stop(r),
                 "first_nonfinite": None if self.first_nonfinite is None else self.first_nonfinite.as_dict(),
-                "lead_up": self.lead_up, "loops": [lp.as_dict() for lp in find_loops(r.token_ids)]}
+                "lead_up": self.lead_up, "loops": [lp.as_dict() for lp in find_loops(r.token_ids)],
+                "notes": self.notes}
 
 
 def run_doctor(model: Model, prompt, *, injections=(), norm_eps: float | None = None, probe: Probe | None = None,
@@ -204,7 +206,7 @@ def run_doctor(model: Model, prompt, *, injections=(), norm_eps: float | None = 
         result = dataclasses.replace(result, stop_reason=stop)
     nf = locate_nonfinite(probe.recording)
     return DoctorReport(result, probe, specs, norm_eps, str(model.dtype).removeprefix("torch."), nf,
-                        [] if nf is None else lead_up(probe.recording, nf, lead_up_k), error)
+                        [] if nf is None else lead_up(probe.recording, nf, lead_up_k), error, probe.notes())
 
 
 # ---- precision comparison -----------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The models this server offers: a fixed list of choices (the browser picks a label, never a path), from the server
 default ($LLM_INSPECTOR_MODEL), the bundled model, models under $LLM_INSPECTOR_MODEL_ROOTS and the local hub cache,
-listed again at most once a minute. inspector.session.models loads and holds them."""
+listed again at most once a minute; which of them are GGUF files, whose weights can be held as stored (QUANT_LABELS).
+inspector.session.models loads and holds them."""
 from __future__ import annotations
 
 import os
@@ -8,10 +9,13 @@ import threading
 import time
 from pathlib import Path
 
-from engine.sources import find_in_hub_cache, hub_cache_dirs
+from engine.errors import EngineError
+from engine.sources import find_in_hub_cache, gguf_path_of, hub_cache_dirs
 
 BUNDLED = "SmolLM2-135M-Instruct (bundled)"
 CHOICES_TTL_S = 60
+# A GGUF file's weights as a browser chooses them -> engine.loader.load_model's quant (the one list of labels)
+QUANT_LABELS = {"dequantised (floats)": "dequantized", "as stored (GGUF blocks, CPU float32)": "stored"}
 _choices: list = []        # [when, {label: source}]
 _choices_lock = threading.Lock()
 
@@ -54,6 +58,22 @@ def _list_choices() -> dict[str, str | None]:
             if snap is not None and _is_file(snap / "config.json"):
                 choices[f"{repo_id} (hub cache)"] = repo_id
     return choices
+
+
+def is_gguf(source: str | None) -> bool:
+    """Whether a listed source is a GGUF file (the bundled model's included): the ones that can be kept as stored."""
+    try:
+        return gguf_path_of(source) is not None
+    except (EngineError, OSError):         # the bundled package missing, an unreadable path: not offered
+        return False
+
+
+def quant_of(label, source: str | None) -> str:
+    """The weights mode a browser's label asks for: "dequantized" for a source that is no GGUF file or no label;
+    a label that is not one of QUANT_LABELS is passed on as it came, for the registry to refuse (models._key)."""
+    if label is None or not is_gguf(source):
+        return "dequantized"
+    return next((mode for text, mode in QUANT_LABELS.items() if text == label), label)
 
 
 # Every page's sidebar lists the choices: an entry that cannot be read (a dangling symlink, a folder without

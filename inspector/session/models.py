@@ -1,5 +1,5 @@
-"""The models this server holds: a process-wide registry that loads each (source, device, dtype) once and shares
-it with every session. Models come only from model_choices() (inspector.session.model_choices: the server default,
+"""The models this server holds: a process-wide registry that loads each (source, device, dtype, and for a GGUF file
+its weights mode: dequantised or kept as stored) once and shares it with every session. Models come only from model_choices() (inspector.session.model_choices: the server default,
 the bundled model, models under $LLM_INSPECTOR_MODEL_ROOTS and the local hub cache; re-exported here). A page asks
 with model_load(), which never waits: the load runs in a thread of the registry (one per model for every session)
 and its progress is read by all.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from engine import EngineError, Model, ModelLoadError, UnsupportedModelError, load_model
 from engine.heap import trim
-from engine.loader import pick_device, pick_dtype
+from engine.loader import QUANT_MODES, pick_device, pick_dtype
 from engine.sources import cache_dir as engine_cache_dir
 from engine.sources import hub_cache_dirs
 from engine.variants import cast_model
@@ -78,11 +78,12 @@ COLLECT_EVERY_S = 1.0
 _collected = [float("-inf")]
 
 
-def shared_model(source: str | None, device: str, dtype: str, _progress=None) -> Model:
-    """The model for (source, device, dtype), loaded at most once per process and shared by all sessions; past
-    max_models the least recently used model nobody needs is unloaded first. Raises ModelLoadError (with the
-    reason) for a model that cannot be loaded, NoRoomError when every model held is in use."""
-    key = _key(source, device, dtype)
+def shared_model(source: str | None, device: str, dtype: str, _progress=None, quant: str = "dequantized") -> Model:
+    """The model for (source, device, dtype, quant: engine.loader.load_model's), loaded at most once per process and
+    shared by all sessions; past max_models the least recently used model nobody needs is unloaded first. Raises
+    ModelLoadError (with the reason) for a model that cannot be loaded, NoRoomError when every model held is in use,
+    EngineError for a quant that is not a mode."""
+    key = _key(source, device, dtype, quant)
     dev = pick_device(device)
     limit = _max_models()
     if _progress is not None:        # a load's progress is drawn in a student's browser: no server folders
@@ -112,8 +113,8 @@ def shared_model(source: str | None, device: str, dtype: str, _progress=None) ->
                 with _loads.slot(on_wait=lambda n: _progress and _progress(0.0, f"waiting to load: number {n} in "
                                                                                "the queue for model loads"),
                                  timeout=LOAD_QUEUE_TIMEOUT_S, client=None):
-                    slot.model = load_model(source, device=dev, dtype=key[2].removeprefix("torch."),
-                                            progress=_progress)
+                    slot.model = load_model(source, device=dev, dtype=key[-1].removeprefix("torch."),
+                                            progress=_progress, quant=quant)
             except ServerBusyError as e:      # the load queue is full: try again later, nothing is remembered
                 raise ModelLoadError(str(e)) from None
             except Exception as e:
@@ -129,9 +130,14 @@ def shared_model(source: str | None, device: str, dtype: str, _progress=None) ->
         slot.lock.release()
 
 
-def _key(source: str | None, device: str, dtype: str) -> tuple:
+def _key(source: str | None, device: str, dtype: str, quant: str = "dequantized") -> tuple:
+    """(source, device, dtype), or (source, "stored", device, dtype) for a GGUF file kept as stored: both modes of
+    one file can be held. quant comes from a browser: anything but a mode is refused here, on the server."""
+    if quant not in QUANT_MODES:
+        raise EngineError(f"unsupported weights mode {str(quant)[:40]!r}; use {' or '.join(QUANT_MODES)}")
     dev = pick_device(device)
-    return source, str(dev), str(pick_dtype(None if dtype == "auto" else dtype, dev))
+    dt = str(pick_dtype(None if dtype == "auto" else dtype, dev))
+    return (source, str(dev), dt) if quant == "dequantized" else (source, quant, str(dev), dt)
 
 
 # ---- loading in the background -------------------------------------------------------------------------------
@@ -167,9 +173,9 @@ class _Load:
     def progress(self, fraction: float, message: str) -> None:
         self.latest = (max(self.latest[0], min(max(fraction, 0.0), 1.0)), message)      # never moves back
 
-    def run(self, source: str | None, device: str, dtype: str) -> None:
+    def run(self, source: str | None, device: str, dtype: str, quant: str) -> None:
         try:
-            self.model = shared_model(source, device, dtype, _progress=self.progress)
+            self.model = shared_model(source, device, dtype, _progress=self.progress, quant=quant)
         except EngineError as e:     # shared_model says why (redacted); pick_device may refuse a device
             self.error, self.unsupported = str(e), isinstance(e, UnsupportedModelError)
             self.refused = isinstance(e, NoRoomError)
@@ -190,14 +196,15 @@ class _Load:
 _background: dict[tuple, _Load] = {}
 
 
-def model_load(source: str | None, device: str, dtype: str, user: ModelUser | None = None) -> LoadState:
-    """The model for (source, device, dtype) if it is loaded; otherwise its load's state, starting the load in a
+def model_load(source: str | None, device: str, dtype: str, user: ModelUser | None = None,
+               quant: str = "dequantized") -> LoadState:
+    """The model for (source, device, dtype, quant) if it is loaded; otherwise its load's state, starting the load in a
     thread of this registry if none runs (one load per model for every session; a failed one is tried again
     after LOAD_RETRY_S, a refused one at once). Never waits for the load. user: the asking session's record, kept
     weakly; this model becomes its choice (what it needs while it stays), and it is told (LoadState.unloaded) if
     the model was unloaded to make room since it last had it."""
     try:
-        key = _key(source, device, dtype)
+        key = _key(source, device, dtype, quant)
     except EngineError as e:
         return LoadState(error=str(e))
     with _models_lock:
@@ -222,7 +229,7 @@ def model_load(source: str | None, device: str, dtype: str, user: ModelUser | No
                     _background.pop(key, None)
                     return LoadState(error=str(e), refused=True, unloaded=unloaded)
             load = _background[key] = _Load()
-            threading.Thread(target=load.run, args=(source, device, dtype), daemon=True,
+            threading.Thread(target=load.run, args=(source, device, dtype, quant), daemon=True,
                              name=f"model-load-{label(source)}").start()
     return replace(load.state(), unloaded=unloaded)
 
@@ -317,8 +324,11 @@ def held() -> list[Held]:
 
 
 def _name(key: tuple) -> str:
-    """A registry key's model as a browser is told it: (source, device, dtype), or ("copy", name, device, dtype)."""
-    return f"{key[1]} (a low-precision copy)" if key[0] == "copy" and len(key) == 4 else label(key[0])
+    """A registry key's model as a browser is told it: (source, device, dtype), (source, "stored", device, dtype) or
+    ("copy", name, device, dtype) (a stored source is a .gguf file or the bundled None, never "copy")."""
+    if key[0] == "copy" and len(key) == 4:
+        return f"{key[1]} (a low-precision copy)"
+    return label(key[0]) + (" (as stored)" if len(key) == 4 else "")
 
 
 def shared_copy(model: Model, dtype: str) -> Model:

@@ -24,6 +24,7 @@ from inspector.session.budget import data_allowance, enforce
 from inspector.session.clients import COOKIELESS
 from inspector.session.limits import LimitError, Limits, LimitsConfigError, check_run_positions
 from inspector.session.memo import memo
+from inspector.session.model_choices import quant_of
 from inspector.session.models import LOAD_RETRY_S, LoadState, model_choices, model_load
 from inspector.session.on_demand import about, estimate, progress_text, record_rate
 from inspector.session.server_memory import weights_text
@@ -102,14 +103,21 @@ _LOAD_BOX: ContextVar = ContextVar("llm_inspector_load_box", default=None)   # t
 LOAD_POLL_S = 0.25
 
 
+def chosen_source() -> str | None:
+    """The source of the sidebar's model choice: one of model_choices(), never anything outside the list."""
+    choices = model_choices()
+    return choices.get(st.session_state.get("sb_model"), next(iter(choices.values())))
+
+
 def chosen_load() -> LoadState:
     """The load of the model chosen in the sidebar (started if it is not loaded); never waits."""
-    label = st.session_state.get("sb_model")
-    choices = model_choices()
-    source = choices.get(label, next(iter(choices.values())))     # never anything outside the list
+    label, source = st.session_state.get("sb_model"), chosen_source()
     device = st.session_state.get("sb_device", "auto")
     device = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    state = model_load(source, device, st.session_state.get("sb_dtype", "auto"), user=session())
+    dtype, quant = st.session_state.get("sb_dtype", "auto"), quant_of(st.session_state.get("sb_quant"), source)
+    if quant == "stored":        # its products decode blocks on the CPU in float32 (engine.loader.load_model)
+        device, dtype = "cpu", "float32"
+    state = model_load(source, device, dtype, user=session(), quant=quant)
     if state.unloaded is not None and state.model is not None:      # said in the sidebar once the model is back
         session().model_notice = plain(state.unloaded.notice(label or "The model", loaded=True))
     return state
@@ -157,8 +165,11 @@ def model_line(model: Model) -> None:
     path; once, that it was unloaded to make room and loaded again."""
     acc = model.accelerator
     weights = {str(d).removeprefix("torch."): n for d, n in model.weights.nbytes_by_dtype().items()}
+    # a GGUF file kept as stored counts its blocks' bytes under their formats (Weights.nbytes_by_dtype)
+    mode = " as stored (GGUF blocks)" if model.weights.quantized() else ""
     st.caption(f"Model: **{plain(model.name)}** ({model.config.model_type}) · {model.config.num_layers} layers · "
-               f"{model.device.type} · {str(model.dtype).removeprefix('torch.')} · weights {weights_text(weights)}"
+               f"{model.device.type} · {str(model.dtype).removeprefix('torch.')} · weights{mode} "
+               f"{weights_text(weights)}"
                " · decode: " + ("native step" if acc.decode is not None else "PyTorch forward"),
                help=None if acc.decode is not None else acc.why_not)
     ss = session()

@@ -24,6 +24,7 @@ from inspector.session.admission import shared_admission
 from inspector.session.estimate import Estimate, prefill_left
 from inspector.session.limits import LimitError, Limits, check_int, env_name
 from inspector.session.live_run import Cancelled, LiveRun, StillFinishing, rates
+from inspector.session.model_choices import QUANT_LABELS, is_gguf
 from inspector.session.models import model_choices
 from inspector.session.run import check_settings, generations, live_runs
 from inspector.session.server_memory import server_memory
@@ -77,7 +78,12 @@ def server_footer(slot, limits: Limits) -> None:
 def settings_widgets(limits: Limits, live: LiveRun | None) -> None:
     """The model, device, dtype and generation settings, and the demos."""
     with st.sidebar.expander("Model and device"):
-        st.selectbox("Model", list(model_choices()), key="sb_model")
+        choices = model_choices()
+        label = st.selectbox("Model", list(choices), key="sb_model")
+        if is_gguf(choices.get(label, next(iter(choices.values())))):
+            st.selectbox("Weights", list(QUANT_LABELS), key="sb_quant",
+                         help="A GGUF file: its matrices dequantised to floats (the device and dtype below), or "
+                              "kept in the file's own blocks and multiplied by them (CPU, float32).")
         c1, c2 = st.columns(2)
         c1.selectbox("Device", ["auto", "cpu"] + (["cuda"] if torch.cuda.is_available() else []), key="sb_device")
         c2.selectbox("Dtype", ["auto", "float32", "bfloat16", "float16"], key="sb_dtype")

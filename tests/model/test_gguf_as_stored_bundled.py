@@ -50,3 +50,21 @@ def test_the_bundled_model_as_stored_holds_the_files_block_bytes(stored, bundled
     assert {k: v for k, v in held.items() if isinstance(k, str)} == by_format
     assert w.nbytes() < bundled_model.weights.nbytes() / 4
     assert stored.accelerator.decode is not None and stored.accelerator.why_not == ""    # decode.c reads the blocks
+
+
+def test_the_bundled_file_as_stored_against_its_dequantised_self_stays_within_the_tolerance(stored, bundled_model):
+    """The tool (engine.tools.quant_stored) on the bundled file: every stage within the stated tolerance (relative L2
+    1e-4, the bound above), the same tokens chosen; its logits figure is this file's own hand figure."""
+    from engine import RunSettings, SamplingParams
+    from engine.tools.quant_stored import TOLERANCE, stored_report
+
+    settings = RunSettings(prompt="The capital of France is", max_new_tokens=8, params=SamplingParams(temperature=0))
+    r = stored_report(stored, bundled_model, settings)
+    worst = max(r.per_stage, key=lambda x: x["rel_l2"])
+    print(f"bundled as stored vs dequantised ({r.positions} positions, {r.steps} steps): logits max |Δ| "
+          f"{r.logits_max_abs:.3g}, relative L2 {r.logits_rel_l2:.3g}, KL mean {r.kl_mean:.3g} max {r.kl_max:.3g}; "
+          f"largest stage {worst['stage']} max |Δ| {worst['max_abs']:.3g} relative L2 {worst['rel_l2']:.3g}")
+    assert r.first_stage_over is None and worst["rel_l2"] <= TOLERANCE
+    assert r.same_top == 1.0 and r.own_first_divergence is None
+    assert r.stored_bytes == {str(k).removeprefix("torch."): v for k, v in stored.weights.nbytes_by_dtype().items()}
+    assert sum(r.stored_bytes.values()) < 100e6 < 500e6 < sum(r.dequantized_bytes.values())

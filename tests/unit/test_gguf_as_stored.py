@@ -252,3 +252,20 @@ def test_a_qkv_with_a_bias_is_dequantised_and_noted(cache):
     assert stored.weights.notes == ["layer 0: q/k/v with a bias (Q8_0) dequantised to float32"]
     assert torch.equal(lw.wqkv, floats.weights.layers[0].wqkv) and torch.equal(lw.bqkv, floats.weights.layers[0].bqkv)
     close_logits(stored.logits(IDS), floats.logits(IDS))
+
+
+def test_an_override_on_a_quantized_matrix_says_in_the_runs_notes_that_it_worked_on_the_dequantised_value(cache):
+    """Issue 44 item 3: the doctor's weight fault and a run's record both say, by weight and format, that the
+    override worked on the dequantised float32 values; a float model's run, and a fault on a stage, say nothing."""
+    from engine import RunSettings, make_trace
+    from engine.tools.doctor import run_doctor
+
+    stored, floats = both(write_gguf(cache / "tiny.gguf"))
+    report = run_doctor(stored, [1, 260, 72], injections=["scale=2@blocks.0.mlp.w_down"], max_new_tokens=2)
+    (note,) = report.notes
+    assert note.startswith("weight override blocks.0.mlp.w_down (Q5_0, kept quantized): ") and \
+        "dequantised float32" in note and report.as_dict()["notes"] == [note]
+    assert not run_doctor(floats, [1, 260, 72], injections=["scale=2@blocks.0.mlp.w_down"], max_new_tokens=2).notes
+    assert not run_doctor(stored, [1, 260, 72], injections=["zero@blocks.0.mlp_out"], max_new_tokens=2).notes
+    trace = make_trace(RunSettings(prompt="x", chat=False), report.result, report.probe, stored.name, 0.1)
+    assert trace.notes == [note]

@@ -26,7 +26,7 @@ def held(monkeypatch, tiny_model):
     """A loader that reports (0.3, "step one") and then waits for gate; its calls are counted."""
     gate, calls = threading.Event(), []
 
-    def load(source, *, device=None, dtype=None, progress=None):
+    def load(source, *, device=None, dtype=None, progress=None, quant="dequantized"):     # load_model's own
         calls.append(source)
         progress(0.3, "step one")
         assert gate.wait(60)
