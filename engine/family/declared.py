@@ -63,8 +63,9 @@ NEOX = {"attn_norm": _parts(("input_layernorm.weight", "d", "attn_norm.weight"))
         "w_down": _parts(("mlp.dense_4h_to_h.weight", "down", "ffn_down.weight")),
         "b_down": _parts(("mlp.dense_4h_to_h.bias", "d", "ffn_down.bias"))}
 # StableLM (stablelm-2, stablelm-3b-4e1t): Llama's names and gated MLP under LayerNorms with biases
-STABLELM = {**LLAMA, "attn_norm_bias": _parts(("input_layernorm.bias", "d", "attn_norm.bias")),
-            "mlp_norm_bias": _parts(("post_attention_layernorm.bias", "d", "ffn_norm.bias"))}
+STABLELM_NORM_BIASES = {"attn_norm_bias": _parts(("input_layernorm.bias", "d", "attn_norm.bias")),
+                        "mlp_norm_bias": _parts(("post_attention_layernorm.bias", "d", "ffn_norm.bias"))}
+STABLELM = {**LLAMA, **STABLELM_NORM_BIASES}
 # Phi (phi-1, phi-1.5, phi-2): a parallel block under one LayerNorm (no mlp_norm: the MLP reads the attention's
 # normed input), q/k/v and dense biases, a plain MLP fc1 -> GELU-tanh -> fc2 with biases
 PHI = {"attn_norm": _parts(("input_layernorm.weight", "d", "attn_norm.weight")),
@@ -76,7 +77,15 @@ PHI = {"attn_norm": _parts(("input_layernorm.weight", "d", "attn_norm.weight")),
        "b_up": _parts(("mlp.fc1.bias", "upb", "ffn_up.bias")),
        "w_down": _parts(("mlp.fc2.weight", "down", "ffn_down.weight")),
        "b_down": _parts(("mlp.fc2.bias", "d", "ffn_down.bias"))}
-BIAS_SLOTS = ("bqkv", "bo")     # the attention biases a family's bias flag switches
+# StarCoder 2: LayerNorms with biases, q/k/v/o biases, a plain MLP c_fc -> GELU-tanh -> c_proj with biases; use_bias
+# switches the projections' biases (never the norms')
+STARCODER2 = {**ATTN_NORM, **QKV, **WO, **MLP_NORM, **STABLELM_NORM_BIASES,
+              "bo": _parts(("self_attn.o_proj.bias", "d", "attn_output.bias")),
+              "w_up": _parts(("mlp.c_fc.weight", "up", "ffn_up.weight")),
+              "b_up": _parts(("mlp.c_fc.bias", "upb", "ffn_up.bias")),
+              "w_down": _parts(("mlp.c_proj.weight", "down", "ffn_down.weight")),
+              "b_down": _parts(("mlp.c_proj.bias", "d", "ffn_down.bias"))}
+BIAS_SLOTS = ("bqkv", "bo")     # the attention biases a family's bias flag switches (by default)
 
 
 @dataclass(frozen=True)
@@ -118,6 +127,7 @@ class Family:
     gguf_arch: str | None = None          # llama.cpp's general.architecture
     gguf_permutes_qk: bool = False        # llama.cpp's converter permuted q/k rows (its LlamaModel)
     bias: str = "flag"                    # q/k/v biases: "flag" (attention_bias), "always", "never"
+    bias_slots: tuple[str, ...] = BIAS_SLOTS   # the slots that flag switches
     norm_offset: float = 0.0              # RMSNorm multiplies by (offset + w) (Gemma: 1)
     activation: str = "silu"              # the gated MLP's: "silu" or "gelu_tanh"
     qk_norm: str | None = None            # RMSNorm of q and k before RoPE: "head" (per head) or "whole" (projection)
@@ -151,7 +161,7 @@ class Family:
             out.pop("w_down", None)
             out |= self.moe_parts
         if not bias:
-            for slot in BIAS_SLOTS:
+            for slot in self.bias_slots:
                 out.pop(slot, None)
         return out
 
@@ -215,6 +225,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            fixed={"qk_layernorm": False},
            checkpoint=Checkpoint(norm="model.final_layernorm.weight", norm_bias="model.final_layernorm.bias",
                                  lm_head_bias="lm_head.bias")),
+    Family("starcoder2", "Starcoder2ForCausalLM", STARCODER2, activation="gelu_tanh", norm="layer", mlp="plain",
+           windows="all", bias_default=True, tie_default=True, bias_slots=("bqkv", "bo", "b_up", "b_down"),
+           config_keys={"norm_epsilon": "rms_norm_eps", "use_bias": "attention_bias"},
+           checkpoint=Checkpoint(norm_bias="model.norm.bias")),
     Family("gpt_neox", "GPTNeoXForCausalLM", NEOX, activation="gelu", norm="layer", mlp="plain",
            rotary_fraction=True, parallel_residual=True, bias_default=True,
            config_keys={"layer_norm_eps": "rms_norm_eps", "rotary_pct": "partial_rotary_factor",

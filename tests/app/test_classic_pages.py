@@ -1,6 +1,6 @@
-"""Every page opens on a GPT-2 and on a GPT-NeoX run (AppTest, tiny transformers-made models from the reference
-tier's configs): no exception, no error, except Explain, which says by name that it does not split LayerNorm
-blocks yet."""
+"""Every page opens on a GPT-2, a GPT-NeoX and a StarCoder 2 run (AppTest, tiny transformers-made models from the
+reference tier's configs): no exception, no error, except Explain, which says by name that it does not split
+LayerNorm blocks yet."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +12,7 @@ PAGES = ("overview", "tokens", "attention", "activations", "kv_cache", "sampling
          "repetition", "nan_doctor", "compare", "quantization", "trace_files")
 
 
-@pytest.fixture(scope="module", params=["gpt2", "gpt_neox"])
+@pytest.fixture(scope="module", params=["gpt2", "gpt_neox", "starcoder2"])
 def classic_run(request, tmp_path_factory, tokenizer_files):
     from tests.reference.family_models import build
     folder = build(request.param, tmp_path_factory.mktemp("classic") / request.param, tokenizer_files)

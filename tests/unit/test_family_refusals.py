@@ -41,6 +41,7 @@ CASES = [
      "unsupported qk_layernorm=True for model_type='stablelm' (stablelm is implemented with qk_layernorm=False)"),
     ({"model_type": "stablelm", "use_parallel_residual": True},
      "unsupported use_parallel_residual=True for model_type='stablelm'"),
+    ({"model_type": "starcoder2", "hidden_act": "gelu"}, "unsupported hidden_act='gelu' for model_type='starcoder2'"),
     ({"model_type": "phi", "hidden_act": "gelu_new", "qk_layernorm": True},
      "unsupported qk_layernorm=True for model_type='phi'"),
 ]
