@@ -79,8 +79,8 @@ PHI = {"attn_norm": _parts(("input_layernorm.weight", "d", "attn_norm.weight")),
        "b_down": _parts(("mlp.fc2.bias", "d", "ffn_down.bias"))}
 # StarCoder 2: LayerNorms with biases, q/k/v/o biases, a plain MLP c_fc -> GELU-tanh -> c_proj with biases; use_bias
 # switches the projections' biases (never the norms')
-STARCODER2 = {**ATTN_NORM, **QKV, **WO, **MLP_NORM, **STABLELM_NORM_BIASES,
-              "bo": _parts(("self_attn.o_proj.bias", "d", "attn_output.bias")),
+BO = {"bo": _parts(("self_attn.o_proj.bias", "d", "attn_output.bias"))}
+STARCODER2 = {**ATTN_NORM, **QKV, **WO, **BO, **MLP_NORM, **STABLELM_NORM_BIASES,
               "w_up": _parts(("mlp.c_fc.weight", "up", "ffn_up.weight")),
               "b_up": _parts(("mlp.c_fc.bias", "upb", "ffn_up.bias")),
               "w_down": _parts(("mlp.c_proj.weight", "down", "ffn_down.weight")),
@@ -144,7 +144,9 @@ class Family:
     moe_parts: dict[str, tuple[Part, ...]] = field(default_factory=dict)   # slots of a mixture-of-experts layer
     norm: str = "rms"                     # "rms" (RMSNorm) or "layer" (LayerNorm, with a bias slot beside each)
     mlp: str = "gated"                    # "gated" (act(gate) * up) or "plain" (act(up), with biases)
-    positions: str = "rope"               # "rope" or "learned" (absolute position embeddings added to the tokens)
+    positions: str = "rope"               # "rope" (halves rotate together), "rope_interleaved" (adjacent pairs:
+    #                                       Cohere) or "learned" (absolute position embeddings added to the tokens)
+    logit_scale: bool = False             # Cohere's logit_scale multiplies the logits
     parallel_residual: bool = False       # reads use_parallel_residual: x + attn(ln1(x)) + mlp(ln2(x)), or
     #                                       x + attn(ln1(x)) + mlp(ln1(x)) where the block has no mlp_norm (Phi)
     bias_default: bool = False            # attention_bias when config.json does not say
@@ -229,6 +231,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            windows="all", bias_default=True, tie_default=True, bias_slots=("bqkv", "bo", "b_up", "b_down"),
            config_keys={"norm_epsilon": "rms_norm_eps", "use_bias": "attention_bias"},
            checkpoint=Checkpoint(norm_bias="model.norm.bias")),
+    # Cohere (Command R): a parallel block under one bias-free LayerNorm (as Phi's), Llama's gated SiLU MLP, RoPE on
+    # adjacent pairs of dimensions, the logits times logit_scale, the head tied by default; attention_bias biases
+    # q/k/v and o
+    Family("cohere", "CohereForCausalLM", {**ATTN_NORM, **QKV, **WO, **BO, **GATED_MLP},
+           norm="layer", positions="rope_interleaved", logit_scale=True, parallel_residual=True, tie_default=True,
+           config_keys={"layer_norm_eps": "rms_norm_eps"}, fixed={"use_qk_norm": False, "use_parallel_residual": True}),
     Family("gpt_neox", "GPTNeoXForCausalLM", NEOX, activation="gelu", norm="layer", mlp="plain",
            rotary_fraction=True, parallel_residual=True, bias_default=True,
            config_keys={"layer_norm_eps": "rms_norm_eps", "rotary_pct": "partial_rotary_factor",
