@@ -109,7 +109,7 @@ def config_from_gguf(reader) -> dict:
     if rot is not None and int(rot) != cfg["head_dim"]:
         if not fam.rotary_fraction:
             raise UnsupportedModelError(f"GGUF {arch}.rope.dimension_count={rot} differs from head_dim="
-                                        f"{cfg['head_dim']}: a partial rotary is declared for phi3 only")
+                                        f"{cfg['head_dim']}: a partial rotary is not declared for {fam.model_type}")
         cfg["partial_rotary_factor"] = int(rot) / cfg["head_dim"]
     cfg |= _rope_scaling(reader, fam, get, cfg) | _block_variations(fam, get, cfg, names)
     return cfg

@@ -237,7 +237,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("cohere", "CohereForCausalLM", {**ATTN_NORM, **QKV, **WO, **BO, **GATED_MLP},
            norm="layer", positions="rope_interleaved", logit_scale=True, parallel_residual=True, tie_default=True,
            config_keys={"layer_norm_eps": "rms_norm_eps"}, fixed={"use_qk_norm": False, "use_parallel_residual": True}),
-    Family("gpt_neox", "GPTNeoXForCausalLM", NEOX, activation="gelu", norm="layer", mlp="plain",
+    Family("gpt_neox", "GPTNeoXForCausalLM", NEOX, gguf_arch="gptneox", activation="gelu", norm="layer", mlp="plain",
            rotary_fraction=True, parallel_residual=True, bias_default=True,
            config_keys={"layer_norm_eps": "rms_norm_eps", "rotary_pct": "partial_rotary_factor",
                         "rotary_emb_base": "rope_theta"},
