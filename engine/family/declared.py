@@ -218,7 +218,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                                  ignored=r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")),
     # q/k/v biases by use_qkv_bias, none on o_proj; a rotary fraction (0.25 by default); a sequential block only
     # (stablelm-2-12b's parallel residual shares one norm, and its qk_layernorm is a LayerNorm per head)
-    Family("stablelm", "StableLmForCausalLM", STABLELM, norm="layer", rotary_fraction=True,
+    Family("stablelm", "StableLmForCausalLM", STABLELM, gguf_arch="stablelm", norm="layer", rotary_fraction=True,
            config_keys={"layer_norm_eps": "rms_norm_eps", "use_qkv_bias": "attention_bias"},
            fixed={"qk_layernorm": False},
            checkpoint=Checkpoint(norm_bias="model.norm.bias")),
