@@ -22,7 +22,8 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.reference
 PROMPT = [int(t) for t in torch.randint(3, 49000, (24,), generator=torch.Generator().manual_seed(11))]
 # The cases of every family with a gguf_arch (mixtral is written as llama), without longrope.
-CLASSIC = ["gpt2", "gpt_neox", "gpt_neox-sequential", "phi", "stablelm", "stablelm-qkv-bias"]
+CLASSIC = ["gpt2", "gpt_neox", "gpt_neox-sequential", "phi", "stablelm", "stablelm-qkv-bias", "starcoder2",
+           "starcoder2-no-bias"]
 GGUF_CASES = ["llama3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "smollm3",
               "mixtral", "qwen3_moe", *CLASSIC]
 # What llama.cpp hard-codes rather than stores, so a file can only say it one way: the case set that way.
@@ -33,6 +34,7 @@ LLAMA_CPP_FIXED = {
     "smollm3": dict(no_rope_layers=[1, 1, 1, 0]),     # every 4th layer without RoPE (n_no_rope_layer_step = 4)
     "gpt2": dict(n_inner=None),                       # GPT2Model writes feed_forward_length = 4 x n_embd
     "phi": dict(intermediate_size=256),               # so does Phi2Model
+    "starcoder2": dict(sliding_window=None),          # StarCoder2Model writes no window: llama.cpp computes none
 }
 
 
