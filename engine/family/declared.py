@@ -228,7 +228,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            checkpoint=Checkpoint(norm="model.final_layernorm.weight", norm_bias="model.final_layernorm.bias",
                                  lm_head_bias="lm_head.bias")),
     Family("starcoder2", "Starcoder2ForCausalLM", STARCODER2, gguf_arch="starcoder2", activation="gelu_tanh",
-           norm="layer", mlp="plain", windows="all", bias_default=True, tie_default=True, bias_slots=("bqkv", "bo", "b_up", "b_down"),
+           norm="layer", mlp="plain", windows="all", bias_default=True, tie_default=True,
+           bias_slots=("bqkv", "bo", "b_up", "b_down"),
            config_keys={"norm_epsilon": "rms_norm_eps", "use_bias": "attention_bias"},
            checkpoint=Checkpoint(norm_bias="model.norm.bias")),
     # Cohere (Command R): a parallel block under one bias-free LayerNorm (as Phi's), Llama's gated SiLU MLP, RoPE on
