@@ -235,7 +235,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # Cohere (Command R): a parallel block under one bias-free LayerNorm (as Phi's), Llama's gated SiLU MLP, RoPE on
     # adjacent pairs of dimensions, the logits times logit_scale, the head tied by default; attention_bias biases
     # q/k/v and o
-    Family("cohere", "CohereForCausalLM", {**ATTN_NORM, **QKV, **WO, **BO, **GATED_MLP},
+    Family("cohere", "CohereForCausalLM", {**ATTN_NORM, **QKV, **WO, **BO, **GATED_MLP}, gguf_arch="command-r",
            norm="layer", positions="rope_interleaved", logit_scale=True, parallel_residual=True, tie_default=True,
            config_keys={"layer_norm_eps": "rms_norm_eps"}, fixed={"use_qk_norm": False, "use_parallel_residual": True}),
     Family("gpt_neox", "GPTNeoXForCausalLM", NEOX, gguf_arch="gptneox", activation="gelu", norm="layer", mlp="plain",

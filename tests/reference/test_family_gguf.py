@@ -23,7 +23,7 @@ pytestmark = pytest.mark.reference
 PROMPT = [int(t) for t in torch.randint(3, 49000, (24,), generator=torch.Generator().manual_seed(11))]
 # The cases of every family with a gguf_arch (mixtral is written as llama), without longrope.
 CLASSIC = ["gpt2", "gpt_neox", "gpt_neox-sequential", "phi", "stablelm", "stablelm-qkv-bias", "starcoder2",
-           "starcoder2-no-bias"]
+           "starcoder2-no-bias", "cohere"]
 GGUF_CASES = ["llama3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "smollm3",
               "mixtral", "qwen3_moe", *CLASSIC]
 # What llama.cpp hard-codes rather than stores, so a file can only say it one way: the case set that way.
