@@ -1,14 +1,14 @@
 """Import a GGUF file into a Hugging Face style directory (config.json, model.safetensors, tokenizer files).
 
 The file's family is its general.architecture (engine.family.family_for_gguf; llama files with stacked experts are
-mixtral), and its tensor names come from that family's declared parts (engine.family.declared), so there is no
-second list of names here. config.json is rebuilt from the metadata keys llama.cpp's converter writes for the
+mixtral), and its tensor names come from that family's declared parts and checkpoint (engine.gguf_names), so there
+is no second list of names here. config.json is rebuilt from the metadata keys llama.cpp's converter writes for the
 family, and from what llama.cpp hard-codes instead (each said where). What cannot be mapped faithfully (phi3
 longrope's factor tensors, rope scaling other than linear or llama3's factors) is refused, naming it.
 
-Tensors are dequantised with the `gguf` package. llama.cpp's LlamaModel converter (llama, granite, smollm3,
-mixtral) permutes the rows of the q and k projections (its RoPE rotates adjacent pairs; HF's rotates halves), so
-they are permuted back here; its Gemma converters store norms as 1 + w, so w is written back.
+Tensors are dequantised with the `gguf` package and put back in the checkpoint's layout where the converter changed
+it (engine.gguf_names.to_checkpoint: q/k rows permuted back, Gemma's 1 + w norms, GPT-2's Conv1D transposes,
+GPT-NeoX's per-head q/k/v).
 The directory is written to a temporary name and renamed into place, so an interrupted import never
 leaves a half-written model behind.
 """
@@ -29,14 +29,12 @@ from safetensors.torch import save_file
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.family import FAMILIES, Family, family_for_gguf
+from engine.gguf_names import SKIPPED, hf_name, to_checkpoint
 from engine.memory import check_fits, gb
 
 IMPORT_VERSION = 1
 Progress = Callable[[float, str], None]
 
-GLOBAL_MAP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
-SKIPPED = {"rope_freqs.weight"}  # llama3 rope factors: read back into config.rope_scaling (_llama3_scaling)
 REFUSED = {"rope_factors_long.weight": "phi3 longrope's rope_factors_long/short tensors",
            "rope_factors_short.weight": "phi3 longrope's rope_factors_long/short tensors"}
 # llama.cpp's gemma2 and gemma3 take the 27B models' query scale from hidden / heads (query_pre_attn_scalar 144), every
@@ -53,29 +51,6 @@ def family_of(reader) -> Family:
         experts = any(t.name.endswith(".ffn_gate_exps.weight") for t in reader.tensors)
         fam = FAMILIES["mixtral" if experts else "llama"]
     return fam
-
-
-def layer_map(fam: Family) -> dict[str, str]:
-    """GGUF name under blk.{i}. -> Hugging Face name under model.layers.{i}. ("{e}": one per expert, the GGUF
-    tensor stacks them), from the family's declared parts."""
-    return {g: hf for parts in (*fam.parts.values(), *fam.moe_parts.values()) for hf, _, g in parts}
-
-
-def hf_name(gguf_name: str, fam: Family | None = None) -> str:
-    if gguf_name in GLOBAL_MAP:
-        return GLOBAL_MAP[gguf_name]
-    names = layer_map(fam or FAMILIES["llama"])
-    parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
-        return f"model.layers.{parts[1]}.{names[parts[2]]}"
-    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name for "
-                                f"{(fam or FAMILIES['llama']).model_type}")
-
-
-def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (transformers: _reverse_permute_weights)."""
-    dim = w.shape[0] // n_head // 2
-    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
 def _field(reader, key: str, default=None):
@@ -116,12 +91,13 @@ def config_from_gguf(reader) -> dict:
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": _head_dim(fam, get, hidden, heads),
-        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": _f32(need("attention.layer_norm_epsilon" if fam.norm == "layer"
+                                  else "attention.layer_norm_rms_epsilon")),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length", 2048)),
-        "tie_word_embeddings": "output.weight" not in names,
-        "hidden_act": {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[fam.activation],
-        "attention_bias": "blk.0.attn_q.bias" in names,
+        "tie_word_embeddings": _tied(reader, names),
+        "hidden_act": {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[fam.activation],
+        "attention_bias": "blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
@@ -133,10 +109,20 @@ def config_from_gguf(reader) -> dict:
     if rot is not None and int(rot) != cfg["head_dim"]:
         if not fam.rotary_fraction:
             raise UnsupportedModelError(f"GGUF {arch}.rope.dimension_count={rot} differs from head_dim="
-                                        f"{cfg['head_dim']}: a partial rotary is declared for phi3 only")
+                                        f"{cfg['head_dim']}: a partial rotary is not declared for {fam.model_type}")
         cfg["partial_rotary_factor"] = int(rot) / cfg["head_dim"]
     cfg |= _rope_scaling(reader, fam, get, cfg) | _block_variations(fam, get, cfg, names)
     return cfg
+
+
+def _tied(reader, names: set) -> bool:
+    """No output.weight, or one that is token_embd.weight byte for byte: GPT2Model writes GPT-2's tied head out as
+    a copy of the embedding (the same product either way; tied, the import holds it once, as transformers saves
+    it)."""
+    if "output.weight" not in names:
+        return True
+    out, embed = (next(t for t in reader.tensors if t.name == n) for n in ("output.weight", "token_embd.weight"))
+    return out.tensor_type == embed.tensor_type and np.array_equal(np.asarray(out.data), np.asarray(embed.data))
 
 
 def _head_dim(fam: Family, get, hidden: int, heads: int) -> int:
@@ -232,6 +218,12 @@ def _block_variations(fam: Family, get, cfg: dict, names: set) -> dict:
                                  ("logit_scale", "logits_scaling", 1.0)):
             v = get(key)
             out[hf] = _f32(v) if v else default
+    if get("use_parallel_residual") is not None:     # GPTNeoXModel and StableLMModel write it
+        out["use_parallel_residual"] = bool(get("use_parallel_residual"))
+    if fam.logit_scale:     # CommandR2Model writes logit_scale; llama.cpp multiplies the logits by it
+        if get("logit_scale") is None:
+            raise ModelLoadError(f"GGUF metadata lacks {fam.gguf_arch}.logit_scale")
+        out["logit_scale"] = _f32(get("logit_scale"))
     if fam.no_rope_layers:  # llama-model.cpp, smollm3: n_no_rope_layer_step = 4 (every 4th layer has no RoPE)
         out["no_rope_layers"] = [int((i + 1) % 4 != 0) for i in range(layers)]
     if fam.experts:
@@ -255,13 +247,14 @@ def _experts_config(fam: Family, get, layers: int, names: set) -> dict:
 
 
 def dequantized_tensors(reader, cfg: dict, progress: Progress | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor under its Hugging Face name: q/k rows unpermuted where llama.cpp permuted them, Gemma's stored
-    (1 + w) norms back to w, stacked experts split one per expert."""
+    """Every tensor under its Hugging Face name, in the checkpoint's layout (engine.gguf_names.to_checkpoint),
+    stacked experts split one per expert; a tied head's copy (GPT-2's output.weight) left out."""
     from gguf.quants import dequantize
 
     fam = FAMILIES[cfg["model_type"]]
     out: dict[str, torch.Tensor] = {}
-    tensors = [t for t in reader.tensors if t.name not in SKIPPED]
+    skipped = SKIPPED | ({"output.weight"} if cfg["tie_word_embeddings"] else set())
+    tensors = [t for t in reader.tensors if t.name not in skipped]
     for n, t in enumerate(tensors):
         try:
             arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
@@ -269,13 +262,7 @@ def dequantized_tensors(reader, cfg: dict, progress: Progress | None = None) -> 
             raise UnsupportedModelError(f"tensor {t.name}: quantization type {getattr(t.tensor_type, 'name', '?')} "
                                         f"cannot be dequantised here ({type(e).__name__})") from None
         shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims innermost first
-        arr = arr.reshape(shape)
-        if fam.gguf_permutes_qk and (t.name.endswith("attn_q.weight") or t.name.endswith("attn_q.bias")):
-            arr = unpermute(arr, cfg["num_attention_heads"])
-        elif fam.gguf_permutes_qk and (t.name.endswith("attn_k.weight") or t.name.endswith("attn_k.bias")):
-            arr = unpermute(arr, cfg["num_key_value_heads"])
-        if fam.norm_offset and t.name.endswith("norm.weight"):     # llama.cpp's Gemma converters store 1 + w
-            arr = arr - np.float32(fam.norm_offset)
+        arr = to_checkpoint(arr.reshape(shape), t.name, fam, cfg)
         name = hf_name(t.name, fam)
         for key, a in ([(name, arr)] if "{e}" not in name else [(name.format(e=e), a) for e, a in enumerate(arr)]):
             a = np.ascontiguousarray(a)

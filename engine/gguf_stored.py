@@ -4,7 +4,7 @@ norms, biases, matrices of other quant types) dequantised to float32 as the impo
 dequantised is listed in the notes the model carries (Weights.notes), so nothing is silently turned into floats.
 
 Layout: a QuantMatrix stays in the file's (out, in) rows; its product (engine.matmul.mm) is x @ W in the engine's
-sense. llama.cpp's q/k row permutation (engine.gguf_import.unpermute) is undone on the block rows, which are whole
+sense. llama.cpp's q/k row permutation (engine.gguf_names.unpermute) is undone on the block rows, which are whole
 blocks. Fused slots (q|k|v, gate|up) concatenate their parts' block rows when the parts share a format, else are
 dequantised (and noted). A tied model's token_embd is one QuantMatrix, the embedding lookup (rows by id) and the
 lm_head product both.
@@ -20,7 +20,8 @@ from engine.config import ModelConfig
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.family import FAMILIES
 from engine.family.slots import BY_FIELD
-from engine.gguf_import import SKIPPED, hf_name, unpermute
+from engine.family.declared import LLAMA_CHECKPOINT
+from engine.gguf_names import SKIPPED, hf_name, unpermute
 from engine.quant_matrix import BLOCKS, QuantMatrix
 from engine.weights import LayerWeights, Weights, layer_parts
 
@@ -37,6 +38,11 @@ def read_tensors(gguf_path: Path, cfg: ModelConfig) -> tuple[dict[str, QuantMatr
     except Exception as e:
         raise ModelLoadError(f"{gguf_path}: not a readable GGUF file: {e}") from None
     fam = FAMILIES[cfg.model_type]
+    if fam.checkpoint != LLAMA_CHECKPOINT:
+        # stored_weights assembles Llama's checkpoint (no LayerNorm or head biases, no learned positions, no
+        # transposed or per-head matrices)
+        raise UnsupportedModelError(f"quant='stored' keeps the blocks of Llama-layout checkpoints; {fam.model_type}'s "
+                                    "is laid out otherwise: load the file dequantised (quant='dequantized')")
     out, notes = {}, []
     for t in reader.tensors:
         if t.name in SKIPPED:

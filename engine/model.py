@@ -42,8 +42,6 @@ if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
 
 
-
-
 class Model:
     def __init__(self, cfg: ModelConfig, weights: Weights, tokenizer: "Tokenizer", *, device: torch.device,
                  dtype: torch.dtype, name: str = "model", path: Path | None = None, native_decode: bool = False
@@ -201,7 +199,8 @@ class Model:
 
     def _head(self, x: torch.Tensor, lm_head: torch.Tensor, probe) -> torch.Tensor:
         """The final-normed stream (T, d) -> logits (T, V): the lm_head (and Phi's head bias), Granite's
-        logits_scaling, Gemma 2's final soft cap (the logits before it offered as logits_uncapped)."""
+        logits_scaling (Cohere's logit_scale as its reciprocal), Gemma 2's final soft cap (the logits before it
+        offered as logits_uncapped)."""
         cfg = self.config
         logits = mm(x.to(lm_head.dtype), lm_head)
         if self.weights.head_bias is not None:    # in the product's dtype (a precision plan's fp32 head: fp32)
@@ -282,10 +281,11 @@ class Model:
             cos, sin = at.rope(kind)                                            # (T, 1, rotary_dim)
             if cos.dtype != q.dtype:      # a precision plan: fp32 tables, cast for the layers that stay low
                 cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+            pairs = cfg.family.positions == "rope_interleaved"      # Cohere: adjacent dimensions rotate together
             if q is q0 and k is k0 and cos.shape[-1] == hd:    # one rotation for q and k together (decode)
-                q, k = apply_rope(qkv.view(T, H + 2 * K, hd)[:, :H + K], cos, sin).split([H, K], dim=1)
+                q, k = apply_rope(qkv.view(T, H + 2 * K, hd)[:, :H + K], cos, sin, pairs).split([H, K], dim=1)
             else:
-                q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+                q, k = rotate(q, cos, sin, pairs), rotate(k, cos, sin, pairs)
         q, k = p("attn.q_rot", q), p("attn.k_rot", k)
         if hasattr(cache, "attend"):          # rows of several runs (engine.batch): each against its own cache
             z = cache.attend(i, q.transpose(0, 1), k, v, p)                     # (H, T, hd)

@@ -41,7 +41,10 @@ def rope_tables(cfg: ModelConfig, length: int, device, dtype, kind: str = "main"
     """cos, sin of shape (length, 1, rotary_dim): computed in fp32, then cast (as transformers does)."""
     inv = inv_frequencies(cfg, kind)
     freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv)      # (length, rd/2)
-    emb = torch.cat([freqs, freqs], dim=-1)                                   # (length, rd)
+    if cfg.family.positions == "rope_interleaved":     # Cohere: dims 2j and 2j + 1 share frequency j
+        emb = torch.repeat_interleave(freqs, 2, dim=-1)                       # (length, rd)
+    else:
+        emb = torch.cat([freqs, freqs], dim=-1)                               # (length, rd)
     cos, sin = emb.cos(), emb.sin()
     if kind != "local" and cfg.rope_scaling.attention_factor != 1.0:
         cos, sin = cos * cfg.rope_scaling.attention_factor, sin * cfg.rope_scaling.attention_factor
@@ -65,20 +68,25 @@ def table_for(cfg: ModelConfig, kind: str, end: int) -> str:
     return kind
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, heads, hd) with its first rotary_dim (cos's width) dimensions rotated, the rest passed through."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """x (T, heads, hd) with its first rotary_dim (cos's width) dimensions rotated, the rest passed through.
+    pairs: adjacent dimensions rotate together (Cohere's tables, interleaved), not the two halves."""
     rd = cos.shape[-1]
     if rd == x.shape[-1]:
-        return apply_rope(x, cos, sin)
-    return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
+        return apply_rope(x, cos, sin, pairs)
+    return torch.cat([apply_rope(x[..., :rd], cos, sin, pairs), x[..., rd:]], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, heads, hd) rotated by half-split pairs (the HF layout): x*cos + rotate_half(x)*sin.
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """x (T, heads, hd) rotated by half-split pairs (the HF layout): x*cos + rotate_half(x)*sin; with pairs, by
+    adjacent pairs (Cohere's rotate_half: (x0, x1) -> (-x1, x0) for each pair).
 
     rotate_half(x)*sin is written straight into one buffer, half by half ((-b)*s is -(b*s) exactly), so the
     result is the same numbers as the formula's in two fresh tensors instead of five (a quarter of the time
     at 2,048 positions). A tensor that requires grad takes the formula as written (out= is not differentiable)."""
+    if pairs:
+        turned = torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+        return x * cos + turned * sin
     half = x.shape[-1] // 2
     if x.requires_grad or cos.requires_grad or sin.requires_grad:
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)

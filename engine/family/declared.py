@@ -63,8 +63,9 @@ NEOX = {"attn_norm": _parts(("input_layernorm.weight", "d", "attn_norm.weight"))
         "w_down": _parts(("mlp.dense_4h_to_h.weight", "down", "ffn_down.weight")),
         "b_down": _parts(("mlp.dense_4h_to_h.bias", "d", "ffn_down.bias"))}
 # StableLM (stablelm-2, stablelm-3b-4e1t): Llama's names and gated MLP under LayerNorms with biases
-STABLELM = {**LLAMA, "attn_norm_bias": _parts(("input_layernorm.bias", "d", "attn_norm.bias")),
-            "mlp_norm_bias": _parts(("post_attention_layernorm.bias", "d", "ffn_norm.bias"))}
+STABLELM_NORM_BIASES = {"attn_norm_bias": _parts(("input_layernorm.bias", "d", "attn_norm.bias")),
+                        "mlp_norm_bias": _parts(("post_attention_layernorm.bias", "d", "ffn_norm.bias"))}
+STABLELM = {**LLAMA, **STABLELM_NORM_BIASES}
 # Phi (phi-1, phi-1.5, phi-2): a parallel block under one LayerNorm (no mlp_norm: the MLP reads the attention's
 # normed input), q/k/v and dense biases, a plain MLP fc1 -> GELU-tanh -> fc2 with biases
 PHI = {"attn_norm": _parts(("input_layernorm.weight", "d", "attn_norm.weight")),
@@ -76,7 +77,15 @@ PHI = {"attn_norm": _parts(("input_layernorm.weight", "d", "attn_norm.weight")),
        "b_up": _parts(("mlp.fc1.bias", "upb", "ffn_up.bias")),
        "w_down": _parts(("mlp.fc2.weight", "down", "ffn_down.weight")),
        "b_down": _parts(("mlp.fc2.bias", "d", "ffn_down.bias"))}
-BIAS_SLOTS = ("bqkv", "bo")     # the attention biases a family's bias flag switches
+# StarCoder 2: LayerNorms with biases, q/k/v/o biases, a plain MLP c_fc -> GELU-tanh -> c_proj with biases; use_bias
+# switches the projections' biases (never the norms')
+BO = {"bo": _parts(("self_attn.o_proj.bias", "d", "attn_output.bias"))}
+STARCODER2 = {**ATTN_NORM, **QKV, **WO, **BO, **MLP_NORM, **STABLELM_NORM_BIASES,
+              "w_up": _parts(("mlp.c_fc.weight", "up", "ffn_up.weight")),
+              "b_up": _parts(("mlp.c_fc.bias", "upb", "ffn_up.bias")),
+              "w_down": _parts(("mlp.c_proj.weight", "down", "ffn_down.weight")),
+              "b_down": _parts(("mlp.c_proj.bias", "d", "ffn_down.bias"))}
+BIAS_SLOTS = ("bqkv", "bo")     # the attention biases a family's bias flag switches (by default)
 
 
 @dataclass(frozen=True)
@@ -118,6 +127,7 @@ class Family:
     gguf_arch: str | None = None          # llama.cpp's general.architecture
     gguf_permutes_qk: bool = False        # llama.cpp's converter permuted q/k rows (its LlamaModel)
     bias: str = "flag"                    # q/k/v biases: "flag" (attention_bias), "always", "never"
+    bias_slots: tuple[str, ...] = BIAS_SLOTS   # the slots that flag switches
     norm_offset: float = 0.0              # RMSNorm multiplies by (offset + w) (Gemma: 1)
     activation: str = "silu"              # the gated MLP's: "silu" or "gelu_tanh"
     qk_norm: str | None = None            # RMSNorm of q and k before RoPE: "head" (per head) or "whole" (projection)
@@ -134,7 +144,9 @@ class Family:
     moe_parts: dict[str, tuple[Part, ...]] = field(default_factory=dict)   # slots of a mixture-of-experts layer
     norm: str = "rms"                     # "rms" (RMSNorm) or "layer" (LayerNorm, with a bias slot beside each)
     mlp: str = "gated"                    # "gated" (act(gate) * up) or "plain" (act(up), with biases)
-    positions: str = "rope"               # "rope" or "learned" (absolute position embeddings added to the tokens)
+    positions: str = "rope"               # "rope" (halves rotate together), "rope_interleaved" (adjacent pairs:
+    #                                       Cohere) or "learned" (absolute position embeddings added to the tokens)
+    logit_scale: bool = False             # Cohere's logit_scale multiplies the logits
     parallel_residual: bool = False       # reads use_parallel_residual: x + attn(ln1(x)) + mlp(ln2(x)), or
     #                                       x + attn(ln1(x)) + mlp(ln1(x)) where the block has no mlp_norm (Phi)
     bias_default: bool = False            # attention_bias when config.json does not say
@@ -151,7 +163,7 @@ class Family:
             out.pop("w_down", None)
             out |= self.moe_parts
         if not bias:
-            for slot in BIAS_SLOTS:
+            for slot in self.bias_slots:
                 out.pop(slot, None)
         return out
 
@@ -191,8 +203,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     replace(_qwen3, model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM", gguf_arch="qwen3moe",
             experts="qwen3_moe",
             moe_parts=_experts("mlp.gate.weight", "mlp.experts.{e}.", "gate_proj", "up_proj", "down_proj")),
-    Family("gpt2", "GPT2LMHeadModel", GPT2, bias="always", activation="gelu_tanh", norm="layer", mlp="plain",
-           positions="learned", tie_default=True,
+    Family("gpt2", "GPT2LMHeadModel", GPT2, gguf_arch="gpt2", bias="always", activation="gelu_tanh", norm="layer",
+           mlp="plain", positions="learned", tie_default=True,
            config_keys={"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
                         "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
                         "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"},
@@ -206,16 +218,27 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                                  ignored=r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")),
     # q/k/v biases by use_qkv_bias, none on o_proj; a rotary fraction (0.25 by default); a sequential block only
     # (stablelm-2-12b's parallel residual shares one norm, and its qk_layernorm is a LayerNorm per head)
-    Family("stablelm", "StableLmForCausalLM", STABLELM, norm="layer", rotary_fraction=True,
+    Family("stablelm", "StableLmForCausalLM", STABLELM, gguf_arch="stablelm", norm="layer", rotary_fraction=True,
            config_keys={"layer_norm_eps": "rms_norm_eps", "use_qkv_bias": "attention_bias"},
            fixed={"qk_layernorm": False},
            checkpoint=Checkpoint(norm_bias="model.norm.bias")),
-    Family("phi", "PhiForCausalLM", PHI, bias="always", activation="gelu_tanh", norm="layer", mlp="plain",
-           rotary_fraction=True, parallel_residual=True, config_keys={"layer_norm_eps": "rms_norm_eps"},
+    Family("phi", "PhiForCausalLM", PHI, gguf_arch="phi2", bias="always", activation="gelu_tanh", norm="layer",
+           mlp="plain", rotary_fraction=True, parallel_residual=True, config_keys={"layer_norm_eps": "rms_norm_eps"},
            fixed={"qk_layernorm": False},
            checkpoint=Checkpoint(norm="model.final_layernorm.weight", norm_bias="model.final_layernorm.bias",
                                  lm_head_bias="lm_head.bias")),
-    Family("gpt_neox", "GPTNeoXForCausalLM", NEOX, activation="gelu", norm="layer", mlp="plain",
+    Family("starcoder2", "Starcoder2ForCausalLM", STARCODER2, gguf_arch="starcoder2", activation="gelu_tanh",
+           norm="layer", mlp="plain", windows="all", bias_default=True, tie_default=True,
+           bias_slots=("bqkv", "bo", "b_up", "b_down"),
+           config_keys={"norm_epsilon": "rms_norm_eps", "use_bias": "attention_bias"},
+           checkpoint=Checkpoint(norm_bias="model.norm.bias")),
+    # Cohere (Command R): a parallel block under one bias-free LayerNorm (as Phi's), Llama's gated SiLU MLP, RoPE on
+    # adjacent pairs of dimensions, the logits times logit_scale, the head tied by default; attention_bias biases
+    # q/k/v and o
+    Family("cohere", "CohereForCausalLM", {**ATTN_NORM, **QKV, **WO, **BO, **GATED_MLP}, gguf_arch="command-r",
+           norm="layer", positions="rope_interleaved", logit_scale=True, parallel_residual=True, tie_default=True,
+           config_keys={"layer_norm_eps": "rms_norm_eps"}, fixed={"use_qk_norm": False, "use_parallel_residual": True}),
+    Family("gpt_neox", "GPTNeoXForCausalLM", NEOX, gguf_arch="gptneox", activation="gelu", norm="layer", mlp="plain",
            rotary_fraction=True, parallel_residual=True, bias_default=True,
            config_keys={"layer_norm_eps": "rms_norm_eps", "rotary_pct": "partial_rotary_factor",
                         "rotary_emb_base": "rope_theta"},

@@ -91,6 +91,11 @@ def scales(fam: Family, raw: dict, where: str, hidden: int, head_dim: int) -> di
                 _refuse(where, key, v, fam, "multipliers are Granite's")
             continue
         out[slot] = positive(v, key, where)
+    v = raw.get("logit_scale")
+    if v is not None and (fam.logit_scale or v != 1):
+        if not fam.logit_scale:
+            _refuse(where, "logit_scale", v, fam, "a logit scale is Cohere's")
+        out["logits_divisor"] = 1.0 / positive(v, "logit_scale", where)   # logits x scale, as logits / (1 / scale)
     if raw.get("query_pre_attn_scalar") is not None:
         if not fam.query_scale:
             _refuse(where, "query_pre_attn_scalar", raw["query_pre_attn_scalar"], fam, "a query scale is Gemma's")

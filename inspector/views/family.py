@@ -1,6 +1,6 @@
 """What a model's family changes from a plain Llama block, said in a line each with the page that shows it: sliding-
-window layers (KV cache, Attention), learned positions or a rotary fraction (Attention), mixture-of-experts layers and
-a parallel residual (Activations), a final logit soft cap (Sampling)."""
+window layers (KV cache, Attention), learned positions, a rotary fraction or RoPE on adjacent pairs (Attention),
+mixture-of-experts layers and a parallel residual (Activations), a final logit soft cap (Sampling)."""
 from __future__ import annotations
 
 
@@ -25,6 +25,9 @@ def family_notes(cfg) -> list[tuple[str, str]]:
     elif cfg.rotary_dim != cfg.head_dim:
         notes.append((f"RoPE rotates the first {cfg.rotary_dim} of each head's {cfg.head_dim} dimensions; the rest "
                       "carry no position", "attention"))
+    if cfg.family.positions == "rope_interleaved":
+        notes.append(("RoPE rotates adjacent pairs of dimensions (2j, 2j + 1) of each head, not its two halves",
+                      "attention"))
     if cfg.parallel_residual:
         notes.append(("attention and the MLP both read the block's input and add to the stream together (a parallel "
                       "residual): a block has no resid_mid", "activations"))

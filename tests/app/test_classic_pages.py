@@ -1,6 +1,7 @@
-"""Every page opens on a GPT-2 and on a GPT-NeoX run (AppTest, tiny transformers-made models from the reference
-tier's configs): no exception, no error; Explain and the Attention page's score split show their numbers through the
-LayerNorm blocks, and those numbers add up to the forward's own (logit difference, pre-softmax score)."""
+"""Every page opens on a GPT-2, a GPT-NeoX, a StarCoder 2 and a Cohere run (AppTest, tiny transformers-made models
+from the reference tier's configs): no exception, no error; Explain and the Attention page's score split show their
+numbers through the LayerNorm blocks, and those numbers add up to the forward's own (logit difference, pre-softmax
+score)."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +17,7 @@ PAGES = ("overview", "tokens", "attention", "activations", "kv_cache", "sampling
          "repetition", "nan_doctor", "compare", "quantization", "trace_files")
 
 
-@pytest.fixture(scope="module", params=["gpt2", "gpt_neox"])
+@pytest.fixture(scope="module", params=["gpt2", "gpt_neox", "starcoder2", "cohere"])
 def classic_run(request, tmp_path_factory, tokenizer_files):
     from tests.reference.family_models import build
     folder = build(request.param, tmp_path_factory.mktemp("classic") / request.param, tokenizer_files)
@@ -33,7 +34,8 @@ def test_every_page_opens_on_the_classic_families(page, classic_run, name):
     if name == "overview":      # the page is about this model, and says what its family changes
         text = " ".join(str(e.value) for e in [*at.markdown, *at.caption])
         assert ("learned vectors" in text) == (model.config.model_type == "gpt2") and (
-            "parallel residual" in text) == model.config.parallel_residual
+            "parallel residual" in text) == model.config.parallel_residual and (
+            "adjacent pairs" in text) == (model.config.model_type == "cohere")
 
 
 def test_explain_splits_the_logit_difference_through_the_layernorm(page, classic_run):

@@ -45,6 +45,12 @@ CASES = {
     "stablelm-qkv-bias": dict(model_type="stablelm", use_qkv_bias=True, partial_rotary_factor=0.5),
     # Phi's defaults: one norm for a parallel block, partial_rotary_factor 0.5, biases everywhere, the head's too
     "phi": dict(model_type="phi", num_key_value_heads=None, intermediate_size=96),
+    # StarCoder 2: biases everywhere (use_bias), a window on every layer, the head tied; and use_bias off, untied
+    "starcoder2": dict(model_type="starcoder2", sliding_window=WINDOW, tie_word_embeddings=True),
+    "starcoder2-no-bias": dict(model_type="starcoder2", use_bias=False),
+    # Cohere: Command R's logit_scale 0.0625 and tied head; Command R+'s 0.8333, here with attention biases, untied
+    "cohere": dict(model_type="cohere", tie_word_embeddings=True),
+    "cohere-bias": dict(model_type="cohere", logit_scale=0.8333, attention_bias=True),
     "gpt_neox": dict(model_type="gpt_neox", num_key_value_heads=None, rotary_pct=0.25, use_parallel_residual=True),
     "gpt_neox-sequential": dict(model_type="gpt_neox", num_key_value_heads=None, rotary_pct=1.0,
                                 use_parallel_residual=False),

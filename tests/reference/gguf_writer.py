@@ -1,7 +1,9 @@
 """Test-only: write a Hugging Face folder (config.json, model.safetensors) as a GGUF file the way llama.cpp's
 convert_hf_to_gguf.py does for its family, with the gguf package: its metadata keys, its tensor names, q/k rows
 permuted by its LlamaModel, Gemma's norms stored as 1 + w, experts stacked into one tensor per slot, llama3's rope
-factors as rope_freqs.weight and phi3 longrope's as rope_factors_long/short, all in float32."""
+factors as rope_freqs.weight and phi3 longrope's as rope_factors_long/short, all in float32; the classic families'
+converters as tests/reference/gguf_classic.py says, each tensor name one llama.cpp lists for the architecture
+(gguf.constants.MODEL_TENSORS)."""
 from __future__ import annotations
 
 import json
@@ -13,9 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from engine.family import FAMILIES
+from tests.reference.gguf_classic import CLASSIC_ARCHS, classic_metadata, classic_tensor
 
-GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-          "lm_head.weight": "output.weight"}
 TOKENIZER_KEYS = ("model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id")
 
 
@@ -98,21 +99,39 @@ def rope_tensors(cfg: dict, fam) -> dict[str, np.ndarray]:
     return {"rope_freqs.weight": np.asarray(torch.tensor(out, dtype=torch.float32))}
 
 
+def _globals(ck) -> dict[str, str]:
+    """The checkpoint's tensors outside the layers -> llama.cpp's names (token_embd, position_embd, output_norm,
+    output)."""
+    out = {ck.embed: "token_embd.weight", ck.norm: "output_norm.weight", ck.lm_head: "output.weight"}
+    for hf, g in ((ck.norm_bias, "output_norm.bias"), (ck.lm_head_bias, "output.bias"),
+                  (ck.pos_embed, "position_embd.weight")):
+        if hf:
+            out[hf] = g
+    return out
+
+
 def gguf_tensors(folder: Path, cfg: dict, fam) -> dict[str, np.ndarray]:
     """The folder's tensors under llama.cpp's names, transformed as its converter does."""
     hf = {k: v.float().numpy() for k, v in load_file(str(folder / "model.safetensors")).items()}
-    out = {GLOBAL[k]: v for k, v in hf.items() if k in GLOBAL}
-    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    top = _globals(fam.checkpoint)
+    out = {top[k]: v for k, v in hf.items() if k in top}
+    if fam.gguf_arch == "gpt2" and "output.weight" not in out:     # GPT2Model writes the tied head out
+        out["output.weight"] = out["token_embd.weight"].copy()
+    heads = cfg.get("num_attention_heads") or cfg["n_head"]
+    kv = cfg.get("num_key_value_heads") or heads
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
-    for i in range(cfg["num_hidden_layers"]):
+    copies = int(fam.gguf_arch == "gpt2" and "output.weight" not in {top.get(k) for k in hf})
+    for i in range(cfg.get("num_hidden_layers") or cfg["n_layer"]):
         for parts in (*fam.parts.values(), *fam.moe_parts.values()):
             for name, _, g in parts:
-                full = f"model.layers.{i}.{name}"
+                full = fam.checkpoint.layer.format(i=i) + name
                 if "{e}" in name and full.format(e=0) in hf:
                     out[f"blk.{i}.{g}"] = np.stack([hf[full.format(e=e)] for e in range(experts)])
                 elif full in hf:
                     out[f"blk.{i}.{g}"] = hf[full]
-    assert len(hf) == sum(1 if a.ndim < 3 else len(a) for a in out.values()), "a tensor has no GGUF name"
+                    if fam.gguf_arch in CLASSIC_ARCHS:
+                        out[f"blk.{i}.{g}"] = classic_tensor(g, name, hf[full], cfg, fam.gguf_arch)
+    assert len(hf) + copies == sum(1 if a.ndim < 3 else len(a) for a in out.values()), "a tensor has no GGUF name"
     for name, a in out.items():
         if fam.gguf_permutes_qk and ("attn_q." in name or "attn_k." in name):
             out[name] = permute(a, heads if "attn_q." in name else kv)
@@ -129,7 +148,10 @@ def write_gguf(folder: Path, path: Path, tokenizer_reader, kv: dict | None = Non
     fam = FAMILIES[cfg["model_type"]]
     arch = fam.gguf_arch
     w = gguf.GGUFWriter(str(path), arch)
-    metadata(w, cfg, arch, fam)
+    if arch in CLASSIC_ARCHS:
+        classic_metadata(w, cfg, arch)
+    else:
+        metadata(w, cfg, arch, fam)
     for key in TOKENIZER_KEYS:
         value = tokenizer_reader.fields[f"tokenizer.ggml.{key}"].contents()
         {"model": w.add_tokenizer_model, "pre": w.add_tokenizer_pre, "tokens": w.add_token_list,
@@ -137,10 +159,19 @@ def write_gguf(folder: Path, path: Path, tokenizer_reader, kv: dict | None = Non
          "eos_token_id": w.add_eos_token_id}[key](value)
     for key, value in (kv or {}).items():
         (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
+    known = _llama_cpp_names(arch)
     for name, a in gguf_tensors(folder, cfg, fam).items():
+        assert arch not in CLASSIC_ARCHS or name.rsplit(".", 1)[0] in known, f"llama.cpp's {arch} has no {name}"
         w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _llama_cpp_names(arch: str) -> set[str]:
+    """The tensor names (without .weight / .bias) llama.cpp lists for an architecture, blocks 0 to 63."""
+    from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
+    which = next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch)
+    return {TENSOR_NAMES[t].format(bid=b) for t in MODEL_TENSORS[which] for b in range(64)}

@@ -67,7 +67,8 @@ def test_family_logits_and_greedy_tokens_equal_transformers(folders, name):
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3", "granite", "mixtral",
-                                  "qwen3_moe", "gpt2", "gpt_neox", "stablelm", "stablelm-qkv-bias", "phi"])
+                                  "qwen3_moe", "gpt2", "gpt_neox", "stablelm", "stablelm-qkv-bias", "phi",
+                                  "starcoder2", "starcoder2-no-bias", "cohere", "cohere-bias"])
 def test_family_bf16_within_tolerance_of_fp32(folders, name):
     """bf16 (8 bits of mantissa) against transformers' fp32: every position within 5% of the largest logit, or within
     1.25x transformers' own bf16 error where that is larger (Gemma 2's soft caps squeeze the logits to +-3, so the

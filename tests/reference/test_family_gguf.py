@@ -1,6 +1,6 @@
 """GGUF import of every family llama.cpp names: a tiny transformers checkpoint written as llama.cpp's converter would
 (tests/reference/gguf_writer.py), imported by engine.gguf_import, reads back equal to the folder it came from: every
-tensor, and the engine's logits."""
+tensor, and the engine's logits; the classic families' imports also against transformers' own logits."""
 from __future__ import annotations
 
 import json
@@ -22,14 +22,19 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.reference
 PROMPT = [int(t) for t in torch.randint(3, 49000, (24,), generator=torch.Generator().manual_seed(11))]
 # The cases of every family with a gguf_arch (mixtral is written as llama), without longrope.
+CLASSIC = ["gpt2", "gpt_neox", "gpt_neox-sequential", "phi", "stablelm", "stablelm-qkv-bias", "starcoder2",
+           "starcoder2-no-bias", "cohere"]
 GGUF_CASES = ["llama3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "smollm3",
-              "mixtral", "qwen3_moe"]
+              "mixtral", "qwen3_moe", *CLASSIC]
 # What llama.cpp hard-codes rather than stores, so a file can only say it one way: the case set that way.
 LLAMA_CPP_FIXED = {
     "gemma2": dict(query_pre_attn_scalar=16),         # = head_dim (key_length), below the 27B model's 46 layers
     "gemma3_text": dict(num_hidden_layers=6,          # every 6th layer global (set_swa_pattern(6))
                         layer_types=["sliding_attention"] * 5 + ["full_attention"]),
     "smollm3": dict(no_rope_layers=[1, 1, 1, 0]),     # every 4th layer without RoPE (n_no_rope_layer_step = 4)
+    "gpt2": dict(n_inner=None),                       # GPT2Model writes feed_forward_length = 4 x n_embd
+    "phi": dict(intermediate_size=256),               # so does Phi2Model
+    "starcoder2": dict(sliding_window=None),          # StarCoder2Model writes no window: llama.cpp computes none
 }
 
 
@@ -81,6 +86,12 @@ def test_gguf_of_each_family_imports_equal_to_its_folder(tmp_path, tokenizer_fil
     theirs = load_model(imported, device="cpu", dtype="float32")
     assert theirs.config == ours.config
     assert torch.equal(theirs.logits(PROMPT), ours.logits(PROMPT))
+    if name in CLASSIC:
+        import transformers
+        ref = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        with torch.no_grad():
+            want = ref(torch.tensor([PROMPT])).logits[0]
+        assert float((theirs.logits(PROMPT) - want).abs().max() / want.abs().max()) <= 1e-4
 
 
 def test_phi3_longrope_factors_are_refused(tmp_path, tokenizer_files, bundled_reader):
@@ -99,3 +110,12 @@ def test_unknown_rope_scaling_is_refused(tmp_path, tokenizer_files, bundled_read
                       kv={"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0})
     with pytest.raises(UnsupportedModelError, match="yarn"):
         import_gguf(path, tmp_path / "imported")
+
+
+def test_a_classic_gguf_is_not_kept_as_stored_but_refused_by_name(tmp_path, tokenizer_files, bundled_reader):
+    """quant='stored' assembles Llama's checkpoint; GPT-2's (learned positions, LayerNorm biases, Conv1D layout)
+    is refused, naming the family and the way to load it, rather than loaded with its biases and positions lost."""
+    folder = _build("gpt2", tmp_path / "hf", tokenizer_files)
+    path = write_gguf(folder, tmp_path / "gpt2.gguf", bundled_reader)
+    with pytest.raises(UnsupportedModelError, match="gpt2's is laid out otherwise.*quant='dequantized'"):
+        load_model(path, device="cpu", dtype="float32", quant="stored")

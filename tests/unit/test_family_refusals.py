@@ -41,6 +41,12 @@ CASES = [
      "unsupported qk_layernorm=True for model_type='stablelm' (stablelm is implemented with qk_layernorm=False)"),
     ({"model_type": "stablelm", "use_parallel_residual": True},
      "unsupported use_parallel_residual=True for model_type='stablelm'"),
+    ({"model_type": "starcoder2", "hidden_act": "gelu"}, "unsupported hidden_act='gelu' for model_type='starcoder2'"),
+    # Cohere's per-head LayerNorm of q and k (Command R+), a sequential block, and a logit scale on another family
+    ({"model_type": "cohere", "use_qk_norm": True},
+     "unsupported use_qk_norm=True for model_type='cohere' (cohere is implemented with use_qk_norm=False)"),
+    ({"model_type": "cohere", "use_parallel_residual": False}, "unsupported use_parallel_residual=False"),
+    ({"logit_scale": 0.0625}, "unsupported logit_scale=0.0625 for model_type='llama' (a logit scale is Cohere's)"),
     ({"model_type": "phi", "hidden_act": "gelu_new", "qk_layernorm": True},
      "unsupported qk_layernorm=True for model_type='phi'"),
 ]
