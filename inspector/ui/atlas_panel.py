@@ -18,7 +18,6 @@ from inspector.views.head_atlas import atlas_figure, atlas_table, head_of_point,
 
 MAP_KEY = "att_atlas_map"
 LAYER_KEY, HEAD_KEY = "att_layer", "att_head"      # the Attention page's own Layer / Head selectboxes
-REFUSED = "att_atlas_refused"                      # a refused click's message, shown on the rerun it causes
 MARK = {"": "{}", "query": "**{}**", "key": ":orange-background[{}]", "query key": "**:orange-background[{}]**"}
 
 
@@ -28,7 +27,7 @@ def open_clicked_head(atlas) -> None:
     try:
         picked = head_of_point(atlas, st.session_state.get(MAP_KEY))
     except InputError as e:
-        st.session_state[REFUSED] = str(e)
+        session().atlas_refused = str(e)          # said on the rerun the click causes
         return
     if picked is not None:
         st.session_state[LAYER_KEY], st.session_state[HEAD_KEY] = picked
@@ -84,8 +83,9 @@ def atlas_section(model, layer: int = 0, head: int | None = None) -> None:
     atlas = kept.atlas
     if kept.note:
         st.warning(plain(kept.note))
-    if REFUSED in st.session_state:
-        st.warning(f"That click was ignored: {plain(st.session_state.pop(REFUSED))}.")
+    refused, session().atlas_refused = session().atlas_refused, None
+    if refused:
+        st.warning(f"That click was ignored: {plain(refused)}.")
     df = atlas_table(atlas)
     c1, c2 = st.columns(2)
     x = c1.selectbox("x", SCORE_NAMES, index=0, key="att_atlas_x")
