@@ -17,7 +17,9 @@ The scores, each a mean over query positions (position 0 is left out: it can att
 The text scores are measured on a small corpus (paragraphs of real text, bounded in tokens), the induction score on
 the repeated random tokens (seeded: two atlases with one seed are identical). Patterns are read from the forward's
 own `blocks.{i}.attn.pattern` stage through a Probe (the exact softmax the model ran); each layer's pattern is
-scored inside its hook, so memory stays at one layer's (heads, T, T) at a time.
+scored inside its hook, so memory stays at one layer's (heads, T, T) at a time. The same hook keeps each head's
+TOP_K best windows per score (engine.tools.atlas_windows): atlas.top_windows(score, layer, head) says where a head
+does what its score says, with no second forward. engine.tools.atlas_store keeps an atlas on disk per model.
 """
 from __future__ import annotations
 

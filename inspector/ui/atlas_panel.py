@@ -44,15 +44,16 @@ def _found_on_disk(model, store, key, what: str) -> None:
         st.warning(plain(found.note))
 
 
-def windows_section(atlas, model, layer: int, head: int | None) -> None:
+def windows_section(atlas, model, layer: int, head: int | None, axes: tuple[str, str]) -> None:
     st.markdown("**Where does a head do it?** Its best windows in the atlas's texts (induction: in the repeated "
                 "random tokens): **the position scored** and :orange-background[the position it attends].")
     if head is None:
         st.info("Pick a head above (or click its point in the scatter) to see its best windows.")
         return
-    kind = st.selectbox(f"Layer {layer}, head {head}: windows by", SCORE_NAMES, key=f"att_atlas_kind_{layer}_{head}",
-                        index=SCORE_NAMES.index(strongest_kind(atlas, layer, head)),
-                        help="Opens on the score this head stands highest on among all heads.")
+    kind = st.selectbox(f"Layer {layer}, head {head}: windows by", SCORE_NAMES,
+                        key=f"att_atlas_kind_{layer}_{head}_{axes[0]}_{axes[1]}",
+                        index=SCORE_NAMES.index(strongest_kind(atlas, layer, head, among=axes)),
+                        help="Opens on the scatter's axis this head stands out on most among all heads.")
     rows = window_pieces(atlas, model.tokenizer, kind, layer, head)
     if not rows:
         st.caption(f"No position of the atlas's sequences has a {kind} score.")
@@ -97,7 +98,7 @@ def atlas_section(model, layer: int = 0, head: int | None = None) -> None:
     st.caption(f"{atlas.layers} layers × {atlas.heads} heads over {len(atlas.texts)} texts ({atlas.tokens:,} "
                f"tokens) and {atlas.repeats} × 2 × {atlas.length} repeated random tokens (seed {atlas.seed}); "
                f"{plain(kept_where)}. Click a point to open that head in the Layer and Head controls above.")
-    windows_section(atlas, model, layer, head)
+    windows_section(atlas, model, layer, head, (x, y))
     sort = st.selectbox("Sort the table by", SCORE_NAMES, index=SCORE_NAMES.index("induction"),
                         key="att_atlas_sort")
     table(df.sort_values(sort, ascending=sort == "entropy"), "att_atlas_table",

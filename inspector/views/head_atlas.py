@@ -62,11 +62,12 @@ def head_of_point(atlas, selection) -> tuple[int, int] | None:
     return divmod(index, atlas.heads)
 
 
-def strongest_kind(atlas, layer: int, head: int) -> str:
-    """The score on which this head stands highest among all heads (the share of heads it beats or ties; entropy:
-    the lowest is the sharpest): what kind of head it most is. Ties go to the first in SCORE_NAMES."""
-    best, share = SCORE_NAMES[0], -1.0
-    for name in SCORE_NAMES:
+def strongest_kind(atlas, layer: int, head: int, among=SCORE_NAMES) -> str:
+    """Of the scores `among` (the Attention page: the scatter's two axes, what the user is looking at), the one
+    on which this head stands highest among all heads: the share of heads it beats or ties (entropy: the lowest is
+    the sharpest). Ties go to the first in `among`."""
+    best, share = among[0], -1.0
+    for name in among:
         s = atlas.scores[name]
         v = s[layer, head]
         if np.isnan(v):

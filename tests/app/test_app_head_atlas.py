@@ -93,7 +93,8 @@ def test_a_click_on_a_point_opens_its_head_and_a_forged_one_is_ignored(monkeypat
     assert not at.exception and not at.warning, [w.value for w in at.warning]
     assert (at.selectbox(key="att_layer").value, at.selectbox(key="att_head").value) == (layer, head)
     assert chart(at, "att_map")["layout"]["title"]["text"] == f"Layer {layer}, head {head}"
-    kind = at.selectbox(key=f"att_atlas_kind_{layer}_{head}").value
+    kind = at.selectbox(key=f"att_atlas_kind_{layer}_{head}_previous-token_induction").value
+    assert kind in ("previous-token", "induction")            # the scatter's axes: what the user looked at
     windows = want.top_windows(kind, layer, head)
     shown = [m.value for m in at.markdown if m.value[:3] in {f"{w['rank']}. " for w in windows}]
     assert len(shown) == len(windows) == 5
