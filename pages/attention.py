@@ -138,4 +138,4 @@ if ok:
 else:
     st.info(f"{T} positions: one full forward (several seconds on a CPU). Press the button to compute it.")
 
-atlas_section(model)
+atlas_section(model, layer, head)

@@ -17,7 +17,9 @@ The scores, each a mean over query positions (position 0 is left out: it can att
 The text scores are measured on a small corpus (paragraphs of real text, bounded in tokens), the induction score on
 the repeated random tokens (seeded: two atlases with one seed are identical). Patterns are read from the forward's
 own `blocks.{i}.attn.pattern` stage through a Probe (the exact softmax the model ran); each layer's pattern is
-scored inside its hook, so memory stays at one layer's (heads, T, T) at a time.
+scored inside its hook, so memory stays at one layer's (heads, T, T) at a time. The same hook keeps each head's
+TOP_K best windows per score (engine.tools.atlas_windows): atlas.top_windows(score, layer, head) says where a head
+does what its score says, with no second forward. engine.tools.atlas_store keeps an atlas on disk per model.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import torch
 from engine.errors import InputError
 from engine.inspection.probe import Probe
 from engine.progress import tell_units
+from engine.tools.atlas_windows import TOP_K, TopWindows, induction_positions, position_scores
 
 TEXT_SCORES = ("previous-token", "first-token", "self", "duplicate-token", "entropy")
 SCORE_NAMES = TEXT_SCORES + ("induction",)
@@ -43,40 +46,16 @@ DOC_FILES = ("README.md", "docs/ENGINE_API.md", "docs/CLASSROOM.md")
 def pattern_scores(pattern: torch.Tensor, ids: list[int]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Each TEXT_SCORES score of one (heads, T, T) causal pattern over tokens ids: {name: (sums, counts)}, both
     (heads,) arrays, so texts can be pooled by position. Query positions 1 .. T-1; duplicate-token only over those
-    with an earlier copy of their token."""
-    p = pattern.detach().double().cpu()
-    H, T = p.shape[0], p.shape[1]
-    if p.shape[2] != T or len(ids) != T:
-        raise InputError(f"pattern_scores wants a (heads, T, T) pattern over T = len(ids) tokens; got "
-                         f"{tuple(p.shape)} over {len(ids)} tokens")
-    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    if T < 2:
-        return {name: (np.zeros(H), np.zeros(H)) for name in TEXT_SCORES}
-    i = torch.arange(1, T)
-    n = np.full(H, float(T - 1))
-    out["previous-token"] = (p[:, i, i - 1].sum(1).numpy(), n)
-    out["first-token"] = (p[:, i, 0].sum(1).numpy(), n)
-    out["self"] = (p[:, i, i].sum(1).numpy(), n)
-    rows = p[:, 1:, :]
-    out["entropy"] = (-(rows * rows.clamp_min(1e-300).log()).sum(-1).sum(1).numpy(), n)
-    t = torch.tensor(ids)
-    same = (t[:, None] == t[None, :]) & torch.ones(T, T, dtype=torch.bool).tril(-1)    # j < i, ids[j] == ids[i]
-    has = same.any(1)
-    dup = (p * same).sum(-1)[:, has].sum(1) if bool(has.any()) else torch.zeros(H, dtype=torch.float64)
-    out["duplicate-token"] = (dup.numpy(), np.full(H, float(has.sum())))
-    return out
+    with an earlier copy of their token. The sums of engine.tools.atlas_windows.position_scores."""
+    H = pattern.shape[0]
+    return {name: (v.sum(1), np.full(H, float(q.size))) for name, (v, q, _) in position_scores(pattern, ids).items()}
 
 
 def induction_score(pattern: torch.Tensor, length: int, start: int = 0) -> np.ndarray:
     """(heads,) induction score of one (heads, T, T) pattern over a sequence whose positions start .. start+length-1
     and start+length .. start+2*length-1 hold the same `length` tokens: the mean, over i in the second copy, of the
     attention from i to i - length + 1 (the token after i's earlier copy)."""
-    p = pattern.detach().double().cpu()
-    if length < 2 or p.shape[1] < start + 2 * length:
-        raise InputError(f"induction_score wants two copies of length >= 2 tokens from position {start}; the pattern "
-                         f"has {p.shape[1]} positions for length {length}")
-    i = torch.arange(start + length, start + 2 * length)
-    return p[:, i, i - length + 1].mean(1).numpy()
+    return induction_positions(pattern, length, start)[0].mean(1)
 
 
 def default_corpus(root: Path | None = None, max_tokens: int = CORPUS_TOKENS, tokenizer=None) -> list[str]:
@@ -116,6 +95,29 @@ class HeadAtlas:
     length: int
     seed: int
     random_ids: list[list[int]] = field(repr=False, default_factory=list)
+    text_ids: list[list[int]] = field(repr=False, default_factory=list)      # each text's tokens, as scored
+    # each head's TOP_K windows per score (engine.tools.atlas_windows.TopWindows): SCORE_NAMES ->
+    # value (layers, heads, TOP_K), at (layers, heads, TOP_K, 3) of (sequence, query, key); sequence indexes
+    # sequences(): the texts' tokens, then the repeated random sequences (induction's windows)
+    window_value: dict[str, np.ndarray] = field(repr=False, default_factory=dict)
+    window_at: dict[str, np.ndarray] = field(repr=False, default_factory=dict)
+
+    def sequences(self) -> list[list[int]]:
+        return [*self.text_ids, *self.random_ids]
+
+    def top_windows(self, name: str, layer: int, head: int) -> list[dict]:
+        """One head's best windows by one score, best first: {rank, sequence, query, key, score, ids} (ids: the
+        whole sequence's tokens; query the position scored, key the position it attends for this score)."""
+        if name not in SCORE_NAMES:
+            raise InputError(f"unknown score {name!r}; the scores are {', '.join(SCORE_NAMES)}")
+        if not (0 <= layer < self.layers and 0 <= head < self.heads):
+            raise InputError(f"no head L{layer}H{head}: layers are [0, {self.layers}), heads [0, {self.heads})")
+        seqs, out = self.sequences(), []
+        for rank, ((seq, q, k), v) in enumerate(zip(self.window_at[name][layer, head].tolist(),
+                                                    self.window_value[name][layer, head].tolist())):
+            if seq >= 0:
+                out.append({"rank": rank + 1, "sequence": seq, "query": q, "key": k, "score": v, "ids": seqs[seq]})
+        return out
 
     def rows(self) -> list[dict]:
         """One dict per head: layer, head, every score, and its top texts' indices."""
@@ -139,7 +141,11 @@ class HeadAtlas:
         return {"layers": self.layers, "heads": self.heads, "tokens": self.tokens, "repeats": self.repeats,
                 "length": self.length, "seed": self.seed, "texts": self.texts, "scores": list(SCORE_NAMES),
                 "heads_scored": self.rows(),
-                "top": {name: [(r["layer"], r["head"]) for r in self.ranked(name, 5)] for name in SCORE_NAMES}}
+                "top": {name: [(r["layer"], r["head"]) for r in self.ranked(name, 5)] for name in SCORE_NAMES},
+                "windows": {name: [{"layer": r["layer"], "head": r["head"],
+                                    "windows": [{k: w[k] for k in ("sequence", "query", "key", "score")}
+                                                for w in self.top_windows(name, r["layer"], r["head"])]}
+                                   for r in self.ranked(name, 5)] for name in SCORE_NAMES}}
 
 
 def random_repeats(model, repeats: int, length: int, seed: int) -> list[list[int]]:
@@ -191,6 +197,7 @@ def head_atlas(model, texts: list[str] | None = None, *, repeats: int = 4, lengt
     top = {n: np.zeros((L, H), dtype=int) for n in best}
     randoms = random_repeats(model, repeats, length, seed)
     induction = np.zeros((L, H))
+    windows = TopWindows(SCORE_NAMES, L, H, TOP_K)
     total = len(texts) + repeats
     for k, ids in enumerate(encoded):
         tell_units(on_progress, k, total, f"text {k + 1} of {len(texts)}")
@@ -198,7 +205,9 @@ def head_atlas(model, texts: list[str] | None = None, *, repeats: int = 4, lengt
             continue
 
         def score_text(layer: int, x: torch.Tensor, ids=ids, k=k) -> None:
-            for name, (s, c) in pattern_scores(x, ids).items():
+            for name, (v, q, key) in position_scores(x, ids).items():
+                s, c = v.sum(1), np.full(H, float(q.size))        # pattern_scores, with the positions kept
+                windows.offer(name, layer, k, v, q, key)
                 sums[name][layer] += s
                 counts[name][layer] += c
                 if name in best:
@@ -210,8 +219,10 @@ def head_atlas(model, texts: list[str] | None = None, *, repeats: int = 4, lengt
     for r, ids in enumerate(randoms):
         tell_units(on_progress, len(texts) + r, total, f"repeated random tokens {r + 1} of {repeats}")
 
-        def score_random(layer: int, x: torch.Tensor) -> None:
-            induction[layer] += induction_score(x, length) / repeats
+        def score_random(layer: int, x: torch.Tensor, r=r) -> None:
+            v, q, key = induction_positions(x, length)
+            windows.offer("induction", layer, len(texts) + r, v, q, key)
+            induction[layer] += v.mean(1) / repeats
 
         _patterns_scored(model, ids, score_random)
     tell_units(on_progress, total, total, "done")
@@ -220,4 +231,4 @@ def head_atlas(model, texts: list[str] | None = None, *, repeats: int = 4, lengt
         scores["duplicate-token"][:] = np.nan         # no token repeats in the corpus: no duplicate score at all
     scores["induction"] = induction
     return HeadAtlas(L, H, scores, texts, top, sum(len(i) for i in encoded if len(i) >= 2), repeats, length, seed,
-                     randoms)
+                     randoms, encoded, windows.value, windows.at)

@@ -85,6 +85,7 @@ class SessionState:
     determinism: dict | None = None         # the Compare page's last determinism check (its report's dict)
     steered: dict | None = None             # the Compare page's last steering (plain and steered runs)
     qk: tuple | None = None                 # the Attention page's last score split: (what it split, its dict)
+    atlas_refused: str | None = None        # why the head atlas's last scatter click was ignored: said once
     opened: tuple | None = None             # (name, digest, Trace or error) of a trace file just opened
     uploads: int = 0                        # trace files opened so far (a new uploader after each)
     sampling_for: float | None = None       # the run (.created) the Sampling page's columns were set for

@@ -172,7 +172,8 @@ def test_the_default_corpus_is_the_projects_own_prose(planted):
     assert sum(len(tok.encode(t)) for t in texts) <= 400
 
 
-def test_the_cli_prints_the_atlas_as_json(planted):
+def test_the_cli_prints_the_atlas_as_json(planted, monkeypatch, tmp_path):
+    monkeypatch.setenv("LLM_INSPECTOR_CACHE", str(tmp_path))      # the atlas it keeps goes here
     r = engine_cli("atlas", "--model", planted[0], "--device", "cpu", "--dtype", "float32", "--json",
                    "--text", TEXTS[0], "--text", TEXTS[1], "--repeats", "2", "--length", "32", "--seed", "3")
     assert r.returncode == 0, r.stderr
