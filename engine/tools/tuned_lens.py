@@ -28,7 +28,7 @@ import torch
 from engine.errors import InputError
 from engine.inspection.probe import Probe
 from engine.norms import family_norm
-from engine.progress import tell_units
+from engine.progress import LayerProgress, tell_units
 from engine.tools.lens_corpus import corpus_facts, docstrings
 
 DEFAULT_RANK = 32
@@ -268,15 +268,18 @@ def compare_lenses(model, lens: TunedLens, texts: Sequence[str] | None = None, *
     return LensComparison((logit / n).tolist(), (tuned / n).tolist(), n)
 
 
-def lenses_at(model, ids: Sequence[int], pos: int, lens: TunedLens, k: int = 10) -> tuple[list[dict], list[dict]]:
+def lenses_at(model, ids: Sequence[int], pos: int, lens: TunedLens, k: int = 10, *,
+              on_progress=None) -> tuple[list[dict], list[dict]]:
     """Both lenses read at one position of ids: (top rows: {lens, layer, rank, id, token, prob} for k tokens per
     layer and lens; kl rows: {layer, logit_lens, tuned_lens} each layer's KL to the model's final distribution at
-    that position). One forward of ids[:pos+1]."""
+    that position). One forward of ids[:pos+1]; on_progress hears each block finish (engine.progress)."""
     if not 0 <= pos < len(ids):
         raise InputError(f"position {pos} is outside 0..{len(ids) - 1}")
     probe = Probe().capture("blocks.*.resid_post", positions=[pos])
     t = torch.as_tensor([int(i) for i in ids[:pos + 1]], dtype=torch.long)
-    model.forward(t, model.new_cache(len(t)), probe, last_only=True)
+    tell = LayerProgress(on_progress, len(t), model.config.num_layers)
+    model.forward(t, model.new_cache(len(t)), probe, last_only=True, on_layer=tell.on_layer(0, len(t)))
+    tell.chunk_done(0, len(t))
     caps = sorted((c for c in probe.recording.captures if c.name.endswith(".resid_post")), key=lambda c: c.layer)
     resid = torch.cat([c.value.float().cpu() for c in caps])                       # (L, d)
     reads = {"logit lens": torch.log_softmax(model.unembed(resid), -1),
