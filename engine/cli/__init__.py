@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.cli import args, atlas, bench, debug, explain, prescribe, qk, report, run, scoreboard, show, steer
+from engine.cli import args, atlas, bench, debug, explain, lens, prescribe, qk, report, run, scoreboard, show, steer
 from engine.errors import EngineError
 
 
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     steer.add_commands(sub, args)
     qk.add_commands(sub, args)
     atlas.add_commands(sub, args)
+    lens.add_commands(sub, args)
     scoreboard.add_commands(sub, args)
     return parser
 
