@@ -30,6 +30,7 @@ from engine.inspection.probe import Probe
 from engine.norms import family_norm
 from engine.progress import LayerProgress, tell_units
 from engine.tools.lens_corpus import corpus_facts, docstrings
+from engine.weights import as_float
 
 DEFAULT_RANK = 32
 DEFAULT_TOKENS = 8192          # fit corpus, in tokens over all texts
@@ -99,19 +100,22 @@ def _head_logits(model, x: torch.Tensor) -> torch.Tensor:
     """The final norm and unembedding of model, differentiable (Model.unembed runs in inference mode): (N, d) ->
     (N, V) float32. Same weights and norm; stage 2 only."""
     w = model.weights
+    x = x.to(w.norm.device)
     z = family_norm(model.config, x, w.norm.float(), None if w.norm_bias is None else w.norm_bias.float(),
                     model.config.rms_norm_eps)
-    out = z @ w.lm_head.float()
-    return out if w.head_bias is None else out + w.head_bias.float()
+    out = z @ as_float(w.lm_head).float()
+    return (out if w.head_bias is None else out + w.head_bias.float()).cpu()
 
 
 def _output_metric(model) -> torch.Tensor:
     """(d, d) how much a change of the normed stream moves the logits: diag(g) W W^T diag(g) / V, g the final norm's
-    weight, W the (d, V) unembedding; a small multiple of I keeps it invertible."""
+    weight, W the (d, V) unembedding (dequantised when kept quantised); W W^T in float32 on the model's device (one
+    (d, d) product), the rest in float64; a small multiple of I keeps it invertible."""
     w = model.weights
-    head = w.lm_head.double()
-    g = w.norm.double()
-    m = (g[:, None] * (head @ head.T) * g[None, :]) / head.shape[1]
+    head = as_float(w.lm_head).float()
+    g = w.norm.double().cpu()
+    ww = (head @ head.T).double().cpu()
+    m = (g[:, None] * ww * g[None, :]) / head.shape[1]
     return m + 1e-6 * torch.trace(m) / m.shape[0] * torch.eye(m.shape[0], dtype=m.dtype)
 
 
