@@ -6,6 +6,7 @@ import streamlit as st
 from inspector.session.memo import memo, run_key
 from inspector.ui.common import get_model, on_demand, plain, require_run, was_stopped
 from inspector.ui.frame import ensure_frame
+from inspector.ui.lens_panel import tuned_lens_section
 from inspector.ui.state import session
 from inspector.ui.widgets import chart, checked
 from inspector.views import experts as ex
@@ -151,3 +152,4 @@ if ((key, "lens", pos) in cache or pos < LENS_AUTO or was_stopped(what, (key, "l
         st.dataframe(lens[lens["rank"] < k], key="act_lens_table", hide_index=True)
 else:
     st.info(f"Position {pos}: one forward over {pos + 1} positions (seconds on a CPU). Press the button.")
+tuned_lens_section(model, key, ids, pos, k, LENS_K, pos < LENS_AUTO)

@@ -19,7 +19,9 @@ generations just before and just after it, and the ratio reported is the median 
 Targets (issue 21, item 11): why-loop and rescue <= 10x, every other tool <= 5x (the scoreboard: issue 47); the QK
 attribution (the last layer's head 0, the prompt's last position to its first) <= 2x and steering (its vector from
 one pair of prompts at the middle layer, then engine.tools.steering.steer: the plain and the steered continuation
-and the per-step shift) <= 1.5x (issue 47).
+and the per-step shift) <= 1.5x (issue 47). The tuned lens (both lenses read at the prompt's last position,
+engine.tools.tuned_lens.lenses_at: one forward over the prompt, like the QK split) <= 2x; its lens is the one shipped
+or kept for the model's weights, else one fitted before the timing on LENS_FIT_TOKENS tokens and not kept.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ from engine.tools.qk_attribution import qk_attribution
 from engine.tools.quant_scoreboard import DEFAULT_FORMATS, PROMPTS, scoreboard
 from engine.tools.rescue import MAX_NEW_TOKENS, find_rescue
 from engine.tools.steering import steer, steering_vector
+from engine.tools.lens_file import find_lens
+from engine.tools.tuned_lens import fit_tuned_lens, lenses_at
 from engine.tools.why_loop import why_loop
 from engine.variants import cast_model
 
@@ -45,9 +49,10 @@ PROMPT = "I like apples. I like apples. I like"       # loops greedily on the bu
 RUN_TOKENS = 32                                       # RunSettings' default max_new_tokens
 WHY_LOOP_TOKENS = 64                                  # the looping run the why-loop diagnoses
 TARGETS = {"why_loop": 10.0, "rescue": 10.0, "patch_grid": 5.0, "head_scan": 5.0, "attribution": 5.0, "quant": 5.0,
-           "scoreboard": 5.0, "qk": 2.0, "steering": 1.5}
+           "scoreboard": 5.0, "qk": 2.0, "steering": 1.5, "tuned_lens": 2.0}
 STEER = (("I love this. It is wonderful and happy.",), ("I hate this. It is awful and sad.",))   # the vector's sets
 PLAIN_RUNS = {"scoreboard": len(DEFAULT_FORMATS)}     # plain generations a tool is held against (default: one)
+LENS_FIT_TOKENS = 512                                 # a model without a lens: the bench's own, small, fit
 
 
 def plain_seconds(model: Model, prompt: str, new_tokens: int) -> float:
@@ -68,6 +73,7 @@ def tool_jobs(model: Model, prompt: str = PROMPT, tools=tuple(TARGETS)) -> dict[
     faults = (f"scale=1e6@blocks.{model.config.num_layers // 2}.mlp_out",)
     fp16 = cast_model(model, "float16") if "rescue" in tools else None
     loop_run = dataclasses.replace(settings, max_new_tokens=WHY_LOOP_TOKENS)
+    lens = (find_lens(model) or fit_tuned_lens(model, max_tokens=LENS_FIT_TOKENS)) if "tuned_lens" in tools else None
     jobs = {"why_loop": (WHY_LOOP_TOKENS, lambda: why_loop(model, loop_run)),
             "rescue": (min(RUN_TOKENS, MAX_NEW_TOKENS),
                        lambda: find_rescue(model, fp16, settings, injections=faults)),
@@ -78,7 +84,8 @@ def tool_jobs(model: Model, prompt: str = PROMPT, tools=tuple(TARGETS)) -> dict[
             "scoreboard": (RUN_TOKENS, lambda: scoreboard(model, PROMPTS, DEFAULT_FORMATS)),
             "qk": (RUN_TOKENS, lambda: qk_attribution(model, ids, model.config.num_layers - 1, 0, len(ids) - 1, 0)),
             "steering": (RUN_TOKENS, lambda: steer(model, settings, steering_vector(
-                model, *STEER, model.config.num_layers // 2), 4.0))}
+                model, *STEER, model.config.num_layers // 2), 4.0)),
+            "tuned_lens": (RUN_TOKENS, lambda: lenses_at(model, ids, len(ids) - 1, lens))}
     return {k: v for k, v in jobs.items() if k in tools}
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.cli import args, atlas, bench, debug, explain, prescribe, qk, report, run, scoreboard, show, steer, stored
+from engine.cli import (args, atlas, bench, debug, explain, lens, prescribe, qk, report, run, scoreboard, show, steer,
+                        stored)
 from engine.errors import EngineError
 
 
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     steer.add_commands(sub, args)
     qk.add_commands(sub, args)
     atlas.add_commands(sub, args)
+    lens.add_commands(sub, args)
     scoreboard.add_commands(sub, args)
     stored.add_commands(sub, args)
     return parser

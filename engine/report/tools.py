@@ -1,7 +1,8 @@
 """The report's tool sections: what the session's tools computed beside the run (issue 47: "appears in the offline
 report where it applies"): a QK score split, a steering run, a determinism check, a quantization scoreboard, a GGUF
-file as stored against its dequantised self. Each comes as the tool's own JSON (`as_dict()`, the `--json` of its CLI twin: `python -m engine qk|steer|quant-scoreboard|
-quant-stored|doctor --determinism`) and is turned here into a titled table of plain values for engine.report.html to draw.
+file as stored against its dequantised self, a tuned lens. Each comes as the tool's own JSON (`as_dict()`, the `--json` of its
+CLI twin: `python -m engine qk|steer|quant-scoreboard|quant-stored|doctor --determinism|lens`) and is turned here into a
+titled table of plain values for engine.report.html to draw.
 
 A tool's JSON may come from a file a user hands the CLI (`report --tool-json FILE`), so it is input like any other:
 each kind is recognised by its keys, every value is checked for its type (text cut to MAX_TEXT characters, numbers
@@ -18,7 +19,7 @@ from engine.errors import InputError
 MAX_FILE_BYTES = 8 << 20     # a tool's JSON file (a scoreboard keeps its per-position lists: a few MB at most)
 MAX_ROWS = 40
 MAX_TEXT = 200
-KINDS = ("qk", "steering", "determinism", "scoreboard", "stored")
+KINDS = ("qk", "steering", "determinism", "scoreboard", "stored", "tuned-lens")
 
 
 def kind_of(d: dict) -> str:
@@ -29,7 +30,8 @@ def kind_of(d: dict) -> str:
         return "determinism"                  # the doctor's report with its --determinism section
     for kind, keys in (("qk", {"top_pairs", "score", "remainder"}), ("steering", {"steered_text", "plain_text"}),
                        ("determinism", {"trials", "headline"}), ("scoreboard", {"formats", "reference"}),
-                       ("stored", {"stored", "dequantized", "per_stage", "tolerance"})):
+                       ("stored", {"stored", "dequantized", "per_stage", "tolerance"}),
+                       ("tuned-lens", {"kl", "weights_checksum", "recipe"})):
         if keys <= set(d):
             return kind
     raise InputError(f"not the JSON of a tool the report shows ({', '.join(KINDS)}); its keys: "
@@ -153,8 +155,21 @@ def _stored(d: dict) -> dict:
             "header": ["stage", "max |Δ|", "relative L2", "over the tolerance"], "rows": rows, "numeric": [1, 2]}
 
 
+def _tuned_lens(d: dict) -> dict:
+    r = _obj(d.get("recipe"), "recipe")
+    caption = (f"Each layer's mean KL (nats) to the model's final distribution over {_text(d.get('tokens'), 'tokens')} "
+               f"held-out tokens: the logit lens reads the residual stream as it is, the tuned lens through its "
+               f"layer's affine map (rank {_text(d.get('rank'), 'rank')}, fitted on {_text(r.get('tokens'), 'tokens')}"
+               f" tokens of {_text(r.get('corpus'), 'corpus')} by {_text(r.get('script'), 'script')}) for weights "
+               f"{_text(d.get('weights_checksum'), 'weights checksum')}.")
+    rows = [[_num(k.get("layer"), "layer"), _num(k.get("logit_lens"), "KL"), _num(k.get("tuned_lens"), "KL")]
+            for k in map(lambda x: _obj(x, "layer's KL"), _list(d["kl"], "kl"))]
+    return {"id": "tool-tuned-lens", "title": "Logit lens and tuned lens", "caption": caption,
+            "header": ["layer", "KL logit lens", "KL tuned lens"], "rows": rows, "numeric": [0, 1, 2]}
+
+
 SECTIONS = {"qk": _qk, "steering": _steering, "determinism": _determinism, "scoreboard": _scoreboard,
-            "stored": _stored}
+            "stored": _stored, "tuned-lens": _tuned_lens}
 
 
 def tool_sections(tools) -> list[dict]:

@@ -1,5 +1,5 @@
 """python -m engine bench --tools --json: one JSON object with each tool's time over one plain generation of the
-same prompt and length (why_loop, rescue, patch_grid, head_scan, attribution, quant, scoreboard `_over_plain`; the
+same prompt and length (why_loop, rescue, patch_grid, head_scan, attribution, quant, scoreboard, tuned_lens `_over_plain`; the
 scoreboard's plain is its formats' plain runs: one plain generation per format), each the
 median of the rounds' own ratios, a round's ratio being the tool's time over the mean of the plain generations
 just before and just after it (interleaved), with the target it is held to."""
@@ -26,6 +26,7 @@ def test_bench_tools_json_has_every_tools_ratio_and_target(tiny_model_dir, capsy
         assert out[f"{k}_meets"] == (out[f"{k}_over_plain"] <= out[f"{k}_target"])
     assert out["why_loop_plain_tokens"] == 64 and out["rescue_plain_tokens"] == 8 and out["quant_plain_tokens"] == 32
     assert out["scoreboard_plain_tokens"] == 32 and out["scoreboard_plain_runs"] == 2 and out["quant_plain_runs"] == 1
+    assert out["tuned_lens_over_plain"] > 0 and out["tuned_lens_target"] == 2 and out["tuned_lens_plain_tokens"] == 32
 
 
 def test_a_ratio_is_the_median_of_the_rounds_tool_over_its_neighbouring_plains(tiny_model, monkeypatch):
