@@ -17,12 +17,12 @@ def test_an_unsupported_architecture_fails_as_unsupported(tmp_path, tiny_model_d
     d = broken_copy(tmp_path, tiny_model_dir, "bloom", lambda d: _config(d, model_type="bloom"))
     for _ in range(2):                     # the second time from the remembered failure (within LOAD_RETRY_S)
         load = models._Load()
-        load.run(str(d), "cpu", "auto")
+        load.run(str(d), "cpu", "auto", "dequantized")
         state = load.state()
         assert state.error and "unsupported architecture" in state.error and state.unsupported
     half = broken_copy(tmp_path, tiny_model_dir, "cfg", lambda d: (d / "config.json").write_text("{"))
     load = models._Load()
-    load.run(str(half), "cpu", "auto")
+    load.run(str(half), "cpu", "auto", "dequantized")
     assert load.state().error and not load.state().unsupported
 
 
