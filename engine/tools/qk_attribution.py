@@ -10,10 +10,10 @@ component is centred (centring is linear) before the frozen scale, and the norm'
 (blocks.{L}.attn_norm.bias, through the projection and RoPE), as the projection's bias is ("bias"); each constant
 pairs with every component of the other side (Cohere's LayerNorm has no bias: no such constant). GPT-2's learned
 position is a component ("positions"), and its attention has no RoPE; Cohere's RoPE turns adjacent pairs of
-dimensions (engine.rope's pairs), as its forward does. The terms are summed in float64 and set against the score the forward computed (its
-attn.scores stage): the remainder is the forward's own float32 rounding for these blocks. Where a block is not
-linear in its input once the norm is frozen (a q/k norm, an attention soft cap), the split cannot be exact: the
-report says so and shows the remainder it leaves.
+dimensions (engine.rope's pairs), as its forward does. The terms are summed in float64 and set against the score the
+forward computed (its attn.scores stage): the remainder is the forward's own float32 rounding for these blocks.
+Where a block is not linear in its input once the norm is frozen (a q/k norm, an attention soft cap), the split
+cannot be exact: the report says so and shows the remainder it leaves.
 
 Entry point: qk_attribution(model, ids, layer, head, query, key) -> QKAttribution."""
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Explain and the QK attribution through LayerNorm blocks (GPT-2, GPT-NeoX parallel and sequential, Phi, StableLM
 with and without q/k/v biases, StarCoder 2 with and without its biases and window, Cohere's bias-free LayerNorm with
-interleaved RoPE and logit_scale, with and without attention biases) against transformers on tiny random-weight models it builds: the logit attribution's
-terms (centred parts through the frozen final LayerNorm, its bias, Phi's head bias, each layer's attention output
-bias, GPT-2's learned positions) sum to the logit difference transformers computes, and the query-side x key-side
-terms sum to the pre-softmax score transformers' attention computes (captured by an attention function registered
-here, in float64), and to the engine's own (its attn.scores stage)."""
+interleaved RoPE and logit_scale, with and without attention biases) against transformers on tiny random-weight
+models it builds: the logit attribution's terms (centred parts through the frozen final LayerNorm, its bias where it
+has one, Phi's head bias, each layer's attention output bias, GPT-2's learned positions) sum to the logit difference
+transformers computes, and the query-side x key-side terms sum to the pre-softmax score transformers' attention
+computes (captured by an attention function registered here, with sdpa's masks, in float64), and to the engine's own
+(its attn.scores stage)."""
 from __future__ import annotations
 
 import pytest
