@@ -8,11 +8,12 @@ final norm), q and k are linear in x, and x_p is the sum of the embedding, every
 component) of scale * q(a) . k(b), plus bias terms. Through a LayerNorm (GPT-2, GPT-NeoX, StableLM, Phi) each
 component is centred (centring is linear) before the frozen scale, and the norm's bias is a constant of each side
 (blocks.{L}.attn_norm.bias, through the projection and RoPE), as the projection's bias is ("bias"); each constant
-pairs with every component of the other side. GPT-2's learned position is a component ("positions"), and its
-attention has no RoPE. The terms are summed in float64 and set against the score the forward computed (its
-attn.scores stage): the remainder is the forward's own float32 rounding for these blocks. Where a block is not
-linear in its input once the norm is frozen (a q/k norm, an attention soft cap), the split cannot be exact: the
-report says so and shows the remainder it leaves.
+pairs with every component of the other side (Cohere's LayerNorm has no bias: no such constant). GPT-2's learned
+position is a component ("positions"), and its attention has no RoPE; Cohere's RoPE turns adjacent pairs of
+dimensions (engine.rope's pairs), as its forward does. The terms are summed in float64 and set against the score the
+forward computed (its attn.scores stage): the remainder is the forward's own float32 rounding for these blocks.
+Where a block is not linear in its input once the norm is frozen (a q/k norm, an attention soft cap), the split
+cannot be exact: the report says so and shows the remainder it leaves.
 
 Entry point: qk_attribution(model, ids, layer, head, query, key) -> QKAttribution."""
 from __future__ import annotations
@@ -158,6 +159,7 @@ def _project(model, parts: torch.Tensor, layer: int, head: int, pos: int, end: i
     kind = cfg.layer_rope[layer]
     if kind is not None:
         cos, sin = rope_tables(cfg, pos + 1, "cpu", torch.float64, table_for(cfg, kind, end))
+        pairs = cfg.family.positions == "rope_interleaved"      # Cohere: adjacent dimensions rotate together
         out = rotate(out.unsqueeze(1), cos[pos:pos + 1].expand(out.shape[0], 1, -1),
-                     sin[pos:pos + 1].expand(out.shape[0], 1, -1)).squeeze(1)
+                     sin[pos:pos + 1].expand(out.shape[0], 1, -1), pairs).squeeze(1)
     return out
