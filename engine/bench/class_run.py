@@ -18,7 +18,10 @@ student's time in the same round, and the reported figure is the median of the r
                                this process: the thread policy is one for both (engine.threads)
     cli_beside_busy_over_alone engine generate's decode seconds per token beside one competing torch process
                                over alone (target <= 2.5); the competitor runs with libgomp's default
-                               (its environment cleaned of the policy's OMP_WAIT_POLICY / GOMP_SPINCOUNT)"""
+                               (its environment cleaned of the policy's OMP_WAIT_POLICY / GOMP_SPINCOUNT)
+    policy_worker_over_alone, throttled_worker_over_alone   a worker thread's small op beside other threads' OpenMP
+                               teams over the lone thread's, under the policy and under PASSIVE (engine.bench.
+                               thread_policy: about 1 and 7 on a quiet machine)"""
 from __future__ import annotations
 
 import os
@@ -29,6 +32,7 @@ import threading
 import time
 
 from engine.batch import shared_barrier
+from engine.bench.thread_policy import thread_policy_bench
 from engine.generate import GenerationRun
 from engine.heap import trim
 from engine.inspection.probe import inspection_probe
@@ -134,9 +138,12 @@ def class_bench(model, sizes: tuple[int, ...] = (1, 8, 30), new_tokens: int = 32
         out[f"class_tokens_per_s_{n}"] = statistics.median(n * new_tokens / row[n] for row in rows)
     out[f"class_{alone}_s"] = min(row[alone] for row in rows)
     out["lone_app_over_cli_decode"], out["cli_beside_busy_over_alone"] = _lone(model, new_tokens, rounds)
+    out.update(thread_policy_bench())
     for n in sizes[1:]:
         say(f"{n} students at once: the last finishes at {out[f'class_last_over_alone_{n}']:.2f}x one alone "
             f"({out[f'class_tokens_per_s_{n}']:.1f} tokens/s over the class)")
     say(f"one user: the app's decode {out['lone_app_over_cli_decode']:.2f}x engine generate's; engine generate beside "
         f"a busy process {out['cli_beside_busy_over_alone']:.2f}x alone (medians of {rounds} rounds)")
+    say(f"a worker thread's small op beside other teams: {out['policy_worker_over_alone']:.2f}x the lone thread's "
+        f"under the policy, {out['throttled_worker_over_alone']:.2f}x under PASSIVE")
     return out
