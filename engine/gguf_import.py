@@ -43,14 +43,10 @@ GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def family_of(reader) -> Family:
-    """The declared family of a GGUF file: its general.architecture, and for "llama" its tensors (llama.cpp's
-    converter writes mixtral as llama with stacked experts)."""
-    arch = _field(reader, "general.architecture")
-    fam = family_for_gguf(arch)
-    if arch == "llama":
-        experts = any(t.name.endswith(".ffn_gate_exps.weight") for t in reader.tensors)
-        fam = FAMILIES["mixtral" if experts else "llama"]
-    return fam
+    """The declared family of a GGUF file: its general.architecture, and whether it holds stacked experts
+    (engine.family.family_for_gguf)."""
+    return family_for_gguf(_field(reader, "general.architecture"),
+                           any(t.name.endswith(".ffn_gate_exps.weight") for t in reader.tensors))
 
 
 def _field(reader, key: str, default=None):
@@ -67,7 +63,7 @@ def _f32(v) -> float:
 def config_from_gguf(reader) -> dict:
     """config.json for a GGUF file, from the metadata keys llama.cpp's converter writes for its family."""
     fam = family_of(reader)
-    arch = fam.gguf_arch if fam.model_type != "mixtral" else "llama"
+    arch = fam.gguf_arch
 
     def get(key: str, default=None):
         return _field(reader, f"{arch}.{key}", default)

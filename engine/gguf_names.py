@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.errors import UnsupportedModelError
-from engine.family import FAMILIES, Family
+from engine.family import Family
 
 SKIPPED = {"rope_freqs.weight"}  # llama3 rope factors: read back into config.rope_scaling (gguf_import)
 
@@ -35,8 +35,7 @@ def layer_map(fam: Family) -> dict[str, str]:
     return {g: hf for parts in (*fam.parts.values(), *fam.moe_parts.values()) for hf, _, g in parts}
 
 
-def hf_name(gguf_name: str, fam: Family | None = None) -> str:
-    fam = fam or FAMILIES["llama"]
+def hf_name(gguf_name: str, fam: Family) -> str:
     names = global_map(fam)
     if gguf_name in names:
         return names[gguf_name]

@@ -3,7 +3,7 @@ derives from (engine.family.slots), and the shapes of their parts."""
 from __future__ import annotations
 
 from engine.errors import UnsupportedModelError
-from engine.family.declared import BY_GGUF_ARCH, FAMILIES, Family
+from engine.family.declared import BY_GGUF_ARCH, EXPERTS_OF, FAMILIES, Family
 from engine.family.slots import SLOTS, Slot
 
 __all__ = ["FAMILIES", "Family", "SLOTS", "Slot", "family", "family_for_gguf", "part_shape"]
@@ -17,12 +17,15 @@ def family(model_type, where: str = "config") -> Family:
     return fam
 
 
-def family_for_gguf(arch) -> Family:
+def family_for_gguf(arch, has_experts: bool = False) -> Family:
+    """The declared family of a GGUF file's general.architecture. Families that share an architecture name are told
+    apart by the file's tensors: llama.cpp's converter writes Mixtral as "llama" with stacked experts
+    (ffn_gate_exps), so a "llama" file with experts is mixtral."""
     fam = BY_GGUF_ARCH.get(arch) if isinstance(arch, str) else None
     if fam is None:
         raise UnsupportedModelError(f"GGUF general.architecture={arch!r} is not supported; supported: "
                                     f"{', '.join(BY_GGUF_ARCH)}")
-    return fam
+    return EXPERTS_OF.get(fam.model_type, fam) if has_experts else fam
 
 
 def part_shape(key: str, cfg) -> tuple[int, ...]:

@@ -248,4 +248,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                                  ignored=r"gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)")),
 )}
 # llama.cpp's mixtral files say "llama" (experts are told by their tensors)
-BY_GGUF_ARCH = {f.gguf_arch: f for f in FAMILIES.values() if f.gguf_arch and f.model_type != "mistral"}
+# One family an architecture name: the dense one where a mixture-of-experts family shares its name (mixtral's files
+# say "llama"); mistral's files say "llama" too (llama.cpp keeps no sliding window for them)
+BY_GGUF_ARCH = {f.gguf_arch: f for f in FAMILIES.values()
+                if f.gguf_arch and f.model_type != "mistral" and not (f.experts and f.gguf_arch == "llama")}
+# a dense family's experts twin under the same architecture name, told by the file's stacked experts tensors
+EXPERTS_OF = {d.model_type: f for f in FAMILIES.values() for d in BY_GGUF_ARCH.values()
+              if f.experts and f.gguf_arch == d.gguf_arch and f is not d}
