@@ -1,7 +1,8 @@
-/* One decode step of a Llama-family model (CPU, batch 1; weights in float32, bfloat16 or float16, or float32 with any
- * matrix kept in its GGUF blocks) in one call: every
- * layer, the final norm and the lm_head. In bfloat16 or float16 it reads half the bytes of float32 and rounds each
- * stage to the model's dtype where the PyTorch forward in that dtype holds one (llama_ops.h), summing in float32.
+/* One decode step of a Llama-shaped model (with the variations step.py admits: q/k/v biases, per-head q/k norms,
+ * GELU-tanh, Granite's multipliers, layers without RoPE; CPU, batch 1; weights in float32, bfloat16 or float16, or
+ * float32 with any matrix kept in its GGUF blocks) in one call: every layer, the final norm and the lm_head. In
+ * bfloat16 or float16 it reads half the bytes of float32 and rounds each stage to the model's dtype where the
+ * PyTorch forward in that dtype holds one (llama_ops.h), summing in float32.
  * Python (engine/native/step.py) compiles this file, checks each run's eligibility and falls back to the PyTorch
  * forward for anything else; engine/model.py stays the reference.
  *
@@ -11,7 +12,8 @@
  * that sit in the L1 cache, and a step has one OpenMP parallel region with a barrier between phases.
  *
  * Statistics (optional, stats != NULL): min, max, mean, std (population, two-pass), absmax, nan, inf of every
- * stage the PyTorch forward offers at decode, in its order (embed, 17 per layer, final_norm, logits), computed
+ * stage the PyTorch forward offers at decode, in its order (embed, 17 per layer or 19 with q/k norms, final_norm,
+ * logits), computed
  * while each stage is still in cache. A non-finite value anywhere makes the call return 1 (the caller redoes
  * the step with the PyTorch forward, whose NaN/Inf accounting is the reference); otherwise 0.
  */
@@ -37,12 +39,18 @@ typedef struct {
     const void *final_norm, *lm_head;    /* (d), (d, V), of wtype */
     float *logits;                 /* (V) out */
     float *work;                   /* scratch, llmi_work_floats() floats */
-    float *stats;                  /* NULL, or (1 + 17 L + 2) x 7 out */
+    float *stats;                  /* NULL, or (1 + 17 L (19 L with q/k norms) + 2) x 7 out */
     double *marks;                 /* NULL, or L + 2 out: seconds since the call began when the embedding, each
                                       layer and the logits were done (the PyTorch forward's timing marks) */
     const int *qwqkv, *qwo, *qwgu, *qwdown;   /* L GGML types each: 0, the slot's matrix is (in, out) of wtype; else
                                                  it is kept in GGUF blocks, (out, in) rows (engine/quant_matrix.py) */
     int qlm;                       /* the lm_head's: 0 or a GGML type ((V, d) rows: a tied model's token embedding) */
+    /* the family's variations (step.py derives them from its declaration; NULL, 0 or 1: Llama's) */
+    const void *const *bqkv;       /* NULL, or L (H + 2K) hd q/k/v biases of wtype (Qwen2) */
+    const void *const *q_norm, *const *k_norm;   /* NULL, or L (hd) weights: each head's q, k RMS-normed (Qwen3) */
+    const int *rope_on;            /* NULL (every layer rotates), or L flags: 0 = q and k unrotated (SmolLM3) */
+    int act;                       /* the gated MLP's activation: 0 SiLU, 1 GELU-tanh (Gemma) */
+    float resid_scale, logits_div; /* each branch's output x resid_scale, the logits / logits_div (Granite) */
 } Step;
 
 long llmi_work_floats(int d, int H, int K, int hd, int F, int V, int max_len, int nth) {
@@ -126,6 +134,32 @@ static void product(const float *x, const void *W, int K, int N, float *out, flo
 #pragma omp barrier
 }
 
+/* out = x @ W + b (b: N values of type t, Qwen2's q/k/v biases), as the PyTorch forward's addmm: the bias joins the
+ * float32 sum of the threads' partial sums before its one rounding to t (a bias added to product()'s rounded outputs
+ * would round twice: in bfloat16 the logits of a tiny Qwen2 then lay ~2.7 ulps from the PyTorch forward's instead of
+ * ~0.06). A matrix in GGUF blocks (float32 models): product(), then the bias added in float32. */
+static void product_bias(const float *x, const void *W, const void *b, int K, int N, float *out, float *part,
+                         long stride, int t, int q) {
+    const int u0 = omp_get_thread_num(), T = omp_get_num_threads(), G = K / 8;
+    const int n0 = (int)((long)N * u0 / T), n1 = (int)((long)N * (u0 + 1) / T);
+    if (q) {
+        product(x, W, K, N, out, part, stride, t, q);
+        for (int n = n0; n < n1; n++) out[n] += ld(b, n, T_F32);
+#pragma omp barrier
+        return;
+    }
+    const int g0 = (int)((long)G * u0 / T), g1 = (int)((long)G * (u0 + 1) / T);
+    row_product(x, W, 8 * g0, 8 * g1, N, part + (size_t)u0 * stride, t);
+#pragma omp barrier
+    for (int n = n0; n < n1; n++) {
+        float s = 0.f;
+        for (int u = 0; u < T; u++) s += part[(size_t)u * stride + n];
+        out[n] = s + ld(b, n, t);
+    }
+    round_to(out + n0, n1 - n0, t);
+#pragma omp barrier
+}
+
 int llmi_decode_step(const Step *p) {
     const int d = p->d, H = p->H, K = p->K, hd = p->hd, F = p->F, V = p->V, S = p->pos + 1, G = H / K;
     const long qkv_n = (long)(H + 2 * K) * hd, wide = (V > 2 * F ? V : 2 * F) > qkv_n ? (V > 2 * F ? V : 2 * F) : qkv_n;
@@ -155,20 +189,32 @@ int llmi_decode_step(const Step *p) {
                 rms_norm(x, p->attn_norm[l], d, p->eps, h, wt);
                 if (st) bad |= stats7(h, d, st), st += NSTAT;
             }
-            product(h, p->wqkv[l], d, (int)qkv_n, qkv, part, stride, wt, p->qwqkv[l]);
+            if (p->bqkv) product_bias(h, p->wqkv[l], p->bqkv[l], d, (int)qkv_n, qkv, part, stride, wt, p->qwqkv[l]);
+            else product(h, p->wqkv[l], d, (int)qkv_n, qkv, part, stride, wt, p->qwqkv[l]);
 #pragma omp single
             {
                 float *q = qkv, *k = qkv + (long)H * hd, *v = k + (long)K * hd;
-                if (st) {   /* attn.q, attn.k, attn.v, then attn.q_rot, attn.k_rot */
+                if (st) {   /* attn.q, attn.k, attn.v, [attn.q_norm, attn.k_norm], then attn.q_rot, attn.k_rot */
                     bad |= stats7(q, (long)H * hd, st);
                     bad |= stats7(k, (long)K * hd, st + NSTAT);
                     bad |= stats7(v, (long)K * hd, st + 2 * NSTAT);
+                    st += 3 * NSTAT;
                 }
-                rope(qkv, H + K, hd, p->cos, p->sin, wt);
+                if (p->q_norm) {     /* in place: rms_norm reads a row whole before it writes */
+                    for (int j = 0; j < H + K; j++)
+                        rms_norm(qkv + (long)j * hd, j < H ? p->q_norm[l] : p->k_norm[l], hd, p->eps,
+                                 qkv + (long)j * hd, wt);
+                    if (st) {
+                        bad |= stats7(q, (long)H * hd, st);
+                        bad |= stats7(k, (long)K * hd, st + NSTAT);
+                        st += 2 * NSTAT;
+                    }
+                }
+                if (!p->rope_on || p->rope_on[l]) rope(qkv, H + K, hd, p->cos, p->sin, wt);
                 if (st) {
-                    bad |= stats7(q, (long)H * hd, st + 3 * NSTAT);
-                    bad |= stats7(k, (long)K * hd, st + 4 * NSTAT);
-                    st += 5 * NSTAT;
+                    bad |= stats7(q, (long)H * hd, st);
+                    bad |= stats7(k, (long)K * hd, st + NSTAT);
+                    st += 2 * NSTAT;
                 }
                 const size_t at = (size_t)p->pos * hd * csz;
                 cache_write(k, v, K, hd, kc + at, vc + at, cache_head, ct);
@@ -198,6 +244,7 @@ int llmi_decode_step(const Step *p) {
             product(z, p->wo[l], H * hd, d, attn_out, part, stride, wt, p->qwo[l]);
 #pragma omp single
             {
+                if (p->resid_scale != 1.f) scale_to(attn_out, d, p->resid_scale, 1, wt);
                 add_to(x, attn_out, d, wt);
                 rms_norm(x, p->mlp_norm[l], d, p->eps, h, wt);
                 if (st) {
@@ -208,9 +255,11 @@ int llmi_decode_step(const Step *p) {
                 }
             }
             product(h, p->wgu[l], d, 2 * F, gu, part, stride, wt, p->qwgu[l]);
-            {    /* silu(g) * up, the team's threads a share each */
+            {    /* act(g) * up, the team's threads a share each */
                 const int u = omp_get_thread_num(), T = omp_get_num_threads();
-                silu_mul(gu, gu + F, act, (long)F * u / T, (long)F * (u + 1) / T, wt);
+                const long lo = (long)F * u / T, hi = (long)F * (u + 1) / T;
+                if (p->act) gelu_mul(gu, gu + F, act, lo, hi, wt);
+                else silu_mul(gu, gu + F, act, lo, hi, wt);
             }
 #pragma omp barrier
 #pragma omp single
@@ -225,6 +274,7 @@ int llmi_decode_step(const Step *p) {
             product(act, p->wdown[l], F, d, mlp_out, part, stride, wt, p->qwdown[l]);
 #pragma omp single
             {
+                if (p->resid_scale != 1.f) scale_to(mlp_out, d, p->resid_scale, 1, wt);
                 add_to(x, mlp_out, d, wt);
                 if (st) {
                     bad |= stats7(mlp_out, d, st);
@@ -242,6 +292,7 @@ int llmi_decode_step(const Step *p) {
         product(xf, p->lm_head, d, V, p->logits, part, stride, wt, p->qlm);
 #pragma omp single
         {
+            if (p->logits_div != 1.f) scale_to(p->logits, V, p->logits_div, 0, wt);
             if (st) bad |= stats7(p->logits, V, st), st += NSTAT;
             if (p->marks) p->marks[p->L + 1] = omp_get_wtime() - t0;
         }

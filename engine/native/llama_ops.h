@@ -247,4 +247,39 @@ static inline void add_to(float *x, const float *y, int d, int t) {
 #undef F
 }
 
+/* The family variations of the lone decode step (decode.c; engine/native/step.py admits them from the family's
+ * declaration): each the PyTorch forward's operation in t, rounded where it holds a tensor of t. */
+
+/* x[0:n] * s (mul: Granite's residual_multiplier) or x[0:n] / s (Granite's logits_scaling), in float32 rounded to t
+ * (a tensor of t times a Python number) */
+LLMI_INLINE void scale_t(float *x, long n, float s, int mul, const int t) {
+    if (mul) {
+#pragma omp simd
+        for (long i = 0; i < n; i++) x[i] = rnd(x[i] * s, t);
+    } else {
+#pragma omp simd
+        for (long i = 0; i < n; i++) x[i] = rnd(x[i] / s, t);
+    }
+}
+static inline void scale_to(float *x, long n, float s, int mul, int t) {
+#define F(T) scale_t(x, n, s, mul, T)
+    BY_TYPE(t, F);
+#undef F
+}
+
+/* act[lo:hi] = gelu_tanh(g) * up (Gemma's F.gelu(approximate="tanh"), in float32 as PyTorch's kernel writes it:
+ * 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), rounded to t, then the product rounded to t) */
+LLMI_INLINE void gelu_mul_t(const float *g, const float *up, float *act, long lo, long hi, const int t) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+    for (long i = lo; i < hi; i++) {
+        const float x = g[i], inner = beta * (x + kappa * (x * x * x));
+        act[i] = rnd(rnd(0.5f * x * (1.f + tanhf(inner)), t) * up[i], t);
+    }
+}
+static inline void gelu_mul(const float *g, const float *up, float *act, long lo, long hi, int t) {
+#define F(T) gelu_mul_t(g, up, act, lo, hi, T)
+    BY_TYPE(t, F);
+#undef F
+}
+
 #endif
