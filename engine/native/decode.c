@@ -1,7 +1,9 @@
-/* One decode step of a Llama-family model (CPU, batch 1; weights in float32, bfloat16 or float16, or float32 with any
- * matrix kept in its GGUF blocks) in one call: every
- * layer, the final norm and the lm_head. In bfloat16 or float16 it reads half the bytes of float32 and rounds each
- * stage to the model's dtype where the PyTorch forward in that dtype holds one (llama_ops.h), summing in float32.
+/* One decode step of a Llama-shaped model (with the variations step.py admits: q/k/v biases, per-head q/k norms,
+ * GELU-tanh, Granite's multipliers, layers without RoPE, sliding windows, post-norms, soft caps, local RoPE tables, a
+ * rotary fraction; CPU, batch 1; weights in float32, bfloat16 or float16, or
+ * float32 with any matrix kept in its GGUF blocks) in one call: every layer, the final norm and the lm_head. In
+ * bfloat16 or float16 it reads half the bytes of float32 and rounds each stage to the model's dtype where the
+ * PyTorch forward in that dtype holds one (llama_ops.h), summing in float32.
  * Python (engine/native/step.py) compiles this file, checks each run's eligibility and falls back to the PyTorch
  * forward for anything else; engine/model.py stays the reference.
  *
@@ -11,7 +13,8 @@
  * that sit in the L1 cache, and a step has one OpenMP parallel region with a barrier between phases.
  *
  * Statistics (optional, stats != NULL): min, max, mean, std (population, two-pass), absmax, nan, inf of every
- * stage the PyTorch forward offers at decode, in its order (embed, 17 per layer, final_norm, logits), computed
+ * stage the PyTorch forward offers at decode, in its order (embed, 17 per layer and each variation's own: q/k norms,
+ * post-norms; final_norm, logits_uncapped with a final soft cap, logits), computed
  * while each stage is still in cache. A non-finite value anywhere makes the call return 1 (the caller redoes
  * the step with the PyTorch forward, whose NaN/Inf accounting is the reference); otherwise 0.
  */
@@ -37,12 +40,28 @@ typedef struct {
     const void *final_norm, *lm_head;    /* (d), (d, V), of wtype */
     float *logits;                 /* (V) out */
     float *work;                   /* scratch, llmi_work_floats() floats */
-    float *stats;                  /* NULL, or (1 + 17 L + 2) x 7 out */
+    float *stats;                  /* NULL, or (the step's stages: step.py's names) x 7 out */
     double *marks;                 /* NULL, or L + 2 out: seconds since the call began when the embedding, each
                                       layer and the logits were done (the PyTorch forward's timing marks) */
     const int *qwqkv, *qwo, *qwgu, *qwdown;   /* L GGML types each: 0, the slot's matrix is (in, out) of wtype; else
                                                  it is kept in GGUF blocks, (out, in) rows (engine/quant_matrix.py) */
     int qlm;                       /* the lm_head's: 0 or a GGML type ((V, d) rows: a tied model's token embedding) */
+    /* the family's variations (step.py derives them from its declaration; NULL, 0 or 1: Llama's) */
+    const void *const *bqkv;       /* NULL, or L (H + 2K) hd q/k/v biases of wtype (Qwen2) */
+    const void *const *q_norm, *const *k_norm;   /* NULL, or L (hd) weights: each head's q, k RMS-normed (Qwen3) */
+    const int *rope_on;            /* NULL (every layer rotates by the main table), or L: 0 = q and k unrotated
+                                      (SmolLM3), 1 = by the main table, 2 = by the local one (Gemma 3) */
+    int act;                       /* the gated MLP's activation: 0 SiLU, 1 GELU-tanh (Gemma) */
+    float resid_scale, logits_div; /* each branch's output x resid_scale, the logits / logits_div (Granite) */
+    const int *rows;               /* NULL (kc, vc: one block), or L: the rows of each layer's cache (KVCache.rows):
+                                      a sliding-window layer's ring of `window` rows, position p in row p % rows
+                                      (Mistral), else max_len */
+    void *const *lkc, *const *lvc; /* with rows: L pointers to (K, rows[l], hd) caches of ctype */
+    const void *const *attn_post_norm, *const *mlp_post_norm;   /* NULL, or L (d) weights: each branch's output
+                                                                   RMS-normed before it joins the stream (Gemma 2) */
+    float attn_cap, final_cap;     /* 0, or the soft caps tanh(s / cap) * cap of the scores, the logits (Gemma 2) */
+    const float *cos_local, *sin_local;   /* rope_on[l] == 2: the local table's rows (Gemma 3's sliding layers) */
+    int rd;                        /* the rotated dimensions of each head: hd, or fewer (Phi-3's rotary fraction) */
 } Step;
 
 long llmi_work_floats(int d, int H, int K, int hd, int F, int V, int max_len, int nth) {
@@ -126,6 +145,32 @@ static void product(const float *x, const void *W, int K, int N, float *out, flo
 #pragma omp barrier
 }
 
+/* out = x @ W + b (b: N values of type t, Qwen2's q/k/v biases), as the PyTorch forward's addmm: the bias joins the
+ * float32 sum of the threads' partial sums before its one rounding to t (a bias added to product()'s rounded outputs
+ * would round twice: in bfloat16 the logits of a tiny Qwen2 then lay ~2.7 ulps from the PyTorch forward's instead of
+ * ~0.06). A matrix in GGUF blocks (float32 models): product(), then the bias added in float32. */
+static void product_bias(const float *x, const void *W, const void *b, int K, int N, float *out, float *part,
+                         long stride, int t, int q) {
+    const int u0 = omp_get_thread_num(), T = omp_get_num_threads(), G = K / 8;
+    const int n0 = (int)((long)N * u0 / T), n1 = (int)((long)N * (u0 + 1) / T);
+    if (q) {
+        product(x, W, K, N, out, part, stride, t, q);
+        for (int n = n0; n < n1; n++) out[n] += ld(b, n, T_F32);
+#pragma omp barrier
+        return;
+    }
+    const int g0 = (int)((long)G * u0 / T), g1 = (int)((long)G * (u0 + 1) / T);
+    row_product(x, W, 8 * g0, 8 * g1, N, part + (size_t)u0 * stride, t);
+#pragma omp barrier
+    for (int n = n0; n < n1; n++) {
+        float s = 0.f;
+        for (int u = 0; u < T; u++) s += part[(size_t)u * stride + n];
+        out[n] = s + ld(b, n, t);
+    }
+    round_to(out + n0, n1 - n0, t);
+#pragma omp barrier
+}
+
 int llmi_decode_step(const Step *p) {
     const int d = p->d, H = p->H, K = p->K, hd = p->hd, F = p->F, V = p->V, S = p->pos + 1, G = H / K;
     const long qkv_n = (long)(H + 2 * K) * hd, wide = (V > 2 * F ? V : 2 * F) > qkv_n ? (V > 2 * F ? V : 2 * F) : qkv_n;
@@ -135,7 +180,7 @@ int llmi_decode_step(const Step *p) {
     float *gu = z + (long)H * hd, *act = gu + 2L * F, *part = act + F;
     float *st = p->stats;
     int bad = 0;
-    const long cache_layer = (long)K * p->max_len * hd, cache_head = (long)p->max_len * hd;
+    const long cache_layer = (long)K * p->max_len * hd;
     const int wt = p->wtype, ct = p->ctype;
     const size_t csz = ct == T_F32 ? 4 : 2;      /* bytes of a cache element */
     const double t0 = omp_get_wtime();
@@ -149,48 +194,69 @@ int llmi_decode_step(const Step *p) {
             if (p->marks) p->marks[0] = omp_get_wtime() - t0;
         }
         for (int l = 0; l < p->L; l++) {
-            char *kc = (char *)p->kc + l * cache_layer * csz, *vc = (char *)p->vc + l * cache_layer * csz;
+            /* the layer's cache: R rows a head, this position's in row pos % R; it attends to the Sl positions its
+             * window reaches (a ring: in row order, which the PyTorch forward reads in position order), and the
+             * first = S - Sl before them are its pattern's zeros */
+            const int R = p->rows ? p->rows[l] : p->max_len, Sl = S < R ? S : R;
+            const long cache_head = (long)R * hd;
+            char *kc = p->rows ? (char *)p->lkc[l] : (char *)p->kc + l * cache_layer * csz;
+            char *vc = p->rows ? (char *)p->lvc[l] : (char *)p->vc + l * cache_layer * csz;
 #pragma omp single
             {
                 rms_norm(x, p->attn_norm[l], d, p->eps, h, wt);
                 if (st) bad |= stats7(h, d, st), st += NSTAT;
             }
-            product(h, p->wqkv[l], d, (int)qkv_n, qkv, part, stride, wt, p->qwqkv[l]);
+            if (p->bqkv) product_bias(h, p->wqkv[l], p->bqkv[l], d, (int)qkv_n, qkv, part, stride, wt, p->qwqkv[l]);
+            else product(h, p->wqkv[l], d, (int)qkv_n, qkv, part, stride, wt, p->qwqkv[l]);
 #pragma omp single
             {
                 float *q = qkv, *k = qkv + (long)H * hd, *v = k + (long)K * hd;
-                if (st) {   /* attn.q, attn.k, attn.v, then attn.q_rot, attn.k_rot */
+                if (st) {   /* attn.q, attn.k, attn.v, [attn.q_norm, attn.k_norm], then attn.q_rot, attn.k_rot */
                     bad |= stats7(q, (long)H * hd, st);
                     bad |= stats7(k, (long)K * hd, st + NSTAT);
                     bad |= stats7(v, (long)K * hd, st + 2 * NSTAT);
+                    st += 3 * NSTAT;
                 }
-                rope(qkv, H + K, hd, p->cos, p->sin, wt);
+                if (p->q_norm) {     /* in place: rms_norm reads a row whole before it writes */
+                    for (int j = 0; j < H + K; j++)
+                        rms_norm(qkv + (long)j * hd, j < H ? p->q_norm[l] : p->k_norm[l], hd, p->eps,
+                                 qkv + (long)j * hd, wt);
+                    if (st) {
+                        bad |= stats7(q, (long)H * hd, st);
+                        bad |= stats7(k, (long)K * hd, st + NSTAT);
+                        st += 2 * NSTAT;
+                    }
+                }
+                if (!p->rope_on || p->rope_on[l] == 1) rope_part(qkv, H + K, hd, p->rd, p->cos, p->sin, wt);
+                else if (p->rope_on[l] == 2) rope_part(qkv, H + K, hd, p->rd, p->cos_local, p->sin_local, wt);
                 if (st) {
-                    bad |= stats7(q, (long)H * hd, st + 3 * NSTAT);
-                    bad |= stats7(k, (long)K * hd, st + 4 * NSTAT);
-                    st += 5 * NSTAT;
+                    bad |= stats7(q, (long)H * hd, st);
+                    bad |= stats7(k, (long)K * hd, st + NSTAT);
+                    st += 2 * NSTAT;
                 }
-                const size_t at = (size_t)p->pos * hd * csz;
+                const size_t at = (size_t)(p->pos % R) * hd * csz;
                 cache_write(k, v, K, hd, kc + at, vc + at, cache_head, ct);
             }
 #pragma omp for schedule(static)
             for (int hh = 0; hh < H; hh++) {   /* scores, softmax, weighted values: one query row a head */
-                head_scores(qkv + (long)hh * hd, kc + (hh / G) * cache_head * csz, S, hd, p->scale,
-                            scores + (long)hh * S, wt, ct);
+                head_scores(qkv + (long)hh * hd, kc + (hh / G) * cache_head * csz, Sl, hd, p->scale,
+                            scores + (long)hh * Sl, wt, ct);
+                if (p->attn_cap != 0.f) softcap(scores + (long)hh * Sl, Sl, p->attn_cap, wt);
             }
 #pragma omp single
             {
-                if (st) bad |= stats7(scores, (long)H * S, st), st += NSTAT;
+                if (st) bad |= stats7(scores, (long)H * Sl, st), st += NSTAT;   /* masked: the window's */
             }
 #pragma omp for schedule(static)
             for (int hh = 0; hh < H; hh++) {
-                head_softmax_values(scores + (long)hh * S, S, vc + (hh / G) * cache_head * csz, hd,
+                head_softmax_values(scores + (long)hh * Sl, Sl, vc + (hh / G) * cache_head * csz, hd,
                                     z + (long)hh * hd, wt, ct);
             }
 #pragma omp single
             {
                 if (st) {
-                    bad |= stats7(scores, (long)H * S, st);
+                    bad |= stats7(scores, (long)H * Sl, st);
+                    if (Sl < S) zeros_joined(st, (long)H * Sl, (long)H * (S - Sl));
                     bad |= stats7(z, (long)H * hd, st + NSTAT);
                     st += 2 * NSTAT;
                 }
@@ -198,19 +264,26 @@ int llmi_decode_step(const Step *p) {
             product(z, p->wo[l], H * hd, d, attn_out, part, stride, wt, p->qwo[l]);
 #pragma omp single
             {
+                if (p->resid_scale != 1.f) scale_to(attn_out, d, p->resid_scale, 1, wt);
+                if (st) bad |= stats7(attn_out, d, st), st += NSTAT;
+                if (p->attn_post_norm) {
+                    rms_norm(attn_out, p->attn_post_norm[l], d, p->eps, attn_out, wt);
+                    if (st) bad |= stats7(attn_out, d, st), st += NSTAT;
+                }
                 add_to(x, attn_out, d, wt);
                 rms_norm(x, p->mlp_norm[l], d, p->eps, h, wt);
                 if (st) {
-                    bad |= stats7(attn_out, d, st);
-                    bad |= stats7(x, d, st + NSTAT);
-                    bad |= stats7(h, d, st + 2 * NSTAT);
-                    st += 3 * NSTAT;
+                    bad |= stats7(x, d, st);
+                    bad |= stats7(h, d, st + NSTAT);
+                    st += 2 * NSTAT;
                 }
             }
             product(h, p->wgu[l], d, 2 * F, gu, part, stride, wt, p->qwgu[l]);
-            {    /* silu(g) * up, the team's threads a share each */
+            {    /* act(g) * up, the team's threads a share each */
                 const int u = omp_get_thread_num(), T = omp_get_num_threads();
-                silu_mul(gu, gu + F, act, (long)F * u / T, (long)F * (u + 1) / T, wt);
+                const long lo = (long)F * u / T, hi = (long)F * (u + 1) / T;
+                if (p->act) gelu_mul(gu, gu + F, act, lo, hi, wt);
+                else silu_mul(gu, gu + F, act, lo, hi, wt);
             }
 #pragma omp barrier
 #pragma omp single
@@ -225,12 +298,14 @@ int llmi_decode_step(const Step *p) {
             product(act, p->wdown[l], F, d, mlp_out, part, stride, wt, p->qwdown[l]);
 #pragma omp single
             {
-                add_to(x, mlp_out, d, wt);
-                if (st) {
-                    bad |= stats7(mlp_out, d, st);
-                    bad |= stats7(x, d, st + NSTAT);
-                    st += 2 * NSTAT;
+                if (p->resid_scale != 1.f) scale_to(mlp_out, d, p->resid_scale, 1, wt);
+                if (st) bad |= stats7(mlp_out, d, st), st += NSTAT;
+                if (p->mlp_post_norm) {
+                    rms_norm(mlp_out, p->mlp_post_norm[l], d, p->eps, mlp_out, wt);
+                    if (st) bad |= stats7(mlp_out, d, st), st += NSTAT;
                 }
+                add_to(x, mlp_out, d, wt);
+                if (st) bad |= stats7(x, d, st), st += NSTAT;
                 if (p->marks) p->marks[1 + l] = omp_get_wtime() - t0;
             }
         }
@@ -242,6 +317,11 @@ int llmi_decode_step(const Step *p) {
         product(xf, p->lm_head, d, V, p->logits, part, stride, wt, p->qlm);
 #pragma omp single
         {
+            if (p->logits_div != 1.f) scale_to(p->logits, V, p->logits_div, 0, wt);
+            if (p->final_cap != 0.f) {      /* logits_uncapped, then the capped logits */
+                if (st) bad |= stats7(p->logits, V, st), st += NSTAT;
+                softcap(p->logits, V, p->final_cap, wt);
+            }
             if (st) bad |= stats7(p->logits, V, st), st += NSTAT;
             if (p->marks) p->marks[p->L + 1] = omp_get_wtime() - t0;
         }

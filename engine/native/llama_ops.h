@@ -138,10 +138,11 @@ static inline void rms_norm(const float *x, const void *w, int d, float eps, flo
 #undef F
 }
 
-/* x (heads, hd) rotated in place by half-split pairs: x*cos + rotate_half(x)*sin, each product and the sum rounded
- * to t as apply_rope's tensors are (cos, sin: the table's rows, exact in float32) */
-LLMI_INLINE void rope_t(float *x, int heads, int hd, const float *cos, const float *sin, const int t) {
-    const int half = hd / 2;
+/* x (heads, hd) with the first rd dimensions of each head rotated in place by half-split pairs (rd = hd: all; Phi-3's
+ * partial_rotary_factor: fewer, the rest passed through): x*cos + rotate_half(x)*sin, each product and the sum
+ * rounded to t as apply_rope's tensors are (cos, sin: the table's rd-wide rows, exact in float32) */
+LLMI_INLINE void rope_part_t(float *x, int heads, int hd, int rd, const float *cos, const float *sin, const int t) {
+    const int half = rd / 2;
     for (int h = 0; h < heads; h++) {
         float *v = x + (size_t)h * hd;
         for (int i = 0; i < half; i++) {
@@ -151,10 +152,14 @@ LLMI_INLINE void rope_t(float *x, int heads, int hd, const float *cos, const flo
         }
     }
 }
-static inline void rope(float *x, int heads, int hd, const float *cos, const float *sin, int t) {
-#define F(T) rope_t(x, heads, hd, cos, sin, T)
+static inline void rope_part(float *x, int heads, int hd, int rd, const float *cos, const float *sin, int t) {
+#define F(T) rope_part_t(x, heads, hd, rd, cos, sin, T)
     BY_TYPE(t, F);
 #undef F
+}
+/* every dimension of each head rotated (Llama's) */
+static inline void rope(float *x, int heads, int hd, const float *cos, const float *sin, int t) {
+    rope_part(x, heads, hd, hd, cos, sin, t);
 }
 
 /* the k and v rows of KV head j .. (K heads of hd) written at kc / vc (cache rows of type ct, `head` elements apart) */
@@ -245,6 +250,62 @@ static inline void add_to(float *x, const float *y, int d, int t) {
 #define F(T) add_t(x, y, d, T)
     BY_TYPE(t, F);
 #undef F
+}
+
+/* The family variations of the lone decode step (decode.c; engine/native/step.py admits them from the family's
+ * declaration): each the PyTorch forward's operation in t, rounded where it holds a tensor of t. */
+
+/* x[0:n] * s (mul: Granite's residual_multiplier) or x[0:n] / s (Granite's logits_scaling), in float32 rounded to t
+ * (a tensor of t times a Python number) */
+LLMI_INLINE void scale_t(float *x, long n, float s, int mul, const int t) {
+    if (mul) {
+#pragma omp simd
+        for (long i = 0; i < n; i++) x[i] = rnd(x[i] * s, t);
+    } else {
+#pragma omp simd
+        for (long i = 0; i < n; i++) x[i] = rnd(x[i] / s, t);
+    }
+}
+static inline void scale_to(float *x, long n, float s, int mul, int t) {
+#define F(T) scale_t(x, n, s, mul, T)
+    BY_TYPE(t, F);
+#undef F
+}
+
+/* act[lo:hi] = gelu_tanh(g) * up (Gemma's F.gelu(approximate="tanh"), in float32 as PyTorch's kernel writes it:
+ * 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), rounded to t, then the product rounded to t) */
+LLMI_INLINE void gelu_mul_t(const float *g, const float *up, float *act, long lo, long hi, const int t) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+    for (long i = lo; i < hi; i++) {
+        const float x = g[i], inner = beta * (x + kappa * (x * x * x));
+        act[i] = rnd(rnd(0.5f * x * (1.f + tanhf(inner)), t) * up[i], t);
+    }
+}
+static inline void gelu_mul(const float *g, const float *up, float *act, long lo, long hi, int t) {
+#define F(T) gelu_mul_t(g, up, act, lo, hi, T)
+    BY_TYPE(t, F);
+#undef F
+}
+
+/* x[0:n] = tanh(x / cap) * cap (Gemma 2's soft caps of the scores and the logits), each of the three tensors the
+ * PyTorch forward makes rounded to t */
+LLMI_INLINE void softcap_t(float *x, long n, float cap, const int t) {
+    for (long i = 0; i < n; i++) x[i] = rnd(rnd(tanhf(rnd(x[i] / cap, t)), t) * cap, t);
+}
+static inline void softcap(float *x, long n, float cap, int t) {
+#define F(T) softcap_t(x, n, cap, T)
+    BY_TYPE(t, F);
+#undef F
+}
+
+/* o: the seven statistics (rowstat.h) of n values, made those of the n values and pad zeros beside them (a window
+ * layer's pattern, which the PyTorch forward offers over every position, 0 before the window): the mean and the sum
+ * of squared deviations moved to the joined set in double, min and max taking in 0 */
+static inline void zeros_joined(float *o, long n, long pad) {
+    const double N = (double)(n + pad), m = o[2], m2 = m * (double)n / N;
+    const double q = (double)o[3] * o[3] * (double)n + (double)n * (m - m2) * (m - m2) + (double)pad * m2 * m2;
+    o[0] = o[0] < 0.f ? o[0] : 0.f, o[1] = o[1] > 0.f ? o[1] : 0.f;
+    o[2] = (float)m2, o[3] = (float)sqrt(q / N), o[4] = fabsf(o[0]) > fabsf(o[1]) ? fabsf(o[0]) : fabsf(o[1]);
 }
 
 #endif

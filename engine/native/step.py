@@ -2,19 +2,24 @@
 batched form (decode_rows.c: NativeDecoder.rows / serve_rows), which Model.forward_rows takes for engine.batch's
 rows when every row's probe is served by it, under the same allow-list.
 
-A model takes it only when everything it computes is on the allow-list of what decode.c implements (`refusal`): a
-family in NATIVE_FAMILIES whose config has every variation at Llama's value (no q/k norms, post-norms, multipliers,
-soft caps, windows, rotary fraction, layers without RoPE, experts), no biases, no precision plan, every weight a
-contiguous matrix in the model's dtype, on the CPU in float32, bfloat16 or float16 (the kernels round each stage to
-that dtype where the PyTorch forward holds a tensor of it and sum in float32: llama_ops.h), or, in a float32 model,
-a GGUF matrix kept in its blocks (engine.quant_matrix.QuantMatrix, any format engine.native.quant.TYPES names):
-decode.c multiplies the file's bytes by quant_ops.h's row dot product, the one the PyTorch forward's product of one
-token sums with. The batched step (decode_rows.c) reads float matrices only: for a model with quantised weights
-`rows_refusal` says so and serve_rows leaves the batch to the PyTorch forward. A call then takes it when it is one token and its probe is none
-or asks only for what one pass of decode.c gives (Probe.served_by): statistics of any stages, per-layer timing marks,
-and a capture of the logits (the app's inspected run asks for exactly these) -- no capture of any other stage, no
-replacement, weight override or run-only epsilon. Anything else, or a library that could not be built, runs the
-PyTorch forward, which stays the reference: tests hold the two to each other (in each dtype) and to transformers.
+A model takes it only when everything it computes is on the allow-list of what decode.c implements (`refusal`), read
+from its family's declaration (engine.family.declared; DECLARED: RMSNorm pre-norms, a gated SiLU or GELU-tanh MLP,
+RoPE, a sequential block, no experts, q/k norms per head if any) -- Llama's block and the variations decode.c
+computes at any value the config gives: Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Gemma's GELU-tanh and
+scaled embeddings, Granite's multipliers, SmolLM3's layers without RoPE, sliding windows (Mistral's, Gemma 2/3's
+local layers: the KV cache's ring of each window layer, engine.kv_cache), Gemma 2's post-norms, soft caps and query
+scale, Gemma 3's local RoPE table, Phi-3's rotary fraction and longrope; no precision plan, every weight contiguous
+in the model's dtype, on the CPU in float32, bfloat16 or float16 (the kernels round each stage to that dtype where
+the PyTorch forward holds a tensor of it and sum in float32: llama_ops.h), or, in a float32 model, a GGUF matrix
+kept in its blocks (engine.quant_matrix.QuantMatrix, any format engine.native.quant.TYPES names): decode.c
+multiplies the file's bytes by quant_ops.h's row dot product, the one the PyTorch forward's product of one token
+sums with. The batched step (decode_rows.c) computes Llama's block on float matrices only: for a model with
+quantised weights or any of those variations `rows_refusal` says so and serve_rows leaves the batch to the PyTorch
+forward. A call then takes it when it is one token and its probe is none or asks only for what one pass of decode.c
+gives (Probe.served_by): statistics of any stages, per-layer timing marks, and a capture of the logits (the app's
+inspected run asks for exactly these) -- no capture of any other stage, no replacement, weight override or run-only
+epsilon. Anything else, or a library that could not be built, runs the PyTorch forward, which stays the reference:
+tests hold the two to each other (in each dtype) and to transformers.
 
 The native step reads the model's own weight matrices, row-major (in, out) as engine/weights.py stores them and the
 PyTorch forward multiplies them: there is one copy of every weight in memory (an earlier version kept a second copy
@@ -32,9 +37,10 @@ import time
 import torch
 
 from engine.family.slots import MATRICES as SLOT_MATRICES
-from engine.inspection.stages import PLAIN_STAGES, forward_stages
+from engine.inspection.stages import forward_stages
 from engine.native import build
 from engine.native.quant import TYPES as QUANT_TYPES
+from engine.rope import table_for
 
 _P = ctypes.c_void_p
 _FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_len", "pos", "nth", "wtype",
@@ -42,19 +48,41 @@ _FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_
     ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("x_in", _P)] + [
     (n, _P) for n in ("attn_norm", "wqkv", "wo", "mlp_norm", "wgu", "wdown", "kc", "vc", "cos", "sin",
                       "final_norm", "lm_head", "logits", "work", "stats", "marks")] + [
-    (n, _P) for n in ("qwqkv", "qwo", "qwgu", "qwdown")] + [("qlm", ctypes.c_int)]
+    (n, _P) for n in ("qwqkv", "qwo", "qwgu", "qwdown")] + [("qlm", ctypes.c_int)] + [
+    (n, _P) for n in ("bqkv", "q_norm", "k_norm", "rope_on")] + [("act", ctypes.c_int)] + [
+    (n, ctypes.c_float) for n in ("resid_scale", "logits_div")] + [(n, _P) for n in ("rows", "lkc", "lvc")] + [
+    (n, _P) for n in ("attn_post_norm", "mlp_post_norm")] + [(n, ctypes.c_float) for n in ("attn_cap", "final_cap")] + [
+    (n, _P) for n in ("cos_local", "sin_local")] + [("rd", ctypes.c_int)]
 
 
-# What decode.c computes, named: a family whose block is Llama's, the slots it reads, and each config variation at the
-# one value it implements. Anything else decodes on the PyTorch forward (a debugger never computes another model).
-NATIVE_FAMILIES = ("llama", "mistral", "qwen2")
+# What decode.c computes, read from the family's declaration (engine.family.declared.Family): each declared field at
+# the values decode.c implements, else the feature named in the refusal. Anything else decodes on the PyTorch forward
+# (a debugger never computes another model).
+DECLARED = {"norm": (("rms",), "LayerNorm"), "mlp": (("gated",), "a plain (ungated) MLP"),
+            "positions": (("rope",), "learned absolute positions"),
+            "parallel_residual": ((False,), "a parallel residual block"), "experts": ((None,), "a mixture of experts"),
+            "qk_norm": ((None, "head"), "q/k norms over the whole projection"),
+            "activation": (("silu", "gelu_tanh"), "an exact-erf GELU MLP")}
 # The element types decode.c reads and writes (llama_ops.h's T_F32, T_BF16, T_F16): the weights' and activations'
 # (the model's dtype), and the KV cache's.
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LAYER_SLOTS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
+# the slots a declared variation adds (Qwen2's biases, Qwen3's q/k norms, Gemma 2's post-norms), in StepArgs' order
+VECTOR_SLOTS = ("bqkv", "q_norm", "k_norm", "attn_post_norm", "mlp_post_norm")
+ROPE_KINDS = {None: 0, "main": 1, "local": 2}     # decode.c's Step.rope_on: a layer's table
 MATRICES = tuple(f for f in SLOT_MATRICES if f in LAYER_SLOTS)      # the products it streams
-VARIATIONS = {"activation": "silu", "embed_scale": 1.0, "residual_scale": 1.0, "logits_divisor": 1.0,
-              "attn_softcap": None, "final_softcap": None, "num_experts": 0, "rope_local_theta": None}
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}       # decode.c's Step.act
+
+
+def _declared(fam) -> str | None:
+    """The first feature of the family's declared block that decode.c does not compute (the other declared
+    variations it computes at any value the config gives: multipliers, soft caps, query scale, windows, local RoPE,
+    rotary fraction, no-RoPE layers, embedding scale, norm offset, post-norms)."""
+    for key, (values, feature) in DECLARED.items():
+        if getattr(fam, key) not in values:
+            return f"{feature} ({key}={getattr(fam, key)!r})"
+    missing = sorted({"attn_norm", "mlp_norm"} - set(fam.parts))
+    return f"a block without {', '.join(missing)}" if missing else None
 
 
 def refusal(model) -> str | None:
@@ -67,28 +95,43 @@ def refusal(model) -> str | None:
     if kept and model.dtype != torch.float32:
         # QuantMatrix.matmul sums in float32 and returns x's dtype: decode.c's quantised products are float32's
         return f"weights kept quantized in a {model.dtype} model (decode.c multiplies GGUF blocks in float32 only)"
-    if cfg.model_type not in NATIVE_FAMILIES:
-        return f"family {cfg.model_type} is not in the native step's list ({', '.join(NATIVE_FAMILIES)})"
-    for key, value in VARIATIONS.items():
-        if getattr(cfg, key) != value:
-            return f"{key}={getattr(cfg, key)!r} (the native step implements {value!r})"
-    if cfg.attn_scale != cfg.head_dim ** -0.5 or cfg.rotary_dim != cfg.head_dim:
-        return "a score scale or rotary fraction other than Llama's"
-    if cfg.windowed or any(k != "main" for k in cfg.layer_rope) or cfg.rope_scaling.rope_type == "longrope":
-        return "sliding windows, per-layer RoPE or longrope"
-    if any(set(lw.present()) != set(LAYER_SLOTS) for lw in w.layers):
-        return "weights beyond a plain Llama block (biases, norms, experts)"
+    why = _declared(cfg.family)
+    if why is not None:
+        return why
+    beyond = sorted({f for lw in w.layers for f in lw.present()} - set(LAYER_SLOTS) - set(VECTOR_SLOTS))
+    if beyond or any(set(LAYER_SLOTS) - set(lw.present()) or set(lw.present()) != set(w.layers[0].present())
+                     for lw in w.layers):
+        return f"layer weights other than {', '.join(LAYER_SLOTS + VECTOR_SLOTS)} ({', '.join(beyond) or 'missing'})"
     if model.device.type != "cpu" or model.dtype not in TYPES or model.cache_dtype not in TYPES \
             or model.fp32_units or model.resid_fp32_from is not None:
         return "not float32, bfloat16 or float16 on the CPU, or a precision plan"
     # a matrix kept in its blocks is whole blocks by construction (QuantMatrix): the rules below are the float kernel's
     mats = [t for t in [getattr(lw, f) for lw in w.layers for f in LAYER_SLOTS] if not _kept(t)]
+    vectors = [t for lw in w.layers for t in (getattr(lw, f) for f in VECTOR_SLOTS) if t is not None]
     head = [] if _kept(w.lm_head) else [w.lm_head]
-    if any(t.dtype != model.dtype or not t.is_contiguous() for t in [*mats, w.norm, *head]) \
+    if any(t.dtype != model.dtype or not t.is_contiguous() for t in [*mats, *vectors, w.norm, *head]) \
             or any(n % 8 for t in [*mats, *head] if t.dim() == 2 for n in t.shape) \
-            or cfg.head_dim % 2 or cfg.num_heads % cfg.num_kv_heads:
+            or cfg.rotary_dim % 2 or cfg.num_heads % cfg.num_kv_heads:
         return f"weights that are not contiguous {model.dtype} matrices in multiples of 8"
     return None
+
+
+def rows_refusal(model) -> str:
+    """Why the batched step (decode_rows.c, Llama's block on float matrices) cannot run this model's rows ("": it
+    can): a variation only the lone step computes, or weights kept quantized."""
+    cfg, lw, kept = model.config, model.weights.layers[0], model.weights.quantized()
+    if kept:
+        return f"weights kept quantized ({len(kept)} GGUF matrices, e.g. {kept[0]})"
+    beyond = [f"{f} weights" for f in VECTOR_SLOTS if getattr(lw, f) is not None]
+    beyond += [f"{k}={getattr(cfg, k)}" for k in ("embed_scale", "residual_scale", "logits_divisor")
+               if getattr(cfg, k) != 1.0]
+    beyond += [f"activation={cfg.activation}"] if cfg.activation != "silu" else []
+    beyond += [f"attn_scale={cfg.attn_scale:g}"] if cfg.attn_scale != cfg.head_dim ** -0.5 else []
+    beyond += ["soft caps"] if cfg.attn_softcap is not None or cfg.final_softcap is not None else []
+    beyond += ["RoPE other than one full table"] if set(cfg.layer_rope) != {"main"} or cfg.rotary_dim != cfg.head_dim \
+        or cfg.rope_scaling.rope_type == "longrope" else []
+    beyond += ["sliding windows"] if cfg.windowed else []
+    return f"a block beyond Llama's, which decode_rows.c computes ({', '.join(beyond)})" if beyond else ""
 
 
 class StepArgs(ctypes.Structure):
@@ -108,13 +151,14 @@ class NativeDecoder:
 
     def __init__(self, model, lib: ctypes.CDLL) -> None:
         self.lib, self.model = lib, model
-        self.names = forward_stages(model.config.num_layers)    # its statistics rows, in order
-        self.layers = [None] + [i for i in range(model.config.num_layers) for _ in PLAIN_STAGES] + [None, None]
+        # its statistics rows: the stages the family's forward offers, in order (q/k norms where the block has them)
+        self.names = forward_stages(model.config)
+        self.layers = [int(n.split(".")[1]) if n.startswith("blocks.") else None for n in self.names]
         self.mark_labels = ["embed", *(f"blocks.{i}" for i in range(model.config.num_layers)), "logits"]
         self._layer_ptrs, self._lock = None, threading.Lock()    # made once, however many runs start at once
-        kept = model.weights.quantized()
-        # decode_rows.c reads float (in, out) matrices only; a lone token's step (decode.c) reads GGUF blocks too
-        self.rows_refusal = f"weights kept quantized ({len(kept)} GGUF matrices, e.g. {kept[0]})" if kept else ""
+        # decode_rows.c reads float (in, out) matrices of a Llama block only; a lone token's step (decode.c) reads
+        # GGUF blocks and the variations `refusal` admits too
+        self.rows_refusal = rows_refusal(model)
 
     @property
     def layer_ptrs(self) -> dict:
@@ -126,12 +170,24 @@ class NativeDecoder:
                 layers = self.model.weights.layers
                 self._layer_ptrs = {f: self._ptrs([getattr(lw, f) for lw in layers]) for f in LAYER_SLOTS}
                 self._layer_ptrs |= {f"q_{f}": self._types([getattr(lw, f) for lw in layers]) for f in MATRICES}
+                # a variation's vectors: every layer's, or None (the block has none: decode.c skips the step)
+                self._layer_ptrs |= {f: self._ptrs([getattr(lw, f) for lw in layers])
+                                     if getattr(layers[0], f) is not None else None for f in VECTOR_SLOTS}
+                rope = self.model.config.layer_rope
+                self._layer_ptrs["rope_on"] = None if set(rope) == {"main"} else self._flags(
+                    [ROPE_KINDS[k] for k in rope])
         return self._layer_ptrs
 
     def _ptrs(self, tensors) -> ctypes.c_void_p:
         """A C array of the tensors' data pointers (a matrix kept quantised: its blocks'; kept alive with this
         decoder)."""
         arr = (_P * len(tensors))(*[_data(t) for t in tensors])
+        self._keep.append(arr)
+        return ctypes.cast(arr, _P)
+
+    def _flags(self, flags) -> ctypes.c_void_p:
+        """A C array of ints, one a layer (kept alive with this decoder)."""
+        arr = (ctypes.c_int * len(flags))(*[int(f) for f in flags])
         self._keep.append(arr)
         return ctypes.cast(arr, _P)
 
@@ -178,23 +234,43 @@ class NativeDecoder:
         (`mark_labels`), else None)."""
         m, c = self.model, self.model.config
         w = m.weights
-        # (d,) in float32 (a row of a tied model's embedding is a strided column); the rotary rows likewise: exact
-        x = w.embed_rows(torch.tensor([token]))[0].to(torch.float32).contiguous()
-        cos, sin = m.cos[pos].to(torch.float32).contiguous(), m.sin[pos].to(torch.float32).contiguous()
+        # (d,) in float32 (a row of a tied model's embedding is a strided column); the rotary rows likewise: exact.
+        # Gemma's sqrt(d), Granite's embedding multiplier: in the embedding's dtype, as the PyTorch forward scales it
+        x = w.embed_rows(torch.tensor([token]))[0]
+        if c.embed_scale != 1.0:
+            x = x * torch.tensor(c.embed_scale, dtype=x.dtype)
+        x = x.to(torch.float32).contiguous()
+        # the rotary rows (rotary_dim wide) of the main table (longrope's long factors once past their length, as the
+        # PyTorch forward's table_for) and, for Gemma 3's sliding layers, the local one: exact in float32
+        tables = {k: m.rope[table_for(c, k, pos + 1)] for k in ("main", "local") if k in m.rope}
+        rows = {k: (cs[pos].to(torch.float32).contiguous(), sn[pos].to(torch.float32).contiguous())
+                for k, (cs, sn) in tables.items()}
+        (cos, sin), local = rows["main"], rows.get("local")
         logits = torch.empty(1, c.vocab_size)
         st = torch.empty(len(self.names), 1, 7) if stats else None
         marks = torch.empty(c.num_layers + 2, dtype=torch.float64) if timing else None
         nth = torch.get_num_threads()     # read once: the work buffer is sized for the threads the call uses
         work = self._work(cache, nth)
+        # a cache with sliding-window layers (a ring each: engine.kv_cache) is one tensor a layer, of its rows
+        L = c.num_layers
+        arrays = None if cache.k is not None else ((ctypes.c_int * L)(*cache.rows),
+                                                   (_P * L)(*[t.data_ptr() for t in cache.layer_k]),
+                                                   (_P * L)(*[t.data_ptr() for t in cache.layer_v]))
+        ring = arrays and tuple(ctypes.cast(a, _P) for a in arrays)      # `arrays` keeps them alive for the call
         s = StepArgs(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                 c.vocab_size, cache.max_len, pos, nth, TYPES[m.dtype], TYPES[cache.k.dtype], eps, c.head_dim ** -0.5,
+                 c.vocab_size, cache.max_len, pos, nth, TYPES[m.dtype], TYPES[cache.dtype], eps, c.attn_scale,
                  x.data_ptr(),
                  self.layer_ptrs["attn_norm"], self.layer_ptrs["wqkv"], self.layer_ptrs["wo"],
                  self.layer_ptrs["mlp_norm"], self.layer_ptrs["w_gate_up"], self.layer_ptrs["w_down"],
-                 cache.k.data_ptr(), cache.v.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                 *((None, None) if ring else (cache.k.data_ptr(), cache.v.data_ptr())), cos.data_ptr(), sin.data_ptr(),
                  w.norm.data_ptr(), _data(w.lm_head), logits.data_ptr(), work.data_ptr(),
                  st.data_ptr() if stats else None, marks.data_ptr() if timing else None,
-                 *(self.layer_ptrs[f"q_{f}"] for f in ("wqkv", "wo", "w_gate_up", "w_down")), _qtype(w.lm_head))
+                 *(self.layer_ptrs[f"q_{f}"] for f in ("wqkv", "wo", "w_gate_up", "w_down")), _qtype(w.lm_head),
+                 rope_on=self.layer_ptrs["rope_on"], act=ACTIVATIONS[c.activation], resid_scale=c.residual_scale,
+                 logits_div=c.logits_divisor, attn_cap=c.attn_softcap or 0.0, final_cap=c.final_softcap or 0.0,
+                 rd=c.rotary_dim, **{f: self.layer_ptrs[f] for f in VECTOR_SLOTS},
+                 **dict(zip(("rows", "lkc", "lvc"), ring or (None, None, None))),
+                 **({"cos_local": local[0].data_ptr(), "sin_local": local[1].data_ptr()} if local else {}))
         status = self.lib.llmi_decode_step(ctypes.byref(s))
         return self._typed(logits), st, status, (list(zip(self.mark_labels, marks.tolist())) if timing else None)
 

@@ -15,7 +15,8 @@ from tests.reference.family_models import CASES, WINDOW, build
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.reference
 PROMPT = [int(t) for t in torch.randint(3, 49000, (40,), generator=torch.Generator().manual_seed(7))]
-NATIVE = {"llama3"}       # the allow-list's families among the cases (no biases, no window)
+NATIVE = {"llama3", "mistral-window", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3-longrope",
+          "granite", "smollm3"}      # the allow-list's (engine.native.step)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,157 @@
+"""The native decode step (decode.c) on the dense families its allow-list admits beyond Llama's block (engine.native.
+step.refusal reads each family's declaration): Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Gemma's GELU-tanh
+and embeddings x sqrt(d), Granite's multipliers, SmolLM3's layers without RoPE, Mistral's sliding window (a window
+of 8 the steps pass: the KV cache's ring, a pattern offered over every position), Gemma 2's post-norms, soft caps
+(logits_uncapped) and query scale over local and global layers, Gemma 3's q/k norms and local RoPE table, Phi-3's
+rotary fraction and longrope (the long factors once past the original length). Each family's tiny random model
+(made by transformers from the reference tier's config, tests.reference.family_models) decodes natively -- every
+step, none handed back -- and is held to the PyTorch forward of the same model (Model.with_accelerator(PLAIN)):
+greedy tokens equal (in bfloat16 and float16: each of the native step's the PyTorch forward's argmax, or within the logits'
+bound of it), logits and the statistics of every stage the family's forward offers (its q/k norms, post-norms and
+uncapped logits included) within the bounds of the Llama tests (test_native_decode.py: 1e-5 in float32; test_native_half.py: the logits within
+two ulps (4u) of their absmax in bfloat16 and float16, statistics within four (8u) of the stage's). The batched rows of these
+families stay on the PyTorch forward (decode_rows.c computes Llama's block only), and the families still off the
+list are refused naming the feature."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import GenerationRun, SamplingParams, load_model
+from engine.accelerator import PLAIN
+from engine.inspection.probe import Probe
+from engine.inspection.stages import forward_stages
+from engine.native import build
+from engine.native.step import NativeDecoder, refusal
+from tests.helpers import step_together_to_the_end
+
+pytestmark = pytest.mark.unit
+pytest.importorskip("transformers")
+
+NATIVE = ("qwen2", "qwen3", "gemma", "granite", "smollm3", "mistral-window", "gemma2", "gemma3_text", "phi3",
+          "phi3-longrope")
+REFUSED = {"olmo2": "q/k norms over the whole projection", "mixtral": "a mixture of experts",
+           "qwen3_moe": "a mixture of experts", "stablelm": "LayerNorm"}
+PROMPT = [1, 400, 2000, 31, 77, 1234, 9000, 15]
+STEPS = 10
+UNIT = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}     # u: one rounding to the dtype, relative
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tokenizer_files):
+    from tests.reference.family_models import build as build_case
+    if build.load()[0] is None:
+        pytest.skip(f"native library unavailable here: {build.load()[1]}")
+    root = tmp_path_factory.mktemp("native_families")
+    return {name: build_case(name, root / name, tokenizer_files) for name in (*NATIVE, *REFUSED)}
+
+
+def _statuses(monkeypatch) -> list:
+    """The position of every native step called and its status (0: done natively; 1: handed back to PyTorch)."""
+    got: list = []
+    real = NativeDecoder.__call__
+
+    def spy(self, *a, **k):
+        out = real(self, *a, **k)
+        got.append((a[2], out[2]))
+        return out
+    monkeypatch.setattr(NativeDecoder, "__call__", spy)
+    return got
+
+
+def _greedy(model, probe, forced=None):
+    """The prompt (PyTorch prefill), then STEPS greedy tokens one a call (forced: these tokens instead) -> (tokens,
+    logits (1 + STEPS, V))."""
+    cache = model.new_cache(32)
+    out = [model.forward(torch.tensor(PROMPT), cache, probe, last_only=True)[-1]]
+    tokens = []
+    for i in range(STEPS):
+        tokens.append(int(out[-1].float().argmax()) if forced is None else forced[i])
+        out.append(model.forward(torch.tensor([tokens[-1]]), cache, probe)[-1])
+    return tokens, torch.stack(out).float()
+
+
+def _by_stage(probe) -> dict:
+    return {(b.pos0, n): b.values[g] for b in probe.recording.stats for g, n in enumerate(b.names)}
+
+
+def _both(folders, name, dtype, monkeypatch, bound=None):
+    """The family's model decoded natively and on the PyTorch forward, each with every stage's statistics ->
+    (model, logits of each path, statistics of each path). bound=None: each path's greedy tokens, which must be
+    equal; else (a half dtype) the PyTorch forward is fed the native step's tokens, and each of them must be the
+    PyTorch forward's argmax or within `bound` (of the logits' absmax) of it: a near tie, which one ulp of difference
+    may turn (the tiny Phi-3's bfloat16 reference has an exact tie at its ninth step)."""
+    model = load_model(folders[name], device="cpu", dtype=dtype)
+    assert model.accelerator.decode is not None, model.accelerator.why_not
+    statuses = _statuses(monkeypatch)
+    pa, pb = Probe().record_stats("*"), Probe().record_stats("*")
+    ta, a = _greedy(model, pa)
+    # every decode step went native and none was handed back (not a silent fallback), none of the prefill
+    assert statuses == [(len(PROMPT) + i, 0) for i in range(STEPS)]
+    tb, b = _greedy(model.with_accelerator(PLAIN), pb, None if bound is None else ta)
+    assert len(statuses) == STEPS
+    if bound is None:
+        assert ta == tb
+    for t, row in zip(ta, b[:-1]):
+        assert row[t] >= row.max() - (bound or 0.0) * row.abs().max(), (t, int(row.argmax()))
+    sa, sb = _by_stage(pa), _by_stage(pb)
+    assert sa.keys() == sb.keys()
+    decode = [k for k in sa if k[0] >= len(PROMPT)]
+    assert {k[1] for k in decode} == set(forward_stages(model.config))    # every stage this family offers
+    return model, a, b, [(k, sa[k], sb[k]) for k in decode]
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_the_family_decodes_natively_as_the_pytorch_forward_in_float32(folders, name, monkeypatch):
+    model, a, b, stats = _both(folders, name, "float32", monkeypatch)
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    for k, x, y in stats:
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    names = model.accelerator.decode.names       # a variation's own stages are among the step's statistics
+    assert ("blocks.0.attn.q_norm" in names) == (name in ("qwen3", "gemma3_text"))
+    assert ("blocks.0.attn_post_norm" in names) == ("blocks.0.mlp_post_norm" in names) == (name.startswith("gemma")
+                                                                                          and name != "gemma")
+    assert ("logits_uncapped" in names) == (name == "gemma2")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", NATIVE)
+def test_the_family_decodes_natively_as_the_pytorch_forward_in_half_precision(folders, name, dtype, monkeypatch):
+    u = UNIT[dtype]
+    _, a, b, stats = _both(folders, name, dtype, monkeypatch, bound=4 * u)
+    # the logits' scale; under a final soft cap (Gemma 2), the uncapped logits' (the cap's slope is at most 1: it
+    # passes an error near 0 on whole while it shrinks the absmax, 3 here against an uncapped ~20)
+    scale = max([b.abs().max()] + [y[0, 4] for k, x, y in stats if k[1] == "logits_uncapped"])
+    assert (a - b).abs().max() <= 4 * u * scale
+    for k, x, y in stats:
+        assert (x[0, :5] - y[0, :5]).abs().max() <= 8 * u * y[0, 4], (k, x, y)
+        assert x[0, 5:].tolist() == y[0, 5:].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_the_familys_batched_rows_stay_on_the_pytorch_forward(folders, name, monkeypatch):
+    """decode_rows.c computes Llama's block: the rows of runs stepped together (engine.batch) are left to the PyTorch
+    forward, which says why, and give each run's tokens alone."""
+    model = load_model(folders[name], device="cpu", dtype="float32")
+    assert model.accelerator.decode.rows_refusal.startswith("a block beyond Llama's")
+    calls = []
+    real = NativeDecoder.rows
+    monkeypatch.setattr(NativeDecoder, "rows", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    greedy = SamplingParams(temperature=0.0)
+
+    def runs(m):
+        return [GenerationRun(m, torch.tensor(p), params=greedy, seed=s, max_new_tokens=4, ignore_eos=True)
+                for p, s in ((PROMPT, 0), (PROMPT[:3], 1))]
+    together, alone = runs(model), runs(model.with_accelerator(PLAIN))
+    step_together_to_the_end(together)
+    for r in alone:
+        r.run()
+    assert calls == []
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_family_off_the_list_is_refused_naming_the_feature(folders, name):
+    model = load_model(folders[name], device="cpu", dtype="float32")
+    assert model.accelerator.decode is None
+    assert refusal(model).startswith(REFUSED[name]), refusal(model)
