@@ -421,3 +421,61 @@ def test_test_files_have_unique_names_across_the_tiers():
     for path in sorted((ROOT / "tests").rglob("test_*.py")):
         names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     assert {n: p for n, p in names.items() if len(p) > 1} == {}
+
+
+def _family_literal(node: ast.AST, consts: dict) -> str | None:
+    """A family named by a literal: `<x>.model_type == "llama"` (or !=, in, not in a literal collection, or a module
+    constant bound to one), or `FAMILIES[...]` with a string literal anywhere in its index; the literal, else None."""
+    def literal(n):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str):
+            return n.value
+        if isinstance(n, (ast.Tuple, ast.List, ast.Set)) and n.elts:
+            got = [literal(e) for e in n.elts]
+            return ",".join(got) if all(got) else None
+        if isinstance(n, ast.Name):
+            return consts.get(n.id)
+        return None
+    if isinstance(node, ast.Compare):
+        sides = [node.left, *node.comparators]
+        named = any((isinstance(s, ast.Attribute) and s.attr == "model_type") or
+                    (isinstance(s, ast.Name) and s.id == "model_type") for s in sides)
+        lits = [literal(s) for s in sides]
+        return next((x for x in lits if x), None) if named else None
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "FAMILIES":
+        return next((n.value for n in ast.walk(node.slice) if isinstance(n, ast.Constant) and isinstance(n.value, str)),
+                    None)
+    return None
+
+
+def _literal_constants(tree: ast.Module) -> dict:
+    """Module-level names bound to a string or a collection of strings (NATIVE_FAMILIES = ("llama", ...))."""
+    out = {}
+    for n in tree.body:
+        if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+            v = n.value
+            if isinstance(v, ast.Constant) and isinstance(v.value, str):
+                out[n.targets[0].id] = v.value
+            elif isinstance(v, (ast.Tuple, ast.List, ast.Set)) and v.elts and all(
+                    isinstance(e, ast.Constant) and isinstance(e.value, str) for e in v.elts):
+                out[n.targets[0].id] = ",".join(e.value for e in v.elts)
+    return out
+
+
+def family_literals(text: str) -> list[str]:
+    """Where `text` names a declared family by a literal (engine.family.FAMILIES' keys)."""
+    from engine.family import FAMILIES
+    consts, out = _literal_constants(parsed(text)), []
+    for n in walked(text):
+        got = _family_literal(n, consts)
+        if got and any(part in FAMILIES for part in got.split(",")):
+            out.append(f"{n.lineno} {got!r}")
+    return out
+
+
+def test_no_module_outside_the_family_declarations_names_a_model_type():
+    """Family knowledge lives in engine/family (issue 45): elsewhere a family is read from its declaration's fields,
+    never told by its model_type (the native step's allow-list, the GGUF import's Mixtral-as-llama rule and the
+    tools' refusals all read the declaration)."""
+    files = [p for m, p in _sources(*PACKAGES).items() if not m.startswith("engine.family")] + [ROOT / "app.py"]
+    found = [f"{p.relative_to(ROOT)}:{hit}" for p in files for hit in family_literals(p.read_text())]
+    assert found == [], found
