@@ -93,6 +93,23 @@ def moments(X: torch.Tensor, masked: bool | None = False, dims: tuple[int, ...] 
     out. Four plain read-only reductions when nothing is masked (no out= views, no count tensor: each op
     costs microseconds of dispatch at decode sizes). A masked stage on the CPU first checks its sums: finite
     sums prove no row holds a -inf (nor any NaN or Inf), so nothing is masked and the same four suffice."""
+    lead = X.shape[:X.dim() - len(dims)]
+    n = math.prod(X.shape[d] for d in dims)
+    rows = math.prod(lead)
+    X = X.reshape(rows, n)          # each row's n values one contiguous run (a view where they already are)
+    if rows == 1 and X.device.type == "cpu":
+        # torch reduces a lone output by splitting its row between the threads (two-pass), several rows a row a
+        # thread: a row offered alone (a lone run's decode step) would be summed in another order than the same
+        # row among others (a batch's). Two rows (the second the same memory) make it the same order.
+        X = X.expand(2, n)
+    s1, norm, lo, hi, count = _moments2(X, masked)
+    return tuple(v[:rows].reshape(lead) if isinstance(v, torch.Tensor) else v for v in (s1, norm, lo, hi, count))
+
+
+def _moments2(X: torch.Tensor, masked: bool | None) -> tuple:
+    """moments of X (rows, n), each row reduced alone and in the same order whatever the other rows: an inner
+    reduction over one contiguous run of n values (batch invariance, engine.batch)."""
+    dims = (-1,)
     s1 = None
     if masked and X.device.type == "cpu":
         s1 = X.sum(dims)
