@@ -140,7 +140,8 @@ def _counts(ns: list, T: int, device) -> torch.Tensor:
 def _from_moments(parts: list[torch.Tensor], sources: list[tuple]) -> tuple[torch.Tensor, list[tuple]]:
     """Moments [Σx, ‖x‖, min, max, count], each (G, T) -> (G, T, 7) statistics and the stages declined: those
     with a row the moments cannot give exactly (a NaN or Inf, cancellation, nothing unmasked), as (g, tensor
-    (T, ...), masked). sources holds (first row, tensor, masked, False) per tensor reduced when offered and
+    (T, ...), masked, rows (T,): the rows declined; the others keep the moments' values, so that a row's statistics
+    do not depend on the rows beside it: batch invariance, engine.batch). sources holds (first row, tensor, masked, False) per tensor reduced when offered and
     (first row, stacked tensors (g, T, n), masked, True) per group reduced at the flush."""
     s1, norm, lo, hi, n = parts
     mean = s1 / n
@@ -153,5 +154,5 @@ def _from_moments(parts: list[torch.Tensor], sources: list[tuple]) -> tuple[torc
         starts = [src[0] for src in sources]
         for g in exact.any(1).nonzero().flatten().tolist():
             first, x, masked, stacked = sources[bisect.bisect_right(starts, g) - 1]
-            declined.append((g, x[g - first] if stacked else x, bool(masked)))
+            declined.append((g, x[g - first] if stacked else x, bool(masked), exact[g]))
     return out, declined
