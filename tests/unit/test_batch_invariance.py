@@ -67,10 +67,13 @@ def _in_batch(model, captures: bool, rng: random.Random) -> tuple[GenerationRun,
     needle = _needle(model, captures, on_token)
     others = [_other(model, rng) for _ in range(n)]
     barrier, errors = StepBarrier(max_rows=32), []
+    gate = threading.Barrier(1 + arrive.count(0))      # those that start with the needle start together
 
     def work(run: GenerationRun, at: int) -> None:
         try:
             assert reached[at].wait(60), "the needle never reached its step"
+            if at == 0:
+                gate.wait(60)
             barrier.drive(run)
         except Exception as e:      # noqa: BLE001  (raised below, in the test's thread)
             errors.append(e)
