@@ -6,8 +6,9 @@
  *
  * Why: a batched step on the PyTorch path spent most of its time around the matrix products, in a few torch calls
  * per row per layer (each row's cache write, its padded keys, its statistics), ~4.5 ms a row a step for the
- * bundled model. Here the products read each weight once for all rows (row_product.h: each thread its share of W's
- * rows, a register tile of up to eight rows), and every per-row operation is a plain loop, rows spread over the team.
+ * bundled model. Here the products read each weight once from memory for all rows (row_product.h: each thread its
+ * share of W's rows, a span of columns at a time), and every per-row operation is a plain loop, rows spread over
+ * the team.
  *
  * Batch invariance: every row is computed exactly as llmi_decode_step computes its token alone, bit for bit, with
  * the same team of threads: the products sum each output in decode.c's order (row_product.h), and every other
