@@ -96,20 +96,22 @@ def moments(X: torch.Tensor, masked: bool | None = False, dims: tuple[int, ...] 
     lead = X.shape[:X.dim() - len(dims)]
     n = math.prod(X.shape[d] for d in dims)
     rows = math.prod(lead)
-    X = X.reshape(rows, n)          # each row's n values one contiguous run (a view where they already are)
+    try:        # each row's n values one run (batch invariance: a row's order then does not depend on the others)
+        X = X.view(rows, n)
+    except RuntimeError:    # a strided view (attention maps): reduced in place, not copied (a prompt's maps are
+        X = X.reshape(rows, *X.shape[len(lead):])    # T x H x S); offered with the same shape alone or in a batch
+    dims = tuple(range(1, X.dim()))
     if rows == 1 and X.device.type == "cpu":
         # torch reduces a lone output by splitting its row between the threads (two-pass), several rows a row a
         # thread: a row offered alone (a lone run's decode step) would be summed in another order than the same
         # row among others (a batch's). Two rows (the second the same memory) make it the same order.
-        X = X.expand(2, n)
-    s1, norm, lo, hi, count = _moments2(X, masked)
+        X = X.expand(2, *X.shape[1:])
+    s1, norm, lo, hi, count = _moments2(X, masked, dims)
     return tuple(v[:rows].reshape(lead) if isinstance(v, torch.Tensor) else v for v in (s1, norm, lo, hi, count))
 
 
-def _moments2(X: torch.Tensor, masked: bool | None) -> tuple:
-    """moments of X (rows, n), each row reduced alone and in the same order whatever the other rows: an inner
-    reduction over one contiguous run of n values (batch invariance, engine.batch)."""
-    dims = (-1,)
+def _moments2(X: torch.Tensor, masked: bool | None, dims: tuple[int, ...]) -> tuple:
+    """moments of X (rows, ...) over dims, every row reduced alone (batch invariance, engine.batch)."""
     s1 = None
     if masked and X.device.type == "cpu":
         s1 = X.sum(dims)
