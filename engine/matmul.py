@@ -9,8 +9,10 @@ With the shape fixed, a row's result is the same whatever row of the tile it is 
 (torch.bmm, w broadcast, not copied) gives each tile what the tile alone gives. So every product takes x in tiles
 of exactly TILE rows, the last padded with zero rows: a lone run's prefill and decode, a packed prefill of several
 prompts and a batched decode step compute each row by the same arithmetic, depending only on (TILE, K, N).
-TILE = 8: a decode step's product stays bound by reading w (8 rows multiply what one row reads), and a prompt's
-tiles still read w from cache."""
+TILE = 8, chosen by measurement (bundled model, PyTorch forward, one thread, CPU seconds, 2026-12-07): a 24-token
+run 2.68 s with 8-row tiles, 2.96 s with 16, 3.47 s with 32; a 300-token prefill 1.05 s, 0.85 s, 0.79 s. The cost
+of invariance on this path is real: without tiles (one MKL product of all rows, a lone row split between the
+threads) the same run took 1.25 s and the prefill 0.55 s."""
 from __future__ import annotations
 
 import torch
