@@ -3,7 +3,7 @@ are torch.equal to the same run alone, whatever runs share its forwards, on the 
 forward, on the CPU.
 
 A needle in a batch: one run (greedy, "The capital of France is", full-inspection probe) alone, then the same run in
-20 trials, each among 1 to 30 other runs (random prompts of 1 to 32 tokens, random lengths of generation, sampled
+20 trials, each among 1 to 30 other runs (random prompts of 1 to 48 tokens: those over engine.matmul.TILED_ROWS prefilled alone, random lengths of generation, sampled
 or greedy), driven by one StepBarrier, one thread a run, as the app drives its users' runs: some start with the
 needle (their prefills packed with its prompt), the others join when the needle has drawn a random number of
 tokens (their prefills packed among themselves while the needle decodes; then batched decode steps with it) and
@@ -48,7 +48,7 @@ def _needle(model, captures: bool, on_token=None) -> GenerationRun:
 
 
 def _other(model, rng: random.Random) -> GenerationRun:
-    ids = [rng.randrange(3, model.config.vocab_size) for _ in range(rng.randint(1, 32))]
+    ids = [rng.randrange(3, model.config.vocab_size) for _ in range(rng.randint(1, 48))]
     params = SamplingParams(temperature=0) if rng.random() < 0.5 else SamplingParams(temperature=0.9, top_k=50)
     return GenerationRun(model, ids, params=params, seed=rng.randrange(1000), max_new_tokens=rng.randint(1, 10),
                          ignore_eos=True, probe=inspection_probe(timing=False) if rng.random() < 0.7 else None)
