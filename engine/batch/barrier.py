@@ -53,8 +53,8 @@ class _Request:
 class StepBarrier:
     def __init__(self, max_rows: int = 32, window_s: float = WINDOW_S, latency_s: float = LATENCY_S,
                  gather_s: float = GATHER_S, prefill_wait_s: float = PREFILL_WAIT_S) -> None:
-        """max_rows: most runs in one decode forward (1: every run prefills and steps alone, its own arithmetic bit for
-        bit)."""
+        """max_rows: most runs in one decode forward (1: every run prefills and steps alone; on the CPU a batched run's
+        arithmetic is its own alone, bit for bit, either way: engine.batch.step)."""
         self._cond = threading.Condition()     # the lock; only a gathering leader waits on it
         self._pending: list[_Request] = []     # runs waiting for a step, in turn
         self._decoding: set[GenerationRun] = set()   # runs driven here whose next steps are (packed prefill and)

@@ -35,6 +35,7 @@ import torch
 from engine.batch.segments import SegmentProbe, Segments
 from engine.batch.step import Outcome, guarded, shared_forward_reason
 from engine.generate import PREFILL_CHUNK, STOP, GenerationRun, Step, Stopped
+from engine.matmul import TILED_ROWS, tiled
 
 PACK_TOKENS = PREFILL_CHUNK     # the most prompt rows in one packed forward (a long prompt's chunk)
 PREFILL_WAIT_S = 1.0            # the longest a run waits for a prefill under way (at the gate, to be packed after
@@ -45,6 +46,9 @@ def prefill_reason(run: GenerationRun) -> str | None:
     """Why this run's next step cannot be packed with other runs' prefills (None: it can)."""
     if run.prefill_input() is None:
         return "its next step is no prefill in one piece on its cache"
+    if len(run.prefill_input()) > TILED_ROWS:
+        return (f"its prompt ({len(run.prefill_input())} positions after any template opening) is longer than "
+                f"{TILED_ROWS}: its products are one untiled product alone (engine.matmul), so it is prefilled alone")
     return shared_forward_reason(run)
 
 
@@ -84,7 +88,8 @@ def pack_forward(runs: list[GenerationRun]) -> tuple[list[torch.Tensor | Stopped
         askers[b] = segments.askers[g]
     t0 = time.perf_counter()
     try:
-        logits = model.forward_segments(torch.tensor([t for p in prompts for t in p]), positions, segments, probe)
+        with tiled():        # each prompt's products as its lone prefill's (engine.matmul: tiles of 8 rows)
+            logits = model.forward_segments(torch.tensor([t for p in prompts for t in p]), positions, segments, probe)
     except Exception as e:
         return [e if o is None else o for o in rows], time.perf_counter() - t0, askers
     finally:

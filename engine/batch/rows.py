@@ -41,14 +41,17 @@ class Rows:
         """Layer i: qh (H, B, hd), k, v (B, K, hd) -> z (H, B, hd), row b against run b's cache, its scores and
         pattern (H, 1, S_b) offered to run b's probe. A global layer without a soft cap takes every row in one padded
         product (a row's keys padded to the longest with -inf scores: the same dot products, a softmax and a
-        pattern @ V whose sums also run over the pad's zeros); a window layer or a soft cap row by row, as alone."""
+        pattern @ V whose sums also run over the pad's zeros); a window layer, a soft cap, and every layer on the CPU
+        row by row, as alone: the padded sums (the softmax's, pattern @ V's, the scores' statistics over the pad)
+        add in another order than the row's alone, and on the CPU a row's result is its run's alone, bit for bit
+        (batch invariance)."""
         cfg, B = self.cfg, len(self.caches)
         got = []
         for b, cache in enumerate(self.caches):
             first, _ = cache.key_positions(i, 1)
             keys, values = cache.update(i, k[b:b + 1].transpose(0, 1), v[b:b + 1].transpose(0, 1))    # (K, S, hd)
             got.append((first, keys.to(qh.dtype), values.to(qh.dtype)))
-        if cfg.layer_window[i] is not None or cfg.attn_softcap is not None or B == 1:
+        if cfg.layer_window[i] is not None or cfg.attn_softcap is not None or B == 1 or qh.device.type == "cpu":
             return torch.cat([p.fenced(b, lambda view, b=b: self._one(b, i, qh[:, b:b + 1], *got[b], view),
                                        qh[:, b:b + 1]) for b in range(B)], dim=1)
         return self._padded(qh, got, p)

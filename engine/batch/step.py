@@ -1,11 +1,13 @@
 """step_together: the next step of several runs, the decode steps of runs on one model in one forward.
 
-Arithmetic: row b's attention, sampling and statistics are computed as its run alone computes them (on the
-PyTorch path; where the model has a native decode step, by the native batched step, engine/native/decode_rows.c,
-with the lone native step's per-row operations); the layers' matmuls run over B rows, where a kernel may sum in
-another order than for one row, so a batched row can differ from the same run alone in the last bits
-(tests/unit/test_batch_decode.py, tests/unit/test_native_rows.py and tests/model/test_batch_bundled.py measure it
-per stage). exact=True steps every run alone: its own arithmetic (and a CPU's native one-token step), no batching.
+Arithmetic (batch invariance, on the CPU): row b's logits, statistics and captures are those of its run alone, bit
+for bit. Runs whose lone step would take the native step batch on the native batched step
+(engine/native/decode_rows.c: every row summed in the lone step's order, engine/native/row_product.h), the others on
+the PyTorch forward (engine/matmul.py's fixed tiles, each row's attention alone, per-row statistics); the two kinds
+never share a forward (native_row). tests/unit/test_batch_invariance.py holds a run to itself alone inside random
+batches. What does not hold: a native batched step in which some row meets a NaN or Inf is redone on the PyTorch
+forward for every row (the lone step redoes only its own); on an accelerator (CUDA, MPS) rows are computed
+together, within rounding of alone. exact=True steps every run alone (no batching).
 
 A run's own failure ends that run only: what its preparation raises leaves it out of the forward, and what its
 probe or its row raises inside the forward (engine.batch.rows: the fence) is its outcome while the other rows'
@@ -20,6 +22,7 @@ import torch
 
 from engine.batch.rows import FanProbe, Rows
 from engine.generate import GenerationRun, Step
+from engine.matmul import tiled
 
 Outcome = Union[Step, None, BaseException]
 
@@ -47,10 +50,10 @@ def step_together(runs: list[GenerationRun], *, exact: bool = False) -> list[Out
     """Each run's next step, in order: its Step, None (it had ended or ends here without a token), or the exception
     its step raised (the others' steps go on). Runs whose next step is a decode step on the same model share one
     forward (two or more of them); the rest step alone. exact: every run alone."""
-    groups: dict[int, list[int]] = {}
+    groups: dict[tuple[int, bool], list[int]] = {}
     for n, run in enumerate(runs):
         if not exact and alone_reason(run) is None:
-            groups.setdefault(id(run.model), []).append(n)
+            groups.setdefault((id(run.model), native_row(run)), []).append(n)
     out: list[Outcome] = [None] * len(runs)
     batched = {n for g in groups.values() if len(g) > 1 for n in g}
     for members in groups.values():
@@ -60,6 +63,15 @@ def step_together(runs: list[GenerationRun], *, exact: bool = False) -> list[Out
         if n not in batched:
             out[n] = guarded(run.step)
     return out
+
+
+def native_row(run: GenerationRun) -> bool:
+    """Whether the run's decode step alone would take the model's native step (its probe served by it): such runs
+    batch among themselves, on the native batched step, and the others among themselves on the PyTorch forward,
+    so that a run's row is computed by the path that computes it alone whatever runs share its step (a run whose
+    probe captures a stage would otherwise move every row of its batch to the PyTorch forward)."""
+    step = run.model.accelerator.decode
+    return step is not None and (run.probe is None or run.probe.served_by(step.names) is not False)
 
 
 def _batch(runs: list[GenerationRun], into: list) -> None:
@@ -91,8 +103,9 @@ def forward_together(runs: list[GenerationRun]) -> tuple[list[torch.Tensor | Bas
         ids = torch.tensor([run.decode_input() for run in batch])
         probe = FanProbe([r.probe for r in batch], positions)
         t0 = time.perf_counter()
-        logits = model.forward_rows(ids, torch.tensor(positions), Rows(model, [r.cache for r in batch], positions),
-                                    probe)
+        with tiled():        # each row's products as its lone step's (engine.matmul: tiles of 8 rows)
+            logits = model.forward_rows(ids, torch.tensor(positions), Rows(model, [r.cache for r in batch],
+                                                                            positions), probe)
         seconds = time.perf_counter() - t0
         for g, b in enumerate(go):
             rows[b] = probe.failed[g] if probe.failed[g] is not None else logits[g]

@@ -93,6 +93,25 @@ def moments(X: torch.Tensor, masked: bool | None = False, dims: tuple[int, ...] 
     out. Four plain read-only reductions when nothing is masked (no out= views, no count tensor: each op
     costs microseconds of dispatch at decode sizes). A masked stage on the CPU first checks its sums: finite
     sums prove no row holds a -inf (nor any NaN or Inf), so nothing is masked and the same four suffice."""
+    lead = X.shape[:X.dim() - len(dims)]
+    n = math.prod(X.shape[d] for d in dims)
+    rows = math.prod(lead)
+    try:        # each row's n values one run (batch invariance: a row's order then does not depend on the others)
+        X = X.view(rows, n)
+    except RuntimeError:    # a strided view (attention maps): reduced in place, not copied (a prompt's maps are
+        X = X.reshape(rows, *X.shape[len(lead):])    # T x H x S); offered with the same shape alone or in a batch
+    dims = tuple(range(1, X.dim()))
+    if rows == 1 and X.device.type == "cpu":
+        # torch reduces a lone output by splitting its row between the threads (two-pass), several rows a row a
+        # thread: a row offered alone (a lone run's decode step) would be summed in another order than the same
+        # row among others (a batch's). Two rows (the second the same memory) make it the same order.
+        X = X.expand(2, *X.shape[1:])
+    s1, norm, lo, hi, count = _moments2(X, masked, dims)
+    return tuple(v[:rows].reshape(lead) if isinstance(v, torch.Tensor) else v for v in (s1, norm, lo, hi, count))
+
+
+def _moments2(X: torch.Tensor, masked: bool | None, dims: tuple[int, ...]) -> tuple:
+    """moments of X (rows, ...) over dims, every row reduced alone (batch invariance, engine.batch)."""
     s1 = None
     if masked and X.device.type == "cpu":
         s1 = X.sum(dims)
@@ -123,7 +142,8 @@ def _counts(ns: list, T: int, device) -> torch.Tensor:
 def _from_moments(parts: list[torch.Tensor], sources: list[tuple]) -> tuple[torch.Tensor, list[tuple]]:
     """Moments [Σx, ‖x‖, min, max, count], each (G, T) -> (G, T, 7) statistics and the stages declined: those
     with a row the moments cannot give exactly (a NaN or Inf, cancellation, nothing unmasked), as (g, tensor
-    (T, ...), masked). sources holds (first row, tensor, masked, False) per tensor reduced when offered and
+    (T, ...), masked, rows (T,): the rows declined; the others keep the moments' values, so that a row's statistics
+    do not depend on the rows beside it: batch invariance, engine.batch). sources holds (first row, tensor, masked, False) per tensor reduced when offered and
     (first row, stacked tensors (g, T, n), masked, True) per group reduced at the flush."""
     s1, norm, lo, hi, n = parts
     mean = s1 / n
@@ -136,5 +156,5 @@ def _from_moments(parts: list[torch.Tensor], sources: list[tuple]) -> tuple[torc
         starts = [src[0] for src in sources]
         for g in exact.any(1).nonzero().flatten().tolist():
             first, x, masked, stacked = sources[bisect.bisect_right(starts, g) - 1]
-            declined.append((g, x[g - first] if stacked else x, bool(masked)))
+            declined.append((g, x[g - first] if stacked else x, bool(masked), exact[g]))
     return out, declined

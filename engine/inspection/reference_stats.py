@@ -21,19 +21,44 @@ def dense_stats(X: torch.Tensor, masked: bool = False) -> torch.Tensor:
     """X (..., n) -> (..., 7) statistics over the last axis.
 
     Kernel choice matters on the CPU: sum / amax / amin / vector_norm vectorise, while std_mean and
-    aminmax ran 10-30x slower on these shapes. A finite sum of every row proves every value is finite
-    (any NaN or Inf would poison it), so the common case costs four reductions and one subtraction."""
-    if masked:
-        out = _masked_fast(X)
-        if out is not None:
-            return out
+    aminmax ran 10-30x slower on these shapes. A finite sum of a row proves every value of it is finite
+    (any NaN or Inf would poison it), so the common case costs four reductions and one subtraction.
+
+    Batch invariance (engine.batch): a row's statistics are the same whatever rows come with it. Each row takes
+    the fast path or the NaN-aware one by its own sum, and a lone row on the CPU is reduced as one of two rows
+    (torch splits a lone output's reduction between the threads, several rows a row a thread)."""
+    lead, n = X.shape[:-1], X.shape[-1]
+    X = X.reshape(-1, n)
+    rows = X.shape[0]
+    if rows == 1 and X.device.type == "cpu":
+        X = X.expand(2, n)
+    return _rows_stats(X, masked)[:rows].reshape(*lead, 7)
+
+
+def _rows_stats(X: torch.Tensor, masked: bool) -> torch.Tensor:
+    """dense_stats of X (rows, n), rows >= 2 on the CPU."""
+    out, ok = _masked_fast(X) if masked else _fast(X)
+    if not bool(ok.all()):
+        bad = (~ok).nonzero().flatten()
+        Xb = X[bad]
+        if bad.numel() == 1 and X.device.type == "cpu":
+            Xb = Xb.expand(2, -1)
+        out[bad] = _nan_aware(Xb, masked)[:bad.numel()]
+    return out
+
+
+def _fast(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(statistics, which rows they hold exactly: those whose sum is finite)."""
     s1 = X.sum(-1)
-    if bool(torch.isfinite(s1).all()):
-        mean = s1 / X.shape[-1]
-        std = torch.linalg.vector_norm(X - mean.unsqueeze(-1), dim=-1) / X.shape[-1] ** 0.5
-        lo, hi = X.amin(-1), X.amax(-1)
-        zero = torch.zeros_like(mean)
-        return torch.stack([lo, hi, mean, std, torch.maximum(lo.abs(), hi.abs()), zero, zero], dim=-1)
+    mean = s1 / X.shape[-1]
+    std = torch.linalg.vector_norm(X - mean.unsqueeze(-1), dim=-1) / X.shape[-1] ** 0.5
+    lo, hi = X.amin(-1), X.amax(-1)
+    zero = torch.zeros_like(mean)
+    return torch.stack([lo, hi, mean, std, torch.maximum(lo.abs(), hi.abs()), zero, zero], dim=-1), torch.isfinite(s1)
+
+
+def _nan_aware(X: torch.Tensor, masked: bool) -> torch.Tensor:
+    """Statistics of rows holding a NaN or an Inf (-inf mask entries of a masked stage left out, no fault)."""
     nan, isinf = torch.isnan(X), torch.isinf(X)
     neg_mask = (X == float("-inf")) if masked else torch.zeros_like(nan)
     inf = isinf & ~neg_mask                      # -inf in a masked stage (attention mask, sampler cut) is no fault
@@ -51,14 +76,12 @@ def dense_stats(X: torch.Tensor, masked: bool = False) -> torch.Tensor:
                         nan.sum(-1).float(), inf.sum(-1).float()], dim=-1)
 
 
-def _masked_fast(X: torch.Tensor) -> torch.Tensor | None:
-    """Statistics of a masked stage (attention scores, sampler cuts) whose only non-finite values are the
-    -inf mask entries, which are left out. None when other non-finite values are present."""
+def _masked_fast(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Statistics of a masked stage (attention scores, sampler cuts), the -inf mask entries left out, and which
+    rows they hold exactly: those whose only non-finite values are mask entries."""
     mask = X == float("-inf")
     X0 = X.masked_fill(mask, 0.0)
     s1 = X0.sum(-1)
-    if not bool(torch.isfinite(s1).all()):
-        return None
     n = (~mask).sum(-1)
     none = n == 0
     mean = s1 / n.clamp(min=1)
@@ -66,4 +89,5 @@ def _masked_fast(X: torch.Tensor) -> torch.Tensor | None:
     lo, hi = X.masked_fill(mask, float("inf")).amin(-1), X.amax(-1)
     mean, std = mean.masked_fill(none, float("nan")), std.masked_fill(none, float("nan"))
     zero = torch.zeros_like(mean)
-    return torch.stack([lo, hi, mean, std, torch.maximum(lo.abs(), hi.abs()), zero, zero], dim=-1)
+    out = torch.stack([lo, hi, mean, std, torch.maximum(lo.abs(), hi.abs()), zero, zero], dim=-1)
+    return out, torch.isfinite(s1)

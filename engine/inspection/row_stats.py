@@ -16,8 +16,9 @@ A `StatsQueue` has `add(entry, x, masked)` (take stage tensor x (T, ...) or (n,)
 the elements it holds toward the batcher's flush bound, or None when this backend does not take x), `cut()`
 (a replace hook is about to run: nothing offered so far may be read again later) and `finish(T)` (the
 statistics of every stage it took: a list of blocks (entries, values, declined), values a (G, T, 7) tensor or
-a list of (T, 7) tensors, declined the (index into values, tensor (T, ...), masked) of each stage it could
-not give exactly).
+a list of (T, 7) tensors, declined the (index into values, tensor (T, ...), masked[, rows]) of each stage it
+could not give exactly: rows, a (T,) bool, names the rows declined, whose values alone are replaced (a row's
+statistics must not depend on the rows beside it: batch invariance); without it, or None, every row).
 
 The rule: a backend declines what it cannot give exactly (a NaN or Inf, a mean that dwarfs the spread, a row
 with nothing unmasked) or has no kernel for; a stage no backend takes, or that one declines, gets REFERENCE's

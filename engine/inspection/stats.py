@@ -139,8 +139,12 @@ class StatsBatcher:
         blocks it gives stacked, and the rest added to the final entries (entry, (T, 7))."""
         final, order, stacked = [], [], []
         for entries, values, declined in self._queue.finish(T):
-            for i, x, masked in declined:
-                values[i] = exact_rows(x, masked)
+            for i, x, masked, *rows in declined:
+                exact = exact_rows(x, masked)     # a row's are the same whatever rows are beside it (dense_stats)
+                if rows and rows[0] is not None and values[i] is not None:
+                    values[i][rows[0]] = exact[rows[0]].to(values[i].dtype)     # only the rows declined
+                else:
+                    values[i] = exact
             if isinstance(values, torch.Tensor):
                 order += entries
                 stacked.append(values)

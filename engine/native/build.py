@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "decode_rows.c", "inspect.c", "quant.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("vexp.h", "rowstat.h", "llama_ops.h", "quant_ops.h"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("vexp.h", "rowstat.h", "llama_ops.h", "quant_ops.h", "row_product.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -94,7 +94,7 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     lib.llmi_decode_rows.restype = ctypes.c_int
     lib.llmi_decode_rows.argtypes = [ctypes.c_void_p]
     lib.llmi_rows_work_floats.restype = ctypes.c_long
-    lib.llmi_rows_work_floats.argtypes = [ctypes.c_int] * 7
+    lib.llmi_rows_work_floats.argtypes = [ctypes.c_int] * 9
     i, n, f, p = ctypes.c_int, ctypes.c_long, ctypes.c_float, ctypes.c_void_p
     lib.llmi_row_stats_many.restype = None
     lib.llmi_row_stats_many.argtypes = [i, p, p, p, i]

@@ -16,10 +16,12 @@
 #include "vexp.h"
 
 /* Several tensors in one call (one parallel region): desc[6 i ...] = address, T, G, n, st, sg of tensor i;
- * out: the (T_i, 7) blocks one after another; bad[i] = 1 when tensor i holds a NaN or Inf. */
+ * out: the (T_i, 7) blocks one after another; bad: one flag a row, in the same order, 1 where the row holds a NaN
+ * or Inf (a row at a time: its statistics do not depend on the rows beside it, batch invariance). */
 void llmi_row_stats_many(int count, const long *desc, float *out, int *bad, int nth) {
     long rows = 0;
-    for (int i = 0; i < count; i++) bad[i] = 0, rows += desc[6 * i + 1];
+    for (int i = 0; i < count; i++) rows += desc[6 * i + 1];
+    for (long r = 0; r < rows; r++) bad[r] = 0;
 #pragma omp parallel num_threads(nth) if (rows > 1)
     {
         long at = 0;
@@ -29,7 +31,7 @@ void llmi_row_stats_many(int count, const long *desc, float *out, int *bad, int 
             const int T = (int)d[1], G = (int)d[2], n = (int)d[3];
 #pragma omp for schedule(static) nowait
             for (int t = 0; t < T; t++)
-                if (row_stat(x + (long)t * d[4], G, n, d[5], out + (at + t) * NSTAT)) bad[i] = 1;
+                if (row_stat(x + (long)t * d[4], G, n, d[5], out + (at + t) * NSTAT)) bad[at + t] = 1;
             at += T;
         }
     }

@@ -1,7 +1,7 @@
 """The native statistics backend (engine.inspection.row_stats: NATIVE): the statistics of a multi-token forward
 in one pass each (inspect.c; the per-row kernel rowstat.h is the one decode.c uses too). It takes float32 CPU
-tensors whose last dim is contiguous and declines a tensor holding a NaN or Inf (the reference statistics,
-engine.inspection.reference_stats, then count them); engine.accelerator chains it before the PyTorch backend,
+tensors whose last dim is contiguous and declines the rows holding a NaN or Inf (the reference statistics,
+engine.inspection.reference_stats, then count them; the other rows' values stand); engine.accelerator chains it before the PyTorch backend,
 which takes what it has no kernel for (masked stages, other dtypes)."""
 from __future__ import annotations
 
@@ -40,15 +40,24 @@ def row_stats(xs: list[torch.Tensor], alloc=_empty, lays: list[tuple] | None = N
     Every tensor must have layout() (float32 on the CPU, last dim contiguous). alloc(rows) gives the (rows, 7)
     float32 tensor the results are written to (engine.inspection.stats.StatsBatcher.rows_out: one arena, see there);
     lays: the tensors' layout() when the caller has them."""
+    got = row_stats_rows(xs, alloc, lays)
+    return None if got is None else [None if bad is not None else v for v, bad in got]
+
+
+def row_stats_rows(xs: list[torch.Tensor], alloc=_empty, lays: list[tuple] | None = None
+                   ) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+    """row_stats, row by row: for each tensor (its (T, 7) statistics, None or a (T,) bool of the rows holding a NaN
+    or Inf, whose values are not given); None when the library is missing."""
     lib = _lib()
     if lib is None:
         return None
     lays = lays or [layout(x) for x in xs]
     desc = torch.tensor([[x.data_ptr(), *lay] for x, lay in zip(xs, lays)], dtype=torch.long)
-    out = alloc(sum(lay[0] for lay in lays))
-    bad = torch.zeros(len(xs), dtype=torch.int32)
+    counts = [lay[0] for lay in lays]
+    out = alloc(sum(counts))
+    bad = torch.zeros(sum(counts), dtype=torch.int32)
     lib.llmi_row_stats_many(len(xs), desc.data_ptr(), out.data_ptr(), bad.data_ptr(), torch.get_num_threads())
-    return [None if b else v for b, v in zip(bad.tolist(), out.split([lay[0] for lay in lays]))]
+    return [(v, b.bool() if bool(b.any()) else None) for v, b in zip(out.split(counts), bad.split(counts))]
 
 
 def attention_stats(qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, off: int, scores: bool,
@@ -122,11 +131,11 @@ class _NativeQueue(StatsQueue):
 
     def _run(self) -> None:
         queue, self._queue, self._bytes = self._queue, [], 0
-        values = row_stats([q[1] for q in queue], self._alloc, [q[2] for q in queue])
+        got = row_stats_rows([q[1] for q in queue], self._alloc, [q[2] for q in queue])
         for i, (entry, x, _) in enumerate(queue):
-            v = None if values is None else values[i]
-            if v is None:
-                self._declined.append((len(self._values), x, False))
+            v, bad = (None, None) if got is None else got[i]
+            if v is None or bad is not None:      # the rows holding a NaN or Inf only (the others' values stand)
+                self._declined.append((len(self._values), x, False, bad))
             self._entries.append(entry)
             self._values.append(v)
 

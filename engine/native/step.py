@@ -304,7 +304,7 @@ class NativeDecoder:
         vc = (_P * B)(*[cache.v.data_ptr() for cache in caches])
         nth = torch.get_num_threads()
         work = torch.empty(self.lib.llmi_rows_work_floats(B, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                                                          c.intermediate_size, max(positions) + 1))
+                                                          c.intermediate_size, c.vocab_size, max(positions) + 1, nth))
         r = RowsArgs(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                      c.vocab_size, B, nth, TYPES[m.dtype], TYPES[caches[0].k.dtype], eps, c.head_dim ** -0.5,
                      x.data_ptr(),

@@ -123,17 +123,25 @@ def inspect_run(model: Model, request: RunSettings | Checked, on_token: Callable
         seconds = time.perf_counter() - t0
     result.timings["tokenize"] = checked.tokenize_s          # tokenised once, by the check, not by the engine again
     shared = run.batched_steps or run.packed_prefill
-    notes = list(checked.notes) + ([batched_note(run.batched_steps, run.packed_prefill)] if shared else [])
+    notes = list(checked.notes) + ([batched_note(run.batched_steps, run.packed_prefill, model.device.type)]
+                                   if shared else [])
     return track(make_trace(settings, result, probe, model.name, seconds, notes=notes))
 
 
-def batched_note(steps: int, packed_prefill: bool = False) -> str:
+def batched_note(steps: int, packed_prefill: bool = False, device: str = "cpu") -> str:
     """What a run whose decode steps were batched with other runs', or whose prompt was prefilled with theirs, says
-    about its arithmetic (engine.batch)."""
+    about its arithmetic (engine.batch): on the CPU, that of the run alone, bit for bit (batch invariance:
+    tests/unit/test_batch_invariance.py); on an accelerator, within float rounding of it."""
     said = ([f"{steps} of this run's decode steps shared one forward with other runs'"] if steps else []) + \
         (["its prompt was prefilled in one forward with other runs' prompts"] if packed_prefill else [])
     what = " and ".join(said)
-    return (f"{what[0].upper()}{what[1:]} (this server batches the runs in flight). Its logits and statistics may "
-            "differ from the run alone by float rounding (measured: up to about 1e-4 in logits, 1e-3 in a stage's "
-            "statistics), so a near tie could draw another token. A server started with "
-            f"{env_name('max_batch_rows')}=1 gives every run its own arithmetic, bit for bit.")
+    head = f"{what[0].upper()}{what[1:]} (this server batches the runs in flight)."
+    if device == "cpu":
+        return (f"{head} Its tokens, logits and statistics are those of the run alone, bit for bit: every row is "
+                "computed by the same kernels in the same order whatever runs share its forward (at this server's "
+                "thread count; the exception: a batched native step in which some row meets a NaN or Inf is redone "
+                "on the PyTorch forward for every row).")
+    return (f"{head} On {device} its logits and statistics may differ from the run alone by float rounding (measured "
+            "on the CPU before batch invariance: up to about 1e-4 in logits, 1e-3 in a stage's statistics), so a "
+            f"near tie could draw another token. A server started with {env_name('max_batch_rows')}=1 gives every "
+            "run its own arithmetic, bit for bit.")

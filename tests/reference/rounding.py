@@ -5,8 +5,8 @@ decode step's statistics to against the PyTorch forward's, and a run's logits to
 The two paths compute the same function and differ only in rounding:
 
 - the order in which each matrix product adds its K terms (decode.c: each thread's block of rows, four rows at a
-  time, then the blocks' partial sums; the PyTorch forward: MKL's kernels, and engine/matmul.py's chunks, one a
-  thread), and the order of the other sums (RMSNorm's, the softmax's);
+  time, then the blocks' partial sums; the PyTorch forward: MKL's kernels over engine/matmul.py's tiles of 8
+  rows), and the order of the other sums (RMSNorm's, the softmax's);
 - the elementwise operations' last bits (exp within 2 ulp of expf, engine/native/vexp.h; silu, rope, the norm's
   scale, fused multiply-adds);
 - the statistics' own sums (engine/native/rowstat.h: 32 lanes over the row, then the lanes, in double; the PyTorch
