@@ -4,7 +4,8 @@ Arithmetic (batch invariance, on the CPU): row b's logits, statistics and captur
 for bit. Runs whose lone step would take the native step batch on the native batched step
 (engine/native/decode_rows.c: every row summed in the lone step's order, engine/native/row_product.h), the others on
 the PyTorch forward (engine/matmul.py's fixed tiles, each row's attention alone, per-row statistics); the two kinds
-never share a forward (native_row). tests/unit/test_batch_invariance.py holds a run to itself alone inside random
+never share a forward (native_row). A model whose lone step is native but whose batched native step is refused
+(native.step's rows_refusal: a block beyond Llama's, GGUF matrices kept in their blocks) steps each run alone. tests/unit/test_batch_invariance.py holds a run to itself alone inside random
 batches. What does not hold: a native batched step in which some row meets a NaN or Inf is redone on the PyTorch
 forward for every row (the lone step redoes only its own); on an accelerator (CUDA, MPS) rows are computed
 together, within rounding of alone. exact=True steps every run alone (no batching).
@@ -33,6 +34,10 @@ def alone_reason(run: GenerationRun) -> str | None:
     """Why this run's next step cannot join a batch (None: it can)."""
     if run.decode_input() is None:
         return "its next step is no one-token decode step on its cache (the prefill, the end, or no cache)"
+    step = run.model.accelerator.decode
+    if native_row(run) and step.rows_refusal:
+        return (f"its lone step is native and the batched native step cannot run this model ({step.rows_refusal}): "
+                "on the PyTorch forward its row would not be its run alone, bit for bit")
     return shared_forward_reason(run)
 
 

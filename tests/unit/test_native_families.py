@@ -129,9 +129,10 @@ def test_the_family_decodes_natively_as_the_pytorch_forward_in_half_precision(fo
 
 
 @pytest.mark.parametrize("name", NATIVE)
-def test_the_familys_batched_rows_stay_on_the_pytorch_forward(folders, name, monkeypatch):
-    """decode_rows.c computes Llama's block: the rows of runs stepped together (engine.batch) are left to the PyTorch
-    forward, which says why, and give each run's tokens alone."""
+def test_the_familys_runs_step_alone_on_the_native_step_beside_others(folders, name, monkeypatch):
+    """decode_rows.c computes Llama's block: runs of these families stepped together (engine.batch) are not batched
+    (on the PyTorch forward a row would not be its native run alone, bit for bit): each steps alone on the native
+    step, its tokens those of the run alone, and decode_rows.c is never called."""
     model = load_model(folders[name], device="cpu", dtype="float32")
     assert model.accelerator.decode.rows_refusal.startswith("a block beyond Llama's")
     calls = []
@@ -142,11 +143,11 @@ def test_the_familys_batched_rows_stay_on_the_pytorch_forward(folders, name, mon
     def runs(m):
         return [GenerationRun(m, torch.tensor(p), params=greedy, seed=s, max_new_tokens=4, ignore_eos=True)
                 for p, s in ((PROMPT, 0), (PROMPT[:3], 1))]
-    together, alone = runs(model), runs(model.with_accelerator(PLAIN))
+    together, alone = runs(model), runs(model)
     step_together_to_the_end(together)
     for r in alone:
         r.run()
-    assert calls == []
+    assert calls == [] and all(r.batched_steps == 0 for r in together)
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
 
 
