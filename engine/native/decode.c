@@ -24,6 +24,7 @@
 
 #include "llama_ops.h"
 #include "quant_ops.h"
+#include "row_product.h"
 #include "rowstat.h"
 #include "vexp.h"
 
@@ -70,81 +71,8 @@ long llmi_work_floats(int d, int H, int K, int hd, int F, int V, int max_len, in
     return 6L * d + qkv + (long)H * max_len + (long)H * hd + 3L * F + (long)nth * (wide + 16) + 64;
 }
 
-/* acc[0:N] = x[k0:k1] @ W[k0:k1, :], W (K, N) row-major, as the model stores it (engine/weights.py: (in, out)): the
- * rows k0 .. k1 are one contiguous run of memory, taken four rows at a time (four streams a thread, which the hardware
- * prefetcher follows; the sums of the four rows are added before they reach acc, so acc, which stays in the L1 or L2
- * cache, is read and written once every four rows). The native step reads the model's own matrices: no second copy.
- * (Earlier the step read a copy laid out as panels of eight rows, the matrices' size again in memory; on the
- * bundled model's products the two ran within a few per cent of each other here.) */
-LLMI_INLINE void row_product_t(const float *x, const void *W, int k0, int k1, int N, float *acc, const int t) {
-    for (int n = 0; n < N; n++) acc[n] = 0.f;
-    int k = k0;
-    if (t == T_F32) {
-        const float *Wf = W;
-        for (; k + 4 <= k1; k += 4) {
-            const float a0 = x[k], a1 = x[k + 1], a2 = x[k + 2], a3 = x[k + 3];
-            const float *w0 = Wf + (size_t)k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
-#pragma omp simd
-            for (int n = 0; n < N; n++) acc[n] += (a0 * w0[n] + a1 * w1[n]) + (a2 * w2[n] + a3 * w3[n]);
-        }
-    } else {
-        /* 16 bits: sixteen weights converted at a time (N is a multiple of 8), eight rows a pass, so that acc is read
-         * and written once for as many bytes of W as float32's four rows a pass read (on the bundled model, one
-         * thread, rounds side by side on the shared machine: 17-35 tok/s against four rows' 16-31) */
-#define ROW8(L, w, n) ((a[0] * L(W, r + (n), t) + a[1] * L(W, r + w + (n), t)) \
-                       + (a[2] * L(W, r + 2 * w + (n), t) + a[3] * L(W, r + 3 * w + (n), t))) \
-                    + ((a[4] * L(W, r + 4 * w + (n), t) + a[5] * L(W, r + 5 * w + (n), t)) \
-                       + (a[6] * L(W, r + 6 * w + (n), t) + a[7] * L(W, r + 7 * w + (n), t)))
-        for (; k + 8 <= k1; k += 8) {
-            const float *a = x + k;
-            const size_t r = (size_t)k * N, w = (size_t)N;
-            int n = 0;
-            for (; n + 16 <= N; n += 16) *(v16 *)(acc + n) += ROW8(load16, w, n);
-            if (n < N) *(v8 *)(acc + n) += ROW8(load8, w, n);
-        }
-#undef ROW8
-    }
-    for (; k < k1; k++) {
-        const float a = x[k];
-        const size_t r = (size_t)k * N;
-#pragma omp simd
-        for (int n = 0; n < N; n++) acc[n] += a * ld(W, r + n, t);
-    }
-}
-
-static void row_product(const float *x, const void *W, int k0, int k1, int N, float *acc, int t) {
-#define F(T) row_product_t(x, W, k0, k1, N, acc, T)
-    BY_TYPE(t, F);
-#undef F
-}
-
-/* out = x @ W, called by every thread of the team: each reads its share of W's rows (blocks of eight) once; each
- * output, the sum of the threads' partial sums, is rounded once to the type t (the PyTorch matmul's output dtype).
- * q != 0: W is N rows of K values in GGUF blocks of type q (float32 models only: step.py's refusal): each thread
- * takes a contiguous share of the N rows, each output one row's dot product with x, summed as quant.c's product of
- * one row of x sums it (the PyTorch forward's QuantMatrix.matmul at one token), so no partial sums are added. */
-static void product(const float *x, const void *W, int K, int N, float *out, float *part, long stride, int t, int q) {
-    int u0 = omp_get_thread_num(), T = omp_get_num_threads(), G = K / 8;
-    if (q) {
-        const long nb = K / q_block_values(q);
-        const int n0 = (int)((long)N * u0 / T), n1 = (int)((long)N * (u0 + 1) / T);
-        for (int n = n0; n < n1; n++) out[n] = q_dot(q, W, n, nb, x);
-#pragma omp barrier
-        return;
-    }
-    int g0 = (int)((long)G * u0 / T), g1 = (int)((long)G * (u0 + 1) / T);
-    row_product(x, W, 8 * g0, 8 * g1, N, part + (size_t)u0 * stride, t);
-#pragma omp barrier
-    const int n0 = (int)((long)N * u0 / T), n1 = (int)((long)N * (u0 + 1) / T);
-    for (int n = n0; n < n1; n++) {
-        float s = 0.f;
-        for (int u = 0; u < T; u++) s += part[(size_t)u * stride + n];
-        out[n] = s;
-    }
-    round_to(out + n0, n1 - n0, t);
-#pragma omp barrier
-}
-
+/* row_product_t, row_product and product: row_product.h (one order of additions for the lone step and the
+ * batched rows' product_rows: batch invariance) */
 /* out = x @ W + b (b: N values of type t, Qwen2's q/k/v biases), as the PyTorch forward's addmm: the bias joins the
  * float32 sum of the threads' partial sums before its one rounding to t (a bias added to product()'s rounded outputs
  * would round twice: in bfloat16 the logits of a tiny Qwen2 then lay ~2.7 ulps from the PyTorch forward's instead of

@@ -11,7 +11,7 @@
  * product_rows reads each weight once from memory for all B rows (a span of columns of four of the thread's rows at a
  * time, from L1 for every row after the first), so that the batched step keeps its bandwidth.
  *
- * row_product_t and product are decode.c's (copied here unchanged, for decode.c to include in place of its own). */
+ * product and row_product_t are the lone step's (decode.c includes this file); product_rows the batched step's. */
 #ifndef LLMI_ROW_PRODUCT_H
 #define LLMI_ROW_PRODUCT_H
 
@@ -21,7 +21,12 @@
 #include "llama_ops.h"
 #include "quant_ops.h"
 
-/* acc[0:N] = x[k0:k1] @ W[k0:k1, :], W (K, N) row-major (decode.c's, unchanged) */
+/* acc[0:N] = x[k0:k1] @ W[k0:k1, :], W (K, N) row-major, as the model stores it (engine/weights.py: (in, out)): the
+ * rows k0 .. k1 are one contiguous run of memory, taken four rows at a time (four streams a thread, which the hardware
+ * prefetcher follows; the sums of the four rows are added before they reach acc, so acc, which stays in the L1 or L2
+ * cache, is read and written once every four rows). The native step reads the model's own matrices: no second copy.
+ * (Earlier the step read a copy laid out as panels of eight rows, the matrices' size again in memory; on the
+ * bundled model's products the two ran within a few per cent of each other here.) */
 LLMI_INLINE void row_product_t(const float *x, const void *W, int k0, int k1, int N, float *acc, const int t) {
     for (int n = 0; n < N; n++) acc[n] = 0.f;
     int k = k0;
@@ -60,7 +65,11 @@ static inline void row_product(const float *x, const void *W, int k0, int k1, in
 #undef F
 }
 
-/* out = x @ W, called by every thread of the team (decode.c's, unchanged; q != 0: W in GGUF blocks of type q) */
+/* out = x @ W, called by every thread of the team: each reads its share of W's rows (blocks of eight) once; each
+ * output, the sum of the threads' partial sums, is rounded once to the type t (the PyTorch matmul's output dtype).
+ * q != 0: W is N rows of K values in GGUF blocks of type q (float32 models only: step.py's refusal): each thread
+ * takes a contiguous share of the N rows, each output one row's dot product with x, summed as quant.c's product of
+ * one row of x sums it (the PyTorch forward's QuantMatrix.matmul at one token), so no partial sums are added. */
 static inline void product(const float *x, const void *W, int K, int N, float *out, float *part, long stride, int t,
                            int q) {
     int u0 = omp_get_thread_num(), T = omp_get_num_threads(), G = K / 8;
