@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import load_model
+from tests.unit.test_layernorm_by_hand import EPS as LN_EPS, normed
 
 pytestmark = pytest.mark.unit
 transformers = pytest.importorskip("transformers")
@@ -22,7 +23,7 @@ TOK = {5: T(1, 0, 2, -1), 7: T(0, 3, -1, 1), 9: T(2, -1, 0, 1), A: T(1, 2, 0, -1
 # (values float32 holds exactly, so the hand computation in float64 starts from the model's own numbers)
 BO = T(0.125, -0.25, 0.375, 0)
 LN_F_W, LN_1_W = T(1, 2, 0.5, 1.5), T(1.5, 0.5, 1, 2)
-EPS, THETA = 1e-5, 10000.0
+EPS, THETA = LN_EPS, 10000.0     # the by-hand LayerNorm's epsilon (its normed: one definition)
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +51,6 @@ def toy(tmp_path_factory, tokenizer_files):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (out / f).write_bytes((tokenizer_files / f).read_bytes())
     return load_model(out, device="cpu", dtype="float32"), hf
-
-
-def normed(c: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """A part c of the stream x through the LayerNorm with its sigma frozen at x's: (c - mean(c)) / sigma * w."""
-    return (c - c.mean()) / torch.sqrt(x.var(unbiased=False) + EPS) * w
 
 
 def turned(v: torch.Tensor, pos: int) -> torch.Tensor:
