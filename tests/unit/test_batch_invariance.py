@@ -1,6 +1,6 @@
 """Batch invariance, bit for bit (engine.batch): a run's token ids, logits, every stage's statistics and every capture
 are torch.equal to the same run alone, whatever runs share its forwards, on the native path and on the PyTorch
-forward, on the CPU.
+forward, on the CPU, in float32, bfloat16 and float16.
 
 A needle in a batch: one run (greedy, "The capital of France is", full-inspection probe) alone, then the same run in
 20 trials, each among 1 to 30 other runs (random prompts of 1 to 48 tokens: those over engine.matmul.TILED_ROWS prefilled alone, random lengths of generation, sampled
@@ -93,8 +93,20 @@ def _captures_equal(a: GenerationRun, b: GenerationRun) -> bool:
         (x.name, x.step) == (y.name, y.step) and torch.equal(x.value, y.value) for x, y in zip(ca, cb))
 
 
+@pytest.fixture(scope="module")
+def models(tiny_model, tiny_model_dir):
+    """dtype -> the tiny Llama in it (float32: the session's; the 16-bit ones loaded once here)."""
+    from engine import load_model
+    return {"float32": tiny_model, **{d: load_model(tiny_model_dir, device="cpu", dtype=d)
+                                      for d in ("bfloat16", "float16")}}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("path", ["native", "pytorch"])
-def test_a_run_is_bit_identical_to_itself_alone_inside_random_batches(tiny_model, path):
+def test_a_run_is_bit_identical_to_itself_alone_inside_random_batches(models, path, dtype):
+    """In each dtype the CPU computes (16-bit weights and activations, float32 sums: engine.matmul's tiles and the
+    native kernels' row order hold in each)."""
+    tiny_model = models[dtype]
     if path == "native":
         model = tiny_model
         assert model.accelerator.decode is not None, model.accelerator.why_not
@@ -112,7 +124,7 @@ def test_a_run_is_bit_identical_to_itself_alone_inside_random_batches(tiny_model
         identical += t.bit_identical and (not captures or _captures_equal(alone, got))
     # which forwards the needle shares depends on when the threads come to the barrier: most trials share some
     assert shared >= TRIALS // 2 and batched and packed, (shared, batched, packed)
-    assert identical == TRIALS, f"{identical} of {TRIALS} trials bit-identical to the run alone ({path})"
+    assert identical == TRIALS, f"{identical} of {TRIALS} trials bit-identical to the run alone ({path}, {dtype})"
 
 
 def _stats(backend, x: torch.Tensor, masked: bool = False) -> torch.Tensor:
