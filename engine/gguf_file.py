@@ -18,6 +18,7 @@ as a vocabulary; such a file is refused in milliseconds, naming the key, without
 """
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,7 +184,11 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.data = np.memmap(self.path, mode="r") if self.path.stat().st_size else np.zeros(0, np.uint8)
+        self._map = None
+        if self.path.stat().st_size:
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.data = np.zeros(0, np.uint8) if self._map is None else np.frombuffer(self._map, np.uint8)
         head = bytes(self.data[:8])
         if len(head) < 8 or head[:4] != MAGIC:
             raise GGUFError("not a GGUF file (it does not start with the bytes 'GGUF' and a version)")
@@ -207,6 +212,17 @@ class GGUFFile:
             kind = cur.scalar("I", key)
             self.fields[key] = Field(key, cur.value(kind, key, cur.vocab if key in VOCAB_LISTS else cur.other))
         self.tensors = self._tensors(cur, n_tensors, order)
+
+    def release(self, tensor: "Tensor") -> None:
+        """Drop the pages of tensor's bytes from this process's memory once they have been copied out (they stay in
+        the kernel's page cache, and a later read of the view maps them again): a loader that copies every tensor
+        otherwise holds the whole file mapped beside its copies until the end, twice the weights' size at its peak
+        (the 8B-shaped Q4_K file: 8.6 GB for 4.5 GB of blocks)."""
+        if self._map is None or tensor.n_bytes == 0:
+            return
+        page = mmap.PAGESIZE
+        start = tensor.data_offset // page * page
+        self._map.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
 
     def _tensors(self, cur: _Cursor, n_tensors: int, order: str) -> list[Tensor]:
         """The tensor table (read at cur), each tensor's data a view of the mapped file."""

@@ -61,6 +61,7 @@ def read_tensors(gguf_path: Path, cfg: ModelConfig) -> tuple[dict[str, QuantMatr
                 order = torch.from_numpy(unpermute(np.arange(m.shape[0]), heads).copy())
                 m = m.permute_rows(order)
             out[name] = m       # keeps the file's name: errors and notes name the tensor as the file does
+            reader.release(t)   # copied: its pages leave this process (peak memory ~ the blocks, not twice)
             continue
         try:
             arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
@@ -75,6 +76,7 @@ def read_tensors(gguf_path: Path, cfg: ModelConfig) -> tuple[dict[str, QuantMatr
         if len(t.shape) == 2 and fmt not in ("F32", "F16", "BF16"):
             notes.append(f"{t.name}: {fmt} is not a format kept quantised; dequantised to float32")
         out[name] = torch.from_numpy(np.ascontiguousarray(arr).copy())
+        reader.release(t)
     return out, notes
 
 

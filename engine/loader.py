@@ -93,6 +93,7 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(f"{model_dir}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
                              f"vocabulary has {cfg.vocab_size}: they do not belong together")
+    tokenizer.cover(cfg.vocab_size)      # a padded vocabulary: the ids past the tokenizer's are spelled as such
     model = Model(cfg, weights, tokenizer, device=dev, dtype=dt, name=name, path=model_dir, native_decode=True)
     if progress:
         progress(1.0, f"{name} ready on {dev.type} ({str(dt).removeprefix('torch.')})")

@@ -118,6 +118,12 @@ class StreamDecoder:
         return rest
 
 
+# The spelling of an id in the model's vocabulary that the tokenizer has no entry for (a padded vocabulary: Qwen2.5's
+# 151,936 rows for 151,665 tokens, Llama-3's shapes beside a smaller tokenizer): its id, never a made-up text. Its
+# decoded text is "" (the tokenizers library's decode skips it).
+NO_TEXT = "⟨id {} · no text⟩"
+
+
 class Tokenizer:
     """A Hugging Face `tokenizer.json` plus the bits of tokenizer_config.json generation needs."""
 
@@ -139,6 +145,7 @@ class Tokenizer:
         self._byte_level = any(p.get("type") == "ByteLevel" for p in parts)
 
         self.vocab_size: int = self._backend.get_vocab_size(with_added_tokens=True)
+        self.model_vocab_size: int = self.vocab_size      # the model's embedding rows (cover)
         self.chat_template: str | None = config.get("chat_template")
         self.special_tokens: dict[str, str] = {
             name: tok for name in ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -217,11 +224,24 @@ class Tokenizer:
     # ---- single tokens --------------------------------------------------------------------------------------
 
     def token_text(self, token_id: int) -> str:
-        """The vocabulary spelling, e.g. 'Ġthe' (byte-level) or '▁the' (sentencepiece)."""
+        """The vocabulary spelling, e.g. 'Ġthe' (byte-level) or '▁the' (sentencepiece). An id past the tokenizer's
+        entries but inside the model's embedding (cover: a padded vocabulary, which a model can still emit) is
+        spelled NO_TEXT with its id, so every table and label shows it for what it is; any other id is an
+        IndexError."""
         text = self._backend.id_to_token(int(token_id))
         if text is None:
+            if self.vocab_size <= int(token_id) < self.model_vocab_size:
+                return NO_TEXT.format(int(token_id))
             raise IndexError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
         return text
+
+    def cover(self, model_vocab_size: int) -> None:
+        """Say that the model this tokenizer serves has model_vocab_size rows of embedding (at least vocab_size):
+        the ids past the tokenizer's own entries are the model's padding, with no text (token_text)."""
+        if model_vocab_size < self.vocab_size:
+            raise ValueError(f"the model's vocabulary ({model_vocab_size}) is smaller than the tokenizer's "
+                             f"({self.vocab_size})")
+        self.model_vocab_size = int(model_vocab_size)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes the token stands for; may be part of a UTF-8 character."""

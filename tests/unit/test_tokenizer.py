@@ -263,6 +263,40 @@ def test_token_bytes_of_special_and_partial_tokens(tok):
         tok.token_text(tok.vocab_size + 5)
 
 
+def test_a_padded_vocabulary_spells_its_ids_past_the_tokenizer_by_id(tok_dir):
+    """A model whose embedding has more rows than its tokenizer has entries (Qwen2.5's 151,936 for 151,665; the
+    bench's Llama-3.1-8B shape beside the bundled tokenizer) can emit those ids: the loader covers them, and every
+    label reads the id with no made-up text; ids past the model's rows stay an error."""
+    from engine.tokenizer import NO_TEXT
+    from inspector.views.tokens import token_labels
+    tok = Tokenizer.from_dir(tok_dir)
+    pad = tok.vocab_size + 5
+    with pytest.raises(IndexError):
+        tok.token_text(pad)
+    tok.cover(tok.vocab_size + 100)
+    assert tok.token_text(pad) == NO_TEXT.format(pad) and str(pad) in tok.token_text(pad)
+    assert tok.token_bytes(pad) == NO_TEXT.format(pad).encode("utf-8")
+    assert tok.decode([pad]) == ""                                   # the run's text: nothing for it
+    first = tok.encode("Hi")[0]
+    assert token_labels(tok, [first, pad])[1].startswith("1 ")      # a label, not an IndexError
+    with pytest.raises(IndexError):
+        tok.token_text(tok.vocab_size + 100)
+    with pytest.raises(ValueError, match="smaller than the tokenizer"):
+        tok.cover(tok.vocab_size - 1)
+
+
+def test_the_loader_covers_a_models_padded_vocabulary(tmp_path, tokenizer_files):
+    """A folder whose config has more vocabulary rows than its tokenizer: the loaded model's tokenizer spells
+    those ids (the 8B-shaped bench file's pages crashed on a generated id 112,952 before)."""
+    from engine import load_model
+    from tests.helpers import tiny_config, tiny_tensors, write_model_dir
+    cfg = tiny_config(vocab_size=49152 + 64)
+    model = load_model(write_model_dir(tmp_path / "padded", tokenizer_files, cfg, tiny_tensors(cfg, seed=3)),
+                       device="cpu", dtype="float32")
+    assert model.tokenizer.model_vocab_size == 49152 + 64
+    assert "49200" in model.tokenizer.token_text(49200)
+
+
 def test_encode_is_thread_safe(tok):
     texts = [SPECIAL_TEXT[0], "plain 👋 text 123"] * 50
     expected = {(s, a): tok.encode(s, allow_special=a) for s in texts[:2] for a in (False, True)}
