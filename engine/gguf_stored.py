@@ -71,8 +71,12 @@ def read_tensors(gguf_path: Path, cfg: ModelConfig) -> tuple[dict[str, QuantMatr
         arr = arr.reshape(tuple(int(s) for s in reversed(t.shape)))
         if permute:
             arr = unpermute(arr, heads)
-        if fam.norm_offset and t.name.endswith("norm.weight"):     # llama.cpp's Gemma converters store 1 + w
-            arr = arr - np.float32(fam.norm_offset)
+        if fam.norm_offset and t.name.endswith("norm.weight"):
+            # llama.cpp's Gemma converters store 1 + w, and the forward reads (1 + w) (engine.weights folds the
+            # offset in at load, in float32); the dequantised import takes 1 off (engine.gguf_names.to_checkpoint)
+            # and the load adds it back: the same two roundings here, so both loads hold the same values
+            off = np.float32(fam.norm_offset)
+            arr = (arr - off) + off
         if len(t.shape) == 2 and fmt not in ("F32", "F16", "BF16"):
             notes.append(f"{t.name}: {fmt} is not a format kept quantised; dequantised to float32")
         out[name] = torch.from_numpy(np.ascontiguousarray(arr).copy())

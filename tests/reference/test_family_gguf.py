@@ -119,3 +119,39 @@ def test_a_classic_gguf_is_not_kept_as_stored_but_refused_by_name(tmp_path, toke
     path = write_gguf(folder, tmp_path / "gpt2.gguf", bundled_reader)
     with pytest.raises(UnsupportedModelError, match="gpt2's is laid out otherwise.*quant='dequantized'"):
         load_model(path, device="cpu", dtype="float32", quant="stored")
+
+
+# The families whose checkpoint is Llama's layout (engine.gguf_stored keeps their blocks); llama3 is
+# tests/unit/test_native_quant_step.py's, the MoE families' stacked experts are dequantised.
+STORED_CASES = ["qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "cohere"]
+
+
+@pytest.mark.parametrize("name", STORED_CASES)
+def test_each_llama_layout_family_reads_back_as_stored_equal_to_its_dequantised_self(tmp_path, tokenizer_files,
+                                                                                     bundled_reader, name):
+    """A Q8_0 file of each family (its matrices quantised by gguf.quants.quantize, norms float32) loaded as stored
+    and dequantised: both compute with the file's own values (a Q8_0 value d * q is exact in float32), so their
+    logits differ only by float32 summation order -- the stored model's products are quant_ops.h's row dots, the
+    dequantised model's are float products -- at most a few units of float32 rounding of the largest logit for sums
+    of 64-96 terms (bound 1e-5 of the largest, as the native step is held to the PyTorch forward). The prefill
+    (the PyTorch forward of each) and a greedy decode (the native step where the family takes it: stored and
+    dequantised alike) give the same tokens."""
+    from engine import GenerationRun, SamplingParams
+    from engine.inspection.probe import Probe
+    folder = _build(name, tmp_path / "hf", tokenizer_files)
+    path = write_gguf(folder, tmp_path / f"{name}.Q8_0.gguf", bundled_reader, quant="Q8_0")
+    stored = load_model(path, device="cpu", dtype="float32", quant="stored")
+    plain = load_model(path, device="cpu", dtype="float32")
+    assert stored.weights.quantized(), "no matrix was kept in its blocks"
+    assert (stored.accelerator.decode is None) == (plain.accelerator.decode is None), \
+        (stored.accelerator.why_not, plain.accelerator.why_not)
+    a, b = stored.logits(PROMPT), plain.logits(PROMPT)
+    assert float((a - b).abs().max() / b.abs().max()) <= 1e-5
+    runs = [GenerationRun(m, PROMPT[:8], params=SamplingParams(temperature=0), max_new_tokens=8, ignore_eos=True,
+                          probe=Probe().capture("logits")) for m in (stored, plain)]
+    for r in runs:
+        r.run()
+    assert runs[0].token_ids == runs[1].token_ids
+    for k in range(1, 8):
+        x, y = (r.probe.recording.captured("logits", k)[0].value.float() for r in runs)
+        assert float((x - y).abs().max() / y.abs().max()) <= 1e-5, k
