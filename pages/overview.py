@@ -34,13 +34,13 @@ STOP_HELP = {"eos": "The model chose its end-of-text token.", "stop_string": "Th
 
 def session_tools() -> tuple:
     """What this session's tools computed last (a QK score split, a steering run, a determinism check, a quantization
-    scoreboard, a GGUF file as stored vs dequantised), each as its JSON-able dict or None: the report's Tools
+    scoreboard, a GGUF file as stored vs dequantised, the tuned lens at a position, the head atlas), each as its JSON-able dict or None: the report's Tools
     section (engine.report.tools)."""
     s = session()
     boards, stored = s.memo("qsb_boards"), s.memo("qz_stored")
     board = next(reversed(boards.values()), None) if boards else None
     last_stored = next(reversed(stored.values()), None) if stored else None
-    return (s.qk[1] if s.qk else None, s.steered, s.determinism, board, last_stored)
+    return (s.qk[1] if s.qk else None, s.steered, s.determinism, board, last_stored, s.lens, s.atlas)
 
 
 def make_report(run, model, on_progress=None, tools=()) -> str:

@@ -1,7 +1,8 @@
 """The report's tool sections: what the session's tools computed beside the run (issue 47: "appears in the offline
 report where it applies"): a QK score split, a steering run, a determinism check, a quantization scoreboard, a GGUF
-file as stored against its dequantised self, a tuned lens. Each comes as the tool's own JSON (`as_dict()`, the `--json` of its
-CLI twin: `python -m engine qk|steer|quant-scoreboard|quant-stored|doctor --determinism|lens`) and is turned here into a
+file as stored against its dequantised self, a tuned lens, a head atlas. Each comes as the tool's own JSON (`as_dict()`, the
+`--json` of its CLI twin: `python -m engine qk|steer|quant-scoreboard|quant-stored|doctor --determinism|lens|atlas`; the
+tuned lens also as the Activations page computed it at one position of the run) and is turned here into a
 titled table of plain values for engine.report.html to draw.
 
 A tool's JSON may come from a file a user hands the CLI (`report --tool-json FILE`), so it is input like any other:
@@ -19,7 +20,8 @@ from engine.errors import InputError
 MAX_FILE_BYTES = 8 << 20     # a tool's JSON file (a scoreboard keeps its per-position lists: a few MB at most)
 MAX_ROWS = 40
 MAX_TEXT = 200
-KINDS = ("qk", "steering", "determinism", "scoreboard", "stored", "tuned-lens")
+KINDS = ("qk", "steering", "determinism", "scoreboard", "stored", "tuned-lens", "atlas")
+MAX_HEADS = 1 << 16          # an atlas's heads_scored (layers x heads)
 
 
 def kind_of(d: dict) -> str:
@@ -31,7 +33,8 @@ def kind_of(d: dict) -> str:
     for kind, keys in (("qk", {"top_pairs", "score", "remainder"}), ("steering", {"steered_text", "plain_text"}),
                        ("determinism", {"trials", "headline"}), ("scoreboard", {"formats", "reference"}),
                        ("stored", {"stored", "dequantized", "per_stage", "tolerance"}),
-                       ("tuned-lens", {"kl", "weights_checksum", "recipe"})):
+                       ("tuned-lens", {"kl", "weights_checksum", "recipe"}),
+                       ("atlas", {"heads_scored", "top", "scores"})):
         if keys <= set(d):
             return kind
     raise InputError(f"not the JSON of a tool the report shows ({', '.join(KINDS)}); its keys: "
@@ -74,6 +77,12 @@ def _list(v, what: str) -> list:
     if not isinstance(v, list):
         raise InputError(f"the tool's {what} must be a list")
     return v[:MAX_ROWS]
+
+
+def _count(v, what: str) -> int:
+    if not isinstance(v, list):
+        raise InputError(f"the tool's {what} must be a list")
+    return len(v)
 
 
 def _obj(v, what: str) -> dict:
@@ -162,14 +171,46 @@ def _tuned_lens(d: dict) -> dict:
                f"layer's affine map (rank {_text(d.get('rank'), 'rank')}, fitted on {_text(r.get('tokens'), 'tokens')}"
                f" tokens of {_text(r.get('corpus'), 'corpus')} by {_text(r.get('script'), 'script')}) for weights "
                f"{_text(d.get('weights_checksum'), 'weights checksum')}.")
+    if d.get("position") is not None:      # the Activations page's: one position of the run, not held-out text
+        caption = (f"Each layer's KL (nats) to the model's final distribution at position "
+                   f"{_text(d.get('position'), 'position')} of the run: the logit lens reads the residual stream as "
+                   f"it is, the tuned lens through its layer's affine map (rank {_text(d.get('rank'), 'rank')}, "
+                   f"fitted on {_text(r.get('tokens'), 'tokens')} tokens of {_text(r.get('corpus'), 'corpus')} by "
+                   f"{_text(r.get('script'), 'script')}) for weights {_text(d.get('weights_checksum'), 'checksum')}.")
     rows = [[_num(k.get("layer"), "layer"), _num(k.get("logit_lens"), "KL"), _num(k.get("tuned_lens"), "KL")]
             for k in map(lambda x: _obj(x, "layer's KL"), _list(d["kl"], "kl"))]
     return {"id": "tool-tuned-lens", "title": "Logit lens and tuned lens", "caption": caption,
             "header": ["layer", "KL logit lens", "KL tuned lens"], "rows": rows, "numeric": [0, 1, 2]}
 
 
+def _atlas(d: dict) -> dict:
+    """The top heads by each score (the atlas's own ranking, `top`), each with its score from heads_scored."""
+    heads = d["heads_scored"]
+    if not isinstance(heads, list) or len(heads) > MAX_HEADS:
+        raise InputError(f"the atlas's heads_scored must be a list of at most {MAX_HEADS} heads")
+    names = [_text(n, "score name") for n in _list(d["scores"], "scores")]
+    by = {}
+    for h in heads:
+        h = _obj(h, "head")
+        by[(_num(h.get("layer"), "layer"), _num(h.get("head"), "head"))] = h
+    top, rows = _obj(d["top"], "top"), []
+    for name in names:
+        for rank, pair in enumerate(_list(top.get(name, []), f"top heads by {name}")[:5]):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:     # JSON: a list; as_dict: a tuple
+                raise InputError(f"the atlas's top heads by {name} must be [layer, head] pairs")
+            layer, head = _num(pair[0], "layer"), _num(pair[1], "head")
+            rows.append([name, rank + 1, layer, head, _num(by.get((layer, head), {}).get(name), name)])
+    caption = (f"Every head of {_text(d.get('layers'), 'layers')} layers x {_text(d.get('heads'), 'heads')} heads "
+               f"scored over {_count(d.get('texts', []), 'texts')} texts ({_text(d.get('tokens'), 'tokens')} "
+               f"tokens) and {_text(d.get('repeats'), 'repeats')} x 2 x {_text(d.get('length'), 'length')} repeated "
+               f"random tokens (seed {_text(d.get('seed'), 'seed')}); the five highest heads by each score "
+               "(entropy: the five lowest, the sharpest).")
+    return {"id": "tool-atlas", "title": "Head atlas", "caption": caption,
+            "header": ["score", "rank", "layer", "head", "value"], "rows": rows[:MAX_ROWS], "numeric": [4]}
+
+
 SECTIONS = {"qk": _qk, "steering": _steering, "determinism": _determinism, "scoreboard": _scoreboard,
-            "stored": _stored, "tuned-lens": _tuned_lens}
+            "stored": _stored, "tuned-lens": _tuned_lens, "atlas": _atlas}
 
 
 def tool_sections(tools) -> list[dict]:

@@ -85,6 +85,8 @@ class SessionState:
     determinism: dict | None = None         # the Compare page's last determinism check (its report's dict)
     steered: dict | None = None             # the Compare page's last steering (plain and steered runs)
     qk: tuple | None = None                 # the Attention page's last score split: (what it split, its dict)
+    atlas: dict | None = None               # the Attention page's head atlas last shown (HeadAtlas.as_dict)
+    lens: dict | None = None                # the Activations page's last tuned lens at a position (report's dict)
     atlas_refused: str | None = None        # why the head atlas's last scatter click was ignored: said once
     opened: tuple | None = None             # (name, digest, Trace or error) of a trace file just opened
     uploads: int = 0                        # trace files opened so far (a new uploader after each)

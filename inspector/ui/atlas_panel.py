@@ -82,6 +82,7 @@ def atlas_section(model, layer: int = 0, head: int | None = None) -> None:
     if kept is None:
         return
     atlas = kept.atlas
+    session().atlas = atlas.as_dict()       # the report's Tools section (pages/overview.py)
     if kept.note:
         st.warning(plain(kept.note))
     refused, session().atlas_refused = session().atlas_refused, None

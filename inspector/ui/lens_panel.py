@@ -65,6 +65,9 @@ def tuned_lens_section(model, run_key, ids, pos: int, k: int, top_k: int, auto: 
     if got is None:
         return
     tops, kl = got
+    # the report's Tools section (pages/overview.py, engine.report.tools): this position's KL, layer by layer
+    session().lens = {"kind": "tuned-lens", "kl": kl, "weights_checksum": lens.weights_checksum, "recipe": r,
+                      "rank": r.get("rank"), "position": pos}
     for col, name in zip(st.columns(2), LENSES):
         with col:
             st.markdown(f"**{name}**")

@@ -76,6 +76,9 @@ def test_no_tool_no_section(trace):
      "query side must be text"),
     ({"plain_text": "a", "steered_text": "b", "coefficient": "big"}, "coefficient must be a number"),
     ({"formats": [], "reference": "r"}, "formats must be an object"),
+    ({"heads_scored": "x", "top": {}, "scores": []}, "heads_scored must be a list"),
+    ({"heads_scored": [], "top": {"self": [[0]]}, "scores": ["self"]}, "top heads by self must be"),
+    ({"heads_scored": [{"layer": "0", "head": 0}], "top": {}, "scores": ["self"]}, "layer must be a number"),
 ])
 def test_a_bad_tool_json_is_refused_naming_the_field(doc, said):
     with pytest.raises(InputError, match=said):
@@ -105,3 +108,19 @@ def test_the_cli_takes_tool_json_files_and_refuses_a_bad_one_before_running(caps
     code, _, err = report(capsys, "Hello", "--model", str(tiny_model_dir), "--tool-json", str(bad),
                           "--out", str(tmp_path / "x.html"))
     assert code == 2 and "not valid JSON" in err.strip().splitlines()[-1] and not (tmp_path / "x.html").exists()
+
+
+def test_the_atlas_section_is_the_atlas_own_ranking_from_its_json_or_its_dict(tiny_model):
+    """The CLI's --json (lists, NaN as null) and the page's as_dict (tuples) give one section: the five top heads
+    by each score at the atlas's numbers."""
+    import math
+
+    from engine.tools.head_atlas import SCORE_NAMES, head_atlas
+    atlas = head_atlas(tiny_model, ["The cat sat on the mat. The cat sat on the mat."], repeats=1, length=16)
+    d = atlas.as_dict()
+    as_json = json.loads(json.dumps(d, default=list).replace("NaN", "null"))
+    (a,), (b,) = tool_sections([d]), tool_sections([as_json])
+    want = [[n, k + 1, r["layer"], r["head"], r[n]] for n in SCORE_NAMES for k, r in enumerate(atlas.ranked(n, 5))]
+    assert [r[:4] for r in a["rows"]] == [r[:4] for r in b["rows"]] == [r[:4] for r in want]
+    assert all(x[4] == w[4] or (x[4] is None and math.isnan(w[4])) for x, w in zip(a["rows"], want))
+    assert a["id"] == "tool-atlas" and f"{atlas.layers} layers x {atlas.heads} heads" in a["caption"]
