@@ -393,8 +393,3 @@ class Model:
                         self.config.rms_norm_eps)
         return self._head(x.reshape(-1, x.shape[-1]), self.weights.lm_head, NO_PROBE).view(
             *x.shape[:-1], -1).float().cpu()
-
-    def generate(self, prompt_or_ids, **kwargs):
-        """See engine.generate.generate."""
-        from engine.generate import generate
-        return generate(self, prompt_or_ids, **kwargs)

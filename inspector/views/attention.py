@@ -30,7 +30,7 @@ def attention_pattern(model, ids: Sequence[int], layer: int, *, on_progress=None
     One forward with a fresh cache: only this layer materialises its pattern (the others keep the fused
     kernel) and the forward stops after it (stop_after: this block's attention half), so later layers, its
     MLP and the lm_head cost nothing.
-    on_progress(engine.generate.Progress) hears each of the layer + 1 blocks run finish (engine.progress)."""
+    on_progress(engine.progress.Progress) hears each of the layer + 1 blocks run finish (engine.progress)."""
     if not 0 <= layer < model.config.num_layers:
         raise ValueError(f"layer {layer} is outside 0..{model.config.num_layers - 1}")
     ids_t = torch.as_tensor([int(i) for i in ids], dtype=torch.long)
