@@ -198,6 +198,28 @@ def _side_doors(mod: str, text: str) -> list[str]:
     return found
 
 
+def _duck_typing(text: str) -> list[str]:
+    """Where a module asks an object what it is instead of calling its declared interface: hasattr / getattr, and
+    isinstance or type() of a cache or a probe (a weight's type, a QuantMatrix, is the weight's own business)."""
+    found = []
+    for node in walked(text):
+        if isinstance(node, ast.Call) and _named(node.func) in ("hasattr", "getattr"):
+            found.append(f"line {node.lineno}: {_named(node.func)}")
+        if isinstance(node, ast.Call) and _named(node.func) in ("isinstance", "type") and node.args \
+                and re.search(r"cache|probe|rows|segments|^p$", _named(node.args[0])):
+            found.append(f"line {node.lineno}: {_named(node.func)}({_named(node.args[0])})")
+    return sorted(found)
+
+
+def test_the_forward_asks_its_cache_and_probe_only_their_declared_interfaces():
+    """engine.model calls engine.cache_protocol.Cache and engine.inspection.stage_sink's sinks, never asks a form
+    what it is (tests/unit/test_cache_forms.py holds every form to its protocol)."""
+    assert _duck_typing((ROOT / "engine/model.py").read_text()) == []
+    assert _duck_typing('x = x[c.last_rows] if hasattr(c, "last_rows") else x[-1:]\n'
+                        'if isinstance(cache, Rows): pass\nw = isinstance(embed, QuantMatrix)\n') == [
+        "line 1: hasattr", "line 2: isinstance(cache)"]
+
+
 def test_tools_run_the_model_through_its_public_forward():
     """Spans of blocks go through Model.run_blocks, early stops through Model.forward's stop_after."""
     found = [s for mod, path in _sources(*PACKAGES).items() for s in _side_doors(mod, path.read_text())]
@@ -225,7 +247,8 @@ def _progress_protocols(mod: str, text: str) -> list[str]:
             methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
             if "progress" in node.name.lower() and (mod, node.name) not in PROGRESS_CLASSES:
                 found.append(f"{mod}.{node.name}: a second progress type; use engine.progress")
-            if "layer_weights" in methods and mod not in ("engine.inspection.probe", "engine.inspection.probe_views"):
+            if "layer_weights" in methods and mod not in ("engine.inspection.probe", "engine.inspection.probe_views",
+                                                          "engine.inspection.stage_sink"):       # (its protocol)
                 found.append(f"{mod}.{node.name} wraps the probe's weight lookup; use Model.forward(on_layer=...)")
         if mod in LOAD_PATH:
             continue
