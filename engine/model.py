@@ -237,9 +237,9 @@ class Model:
                    positions: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Blocks [start, end) on the stream x (T, d) entering block `start` -> the stream leaving block end - 1, as
         a forward computes it (precision plan, probe). positions (T,): the rows' absolute positions (RoPE; any order:
-        a hook's ctx.pos0 is the first's). cache: a Cache (engine.cache_protocol): a KVCache (written, not advanced),
-        or a tool's RunCache whose keys are positions 0 .. S - 1. mask (T, S): True where row t reads key s; None: causal,
-        S == T. A window layer also keeps each row to its window."""
+        a hook's ctx.pos0 is the first's). cache: a Cache (engine.cache_protocol): a KVCache (written, not
+        advanced), or a tool's RunCache whose keys are positions 0 .. S - 1. mask (T, S): True where row t reads key
+        s; None: causal, S == T. A window layer also keeps each row to its window."""
         if not 0 <= start <= end <= self.config.num_layers or x.shape[1:] != (self.config.hidden_size,) \
                 or positions.shape != x.shape[:1]:
             raise InputError(f"run_blocks needs a span in [0, {self.config.num_layers}] and a stream (T, d) with T "
@@ -265,7 +265,8 @@ class Model:
             return self._mlp(p, lw, x, eps, own, attn, h) if mlp else x + attn
         return self._mlp(p, lw, x, eps, own) if mlp else x
 
-    def _attention(self, p, lw: LayerWeights, x, cache: Cache, i: int, at: Where, eps: float, own: bool) -> torch.Tensor:
+    def _attention(self, p, lw: LayerWeights, x, cache: Cache, i: int, at: Where, eps: float, own: bool
+                   ) -> torch.Tensor:
         """A block's attention half: the stream x (T, d) -> resid_mid; a parallel block (GPT-NeoX, Phi): -> (x,
         attn_out, attn_norm's output) for _block, whose MLP also reads x (Phi's: the normed x, its one norm)."""
         cfg = self.config
