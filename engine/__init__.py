@@ -7,7 +7,7 @@ the run record) and nothing else of the engine: no tool (engine.tools), no repor
 (engine.bench), no CLI (engine.cli). Tools build on the core's public API only."""
 import engine.threads  # noqa: F401,I001  (first: the thread policy, before torch loads libgomp)
 from engine.errors import EngineError, InputError, ModelLoadError, UnsupportedModelError
-from engine.generate import Candidate, GenerationResult, GenerationRun, Step, generate
+from engine.generate import GenerationRun, generate
 from engine.inspection.interventions import HookContext, plant, scale, zero_heads
 from engine.inspection.probe import Probe, inspection_probe
 from engine.inspection.recording import Capture, Recording
@@ -17,6 +17,7 @@ from engine.inspection.trace import Trace, load_trace, make_trace, save_trace
 from engine.kv_cache import KVCache
 from engine.loader import load_model
 from engine.model import Model
+from engine.results import Candidate, GenerationResult, Step
 from engine.sampling import SamplingParams
 from engine.settings import RunSettings
 

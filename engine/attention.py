@@ -1,10 +1,19 @@
-"""Attention for one block: the call's positions (which rotary table, which mask each layer reads), the fused path
-(torch SDPA) and the explicit one (scores and pattern as tensors, offered to the probe)."""
+"""Attention for one block: the call's positions (which rotary table, which mask each layer reads), and the one
+attention function every caller computes with (attend: the model's blocks through their cache, the batch's rows, a
+packed prefill's runs), with its two paths, the fused one (torch SDPA) and the explicit one (scores and pattern as
+tensors, offered to the probe), whose scores (attention_scores: scale, soft cap, mask, GQA) the Attention view's
+entropy overview also computes with.
+
+    z = attend(p, qh, keys, values, mask, first, scale=cfg.attn_scale, softcap=cfg.attn_softcap)    # (H, T, hd)
+    z = attend_store(p, qh, k, v, store, layer, at)       # the same, the keys first written to a run's store
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from engine.inspection.attention_stats import inspect_attention
+from engine.inspection.probe_views import FULL
 from engine.rope import table_for
 
 
@@ -53,21 +62,85 @@ class Where:
         key = (window, first, S)
         if key in self._masks:
             return self._masks[key]
-        rows, dev = self.rows, self.rows.device
+        rows = self.rows
         if self._base is not None and window is None:
             m = Mask(self._base)
         elif window is None and (self.T == 1 or (first == 0 and S == self.T and self.end == self.T)):
             m = None
         else:
-            kpos = first + torch.arange(S, device=dev)
-            allowed = kpos[None, :] <= rows[:, None]
-            if window is not None:
-                allowed &= kpos[None, :] > rows[:, None] - window
+            allowed = allowed_keys(rows, first, S, window)
             if self._base is not None:
                 allowed &= self._base[:, first:first + S] if self._base.shape[1] >= first + S else self._base
             m = None if self.T == 1 and bool(allowed.all()) else Mask(allowed)
         self._masks[key] = m
         return m
+
+
+def allowed_keys(rows: torch.Tensor, first: int, S: int, window: int | None) -> torch.Tensor:
+    """(T, S) bool: True where the query at absolute position rows[t] reads the key at position first + s: causal,
+    and within a window layer's `window` latest positions (the query's own included)."""
+    kpos = first + torch.arange(S, device=rows.device)
+    allowed = kpos[None, :] <= rows[:, None]
+    if window is not None:
+        allowed &= kpos[None, :] > rows[:, None] - window
+    return allowed
+
+
+def attention_scores(qh: torch.Tensor, keys: torch.Tensor, scale: float, softcap: float | None,
+                     allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention scores (H, T, S) of queries qh (H, T, hd) over keys (K, S, hd): scaled dot products, Gemma 2's soft
+    cap (tanh(s / cap) * cap, before the mask), -inf where allowed (T, S) is False. Query heads sharing a KV head
+    (GQA: head h reads KV head h // (H / K)) are stacked (K, G*T, hd), so the keys are never copied per head."""
+    H, T, hd = qh.shape
+    K, S = keys.shape[0], keys.shape[1]
+    s = (qh.reshape(K, -1, hd) @ keys.transpose(1, 2)).view(H, T, S) * scale                # (H, T, S)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
+
+
+def attend(p, qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Mask | None, first: int = 0, *,
+           scale: float, softcap: float | None = None) -> torch.Tensor:
+    """The one attention of the engine: queries qh (H, T, hd) over keys and values (K, S, hd) at positions first ..
+    first + S - 1 (a window layer's kept keys start at first > 0), mask (None: causal with S == T, or one row that
+    reads every key) -> z (H, T, hd). p, the block's probe view, is offered scores and pattern where it asks.
+    Explicit (scores and pattern as tensors) for one query row, a probe that needs them whole, or a soft cap (which
+    SDPA cannot do); otherwise fused, with statistics beside it where the probe asks only for those."""
+    need = max(p.need("attn.scores"), p.need("attn.pattern"))
+    if qh.shape[1] == 1 or need == FULL or softcap is not None:
+        return explicit(qh, keys, values, p, None if mask is None else mask.allowed, scale, softcap, first)
+    if need:      # statistics / some rows only: beside the fused kernel (query blocks or native), never whole
+        _inspect(p, qh, keys, values, mask, first, scale)
+    return fused(qh, keys, values, mask, p.guards_nan, scale, keys.shape[0] != qh.shape[0])   # stats steer nothing
+
+
+def attend_store(p, qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, layer: int, at: Where) -> torch.Tensor:
+    """Layer `layer`'s attention of one run's rows against its store (engine.cache_protocol.KeyStore: a KVCache),
+    the call's keys and values k, v (T, K, hd) written there first: qh (H, T, hd) -> z (H, T, hd), with the layer's
+    window, the family's scale and soft cap, at the positions and masks of `at`."""
+    cfg = at.cfg
+    first, _ = store.key_positions(layer, qh.shape[1])
+    keys, values = store.update(layer, k.transpose(0, 1), v.transpose(0, 1))     # (K, S, hd)
+    keys, values = keys.to(qh.dtype), values.to(qh.dtype)      # no-ops unless a precision plan differs
+    mask = at.mask(cfg.layer_window[layer], first, keys.shape[1])
+    return attend(p, qh, keys, values, mask, first, scale=cfg.attn_scale, softcap=cfg.attn_softcap)
+
+
+def _inspect(p, qh, keys, values, mask: Mask | None, first: int, scale: float) -> None:
+    """Attention statistics beside the fused kernel, over every position as the explicit path offers them: the
+    query scaled to the family's score scale, a window layer's keys preceded by the positions it dropped."""
+    default = qh.shape[-1] ** -0.5
+    if scale != default:
+        qh = qh * (scale / default)
+    allowed = None if mask is None else mask.allowed
+    if first:
+        K, S, hd = keys.shape
+        if allowed is None:
+            allowed = torch.ones(qh.shape[1], S, dtype=torch.bool, device=qh.device)
+        keys = torch.cat([keys.new_zeros(K, first, hd), keys], dim=1)
+        values = torch.cat([values.new_zeros(K, first, hd), values], dim=1)
+        allowed = F.pad(allowed, (first, 0), value=False)
+    inspect_attention(p, qh, keys, allowed, values)
 
 
 def fused(qh, keys, values, mask: Mask | None, guard: bool, scale: float, gqa: bool) -> torch.Tensor:
@@ -107,17 +180,15 @@ def _poison_readers(z, bad_q, bad_kv, mask) -> torch.Tensor:
 def explicit(qh, keys, values, p, mask, scale: float, softcap: float | None, first: int = 0) -> torch.Tensor:
     """Attention with scores and pattern as tensors: one decode row (the usual path: two grouped matmuls beat SDPA's
     kernels at this size), a hook that needs them whole, or a soft cap (Gemma 2: tanh(s / cap) * cap before the mask,
-    which SDPA cannot do). (H, T, hd) out. Query heads sharing a KV head are stacked (K, G*T, hd) so GQA needs no
-    copies of the cache. first > 0 (a window layer's kept keys start there): the probe sees scores and pattern over
-    every position 0 .. S - 1, -inf and 0 before the window, as for any layer."""
+    which SDPA cannot do). (H, T, hd) out, the scores those of attention_scores (GQA without copies of the cache).
+    first > 0 (a window layer's kept keys start there): the probe sees scores and pattern over every position
+    0 .. S - 1, -inf and 0 before the window, as for any layer."""
     H, T, hd = qh.shape
     K, S = keys.shape[0], keys.shape[1]
-    scores = (qh.reshape(K, -1, hd) @ keys.transpose(1, 2)).view(H, T, S) * scale         # (H, T, S)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if T > 1 or mask is not None:
-        allowed = mask if mask is not None else torch.ones(T, S, dtype=torch.bool, device=qh.device).tril()
-        scores = scores.masked_fill(~allowed, float("-inf"))
+    allowed = mask
+    if T > 1 and mask is None:
+        allowed = torch.ones(T, S, dtype=torch.bool, device=qh.device).tril()
+    scores = attention_scores(qh, keys, scale, softcap, allowed)                         # (H, T, S)
     pad = first if first and max(p.need("attn.scores"), p.need("attn.pattern")) else 0
     if pad:
         scores = F.pad(scores, (pad, 0), value=float("-inf"))

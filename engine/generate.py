@@ -8,120 +8,39 @@ Stop reasons: eos, stop_string, max_new_tokens, context; "non-finite logits" whe
 Inf (nothing is sampled from them: that step draws no token; nonfinite_stop(result) names it); "stopped" when
 on_token or on_progress returned STOP.
 
-Long prompts are prefilled in chunks of PREFILL_CHUNK positions (the same attention, causal within a chunk and
-over the cache before it), so on_progress can report the prefill by chunk and layer and a stop can land
+Long prompts are prefilled in chunks of engine.progress.PREFILL_CHUNK positions (the same attention, causal within a
+chunk and over the cache before it), so on_progress can report the prefill by chunk and layer and a stop can land
 between them, and no attention map larger than chunk x prompt is ever materialised. A chat prompt's template opening
 is a chunk of its own (prefill_chunks), its keys and values copied from the process's prefix cache when another run
 computed them (engine.prefix_cache): the same arithmetic either way.
+
+The loop sits above the model: its progress record and answer (Progress, STOP, Stopped) live in engine.progress,
+its results (Step, Candidate, GenerationResult) in engine.results, both below engine.model (imported here from
+there, and importable from here as before).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+import engine.progress
 from engine.errors import InputError
 from engine.inspection.probe import Probe
-from engine.inspection.recording import Recording
 from engine.inspection.stat_columns import Col
 from engine.kv_cache import ReleasedCache
 from engine.prefix_cache import PrefixCache, prefix_key, shared_prefix_cache, shared_prefix_len
+from engine.progress import STOP, Progress, Stopped
 from engine.prompt import prompt_ids
+from engine.results import Candidate, GenerationResult, Step
 from engine.sampling import SamplingParams, all_finite, draw, entropy, first_max, sampler_chain
 from engine.settings import check_stop
 from engine.threads import one_thread
 
 TOP_CANDIDATES = 10
-PREFILL_CHUNK = 2048         # prompts longer than this are prefilled this many positions at a time (a chunk after
-                             # the first pays for its mask and reads the weights again: 2,048 positions in 4
-                             # chunks of 512 took 1.2x one forward here)
 NONFINITE = "non-finite logits"
 STOPPED = "stopped"
-
-
-class _Stop:
-    def __repr__(self) -> str:
-        return "STOP"
-
-
-STOP = _Stop()               # returned by on_token / on_progress: end the run here (stop reason "stopped")
-
-
-class Stopped(Exception):
-    """A job's on_progress answered STOP: raised by Model.forward when its on_layer answers STOP (before the
-    next block; the cache is not advanced), or by a job's own loop between two units (engine.progress)."""
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Where a long computation stands: the one progress record of the engine (engine.progress). A prefill or a
-    one-off forward tells it before each block of each chunk and once at its end; a job of many units (reruns,
-    packed forwards: Progress.units) before each unit and once at its end (done == total). The callback may
-    answer STOP."""
-    done: int            # prompt positions prefilled before this chunk (a job: units finished)
-    chunk_end: int       # this chunk covers positions [done, chunk_end) (a job: == done)
-    total: int           # prompt positions (a job: units in all, an upper bound until the end)
-    layer: int           # the block about to run; == layers once the chunk's forward is done
-    layers: int
-    what: str = ""       # a job's unit under way, in words ("rerun 3: zero the top-1 copy head")
-
-    @classmethod
-    def units(cls, done: int, total: int, what: str) -> Progress:
-        """A job's record: `done` of `total` units finished, `what` the next (or the end)."""
-        return cls(done, done, total, 1, 1, what)
-
-    @property
-    def fraction(self) -> float:
-        if self.total <= 0:
-            return 1.0
-        return (self.done + (self.chunk_end - self.done) * self.layer / self.layers) / self.total
-
-    @property
-    def chunks(self) -> tuple[int, int]:
-        """(this chunk's number from 1, how many chunks)."""
-        n = -(-self.total // PREFILL_CHUNK) if self.total > PREFILL_CHUNK else 1
-        return min(n, self.done // PREFILL_CHUNK + 1), n
-
-
-@dataclass
-class Candidate:
-    id: int
-    text: str
-    prob: float          # under the model's raw distribution (softmax of the logits)
-
-
-@dataclass
-class Step:
-    index: int           # 0 = the token chosen after prefill
-    position: int        # absolute position the chosen token will occupy
-    token_id: int
-    text: str            # text the detokenizer completed at this step ('' mid-character)
-    prob: float          # chosen token's probability under the sampling distribution
-    model_prob: float    # ... under the raw model distribution
-    entropy: float       # nats, raw model distribution
-    kept: int            # tokens with non-zero sampling probability
-    top: list[Candidate]
-    seconds: dict[str, float]   # forward, sample, detokenize
-
-
-@dataclass
-class GenerationResult:
-    prompt_ids: list[int]
-    token_ids: list[int]
-    text: str
-    steps: list[Step]
-    stop_reason: str                   # eos | stop_string | max_new_tokens | context | non-finite logits | stopped
-    params: SamplingParams
-    seed: int
-    timings: dict[str, float]          # tokenize, prefill, decode (total), per_token_decode
-    cache: dict[str, int]              # bytes_allocated, bytes_used, bytes_per_token
-    recording: Recording | None = field(default=None, repr=False)   # what the run's probe saw
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.token_ids
 
 
 class GenerationRun:
@@ -191,7 +110,8 @@ class GenerationRun:
         """The prompt this run's next step feeds the model when that step is its prefill in one piece on its cache
         (engine.batch packs several such runs into one forward): the positions after the template opening
         (prefix_len; fill_prefix puts the opening into the cache first); None: any other step, or a chunked prompt."""
-        if self.done or self.steps or not self.use_cache or len(self.prompt_ids) - self.prefix_len > PREFILL_CHUNK:
+        if self.done or self.steps or not self.use_cache \
+                or len(self.prompt_ids) - self.prefix_len > engine.progress.PREFILL_CHUNK:
             return None
         return self.prompt_ids[self.prefix_len:]
 
@@ -373,9 +293,10 @@ class GenerationRun:
 
 def prefill_chunks(model, ids: list[int], opening: int | None = None) -> list[tuple[int, int]]:
     """The pieces [a, b) a run prefills ids in (what repeats its prefill bit for bit follows them): the template
-    opening alone (opening: its length; None: the model's, engine.prefix_cache), then PREFILL_CHUNK at a time."""
+    opening alone (opening: its length; None: the model's, engine.prefix_cache), then engine.progress.PREFILL_CHUNK
+    at a time."""
     n, first = len(ids), shared_prefix_len(model, ids) if opening is None else opening
-    size = min(PREFILL_CHUNK, n - first)
+    size = min(engine.progress.PREFILL_CHUNK, n - first)
     return [(0, first)] * (first > 0) + [(a, min(n, a + size)) for a in range(first, n, size)]
 
 

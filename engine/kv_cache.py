@@ -1,18 +1,21 @@
 """KVCache: preallocated per-run key/value storage, written in place at an explicit position.
 
 A global-attention layer keeps every position. A sliding-window layer (Mistral, Gemma 2/3, Phi-3) keeps only its
-window: a ring of `window` rows, position p in row p % window, so its memory stops growing at the window."""
+window: a ring of `window` rows, position p in row p % window, so its memory stops growing at the window.
+
+A KVCache is a KeyStore and the forward's Cache (engine.cache_protocol): the run's rows attend against its keys."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from engine.cache_protocol import RunCache
 from engine.config import ModelConfig
 from engine.errors import InputError
 
 
-class KVCache:
+class KVCache(RunCache):
     def __init__(self, cfg: ModelConfig, max_len: int, device: torch.device | str, dtype: torch.dtype) -> None:
         if max_len < 1:
             raise InputError(f"KV cache length must be >= 1, got {max_len}")

@@ -7,7 +7,11 @@ stage is offered to the probe by name. Over several query positions the output o
 scaled_dot_product_attention; scores and pattern are materialised (H, T, S) only when a hook needs them whole (a
 replace hook, a full capture). Statistics of them, or some of their rows, are computed in query blocks beside the
 fused kernel (engine.inspection.attention_stats). One decode row computes scores and pattern anyway (two small
-grouped matmuls) and offers them as they are."""
+grouped matmuls) and offers them as they are (engine.attention.attend: the one attention function).
+
+The forward asks its cache and its probe only what their protocols declare (engine.cache_protocol.Cache: attend,
+last_rows; engine.inspection.stage_sink.RunSink / BlockSink): a lone run's KVCache and a batch's rows are handed in
+the same way, and nothing here asks a form what it is."""
 from __future__ import annotations
 
 import copy
@@ -21,12 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.accelerator import Accelerator, choose
-from engine.attention import Mask, Where, explicit, fused
+from engine.attention import Where
+from engine.cache_protocol import Cache
 from engine.config import ModelConfig
 from engine.errors import InputError
-from engine.inspection.attention_stats import inspect_attention
 from engine.inspection.probe import Probe
-from engine.inspection.probe_views import FULL, NO_PROBE, NoProbe
+from engine.inspection.probe_views import NO_PROBE
+from engine.inspection.stage_sink import RunSink
 from engine.inspection.stages import hook_names
 from engine.inspection.stop_points import StopPoint, stop_point
 from engine.kv_cache import KVCache
@@ -128,7 +133,7 @@ class Model:
         cache.advance(T)
         return logits
 
-    def forward_rows(self, ids: torch.Tensor, positions: torch.Tensor, rows, probe) -> torch.Tensor:
+    def forward_rows(self, ids: torch.Tensor, positions: torch.Tensor, rows: Cache, probe: RunSink) -> torch.Tensor:
         """One token of each of several runs (engine.batch): ids (B,) at positions (B,), rows the batch's cache (row b
         against run b's own), probe its fan-out (run b's probe sees row b) -> logits (B, V). Native where a lone token
         would be (_forward; a NaN or Inf met: the PyTorch path redoes it), else PyTorch. Advances no cache."""
@@ -141,17 +146,18 @@ class Model:
             at = Where(self.config, self.rope, positions.to(self.device), contiguous=False)
             return self._forward(ids.to(self.device), rows, probe, int(positions[0]), False, at=at)
 
-    def forward_segments(self, ids: torch.Tensor, positions: torch.Tensor, segments, probe) -> torch.Tensor:
+    def forward_segments(self, ids: torch.Tensor, positions: torch.Tensor, segments: Cache, probe: RunSink
+                         ) -> torch.Tensor:
         """The prompts of several runs in one forward (engine.batch.prefill): ids (T,) the runs' tokens one run after
         another at positions (T,), segments the batch's cache (each run's rows attend against its own cache; its
-        last row: segments.last_rows), probe its fan-out (each run's probe sees its own rows) -> logits (B, V) of
+        last row: segments.last_rows(T)), probe its fan-out (each run's probe sees its own rows) -> logits (B, V) of
         each run's last position. On_layer: segments.on_layer. PyTorch; advances no cache."""
         with torch.inference_mode(), self.attached(probe, int(positions[0])):
             at = Where(self.config, self.rope, positions.to(self.device), contiguous=False)
             return self._forward(ids.to(self.device), segments, probe, int(positions[0]), True,
                                  on_layer=segments.on_layer, at=at)
 
-    def _forward(self, ids, cache: KVCache, probe: Probe | NoProbe, pos: int, last_only: bool,
+    def _forward(self, ids, cache: Cache, probe: RunSink, pos: int, last_only: bool,
                  stop: StopPoint | None = None, on_layer=None, at: Where | None = None) -> torch.Tensor:
         cfg, w = self.config, self.weights
         T = ids.shape[0]
@@ -190,7 +196,7 @@ class Model:
         if stop is not None:
             return x
         if last_only:         # the last row; of a packed prefill (engine.batch.segments), each run's last
-            x = x[cache.last_rows] if hasattr(cache, "last_rows") else x[-1:]
+            x = x[cache.last_rows(T)]
             probe.move_to(pos + T - 1)   # the one logits row belongs to the last position
         logits = self._head(x, lm_head, probe)                                  # (T, V)
         if probe.timing:
@@ -212,7 +218,7 @@ class Model:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return probe("logits", logits)
 
-    def _blocks(self, x, cache, probe, first: int, end: int, at: Where, eps: float, on_layer,
+    def _blocks(self, x, cache: Cache, probe: RunSink, first: int, end: int, at: Where, eps: float, on_layer,
                 attn_half: bool = False, own: bool = False) -> torch.Tensor:
         """Blocks [first, end) on the stream x, then with attn_half block `end`'s attention half: the one
         layer loop of every forward and span. own: nothing else holds x or reads a stage (see _block)."""
@@ -227,13 +233,13 @@ class Model:
                 probe.mark(f"blocks.{i}")
         return x
 
-    def run_blocks(self, x: torch.Tensor, cache, start: int, end: int, probe: Probe | None = None, *,
+    def run_blocks(self, x: torch.Tensor, cache: Cache, start: int, end: int, probe: Probe | None = None, *,
                    positions: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Blocks [start, end) on the stream x (T, d) entering block `start` -> the stream leaving block end - 1, as
         a forward computes it (precision plan, probe). positions (T,): the rows' absolute positions (RoPE; any order:
-        a hook's ctx.pos0 is the first's). cache: a KVCache (written, not advanced) or anything with its update(layer,
-        k, v) -> (keys, values) over positions 0 .. S - 1. mask (T, S): True where row t reads key s; None: causal,
-        S == T. A window layer also keeps each row to its window."""
+        a hook's ctx.pos0 is the first's). cache: a Cache (engine.cache_protocol): a KVCache (written, not
+        advanced), or a tool's RunCache whose keys are positions 0 .. S - 1. mask (T, S): True where row t reads key
+        s; None: causal, S == T. A window layer also keeps each row to its window."""
         if not 0 <= start <= end <= self.config.num_layers or x.shape[1:] != (self.config.hidden_size,) \
                 or positions.shape != x.shape[:1]:
             raise InputError(f"run_blocks needs a span in [0, {self.config.num_layers}] and a stream (T, d) with T "
@@ -244,7 +250,7 @@ class Model:
         with torch.inference_mode(), self.attached(probe, int(positions[0])):
             return self._blocks(x.to(self.device), cache, probe or NO_PROBE, start, end, at, eps, None)
 
-    def _block(self, p, lw: LayerWeights, x, cache, i: int, at: Where, eps: float,
+    def _block(self, p, lw: LayerWeights, x, cache: Cache, i: int, at: Where, eps: float,
                mlp: bool = True, own: bool = False) -> torch.Tensor:
         """One transformer block (without mlp: its attention half, ending at resid_mid), as the family declares it:
         a weight slot present is a step computed (pre- and post-norms, q/k norms, router and experts). p offers each
@@ -259,7 +265,8 @@ class Model:
             return self._mlp(p, lw, x, eps, own, attn, h) if mlp else x + attn
         return self._mlp(p, lw, x, eps, own) if mlp else x
 
-    def _attention(self, p, lw: LayerWeights, x, cache, i: int, at: Where, eps: float, own: bool) -> torch.Tensor:
+    def _attention(self, p, lw: LayerWeights, x, cache: Cache, i: int, at: Where, eps: float, own: bool
+                   ) -> torch.Tensor:
         """A block's attention half: the stream x (T, d) -> resid_mid; a parallel block (GPT-NeoX, Phi): -> (x,
         attn_out, attn_norm's output) for _block, whose MLP also reads x (Phi's: the normed x, its one norm)."""
         cfg = self.config
@@ -287,10 +294,8 @@ class Model:
             else:
                 q, k = rotate(q, cos, sin, pairs), rotate(k, cos, sin, pairs)
         q, k = p("attn.q_rot", q), p("attn.k_rot", k)
-        if hasattr(cache, "attend"):          # rows of several runs (engine.batch): each against its own cache
-            z = cache.attend(i, q.transpose(0, 1), k, v, p)                     # (H, T, hd)
-        else:
-            z = self.attend(p, q, k, v, cache, i, at)
+        # written to the cache and attended against it (a batch's rows: each against its own run's cache)
+        z = cache.attend(i, q.transpose(0, 1), k, v, p, at)                      # (H, T, hd)
         z = p("attn.z", z.transpose(0, 1))                                      # (T, H, hd)
         out = mm(z.reshape(T, H * hd), lw.wo)
         if lw.bo is not None:
@@ -303,28 +308,6 @@ class Model:
         if cfg.parallel_residual:    # GPT-NeoX, Phi: the MLP reads the block's input; _mlp adds both branches
             return x, out, h
         return x.add_(out) if own else p("resid_mid", x + out)
-
-    def attend(self, p, q, k, v, cache, i: int, at: Where) -> torch.Tensor:
-        """Layer i's attention of one call's rows against its cache (written here): q (T, H, hd), k, v (T, K, hd)
-        at `at` (Where) -> z (H, T, hd); p: the call's view of block i's probe (scores, pattern, their statistics).
-        engine.batch.segments calls it for each run of a packed prefill."""
-        cfg = self.config
-        T, H, K = q.shape[0], cfg.num_heads, cfg.num_kv_heads
-        first, _ = cache.key_positions(i, T) if hasattr(cache, "key_positions") else (0, None)
-        keys, values = cache.update(i, k.transpose(0, 1), v.transpose(0, 1))     # (K, S, hd)
-        keys, values = keys.to(q.dtype), values.to(q.dtype)      # no-ops unless a precision plan differs
-        mask = at.mask(cfg.layer_window[i], first, keys.shape[1])
-        qh = q.transpose(0, 1)                                                  # (H, T, hd)
-        need = max(p.need("attn.scores"), p.need("attn.pattern"))
-        if T == 1 or need == FULL or cfg.attn_softcap is not None:
-            # one query row: scores and pattern are small; a hook needs them whole; or a soft cap SDPA cannot do
-            z = explicit(qh, keys, values, p, None if mask is None else mask.allowed, cfg.attn_scale, cfg.attn_softcap,
-                         first)
-        else:
-            if need:      # statistics / some rows only: beside the fused kernel (query blocks or native), never whole
-                self._inspect(p, qh, keys, values, mask, first)
-            z = fused(qh, keys, values, mask, p.guards_nan, cfg.attn_scale, K != H)   # statistics steer nothing
-        return z
 
     def _mlp(self, p, lw: LayerWeights, x, eps: float, own: bool, attn: torch.Tensor | None = None,
              normed: torch.Tensor | None = None) -> torch.Tensor:
@@ -361,22 +344,6 @@ class Model:
             return p("resid_post", x + attn + out)
         return x.add_(out) if own else p("resid_post", x + out)
 
-    def _inspect(self, p, qh, keys, values, mask: Mask | None, first: int) -> None:
-        """Attention statistics beside the fused kernel, over every position as the explicit path offers them: the
-        query scaled to the family's score scale, a window layer's keys preceded by the positions it dropped."""
-        cfg = self.config
-        if cfg.attn_scale != cfg.head_dim ** -0.5:
-            qh = qh * (cfg.attn_scale / cfg.head_dim ** -0.5)
-        allowed = None if mask is None else mask.allowed
-        if first:
-            K, S, hd = keys.shape
-            if allowed is None:
-                allowed = torch.ones(qh.shape[1], S, dtype=torch.bool, device=qh.device)
-            keys = torch.cat([keys.new_zeros(K, first, hd), keys], dim=1)
-            values = torch.cat([values.new_zeros(K, first, hd), values], dim=1)
-            allowed = torch.nn.functional.pad(allowed, (first, 0), value=False)
-        inspect_attention(p, qh, keys, allowed, values)
-
     @torch.inference_mode()
     def logits(self, ids, probe: Probe | None = None) -> torch.Tensor:
         """Full forward of ids without a shared cache -> float32 CPU logits (len(ids), vocab)."""
@@ -393,8 +360,3 @@ class Model:
                         self.config.rms_norm_eps)
         return self._head(x.reshape(-1, x.shape[-1]), self.weights.lm_head, NO_PROBE).view(
             *x.shape[:-1], -1).float().cpu()
-
-    def generate(self, prompt_or_ids, **kwargs):
-        """See engine.generate.generate."""
-        from engine.generate import generate
-        return generate(self, prompt_or_ids, **kwargs)

@@ -1,6 +1,7 @@
 """The engine's one progress protocol, for every long computation: a callback on_progress(Progress) that hears
-where the work stands and may answer STOP (engine.generate holds the record and the answer; this module the
-ways a computation tells them).
+where the work stands and may answer STOP. This module holds the record (Progress), the answer (STOP), the
+exception a stopped computation raises (Stopped) and the ways a computation tells them; it sits below the model
+(engine.model raises Stopped from its forward), so nothing here imports the generation loop.
 
     def on_progress(p: Progress):
         bar.progress(p.fraction, text=p.what)
@@ -20,11 +21,61 @@ Without a callback nothing is called: the work is exactly the plain one.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
-from engine.generate import STOP, Progress, Stopped
+__all__ = ["PREFILL_CHUNK", "STOP", "LayerProgress", "OnProgress", "Progress", "Stopped", "tell_units"]
 
-__all__ = ["STOP", "LayerProgress", "OnProgress", "Progress", "Stopped", "tell_units"]
+# Prompts longer than this are prefilled this many positions at a time (engine.generate; a chunk after the first
+# pays for its mask and reads the weights again: 2,048 positions in 4 chunks of 512 took 1.2x one forward here).
+# Here, not in the loop, because Progress.chunks numbers a prefill's chunks by it; read it as
+# engine.progress.PREFILL_CHUNK at the time of use (tests set it smaller).
+PREFILL_CHUNK = 2048
+
+
+class _Stop:
+    def __repr__(self) -> str:
+        return "STOP"
+
+
+STOP = _Stop()               # returned by on_token / on_progress: end the run here (stop reason "stopped")
+
+
+class Stopped(Exception):
+    """A job's on_progress answered STOP: raised by Model.forward when its on_layer answers STOP (before the
+    next block; the cache is not advanced), or by a job's own loop between two units (engine.progress)."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a long computation stands: the one progress record of the engine. A prefill or a
+    one-off forward tells it before each block of each chunk and once at its end; a job of many units (reruns,
+    packed forwards: Progress.units) before each unit and once at its end (done == total). The callback may
+    answer STOP."""
+    done: int            # prompt positions prefilled before this chunk (a job: units finished)
+    chunk_end: int       # this chunk covers positions [done, chunk_end) (a job: == done)
+    total: int           # prompt positions (a job: units in all, an upper bound until the end)
+    layer: int           # the block about to run; == layers once the chunk's forward is done
+    layers: int
+    what: str = ""       # a job's unit under way, in words ("rerun 3: zero the top-1 copy head")
+
+    @classmethod
+    def units(cls, done: int, total: int, what: str) -> Progress:
+        """A job's record: `done` of `total` units finished, `what` the next (or the end)."""
+        return cls(done, done, total, 1, 1, what)
+
+    @property
+    def fraction(self) -> float:
+        if self.total <= 0:
+            return 1.0
+        return (self.done + (self.chunk_end - self.done) * self.layer / self.layers) / self.total
+
+    @property
+    def chunks(self) -> tuple[int, int]:
+        """(this chunk's number from 1, how many chunks)."""
+        n = -(-self.total // PREFILL_CHUNK) if self.total > PREFILL_CHUNK else 1
+        return min(n, self.done // PREFILL_CHUNK + 1), n
+
 
 OnProgress = Callable[[Progress], object]      # returns STOP to stop, anything else to go on
 

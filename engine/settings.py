@@ -35,7 +35,7 @@ class RunSettings:
         object.__setattr__(self, "stop", check_stop(self.stop))
 
     def generation_kwargs(self) -> dict:
-        """Keyword arguments of GenerationRun / Model.generate for these settings (all but the prompt)."""
+        """Keyword arguments of GenerationRun / engine.generate.generate for these settings (all but the prompt)."""
         return dict(chat=self.chat, system=self.system, allow_special=self.allow_special,
                     max_new_tokens=self.max_new_tokens, params=self.params, seed=self.seed, stop=list(self.stop),
                     ignore_eos=self.ignore_eos)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from engine import Probe, RunSettings, SamplingParams
+from engine.generate import generate
 from engine.native import build
 from inspector.session.admission import Admission
 from inspector.session.limits import Limits
@@ -104,7 +105,7 @@ def plain_run(model, i: int):
     (and its OpenMP region) from this thread."""
     s = session_settings(i)
     probe = Probe(timing=False).record_stats("*")
-    return model.generate(s.prompt, probe=probe, **s.generation_kwargs()), probe
+    return generate(model, s.prompt, probe=probe, **s.generation_kwargs()), probe
 
 
 @contextmanager

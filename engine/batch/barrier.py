@@ -32,7 +32,8 @@ import time
 
 from engine.batch.prefill import PREFILL_WAIT_S, PrefillGate, prefill_reason
 from engine.batch.step import alone_reason, forward_together
-from engine.generate import GenerationResult, GenerationRun
+from engine.generate import GenerationRun
+from engine.results import GenerationResult
 
 WINDOW_S = 0.03            # the longest a step's leader waits for the next decoding run to arrive (a run not back
                            # by then is late: no step waits for it until it comes back)

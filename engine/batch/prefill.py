@@ -34,8 +34,10 @@ import torch
 
 from engine.batch.segments import SegmentProbe, Segments
 from engine.batch.step import Outcome, guarded, shared_forward_reason
-from engine.generate import PREFILL_CHUNK, STOP, GenerationRun, Step, Stopped
+from engine.generate import GenerationRun
 from engine.matmul import TILED_ROWS, tiled
+from engine.progress import PREFILL_CHUNK, STOP, Stopped
+from engine.results import Step
 
 PACK_TOKENS = PREFILL_CHUNK     # the most prompt rows in one packed forward (a long prompt's chunk)
 PREFILL_WAIT_S = 1.0            # the longest a run waits for a prefill under way (at the gate, to be packed after

@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from engine.attention import Where, explicit
+from engine.attention import Where, attend
 from engine.batch.shared_stats import RowSource, SharedStats
 from engine.inspection.probe_views import NO_PROBE, NONE, NoProbe
 
 
 class Rows:
-    """The caches of a batch's runs, one row each, at positions (B,)."""
+    """The caches of a batch's runs, one row each, at positions (B,): the forward's Cache (engine.cache_protocol)."""
 
     def __init__(self, model, caches: list, positions: list[int]) -> None:
         self.cfg, self.caches, self._model, self._positions = model.config, caches, model, positions
@@ -37,8 +37,13 @@ class Rows:
             self._where = [Where(m.config, m.rope, torch.tensor([p], device=m.device)) for p in self._positions]
         return self._where
 
-    def attend(self, i: int, qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p) -> torch.Tensor:
-        """Layer i: qh (H, B, hd), k, v (B, K, hd) -> z (H, B, hd), row b against run b's cache, its scores and
+    def last_rows(self, T: int) -> slice:
+        """Every row is its run's last (one token each)."""
+        return slice(0, T)
+
+    def attend(self, i: int, qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p, at: Where) -> torch.Tensor:
+        """Layer i: qh (H, B, hd), k, v (B, K, hd) -> z (H, B, hd), row b against run b's cache (at: the batch's
+        positions; each row's own masks are in `where`), its scores and
         pattern (H, 1, S_b) offered to run b's probe. A global layer without a soft cap takes every row in one padded
         product (a row's keys padded to the longest with -inf scores: the same dot products, a softmax and a
         pattern @ V whose sums also run over the pad's zeros); a window layer, a soft cap, and every layer on the CPU
@@ -57,10 +62,9 @@ class Rows:
         return self._padded(qh, got, p)
 
     def _one(self, b: int, i: int, qh, first: int, keys, values, p) -> torch.Tensor:
-        """Row b alone, exactly as its run's one-token forward computes it."""
+        """Row b alone, exactly as its run's one-token forward computes it (engine.attention.attend)."""
         mask = self.where[b].mask(self.cfg.layer_window[i], first, keys.shape[1])
-        return explicit(qh, keys, values, p, None if mask is None else mask.allowed, self.cfg.attn_scale,
-                        self.cfg.attn_softcap, first)
+        return attend(p, qh, keys, values, mask, first, scale=self.cfg.attn_scale, softcap=self.cfg.attn_softcap)
 
     def _padded(self, qh: torch.Tensor, got: list, p) -> torch.Tensor:
         H, B, hd = qh.shape

@@ -1,8 +1,8 @@
 """What Model.forward_segments talks to for a packed prefill (engine.batch.prefill): Segments, the batch's cache
 (run b's rows [start_b, end_b) write their keys and values to run b's own KVCache and attend against it exactly as
-its own prefill does: Model.attend with the run's positions and mask), and SegmentProbe, the batch's probe (every
-stage tensor (T, ...) cut into the runs' rows, each run's probe offered its own rows by the same calls its own
-prefill makes, so that its statistics are computed from the same rows in the same way).
+its own prefill does: the run's KVCache.attend with the run's positions and masks), and SegmentProbe, the batch's
+probe (every stage tensor (T, ...) cut into the runs' rows, each run's probe offered its own rows by the same calls
+its own prefill makes, so that its statistics are computed from the same rows in the same way).
 
 A run's on_progress is asked before each block, as in its own prefill, but in a thread of the run's own (Asker), and
 its answer waited for at most ASK_WAIT_S (a run that takes longer is heard from at a later block from then on, so a
@@ -55,7 +55,7 @@ class SegmentProbe(FanProbe):
             self.drop(b)
 
     def move_to(self, pos0: int) -> None:
-        """The forward keeps each run's last row (Segments.last_rows): row b is run b's last position. What each run
+        """The forward keeps each run's last row (Segments.last_rows(T)): row b is run b's last position. What each run
         was told so far is handed to it at its prompt's positions first."""
         for b, p in enumerate(self.parts):
             if p is not NO_PROBE:
@@ -122,24 +122,29 @@ class Asker:
 
 
 class Segments:
-    """The caches of a packed prefill's runs: run b's tokens are rows probe.prompt_bounds[b] of the call, at its
-    cache's next positions; asks[b](i): run b's on_progress before block i (None: nothing to ask), answered in its
-    Asker (askers[b]; close_askers at the forward's end)."""
+    """The caches of a packed prefill's runs, the forward's Cache (engine.cache_protocol): run b's tokens are rows
+    probe.prompt_bounds[b] of the call, at its cache's next positions; asks[b](i): run b's on_progress before block i
+    (None: nothing to ask), answered in its Asker (askers[b]; close_askers at the forward's end)."""
 
     def __init__(self, model, caches: list, probe: SegmentProbe, asks: list[Callable[[int], object] | None]) -> None:
         self.model, self.caches, self.probe, self.asks = model, caches, probe, asks
         self.bounds = probe.prompt_bounds
-        self.last_rows = [e - 1 for _, e in self.bounds]
+        self._last = [e - 1 for _, e in self.bounds]
         self.where = [Where(model.config, model.rope, (c.get_pos() + torch.arange(e - s)).to(model.device))
                       for c, (s, e) in zip(caches, self.bounds)]
         self.stopped = [False] * len(caches)
         self.askers = [None if ask is None else Asker(ask) for ask in asks]
 
-    def attend(self, i: int, qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p) -> torch.Tensor:
-        """Layer i: qh (H, T, hd), k, v (T, K, hd) -> z (H, T, hd), run b's rows against run b's cache alone (what
-        they raise is run b's failure: FanLayer.fenced)."""
-        return torch.cat([p.fenced(b, lambda view, b=b, s=s, e=e, cache=cache: self.model.attend(
-                              view, qh[:, s:e].transpose(0, 1), k[s:e], v[s:e], cache, i, self.where[b]), qh[:, s:e])
+    def last_rows(self, T: int) -> list[int]:
+        """Each run's last row of the call's T."""
+        return self._last
+
+    def attend(self, i: int, qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p, at: Where) -> torch.Tensor:
+        """Layer i: qh (H, T, hd), k, v (T, K, hd) -> z (H, T, hd), run b's rows against run b's cache alone, at its
+        own positions (where[b]; `at`, the pack's, is not theirs), as its own prefill computes them (what they raise
+        is run b's failure: FanLayer.fenced)."""
+        return torch.cat([p.fenced(b, lambda view, b=b, s=s, e=e, cache=cache: cache.attend(
+                              i, qh[:, s:e], k[s:e], v[s:e], view, self.where[b]), qh[:, s:e])
                           for b, ((s, e), cache) in enumerate(zip(self.bounds, self.caches))], dim=1)
 
     def on_layer(self, i: int) -> None:

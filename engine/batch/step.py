@@ -22,8 +22,9 @@ from typing import Union
 import torch
 
 from engine.batch.rows import FanProbe, Rows
-from engine.generate import GenerationRun, Step
+from engine.generate import GenerationRun
 from engine.matmul import tiled
+from engine.results import Step
 
 Outcome = Union[Step, None, BaseException]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from engine.generate import prompt_ids
+from engine.generate import generate, prompt_ids
 from engine.heap import trim
 from engine.inspection.probe import inspection_probe
 from engine.inspection.trace import Trace, make_trace
@@ -57,7 +57,7 @@ def app_run(model, settings: RunSettings) -> tuple[float, Trace]:
     """Seconds of the app's run (see the module docstring) and its record."""
     t0 = time.perf_counter()
     probe = inspection_probe(timing=settings.timing)
-    result = model.generate(settings.prompt, probe=probe, **settings.generation_kwargs())
+    result = generate(model, settings.prompt, probe=probe, **settings.generation_kwargs())
     trace = make_trace(settings, result, probe, model.name, time.perf_counter() - t0)
     trim()
     return time.perf_counter() - t0, trace
@@ -66,7 +66,7 @@ def app_run(model, settings: RunSettings) -> tuple[float, Trace]:
 def plain_run(model, settings: RunSettings):
     """Seconds of model.generate with the same settings and no probe, and its result."""
     t0 = time.perf_counter()
-    result = model.generate(settings.prompt, **settings.generation_kwargs())
+    result = generate(model, settings.prompt, **settings.generation_kwargs())
     return time.perf_counter() - t0, result
 
 

@@ -33,7 +33,7 @@ import time
 
 from engine.batch import shared_barrier
 from engine.bench.thread_policy import thread_policy_bench
-from engine.generate import GenerationRun
+from engine.generate import GenerationRun, generate
 from engine.heap import trim
 from engine.inspection.probe import inspection_probe
 from engine.inspection.trace import make_trace
@@ -82,7 +82,7 @@ def _class(model, n: int, new_tokens: int) -> float:
 
 
 def _decode_s(model, settings: RunSettings, probe=None) -> float:
-    return model.generate(settings.prompt, probe=probe, **settings.generation_kwargs()).timings["per_token_decode"]
+    return generate(model, settings.prompt, probe=probe, **settings.generation_kwargs()).timings["per_token_decode"]
 
 
 def _plain_env() -> dict[str, str]:

@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from engine.generate import GenerationRun, Step
+from engine.generate import GenerationRun
+from engine.results import Step
 
 LENGTHS = (512, 2048)
 

@@ -7,7 +7,7 @@ import sys
 import time
 
 from engine.cli.args import load, model_args, prompt_args, run_settings, sampling_args
-from engine.generate import prompt_ids
+from engine.generate import generate, prompt_ids
 from engine.inspection.probe import Probe
 from engine.inspection.stages import hook_names
 from engine.inspection.stat_columns import STAT_NAMES, pool
@@ -17,8 +17,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     model = load(a)
     t0 = time.perf_counter()
     settings = run_settings(a)
-    result = model.generate(a.prompt, on_token=lambda s: print(s.text, end="", flush=True),
-                            **settings.generation_kwargs())
+    result = generate(model, a.prompt, on_token=lambda s: print(s.text, end="", flush=True),
+                      **settings.generation_kwargs())
     wall = time.perf_counter() - t0
     n, t = len(result.token_ids), result.timings
     print()

@@ -10,5 +10,7 @@
 - `trace`, `trace_check`: the run record (a generation, its recording, loops, the first non-finite value)
   and its validated file format; `nonfinite` and `loops` compute what the record keeps.
 
-Inspection imports the core (engine.model's types, engine.generate, engine.sampling) and never a tool
-(engine.tools), the report (engine.report) or a bench (engine.bench)."""
+Inspection sits below the model (engine.model offers its stages to the probe): it imports the modules under the
+model (engine.results' run results, engine.progress, engine.sampling, engine.kv_cache ...), never the model itself, the
+generation loop (engine.generate), the batch layer (engine.batch), a tool (engine.tools), the report (engine.report) or
+a bench (engine.bench); tests/unit/test_layout.py holds the order."""

@@ -23,7 +23,8 @@ def _layer_names(i: int) -> dict[str, str]:
 
 
 class LayerProbe:
-    """One block's view of a probe; the only place the "blocks.{i}." prefix is added to a stage name."""
+    """One block's view of a probe (engine.inspection.stage_sink.BlockSink); the only place the "blocks.{i}." prefix
+    is added to a stage name."""
     guards_nan = True    # rows must not see NaN/Inf from keys they do not attend to (the fused path checks)
     __slots__ = ("probe", "names", "quick", "needs")
 
@@ -94,7 +95,8 @@ class LayerProbe:
 
 class NoProbe:
     """What the forward talks to when no probe is given: every stage passes through unchanged, so the
-    unprobed forward is the same code as the probed one at the cost of a few no-op calls per block."""
+    unprobed forward is the same code as the probed one at the cost of a few no-op calls per block. Both a run's
+    sink and a block's (engine.inspection.stage_sink.RunSink, BlockSink)."""
     timing = False
     norm_eps = None
     guards_nan = False
@@ -116,6 +118,13 @@ class NoProbe:
 
     def layer_weights(self, i: int, lw):
         return lw
+
+    def served_by(self, names: list[str]) -> bool:
+        """Nothing to serve: a fused step computes all this forward needs."""
+        return True
+
+    def offer_step(self, names: list[str], layers: list, values, logits: torch.Tensor, marks, start: float) -> None:
+        pass
 
     def move_to(self, pos0: int) -> None:
         pass

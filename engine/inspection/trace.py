@@ -27,13 +27,13 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from engine.generate import Candidate, GenerationResult, Step
 from engine.inspection.loops import Loop, find_loops
 from engine.inspection.nonfinite import locate_nonfinite
 from engine.inspection.plans import split_name
 from engine.inspection.probe import Probe
 from engine.inspection.recording import Capture, Recording, Watched
 from engine.inspection.stats import StatsBlock
+from engine.results import Candidate, GenerationResult, Step
 from engine.inspection.trace_check import (
     META_KEY,
     TraceBounds,

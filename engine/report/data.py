@@ -207,7 +207,7 @@ def attention_maps(model, ids, layers: list[int], *, injections=(), norm_eps: fl
     """Head-averaged attention of each chosen layer over all positions of ids, pooled into at most max_side
     blocks a side. The run's faults (injections, norm_eps) are applied so the maps are the run's own. Forward
     calls of ATTENTION_CHUNK positions; each call materialises only the chosen layers' patterns and stops
-    after the last of them (stop_after). on_progress(engine.generate.Progress) hears each block run finish, chunk by
+    after the last of them (stop_after). on_progress(engine.progress.Progress) hears each block run finish, chunk by
     chunk (engine.progress)."""
     ids = [int(i) for i in ids]
     T, layers = len(ids), sorted(set(layers))

@@ -22,7 +22,7 @@ from fnmatch import fnmatchcase
 import torch
 
 from engine.errors import EngineError, InputError
-from engine.generate import GenerationResult, GenerationRun, nonfinite_stop
+from engine.generate import GenerationRun, nonfinite_stop
 from engine.inspection.interventions import HookContext
 from engine.inspection.nonfinite import FirstNonFinite, lead_up, locate_nonfinite
 from engine.inspection.plans import split_name
@@ -31,6 +31,7 @@ from engine.inspection.stages import ATTENTION_MAPS, forward_stages
 from engine.inspection.stat_columns import nonfinite
 from engine.model import Model
 from engine.progress import OnProgress, tell_units
+from engine.results import GenerationResult
 
 KINDS = ("nan", "inf", "zero", "scale")
 FP16_MAX = 65504.0

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from engine.cache_protocol import RunCache
 from engine.errors import InputError
 from engine.inspection.interventions import zero_heads
 from engine.inspection.probe import Probe
@@ -62,12 +63,16 @@ class PackedRun:
     edits: tuple = ()                  # ((stage in layer `start`, fn(rows) -> rows), ...) as replace hooks
 
 
-class _PrefixKV:
-    """The keys and values one packed block call reads (run_blocks takes any store with update()): the base
-    run's keys of the shared prefix, then the packed rows' own keys (the mask decides who sees what)."""
+class PrefixKV(RunCache):
+    """The keys and values one packed block call reads (run_blocks takes a Cache; this one a RunCache over its own
+    store): the base run's keys of the shared prefix, then the packed rows' own keys (the mask decides who sees
+    what)."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys, self.values = keys, values                                   # (K, P, hd)
+
+    def key_positions(self, layer: int, T: int) -> tuple[int, int]:
+        return 0, self.keys.shape[1] + T
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         return torch.cat([self.keys, k.to(self.keys.dtype)], 1), torch.cat([self.values, v.to(self.values.dtype)], 1)
@@ -127,7 +132,7 @@ def _run_pack(model, base: Base, runs: list[PackedRun]) -> torch.Tensor:
         see_prefix = torch.arange(P, device=dev)[None, :] < pos0[run_of][:, None]                # (R, P)
         see_packed = (run_of[None, :] == run_of[:, None]) & (pos[None, :] <= pos[:, None])       # (R, R)
         mask = torch.cat([see_prefix, see_packed], 1)                                            # (R, P + R)
-        kv = _PrefixKV(base.keys[j][:, :P], base.values[j][:, :P])
+        kv = PrefixKV(base.keys[j][:, :P], base.values[j][:, :P])
         x = model.run_blocks(x, kv, j, j + 1, _edit_probe(j, edits), positions=pos, mask=mask)
     last = torch.tensor([s.stop - 1 for s in spans], device=dev)                # each run's position T-1
     return model.unembed(x[last])

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.config import ModelConfig
-from engine.generate import Progress
+from engine.progress import Progress
 
 FULL_TERMS = 3           # prompt lengths needed to tell the fixed, linear and quadratic parts apart
 BEYOND = 1.25            # an estimate for a prompt longer than this × the longest measured is an extrapolation

@@ -5,7 +5,7 @@ script run: a run generating inside the script could never see its Stop button. 
 a LiveRun (inspector.session.run.inspect_run in a thread of its own, holding a device slot like any run) and
 the script only watches it: the prefill by chunk and layer, each decoded token, the place in the queue. The
 Stop button's callback sets the run's threading.Event before the next script run; the engine sees it at the
-next layer or token (engine.generate.STOP) and ends the run, which is kept with stop reason "stopped".
+next layer or token (engine.progress.STOP) and ends the run, which is kept with stop reason "stopped".
 Navigating to another page while it runs is the same: the new script run finds the LiveRun and keeps
 watching. Nothing here draws: the worker thread never makes a Streamlit call.
 
@@ -23,8 +23,8 @@ from typing import Callable
 
 from engine import Model, RunSettings, Step, Trace
 from engine.config import ModelConfig
-from engine.generate import STOP, Progress
 from engine.heap import trim
+from engine.progress import STOP, Progress
 
 from .admission import ServerBusyError
 from .estimate import FULL_TERMS, Estimate, estimate, fit_prefill, flop_shape

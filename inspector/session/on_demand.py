@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import threading
 
-from engine.generate import Progress
+from engine.progress import Progress
 
 _rates: dict[tuple, float] = {}        # (model name, device, dtype, kind) -> seconds per position-layer, the latest
 _lock = threading.Lock()

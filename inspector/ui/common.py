@@ -16,9 +16,8 @@ import torch
 from streamlit.runtime.scriptrunner import add_script_run_ctx, get_script_run_ctx
 
 from engine import EngineError, Model, SamplingParams, Trace
-from engine.generate import STOP, Progress
 from engine.heap import trim
-from engine.progress import Stopped
+from engine.progress import STOP, Progress, Stopped
 from inspector.session.admission import set_client_resolver, slot
 from inspector.session.budget import data_allowance, enforce
 from inspector.session.clients import COOKIELESS

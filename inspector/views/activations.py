@@ -168,7 +168,7 @@ def position_layer_figure(matrix: pd.DataFrame, labels: Sequence[str], stat: str
 def logit_lens(model, ids: Sequence[int], pos: int, k: int = 10, *, on_progress=None) -> pd.DataFrame:
     """Top-k next-token predictions read off every layer's residual stream at position `pos`: each
     blocks.{i}.resid_post through the final norm and lm_head (model.unembed). One forward of ids[:pos+1]
-    capturing only that position. Columns: layer, rank, id, token, prob. on_progress(engine.generate.Progress)
+    capturing only that position. Columns: layer, rank, id, token, prob. on_progress(engine.progress.Progress)
     hears each block finish (engine.progress)."""
     if not 0 <= pos < len(ids):
         raise ValueError(f"position {pos} is outside 0..{len(ids) - 1}")

@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 import torch
 
 from engine import Probe
+from engine.attention import allowed_keys, attention_scores
 from engine.progress import LayerProgress
 
 from .theme import colorscale, robust_range
@@ -30,7 +31,7 @@ def attention_pattern(model, ids: Sequence[int], layer: int, *, on_progress=None
     One forward with a fresh cache: only this layer materialises its pattern (the others keep the fused
     kernel) and the forward stops after it (stop_after: this block's attention half), so later layers, its
     MLP and the lm_head cost nothing.
-    on_progress(engine.generate.Progress) hears each of the layer + 1 blocks run finish (engine.progress)."""
+    on_progress(engine.progress.Progress) hears each of the layer + 1 blocks run finish (engine.progress)."""
     if not 0 <= layer < model.config.num_layers:
         raise ValueError(f"layer {layer} is outside 0..{model.config.num_layers - 1}")
     ids_t = torch.as_tensor([int(i) for i in ids], dtype=torch.long)
@@ -82,9 +83,9 @@ def entropy_overview(model, ids: Sequence[int], max_queries: int = MAX_QUERIES, 
     """Mean attention entropy (nats) per (layer, head), (L, H), from one forward.
 
     No pattern is materialised: hooks on q_rot and k_rot (the fused attention path stays on) rebuild the
-    softmax rows of up to max_queries query positions per layer, (H, R, T) at a time, exactly as the
-    engine's explicit attention does (scaled dot product with the family's scale and soft cap, causal mask and a
-    local layer's window, GQA heads sharing a KV head).
+    softmax rows of up to max_queries query positions per layer, (H, R, T) at a time, with the engine's own
+    scores (engine.attention.attention_scores: the family's scale and soft cap, GQA heads sharing a KV head) and
+    mask (engine.attention.allowed_keys: causal, a local layer's window).
     Exact when T <= max_queries; otherwise a mean over evenly spaced query rows. on_progress as in
     attention_pattern, for every layer."""
     cfg = model.config
@@ -92,23 +93,17 @@ def entropy_overview(model, ids: Sequence[int], max_queries: int = MAX_QUERIES, 
     rows = query_rows(T, max_queries)
     q_of: dict[int, torch.Tensor] = {}
     out = torch.zeros(cfg.num_layers, cfg.num_heads, dtype=torch.float64)
-    keys = torch.arange(T)[None, :]
-    masked = keys > rows[:, None]                                             # (R, T) keys after the query
-    # a local layer's query also cannot see keys window or more positions back (engine.attention's mask)
-    local = {w: masked | (keys <= rows[:, None] - w) for w in set(cfg.layer_window) if w is not None}
+    # which keys each query row reads: causal, and a local layer's window (engine.attention's mask)
+    allowed = {w: allowed_keys(rows, 0, T, w) for w in set(cfg.layer_window)}               # (R, T) each
 
     def keep_q(x, ctx):
         q_of[ctx.layer] = x.index_select(0, rows.to(x.device)).float()        # (R, H, hd), on the device
 
     def on_k(x, ctx):
-        q = q_of.pop(ctx.layer)
-        k = x.float().repeat_interleave(cfg.kv_groups, dim=1)                   # (T, H, hd)
-        scores = torch.einsum("rhd,thd->hrt", q, k) * cfg.attn_scale            # (H, R, T)
-        if cfg.attn_softcap is not None:                                      # Gemma 2's attention soft cap
-            scores = torch.tanh(scores / cfg.attn_softcap) * cfg.attn_softcap
-        w = cfg.layer_window[ctx.layer]
-        hide = masked if w is None else local[w]
-        pattern = torch.softmax(scores.masked_fill(hide.to(x.device), float("-inf")), dim=-1)
+        qh, keys = q_of.pop(ctx.layer).transpose(0, 1), x.float().transpose(0, 1)      # (H, R, hd), (K, T, hd)
+        scores = attention_scores(qh, keys, cfg.attn_scale, cfg.attn_softcap,
+                                  allowed[cfg.layer_window[ctx.layer]].to(x.device))        # (H, R, T)
+        pattern = torch.softmax(scores, dim=-1)
         out[ctx.layer] = torch.special.entr(pattern).sum(-1).mean(-1).double().cpu()
 
     probe = Probe().replace("blocks.*.attn.q_rot", keep_q).replace("blocks.*.attn.k_rot", on_k)

@@ -76,7 +76,7 @@ def run_config(model: Model, prompt_ids: Sequence[int], cfg: RunConfig, *, max_n
                seed: int = 0, on_token: Callable[[Step], object] | None = None) -> GenerationResult:
     """Generate with one configuration: the engine's generation loop (cache off: the whole sequence is
     recomputed at every step), its sampler and seeded draws either way. on_token(step) after each token
-    (progress; returning engine.generate.STOP ends the run there)."""
+    (progress; returning engine.progress.STOP ends the run there)."""
     return GenerationRun(model, [int(i) for i in prompt_ids], params=cfg.params, max_new_tokens=max_new_tokens,
                          seed=seed, use_cache=cfg.cache, probe=cfg.probe(model), on_token=on_token).run()
 

@@ -17,6 +17,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from engine import Probe
+from engine.generate import generate
 from engine.inspection.loops import Loop, find_loops, has_loop, repeats, tail_loop
 from engine.progress import STOP, LayerProgress, OnProgress, tell_units
 from engine.tools.loop_verdict import judge, rerun_horizon
@@ -99,7 +100,7 @@ class CopyAttention:
 
 def copy_attention(model, ids: Sequence[int], n_prompt: int, loop: Loop, *, on_progress=None) -> CopyAttention:
     """One forward over ids; each layer's pattern is read at (looping token, earlier copy) and dropped.
-    on_progress(engine.generate.Progress) hears each block finish (engine.progress)."""
+    on_progress(engine.progress.Progress) hears each block finish (engine.progress)."""
     ids = [int(i) for i in ids]
     queries = [n_prompt + i for i in range(loop.start + loop.period, loop.end) if n_prompt + i < len(ids)]
     copies = [q - loop.period for q in queries]
@@ -184,7 +185,7 @@ def compare_penalties(model, settings, variants: dict[str, dict] | None = None, 
             tell_units(on_progress, n * horizon + step.index + 1, total,
                        f"{label} ({n + 1} of {len(variants)}): token {step.index + 2} of at most {horizon}")
             return STOP if has_loop(ids) else None      # in a loop: what follows cannot change the verdict
-        res = model.generate(s.prompt, on_token=token, **{**s.generation_kwargs(), "max_new_tokens": horizon})
+        res = generate(model, s.prompt, on_token=token, **{**s.generation_kwargs(), "max_new_tokens": horizon})
         looped = res.stop_reason == "stopped" and has_loop(res.token_ids)
         rows.append(variant_row(label, res.token_ids, res.text, "loop" if looped else res.stop_reason, n_new))
     tell_units(on_progress, total, total, "done")

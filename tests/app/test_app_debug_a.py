@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine import RunSettings, make_trace
+from engine.generate import generate
 from engine.inspection.trace import to_bytes
 from engine.tools.doctor import fault_probe
 from inspector.session.run import inspect_run
@@ -88,7 +89,7 @@ def test_trace_page_saves_and_opens_a_run(page, tiny_model, tiny_model_dir, tiny
     assert not at.exception and len(at.get("download_button")) == 1
     assert "3 generated tokens" in at.caption[0].value
     probe = fault_probe(tiny_model, ["inf@blocks.0.mlp.gate:2"], timing=True).capture("logits")
-    res = tiny_model.generate([5, 6, 7, 8], max_new_tokens=2, ignore_eos=True, probe=probe)
+    res = generate(tiny_model, [5, 6, 7, 8], max_new_tokens=2, ignore_eos=True, probe=probe)
     bad = make_trace(RunSettings(prompt="five six", chat=False, max_new_tokens=2), res, probe, tiny_model.name, 0.5)
     at.file_uploader[0].set_value(("nan.trace", to_bytes(bad), "application/octet-stream"))
     at.run()

@@ -18,8 +18,7 @@ def stopping_page():
     stopped; the next layer hears STOP)."""
     import streamlit as st
 
-    from engine.generate import STOP, Progress
-    from engine.progress import Stopped
+    from engine.progress import STOP, Progress, Stopped
     from inspector.ui.common import _tag, on_demand, was_stopped
     from inspector.ui.state import session_of
 

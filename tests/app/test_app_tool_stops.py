@@ -50,11 +50,11 @@ def test_the_fault_run_shows_stop_and_stops_before_its_next_token(page, tiny_mod
 def test_the_settings_comparison_shows_stop_and_stops_before_its_next_token(page, tiny_model, tiny_model_dir,
                                                                             tiny_run, monkeypatch):
     generated: list[int] = []
-    generate = type(tiny_model).generate
+    generate = rv.generate
 
-    def counting(self, *a, on_token=None, **kw):     # tokens drawn, across every setting's generation
-        return generate(self, *a, on_token=lambda s: (generated.append(s.index), on_token(s))[1], **kw)
-    monkeypatch.setattr(type(tiny_model), "generate", counting)
+    def counting(model, *a, on_token=None, **kw):     # tokens drawn, across every setting's generation
+        return generate(model, *a, on_token=lambda s: (generated.append(s.index), on_token(s))[1], **kw)
+    monkeypatch.setattr(rv, "generate", counting)
     seen = clicking_stop(monkeypatch, rv, "compare_penalties", at=1)
     at = page("repetition", tiny_run, tiny_model, str(tiny_model_dir)).run()
     assert not at.exception, at.exception

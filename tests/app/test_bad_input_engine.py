@@ -8,6 +8,7 @@ import re
 import pytest
 
 from engine import InputError, RunSettings, SamplingParams
+from engine.generate import generate
 from inspector.session.run import inspect_run
 from tests.bad_input import (
     GOOD,
@@ -81,7 +82,7 @@ def test_special_token_text_stays_text_unless_opted_in(tiny_model, chat, good_an
 def test_engine_refuses_lone_surrogates_with_a_message(tiny_model, good_answer):
     try:
         with pytest.raises(InputError, match="surrogate"):
-            tiny_model.generate("ab\ud800c", max_new_tokens=2)
+            generate(tiny_model, "ab\ud800c", max_new_tokens=2)
     finally:
         still_works(tiny_model, good_answer)
 

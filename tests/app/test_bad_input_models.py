@@ -12,6 +12,7 @@ import torch
 
 from engine import EngineError, ModelLoadError, load_model
 from engine.cli import main as cli_main
+from engine.generate import generate
 from tests.bad_input import (
     GOOD,
     ROOT,
@@ -106,7 +107,7 @@ def test_broken_chat_template_is_an_input_error(tmp_path, tiny_model_dir, tiny_m
     model = load_model(d, device="cpu", dtype="float32")
     try:
         with pytest.raises(EngineError, match="chat template"):
-            model.generate(GOOD, chat=True, max_new_tokens=2)
+            generate(model, GOOD, chat=True, max_new_tokens=2)
     finally:
         still_works(tiny_model, good_answer)
 

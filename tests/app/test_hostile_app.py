@@ -8,6 +8,7 @@ import time
 import pytest
 
 from engine import RunSettings
+from engine.generate import generate
 from engine.inspection.trace import to_bytes
 from inspector.session.run import inspect_run
 from inspector.ui.state import session_of
@@ -34,7 +35,7 @@ def test_a_crafted_upload_is_one_message_and_the_run_stays(page, tiny_model, tin
     assert not at.exception, at.exception
     assert len(at.error) == 1 and as_shown(at.error[0].value).startswith("Could not open crafted.trace: ")
     assert session_of(at.session_state).run is run and len(at.button) == 0        # nothing to open, nothing replaced
-    assert tiny_model.generate(run.result.prompt_ids, max_new_tokens=3).token_ids == run.result.token_ids
+    assert generate(tiny_model, run.result.prompt_ids, max_new_tokens=3).token_ids == run.result.token_ids
 
 
 def test_strings_from_a_file_are_text_never_markdown(page, tiny_model, tiny_model_dir, run):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from engine import Probe, load_model
+from engine.generate import generate
 
 pytestmark = pytest.mark.cuda
 
@@ -27,13 +28,13 @@ def test_bf16_logits_close_to_fp32(gpu_model, bundled_model):
 
 
 def test_chat_answer_on_gpu(gpu_model):
-    r = gpu_model.generate("What is the capital of France?", chat=True, max_new_tokens=32)
+    r = generate(gpu_model, "What is the capital of France?", chat=True, max_new_tokens=32)
     assert "Paris" in r.text
 
 
 def test_stats_and_cuda_timing_on_gpu(gpu_model):
     probe = Probe(timing=True).record_stats("*")
-    gpu_model.generate("Hello", max_new_tokens=4, ignore_eos=True, probe=probe)
+    generate(gpu_model, "Hello", max_new_tokens=4, ignore_eos=True, probe=probe)
     assert probe.recording.first_nonfinite() is None and len(probe.recording.stats) > 0
     assert all(t >= 0 for _, _, t in probe.recording.marks)
     assert gpu_model.live_hooks == 0

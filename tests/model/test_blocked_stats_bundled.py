@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import Probe, inspection_probe
+from engine.generate import generate
 from engine.inspection.reference_stats import dense_stats
 
 pytestmark = pytest.mark.model
@@ -49,9 +50,9 @@ def test_blocked_attention_statistics_equal_the_materialised_ones(bundled_model,
 def test_full_inspection_changes_neither_logits_nor_greedy_tokens(bundled_model, ids):
     plain = bundled_model.logits(ids)
     assert torch.equal(bundled_model.logits(ids, Probe().record_stats("*")), plain)
-    a = bundled_model.generate(ids[:40], max_new_tokens=24, ignore_eos=True)
+    a = generate(bundled_model, ids[:40], max_new_tokens=24, ignore_eos=True)
     probe = inspection_probe()
-    b = bundled_model.generate(ids[:40], max_new_tokens=24, ignore_eos=True, probe=probe)
+    b = generate(bundled_model, ids[:40], max_new_tokens=24, ignore_eos=True, probe=probe)
     assert a.token_ids == b.token_ids
     names = {r.name for r in probe.recording.stat_records()}
     assert set(bundled_model.hook_names()) - {"tokenizer", "detokenizer"} <= names

@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 from engine import RunSettings
+from engine.generate import generate
 from engine.tools.why_loop import LOOK_FURTHER, MAX_RERUNS, why_loop
 
 pytestmark = pytest.mark.model
@@ -102,7 +103,7 @@ def test_the_loop_diagnosed_is_the_loop_the_page_shows(bundled_model):
     from engine.inspection.loops import has_loop, tail_loop
     from engine.variants import without_heads
     settings = RunSettings(prompt="Tomorrow will be", chat=False, max_new_tokens=64)
-    shown = bundled_model.generate(settings.prompt, max_new_tokens=64)
+    shown = generate(bundled_model, settings.prompt, max_new_tokens=64)
     report = why_loop(bundled_model, settings, max_reruns=6)
     assert report.loop == tail_loop(shown.token_ids).as_dict()
     assert (report.loop["start"], report.loop["period"]) == (40, 8)

@@ -10,6 +10,7 @@ import torch
 
 from engine import load_model
 from engine.accelerator import PLAIN
+from engine.generate import generate
 from tests.reference.family_models import CASES, WINDOW, build
 
 transformers = pytest.importorskip("transformers")
@@ -63,7 +64,7 @@ def test_family_logits_and_greedy_tokens_equal_transformers(folders, name):
         hf_tokens = ref.generate(torch.tensor([PROMPT[:20]]), max_new_tokens=12, do_sample=False,
                                  attention_mask=torch.ones(1, 20, dtype=torch.long), pad_token_id=0,
                                  eos_token_id=None)[0, 20:].tolist()
-    result = ours.generate(PROMPT[:20], max_new_tokens=12, ignore_eos=True)
+    result = generate(ours, PROMPT[:20], max_new_tokens=12, ignore_eos=True)
     assert result.token_ids == hf_tokens
 
 

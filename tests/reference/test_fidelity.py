@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from engine import inspection_probe
+from engine.generate import generate
 from engine.sources import bundled_gguf
 from tests.reference import rounding
 
@@ -50,7 +51,7 @@ def test_logits_match_transformers(bundled_model, hf_reference):
 def test_greedy_64_tokens_identical(bundled_model, hf_reference):
     for ids in (bundled_model.tokenizer.encode("Once upon a time, in a small village,"),
                 bundled_model.tokenizer.encode_chat([{"role": "user", "content": "Write a haiku about rain."}])):
-        ours = bundled_model.generate(ids, max_new_tokens=64, ignore_eos=True).token_ids
+        ours = generate(bundled_model, ids, max_new_tokens=64, ignore_eos=True).token_ids
         with torch.no_grad():
             ref = hf_reference.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
                                         attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
@@ -63,7 +64,7 @@ def test_full_inspection_keeps_logits_and_greedy_tokens_equal_to_transformers(bu
     probed = bundled_model.logits(ids, inspection_probe(timing=True))
     assert rel_err(probed, hf_logits(hf_reference, ids)) <= 1e-4
     ids = bundled_model.tokenizer.encode("Once upon a time, in a small village,")
-    ours = bundled_model.generate(ids, max_new_tokens=32, ignore_eos=True, probe=inspection_probe()).token_ids
+    ours = generate(bundled_model, ids, max_new_tokens=32, ignore_eos=True, probe=inspection_probe()).token_ids
     with torch.no_grad():
         ref = hf_reference.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
@@ -107,6 +108,6 @@ def test_dequantised_tensors_equal_transformers_gguf(bundled_dir):
 
 
 def test_chat_answer_contains_paris(bundled_model):
-    r = bundled_model.generate("What is the capital of France?", chat=True, max_new_tokens=32)
+    r = generate(bundled_model, "What is the capital of France?", chat=True, max_new_tokens=32)
     assert "Paris" in r.text
     assert r.stop_reason == "eos"

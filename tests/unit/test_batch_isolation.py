@@ -23,8 +23,8 @@ import pytest
 from engine import GenerationRun, SamplingParams
 from engine.accelerator import PLAIN
 from engine.batch import StepBarrier
-from engine.generate import GenerationResult
 from engine.inspection.probe import inspection_probe
+from engine.results import GenerationResult
 from tests.helpers import assert_same_stats
 
 pytestmark = pytest.mark.unit

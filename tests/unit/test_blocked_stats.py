@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import Probe, plant
+from engine.generate import generate
 from engine.inspection.attention_blocks import AttentionView, release_workspace, workspace_elements
 from engine.inspection.attention_stats import attention_view
 from engine.inspection.reference_stats import dense_stats
@@ -169,7 +170,7 @@ def test_fused_path_keeps_non_finite_values_in_the_rows_that_read_them(tiny_mode
 
 def test_a_statistics_probe_sees_every_stage_at_every_step(tiny_model):
     probe = Probe().record_stats("*")
-    tiny_model.generate(IDS[:5], max_new_tokens=3, ignore_eos=True, probe=probe)
+    generate(tiny_model, IDS[:5], max_new_tokens=3, ignore_eos=True, probe=probe)
     names = set(tiny_model.hook_names()) - {"tokenizer", "detokenizer"}
     for step in range(3):
         assert {r.name for r in probe.recording.stat_records() if r.step == step} == names

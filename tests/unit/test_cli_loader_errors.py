@@ -11,6 +11,7 @@ import pytest
 from engine import ModelLoadError, load_model
 from engine.cli import main
 from engine.config import ModelConfig
+from engine.generate import generate
 from engine.gguf_import import IMPORT_VERSION, is_imported, source_facts
 from engine.sources import import_dir_for, imported_dir
 from tests.helpers import tiny_config, write_model_dir
@@ -93,7 +94,7 @@ def test_an_even_head_dim_other_than_hidden_over_heads_loads_and_runs(tmp_path, 
     even = write_model_dir(tmp_path / "even", tokenizer_files, tiny_config(head_dim=14))
     model = load_model(even, device="cpu", dtype="float32")
     assert model.config.head_dim == 14
-    assert len(model.generate("hello", max_new_tokens=2, ignore_eos=True).token_ids) == 2     # forwards run
+    assert len(generate(model, "hello", max_new_tokens=2, ignore_eos=True).token_ids) == 2     # forwards run
 
 
 def sharded(tmp_path, tokenizer_files, weight_map) -> str:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine import GenerationResult, InputError, SamplingParams, Step, load_model
-from engine.generate import STOP, prompt_ids
+from engine.generate import generate, prompt_ids
+from engine.progress import STOP
 from inspector.views.compare import (
     Intervention,
     RunConfig,
@@ -108,8 +109,8 @@ def test_run_config_reports_every_token_and_stops_when_asked(tiny_model, ids):
 def test_temperature_0_vs_1_diverges_where_the_engine_runs_do(tiny_model, ids):
     a, b = RunConfig("A"), RunConfig("B", params=SamplingParams(temperature=1.0))
     ta, tb = (run_config(tiny_model, ids, c, max_new_tokens=6, seed=5) for c in (a, b))
-    ref_a = tiny_model.generate(ids, max_new_tokens=6, seed=5, params=SamplingParams(temperature=0.0)).token_ids
-    ref_b = tiny_model.generate(ids, max_new_tokens=6, seed=5, params=SamplingParams(temperature=1.0)).token_ids
+    ref_a = generate(tiny_model, ids, max_new_tokens=6, seed=5, params=SamplingParams(temperature=0.0)).token_ids
+    ref_b = generate(tiny_model, ids, max_new_tokens=6, seed=5, params=SamplingParams(temperature=1.0)).token_ids
     assert ta.token_ids == ref_a and tb.token_ids == ref_b
     d = first_divergence(ta.token_ids, tb.token_ids)
     assert d is not None and d == next(i for i, (x, y) in enumerate(zip(ref_a, ref_b)) if x != y)
@@ -136,8 +137,8 @@ def test_cache_off_recomputes_and_matches(tiny_model, ids):
     # sampling without a cache draws from the same seeded generator as the engine
     hot = SamplingParams(temperature=1.0, top_k=50)
     t_off = run_config(tiny_model, ids, RunConfig("C", params=hot, cache=False), max_new_tokens=4, seed=9)
-    assert t_off.token_ids == tiny_model.generate(ids, max_new_tokens=4, seed=9,
-                                                  params=SamplingParams(temperature=1.0, top_k=50)).token_ids
+    assert t_off.token_ids == generate(tiny_model, ids, max_new_tokens=4, seed=9,
+                                       params=SamplingParams(temperature=1.0, top_k=50)).token_ids
 
 
 def test_interventions_differ_first_at_their_stage(tiny_model, ids):

@@ -213,7 +213,7 @@ def test_limits_are_enforced_before_any_device_work(tiny_model, monkeypatch):
     monkeypatch.setenv("LLM_INSPECTOR_MAX_NEW_TOKENS", "4")
     monkeypatch.setenv("LLM_INSPECTOR_MAX_PROMPT_TOKENS", "10")
     calls = []
-    monkeypatch.setattr(type(tiny_model), "generate", lambda self, *a, **k: calls.append(1))
+    monkeypatch.setattr(type(tiny_model), "forward", lambda self, *a, **k: calls.append(1))      # device work
     with pytest.raises(LimitError, match=r"5 new tokens asked for; this server generates at most 4 per run "
                                          r"\(LLM_INSPECTOR_MAX_NEW_TOKENS\)"):
         inspect_run(tiny_model, RunSettings(prompt="hi", max_new_tokens=5))

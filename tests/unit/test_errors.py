@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import EngineError, InputError, ModelLoadError, UnsupportedModelError, load_model
+from engine.generate import generate
 from engine.sampling import SamplingParams
 from tests.helpers import tiny_config, tiny_tensors, write_model_dir
 
@@ -18,15 +19,15 @@ def load(path):
 def test_empty_prompt(tiny_model):
     for bad in ("", "   \n\t"):
         with pytest.raises(InputError, match="prompt is empty"):
-            tiny_model.generate(bad)
+            generate(tiny_model, bad)
     with pytest.raises(InputError, match="empty"):
-        tiny_model.generate([])
+        generate(tiny_model, [])
 
 
 def test_prompt_longer_than_context(tiny_model):
     ids = [100] * tiny_model.context_length
     with pytest.raises(InputError, match=f"prompt has {len(ids)} tokens; the model's context is"):
-        tiny_model.generate(ids)
+        generate(tiny_model, ids)
     with pytest.raises(InputError, match="exceed the model's context length"):
         tiny_model.logits([100] * (tiny_model.context_length + 1))
 
@@ -158,7 +159,7 @@ def test_invalid_sampling_parameters(tiny_model, kwargs, msg):
     with pytest.raises(InputError, match=msg):
         SamplingParams(**kwargs)
     with pytest.raises(InputError, match=msg):
-        tiny_model.generate("hello", params=SamplingParams(**kwargs))
+        generate(tiny_model, "hello", params=SamplingParams(**kwargs))
 
 
 @pytest.mark.parametrize("kwargs,msg", [({"max_new_tokens": 0}, "max_new_tokens must be a whole number >= 1"),
@@ -166,7 +167,7 @@ def test_invalid_sampling_parameters(tiny_model, kwargs, msg):
                                         ({"seed": -1}, "seed must be a whole number")])
 def test_invalid_generation_parameters(tiny_model, kwargs, msg):
     with pytest.raises(InputError, match=msg):
-        tiny_model.generate("hello", **kwargs)
+        generate(tiny_model, "hello", **kwargs)
 
 
 def test_bad_device_and_dtype(tiny_model_dir):
@@ -180,6 +181,6 @@ def test_bad_device_and_dtype(tiny_model_dir):
 def test_model_still_works_after_errors(tiny_model):
     for bad in ({"temperature": -1}, {"top_p": 0}):
         with pytest.raises(InputError):
-            tiny_model.generate("hi", params=SamplingParams(**bad))
-    assert tiny_model.generate("hi", max_new_tokens=3, ignore_eos=True).token_ids.__len__() == 3
+            generate(tiny_model, "hi", params=SamplingParams(**bad))
+    assert generate(tiny_model, "hi", max_new_tokens=3, ignore_eos=True).token_ids.__len__() == 3
     assert tiny_model.live_hooks == 0

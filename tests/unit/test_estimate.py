@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import RunSettings
-from engine.generate import Progress
+from engine.progress import Progress
 from inspector.session.estimate import Estimate, estimate, fit_prefill, flop_shape, prefill_left, work_fraction
 from inspector.session.run import inspect_run
 

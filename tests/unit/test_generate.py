@@ -7,24 +7,25 @@ import pytest
 import torch
 
 from engine import GenerationRun, Probe, SamplingParams
-from engine.generate import Progress, nonfinite_stop
+from engine.generate import generate, nonfinite_stop
+from engine.progress import Progress
 
 
 def test_seeded_sampling_is_reproducible(tiny_model):
-    a = tiny_model.generate("hello there", max_new_tokens=12, seed=5, ignore_eos=True,
-                            params=SamplingParams(temperature=1.0, top_p=0.9))
-    b = tiny_model.generate("hello there", max_new_tokens=12, seed=5, ignore_eos=True,
-                            params=SamplingParams(temperature=1.0, top_p=0.9))
-    c = tiny_model.generate("hello there", max_new_tokens=12, seed=6, ignore_eos=True,
-                            params=SamplingParams(temperature=1.0, top_p=0.9))
+    a = generate(tiny_model, "hello there", max_new_tokens=12, seed=5, ignore_eos=True,
+                 params=SamplingParams(temperature=1.0, top_p=0.9))
+    b = generate(tiny_model, "hello there", max_new_tokens=12, seed=5, ignore_eos=True,
+                 params=SamplingParams(temperature=1.0, top_p=0.9))
+    c = generate(tiny_model, "hello there", max_new_tokens=12, seed=6, ignore_eos=True,
+                 params=SamplingParams(temperature=1.0, top_p=0.9))
     assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
 
 
 @pytest.mark.model
 def test_streamed_pieces_join_to_the_text(bundled_model):
     pieces = []
-    r = bundled_model.generate("Say hello in Japanese and add an emoji.", chat=True, max_new_tokens=40,
-                               on_token=lambda s: pieces.append(s.text))
+    r = generate(bundled_model, "Say hello in Japanese and add an emoji.", chat=True, max_new_tokens=40,
+                 on_token=lambda s: pieces.append(s.text))
     assert "".join(pieces) == r.text or r.text.startswith("".join(pieces))
     assert "\ufffd" not in "".join(pieces)
     assert r.text == bundled_model.tokenizer.decode(r.token_ids, skip_special=True)
@@ -32,18 +33,18 @@ def test_streamed_pieces_join_to_the_text(bundled_model):
 
 @pytest.mark.model
 def test_stop_reasons(bundled_model):
-    r = bundled_model.generate("What is the capital of France?", chat=True, max_new_tokens=64)
+    r = generate(bundled_model, "What is the capital of France?", chat=True, max_new_tokens=64)
     assert r.stop_reason == "eos" and r.token_ids[-1] in bundled_model.tokenizer.eos_ids
-    r = bundled_model.generate("What is the capital of France?", chat=True, max_new_tokens=3)
+    r = generate(bundled_model, "What is the capital of France?", chat=True, max_new_tokens=3)
     assert r.stop_reason == "max_new_tokens" and len(r.token_ids) == 3
-    r = bundled_model.generate("What is the capital of France?", chat=True, max_new_tokens=64, stop=["France"])
+    r = generate(bundled_model, "What is the capital of France?", chat=True, max_new_tokens=64, stop=["France"])
     assert r.stop_reason == "stop_string" and "France" not in r.text and r.text.startswith("The capital of")
 
 
 def test_steps_record_choice_probability_entropy(tiny_model):
     probe = Probe().capture("logits")
-    r = tiny_model.generate("one two", max_new_tokens=4, seed=2, ignore_eos=True, probe=probe,
-                            params=SamplingParams(temperature=0.7, top_k=5))
+    r = generate(tiny_model, "one two", max_new_tokens=4, seed=2, ignore_eos=True, probe=probe,
+                 params=SamplingParams(temperature=0.7, top_k=5))
     for step, cap in zip(r.steps, probe.recording.captured("logits")):
         raw = torch.softmax(cap.value[0].float(), -1)
         assert abs(step.model_prob - float(raw[step.token_id])) < 1e-6
@@ -56,8 +57,8 @@ def test_sampler_stages_visible_and_replaceable(tiny_model):
     probe = Probe().capture("sampler.*")
     # force the draw: a hook on the final distribution puts all mass on token 42
     probe.replace("sampler.probs", lambda p, ctx: torch.nn.functional.one_hot(torch.tensor(42), p.shape[0]).float())
-    r = tiny_model.generate("abc", max_new_tokens=3, seed=0, ignore_eos=True, probe=probe,
-                            params=SamplingParams(temperature=1.0))
+    r = generate(tiny_model, "abc", max_new_tokens=3, seed=0, ignore_eos=True, probe=probe,
+                 params=SamplingParams(temperature=1.0))
     assert r.token_ids == [42, 42, 42]
     assert [c.name for c in probe.recording.captures[:6]] == ["sampler.penalties", "sampler.temperature",
                                                               "sampler.top_k", "sampler.top_p", "sampler.min_p",
@@ -69,12 +70,12 @@ def test_step_by_step_equals_run(tiny_model):
     ids = []
     while (s := run.step()) is not None:
         ids.append(s.token_id)
-    assert run.done and ids == tiny_model.generate("step by step", max_new_tokens=5, ignore_eos=True).token_ids
+    assert run.done and ids == generate(tiny_model, "step by step", max_new_tokens=5, ignore_eos=True).token_ids
     assert run.step() is None
 
 
 def test_kv_cache_bytes(tiny_model):
-    r = tiny_model.generate("abc", max_new_tokens=4, ignore_eos=True)
+    r = generate(tiny_model, "abc", max_new_tokens=4, ignore_eos=True)
     c = tiny_model.config
     per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
     n = len(r.prompt_ids) + 4
@@ -102,41 +103,41 @@ def plant_in_logits(value: float, at_step: int):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_nonfinite_logits_stop_the_run_without_a_draw(tiny_model, value, kind, temperature):
     probe = Probe().capture("sampler.probs").record_stats("logits").replace("logits", plant_in_logits(value, 2))
-    r = tiny_model.generate("one two", max_new_tokens=6, seed=3, ignore_eos=True, probe=probe,
-                            params=SamplingParams(temperature=temperature))
+    r = generate(tiny_model, "one two", max_new_tokens=6, seed=3, ignore_eos=True, probe=probe,
+                 params=SamplingParams(temperature=temperature))
     n = len(r.prompt_ids)
     assert r.stop_reason == "non-finite logits" and len(r.token_ids) == len(r.steps) == 2
     assert nonfinite_stop(r) == {"step": 2, "position": n + 1, "nan": int(kind == "nan"), "inf": int(kind == "inf")}
     assert [c.step for c in probe.recording.captured("sampler.probs")] == [0, 1]          # the sampler never saw step 2
-    clean = tiny_model.generate("one two", max_new_tokens=2, seed=3, ignore_eos=True,
-                                params=SamplingParams(temperature=temperature))
+    clean = generate(tiny_model, "one two", max_new_tokens=2, seed=3, ignore_eos=True,
+                     params=SamplingParams(temperature=temperature))
     assert r.token_ids == clean.token_ids and nonfinite_stop(clean) is None
 
 
 def test_nonfinite_logits_in_the_prefill_generate_nothing(tiny_model):
     """NaN logits at step 0 used to make argmax choose token 0 (<|endoftext|>): an 'eos' with nothing said."""
     probe = Probe().replace("logits", plant_in_logits(float("nan"), 0))
-    r = tiny_model.generate("hello", max_new_tokens=4, probe=probe)
+    r = generate(tiny_model, "hello", max_new_tokens=4, probe=probe)
     assert (r.stop_reason, r.token_ids, r.text) == ("non-finite logits", [], "")
     assert nonfinite_stop(r) == {"step": 0, "position": len(r.prompt_ids) - 1, "nan": None, "inf": None}  # no stats
 
 
 def test_on_token_stop_ends_the_run_keeping_what_was_made(tiny_model):
-    from engine.generate import STOP
+    from engine.progress import STOP
     seen = []
-    r = tiny_model.generate("a b c", max_new_tokens=10, ignore_eos=True,
-                            on_token=lambda s: (seen.append(s.token_id), STOP if s.index == 2 else None)[1])
-    full = tiny_model.generate("a b c", max_new_tokens=10, ignore_eos=True)
+    r = generate(tiny_model, "a b c", max_new_tokens=10, ignore_eos=True,
+                 on_token=lambda s: (seen.append(s.token_id), STOP if s.index == 2 else None)[1])
+    full = generate(tiny_model, "a b c", max_new_tokens=10, ignore_eos=True)
     assert r.stop_reason == "stopped" and r.token_ids == seen == full.token_ids[:3]
     assert r.text == tiny_model.tokenizer.decode(r.token_ids, skip_special=True)
 
 
 def test_chunked_prefill_matches_one_forward_and_reports_progress(tiny_model, monkeypatch):
-    gen = importlib.import_module("engine.generate")     # engine.generate is also the function's name
+    progress = importlib.import_module("engine.progress")     # where the prefill's chunk size lives
     prompt = list(range(100, 110))                            # 10 prompt ids
     whole_probe = Probe(timing=True).record_stats("*").capture("logits")
-    whole = tiny_model.generate(prompt, max_new_tokens=3, ignore_eos=True, probe=whole_probe)
-    monkeypatch.setattr(gen, "PREFILL_CHUNK", 4)
+    whole = generate(tiny_model, prompt, max_new_tokens=3, ignore_eos=True, probe=whole_probe)
+    monkeypatch.setattr(progress, "PREFILL_CHUNK", 4)
     heard = []
     probe = Probe(timing=True).record_stats("*").capture("logits")
     run = GenerationRun(tiny_model, prompt, max_new_tokens=3, ignore_eos=True, probe=probe,
@@ -157,11 +158,11 @@ def test_chunked_prefill_matches_one_forward_and_reports_progress(tiny_model, mo
 
 
 def test_stop_during_the_prefill(tiny_model, monkeypatch):
-    gen = importlib.import_module("engine.generate")     # engine.generate is also the function's name
-    from engine.generate import STOP
-    monkeypatch.setattr(gen, "PREFILL_CHUNK", 4)
-    r = tiny_model.generate(list(range(100, 110)), max_new_tokens=3, probe=Probe().record_stats("*"),
-                            on_progress=lambda p: STOP if p.done == 4 and p.layer == 1 else None)
+    progress = importlib.import_module("engine.progress")     # where the prefill's chunk size lives
+    from engine.progress import STOP
+    monkeypatch.setattr(progress, "PREFILL_CHUNK", 4)
+    r = generate(tiny_model, list(range(100, 110)), max_new_tokens=3, probe=Probe().record_stats("*"),
+                 on_progress=lambda p: STOP if p.done == 4 and p.layer == 1 else None)
     assert r.stop_reason == "stopped" and r.steps == [] and tiny_model.live_hooks == 0
 
 
@@ -177,9 +178,9 @@ def test_on_progress_is_a_parameter_heard_before_the_tokens(tiny_model):
         def on_progress(self, p):
             heard.append(("layer", p.layer))
     listener = Listener()
-    tiny_model.generate("hi", max_new_tokens=2, ignore_eos=True, on_token=listener, on_progress=listener.on_progress)
+    generate(tiny_model, "hi", max_new_tokens=2, ignore_eos=True, on_token=listener, on_progress=listener.on_progress)
     L = tiny_model.config.num_layers
     assert heard == [("layer", i) for i in range(L + 1)] + [("token", 0), ("token", 1)]
     heard.clear()
-    tiny_model.generate("hi", max_new_tokens=2, ignore_eos=True, on_token=listener)
+    generate(tiny_model, "hi", max_new_tokens=2, ignore_eos=True, on_token=listener)
     assert heard == [("token", 0), ("token", 1)]

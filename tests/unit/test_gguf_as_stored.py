@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as QT               # noqa: E402
 from gguf.quants import dequantize, quantize              # noqa: E402
 
 from engine import load_model                             # noqa: E402
+from engine.generate import generate
 from engine.errors import EngineError                     # noqa: E402
 from engine.gguf_file import open_gguf                    # noqa: E402
 from engine.inspection.probe import Probe, inspection_probe   # noqa: E402
@@ -129,8 +130,8 @@ def test_the_matrices_are_kept_in_the_files_blocks_and_the_logits_match_the_dequ
     assert held[torch.float32] == 3 * D * 4 and w.notes == []
     close_logits(stored.logits(IDS), floats.logits(IDS))
     greedy = SamplingParams(temperature=0.0)
-    assert stored.generate(IDS[:3], max_new_tokens=6, ignore_eos=True, params=greedy).token_ids == \
-        floats.generate(IDS[:3], max_new_tokens=6, ignore_eos=True, params=greedy).token_ids
+    assert generate(stored, IDS[:3], max_new_tokens=6, ignore_eos=True, params=greedy).token_ids == \
+        generate(floats, IDS[:3], max_new_tokens=6, ignore_eos=True, params=greedy).token_ids
 
 
 def test_q_and_k_block_rows_are_unpermuted_as_the_import_unpermutes_the_values(cache):
@@ -162,11 +163,11 @@ def test_the_native_step_takes_the_quantized_weights_and_inspection_runs(cache):
     stored, floats = both(write_gguf(cache / "tiny.gguf"))
     assert stored.accelerator.decode is not None and stored.accelerator.why_not == ""
     probe = inspection_probe()
-    run = stored.generate(IDS[:4], max_new_tokens=3, ignore_eos=True, probe=probe,
-                          params=SamplingParams(temperature=0.0))
+    run = generate(stored, IDS[:4], max_new_tokens=3, ignore_eos=True, probe=probe,
+                   params=SamplingParams(temperature=0.0))
     ref_probe = inspection_probe()
-    ref = floats.generate(IDS[:4], max_new_tokens=3, ignore_eos=True, probe=ref_probe,
-                          params=SamplingParams(temperature=0.0))
+    ref = generate(floats, IDS[:4], max_new_tokens=3, ignore_eos=True, probe=ref_probe,
+                   params=SamplingParams(temperature=0.0))
     assert run.token_ids == ref.token_ids
     got, want = probe.recording.stat_records(), ref_probe.recording.stat_records()
     assert [(r.name, r.layer) for r in got] == [(r.name, r.layer) for r in want] and got
@@ -232,8 +233,7 @@ def test_a_load_as_stored_writes_no_dequantised_import(cache):
 
 
 def test_the_cli_loads_a_gguf_as_stored_with_quant_stored(cache, capsys, monkeypatch):
-    from engine.cli import args as cli_args
-    from engine.cli import main
+    from engine.cli import args as cli_args, main
 
     loaded = []
     real = cli_args.load_model

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import EngineError, Probe, SamplingParams, plant, scale, zero_heads
+from engine.generate import generate
 from engine.inspection.stages import PLAIN_STAGES as LAYER_STAGES
 from engine.inspection.stat_columns import STAT_NAMES
 from tests.helpers import reference_stats
@@ -17,7 +18,7 @@ IDS = [504, 3575, 282, 4649, 314, 7042, 30, 2683, 359, 253]
 
 def test_every_stage_is_offered(tiny_model):
     probe = Probe().capture("*")
-    tiny_model.generate(IDS[:4], max_new_tokens=2, ignore_eos=True, probe=probe)
+    generate(tiny_model, IDS[:4], max_new_tokens=2, ignore_eos=True, probe=probe)
     offered = {c.name for c in probe.recording.captures}
     assert offered == set(tiny_model.hook_names())
     assert len(tiny_model.hook_names()) == 2 + 2 * len(LAYER_STAGES) + 2 + 6 + 1
@@ -53,8 +54,8 @@ def test_capture_filters_layers_and_positions(tiny_model):
 
 def test_stats_equal_reference_on_captured_tensors(tiny_model):
     probe = Probe().capture("*").record_stats("*")
-    tiny_model.generate(IDS, max_new_tokens=3, seed=1, ignore_eos=True, probe=probe,
-                        params=SamplingParams(temperature=0.9, top_k=20))
+    generate(tiny_model, IDS, max_new_tokens=3, seed=1, ignore_eos=True, probe=probe,
+             params=SamplingParams(temperature=0.9, top_k=20))
     records = probe.recording.stat_records()
     assert len(records) > 3 * 2 * len(LAYER_STAGES)
     caps = {(c.step, c.name): c.value for c in probe.recording.captures}
@@ -138,7 +139,7 @@ def test_planted_nan_on_bundled_model_layer_17(bundled_model):
 def test_no_hook_outlives_its_call(tiny_model):
     assert tiny_model.live_hooks == 0
     probe = Probe().record_stats("*").capture("logits")
-    tiny_model.generate(IDS[:3], max_new_tokens=2, probe=probe)
+    generate(tiny_model, IDS[:3], max_new_tokens=2, probe=probe)
     assert tiny_model.live_hooks == 0
 
     def boom(x, ctx):
@@ -153,7 +154,7 @@ def test_no_hook_outlives_its_call(tiny_model):
 
 def test_timing_marks_cover_every_layer(tiny_model):
     probe = Probe(timing=True)
-    tiny_model.generate(IDS[:3], max_new_tokens=2, ignore_eos=True, probe=probe)
+    generate(tiny_model, IDS[:3], max_new_tokens=2, ignore_eos=True, probe=probe)
     labels = [lbl for step, lbl, t in probe.recording.marks if step == 1]
     assert labels == ["start", "embed", "blocks.0", "blocks.1", "logits"]
     times = [t for step, lbl, t in probe.recording.marks if step == 1]

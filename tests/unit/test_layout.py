@@ -80,6 +80,59 @@ def test_the_engine_imports_nothing_from_the_app_and_there_are_no_import_circles
             visit(m, [m])
 
 
+# The run's layers, bottom to top: what the forward needs (the inspection layer, engine.progress, engine.results ...),
+# the model, the generation loop, the batch layer. An import points down this list, never up it.
+RUN_LAYERS = ("engine.model", "engine.generate", "engine.batch")
+
+
+def _run_layer(mod: str) -> int:
+    """0 below the model, 1 the model, 2 the generation loop, 3 the batch layer; -1 neither (a tool, the app)."""
+    for i, top in enumerate(RUN_LAYERS, 1):
+        if mod == top or mod.startswith(top + "."):
+            return i
+    return 0 if mod.startswith("engine.inspection") or mod in ("engine.progress", "engine.results") else -1
+
+
+def _upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that point up the run's layers: a module under the model (all that engine.model imports, directly or
+    through another, and the inspection layer) importing the model, the loop or the batch layer; the model importing
+    the loop or the batch layer; the loop importing the batch layer. Imports inside functions count (an arrow is
+    an arrow, taken at load time or at call time)."""
+    below, stack = set(), ["engine.model"]
+    while stack:
+        for d in graph.get(stack.pop(), ()):
+            if d not in below and _run_layer(d) <= 0:
+                below.add(d)
+                stack.append(d)
+    found = []
+    for m, deps in sorted(graph.items()):
+        level = 0 if m in below else _run_layer(m)
+        if level < 0:
+            continue
+        found += [f"{m} (layer {level}) imports {d} (layer {_run_layer(d)})" for d in sorted(deps)
+                  if _run_layer(d) > level]
+    return found
+
+
+def test_the_generation_loop_and_the_batch_layer_sit_above_the_model():
+    """Progress, STOP, Stopped (engine.progress) and the run's results (engine.results) live below engine.model; the
+    forward, the inspection layer and what they import reach neither engine.generate nor engine.batch."""
+    mods = _sources("engine")
+    graph = {m: _imports(m, p, set(mods)) for m, p in mods.items()}
+    assert not _upward_arrows(graph), _upward_arrows(graph)
+    # the check finds the arrows it is for: the record imported from the loop, the trace reading the loop's types,
+    # a module the model reaches through another importing the batch layer, the model's own call-time import
+    old = {"engine.model": {"engine.progress", "engine.kv_cache", "engine.generate"},
+           "engine.progress": {"engine.generate"}, "engine.kv_cache": {"engine.errors"},
+           "engine.errors": {"engine.batch.rows"}, "engine.inspection.trace": {"engine.generate"},
+           "engine.generate": {"engine.model", "engine.batch.rows"}, "engine.batch.rows": {"engine.model"}}
+    assert _upward_arrows(old) == ["engine.errors (layer 0) imports engine.batch.rows (layer 3)",
+                                   "engine.generate (layer 2) imports engine.batch.rows (layer 3)",
+                                   "engine.inspection.trace (layer 0) imports engine.generate (layer 2)",
+                                   "engine.model (layer 1) imports engine.generate (layer 2)",
+                                   "engine.progress (layer 0) imports engine.generate (layer 2)"]
+
+
 def test_pure_views_use_no_streamlit_threads_or_environment():
     for mod, path in _sources("inspector/views").items():
         text = path.read_text()
@@ -145,6 +198,28 @@ def _side_doors(mod: str, text: str) -> list[str]:
     return found
 
 
+def _duck_typing(text: str) -> list[str]:
+    """Where a module asks an object what it is instead of calling its declared interface: hasattr / getattr, and
+    isinstance or type() of a cache or a probe (a weight's type, a QuantMatrix, is the weight's own business)."""
+    found = []
+    for node in walked(text):
+        if isinstance(node, ast.Call) and _named(node.func) in ("hasattr", "getattr"):
+            found.append(f"line {node.lineno}: {_named(node.func)}")
+        if isinstance(node, ast.Call) and _named(node.func) in ("isinstance", "type") and node.args \
+                and re.search(r"cache|probe|rows|segments|^p$", _named(node.args[0])):
+            found.append(f"line {node.lineno}: {_named(node.func)}({_named(node.args[0])})")
+    return sorted(found)
+
+
+def test_the_forward_asks_its_cache_and_probe_only_their_declared_interfaces():
+    """engine.model calls engine.cache_protocol.Cache and engine.inspection.stage_sink's sinks, never asks a form
+    what it is (tests/unit/test_cache_forms.py holds every form to its protocol)."""
+    assert _duck_typing((ROOT / "engine/model.py").read_text()) == []
+    assert _duck_typing('x = x[c.last_rows] if hasattr(c, "last_rows") else x[-1:]\n'
+                        'if isinstance(cache, Rows): pass\nw = isinstance(embed, QuantMatrix)\n') == [
+        "line 1: hasattr", "line 2: isinstance(cache)"]
+
+
 def test_tools_run_the_model_through_its_public_forward():
     """Spans of blocks go through Model.run_blocks, early stops through Model.forward's stop_after."""
     found = [s for mod, path in _sources(*PACKAGES).items() for s in _side_doors(mod, path.read_text())]
@@ -152,7 +227,7 @@ def test_tools_run_the_model_through_its_public_forward():
 
 
 # The one progress record and what tells it (engine.progress); everything else reports through them.
-PROGRESS_CLASSES = {("engine.generate", "Progress"), ("engine.progress", "LayerProgress")}
+PROGRESS_CLASSES = {("engine.progress", "Progress"), ("engine.progress", "LayerProgress")}
 # A model load's (fraction, message) callback is no job one viewer stops: one load serves every session waiting.
 LOAD_PATH = {"engine.gguf_import", "engine.loader", "engine.sources", "engine.weights", "inspector.session.models"}
 
@@ -172,7 +247,8 @@ def _progress_protocols(mod: str, text: str) -> list[str]:
             methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
             if "progress" in node.name.lower() and (mod, node.name) not in PROGRESS_CLASSES:
                 found.append(f"{mod}.{node.name}: a second progress type; use engine.progress")
-            if "layer_weights" in methods and mod not in ("engine.inspection.probe", "engine.inspection.probe_views"):
+            if "layer_weights" in methods and mod not in ("engine.inspection.probe", "engine.inspection.probe_views",
+                                                          "engine.inspection.stage_sink"):       # (its protocol)
                 found.append(f"{mod}.{node.name} wraps the probe's weight lookup; use Model.forward(on_layer=...)")
         if mod in LOAD_PATH:
             continue
@@ -190,7 +266,7 @@ def _progress_protocols(mod: str, text: str) -> list[str]:
 
 
 def test_one_progress_protocol_for_every_long_job():
-    """engine.progress: every long computation tells engine.generate.Progress records to one callback that may
+    """engine.progress: every long computation tells engine.progress.Progress records to one callback that may
     answer STOP (tests/unit/test_progress_stop.py checks each job stops there)."""
     found = [s for mod, path in _sources(*PACKAGES).items() for s in _progress_protocols(mod, path.read_text())]
     assert not found, found

@@ -75,8 +75,8 @@ def test_stop_while_queued_leaves_the_queue(tiny_model):
 
 
 def test_the_prefill_is_heard_by_chunk_and_layer(tiny_model, monkeypatch):
-    gen = importlib.import_module("engine.generate")
-    monkeypatch.setattr(gen, "PREFILL_CHUNK", 8)
+    progress = importlib.import_module("engine.progress")     # where the prefill's chunk size lives
+    monkeypatch.setattr(progress, "PREFILL_CHUNK", 8)
     seen = []
     live = LiveRun(RunSettings(prompt="one two three four five six seven eight nine ten", chat=False,
                                max_new_tokens=2), tiny_model.name, 0)

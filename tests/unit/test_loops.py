@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import RunSettings
+from engine.generate import generate
 from engine.inspection.loops import Loop, find_loops, has_loop, periodic_runs, repeats, tail_loop
 from inspector.views import repetition as rv
 
@@ -118,7 +119,7 @@ def test_real_loops_are_found_where_they_start(name):
 
 @pytest.fixture(scope="module")
 def looping(bundled_model):
-    return bundled_model.generate(LOOP_PROMPT, max_new_tokens=LOOP_NEW)
+    return generate(bundled_model, LOOP_PROMPT, max_new_tokens=LOOP_NEW)
 
 
 @pytest.mark.model

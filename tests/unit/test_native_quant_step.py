@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("gguf")
 
 from engine import GenerationRun, load_model                         # noqa: E402
+from engine.generate import generate
 from engine.accelerator import PLAIN                                 # noqa: E402
 from engine.inspection.probe import inspection_probe                 # noqa: E402
 from engine.native import build                                      # noqa: E402
@@ -83,8 +84,8 @@ def test_greedy_tokens_and_inspection_statistics_match_the_pytorch_forward(cache
     plain = model.with_accelerator(PLAIN)
     greedy = SamplingParams(temperature=0.0)
     p, q = inspection_probe(), inspection_probe()
-    run_n = model.generate(torch.tensor(PROMPT), max_new_tokens=12, ignore_eos=True, probe=p, params=greedy)
-    run_p = plain.generate(torch.tensor(PROMPT), max_new_tokens=12, ignore_eos=True, probe=q, params=greedy)
+    run_n = generate(model, torch.tensor(PROMPT), max_new_tokens=12, ignore_eos=True, probe=p, params=greedy)
+    run_p = generate(plain, torch.tensor(PROMPT), max_new_tokens=12, ignore_eos=True, probe=q, params=greedy)
     assert run_n.token_ids == run_p.token_ids
     got, want = p.recording.stat_records(), q.recording.stat_records()
     assert [(r.name, r.layer) for r in got] == [(r.name, r.layer) for r in want] and got

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from engine import load_model
-from engine.generate import STOP, Progress
 from engine.inspection.loops import Loop
-from engine.progress import Stopped
+from engine.progress import STOP, Progress, Stopped
 from inspector.session.memo import memo
 from inspector.session.on_demand import about, estimate, progress_text, record_rate
 from inspector.views.activations import logit_lens

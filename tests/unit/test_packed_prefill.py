@@ -13,9 +13,9 @@ import torch
 from engine import GenerationRun, SamplingParams, load_model
 from engine.batch import StepBarrier
 from engine.batch.prefill import PrefillGate, prefill_reason, prefill_together
-from engine.generate import STOP
 from engine.inspection.interventions import scale
 from engine.inspection.probe import inspection_probe
+from engine.progress import STOP
 from tests.helpers import assert_same_stats
 
 pytestmark = pytest.mark.unit

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import InputError, SamplingParams
+from engine.generate import generate
 from engine.inspection.interventions import scale
 from engine.inspection.probe import Probe
 from engine.variants import cast_model, precision_plan
@@ -40,7 +41,7 @@ def test_a_plan_with_every_unit_in_fp32_is_the_fp32_model(tiny_model, low):
     assert rel(bf16.logits(ids), want) > 1e-3                 # the low model itself is far from it
     # the decode path (one position at a time through the cache) too
     kw = dict(max_new_tokens=12, params=SamplingParams(temperature=0.0), chat=False)
-    assert plan.generate(PROMPT, **kw).token_ids == tiny_model.generate(PROMPT, **kw).token_ids
+    assert generate(plan, PROMPT, **kw).token_ids == generate(tiny_model, PROMPT, **kw).token_ids
 
 
 def test_an_fp32_attention_unit_keeps_keys_that_overflow_float16(tiny_model, low):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from engine import InputError, Model, RunSettings, SamplingParams
 from engine.cli.prescribe import add_commands, add_doctor_flags, doctor_model, extend_doctor, human_lines
+from engine.generate import generate
 from engine.inspection.loops import tail_loop
 from engine.tools.doctor import run_doctor
 from engine.tools.quant import compare_formats, requantize
@@ -120,7 +121,7 @@ def test_a_loop_made_by_the_unembedding_is_kept_by_every_change_tried(looper):
 def test_the_loop_diagnosed_is_the_loop_of_the_users_run(looper):
     """The run the page shows (16 tokens) is the run diagnosed: its loop, its length, said in the first line."""
     settings = RunSettings(prompt=PROMPT, chat=False, max_new_tokens=16)
-    shown = looper.generate(PROMPT, max_new_tokens=16)
+    shown = generate(looper, PROMPT, max_new_tokens=16)
     loop = tail_loop(shown.token_ids)
     report = why_loop(looper, settings, max_reruns=7)
     assert report.loop == loop.as_dict() and report.horizon == 16 and report.run_tokens == 16
@@ -139,7 +140,7 @@ def test_a_run_without_a_loop_is_said_plainly_and_only_then_looked_at_further(lo
     assert further.looked_further and further.horizon == 20 and further.run_tokens == 8
     assert further.headline.startswith("Your run's 8 generated tokens hold no loop, so this diagnoses a longer rerun "
                                        "of the same prompt and seed (20 tokens), which loops from step 0 with period 3")
-    assert further.loop == tail_loop(looper.generate(PROMPT, max_new_tokens=20).token_ids).as_dict()
+    assert further.loop == tail_loop(generate(looper, PROMPT, max_new_tokens=20).token_ids).as_dict()
 
 
 def test_the_rerun_budget_is_kept_and_what_was_left_out_is_said(looper):

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 import engine.tools.quant_scoreboard as qs
 from engine.cli import main
 from engine.errors import InputError
-from engine.generate import STOP, prompt_ids
+from engine.generate import prompt_ids
 from engine.model import Model
-from engine.progress import Stopped
+from engine.progress import STOP, Stopped
 from engine.tools.quant import compare_formats, quantized_model
 
 pytestmark = pytest.mark.unit

@@ -15,6 +15,7 @@ from engine import RunSettings, inspection_probe, load_trace, make_trace
 from engine.cli import build_parser, main
 from engine.cli.args import run_settings
 from engine.cli.report import reproduce_command
+from engine.generate import generate
 from engine.inspection.loops import Loop
 from engine.report.data import attention_maps
 from engine.report.html import build_html, plotly_js
@@ -121,7 +122,7 @@ def test_the_reproduce_command_parses_back_to_the_same_run(made, tiny_model_dir)
 def hostile_run(tiny_model):
     probe = inspection_probe()
     settings = RunSettings(prompt=HOSTILE, chat=False, max_new_tokens=4)
-    result = tiny_model.generate(HOSTILE, probe=probe, **settings.generation_kwargs())
+    result = generate(tiny_model, HOSTILE, probe=probe, **settings.generation_kwargs())
     return make_trace(settings, result, probe, tiny_model.name, 0.1)
 
 

@@ -12,8 +12,8 @@ import torch
 from engine import GenerationRun, RunSettings, SamplingParams
 from engine.accelerator import PLAIN
 from engine.batch import StepBarrier, shared_barrier
-from engine.generate import STOP
 from engine.inspection.probe import inspection_probe
+from engine.progress import STOP
 from inspector.session.admission import Admission
 from inspector.session.limits import Limits
 from inspector.session.run import inspect_run

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from engine import SamplingParams
+from engine.generate import generate
 from engine.gguf_tokenizer import BYTE_TO_CHAR
 from engine.tokenizer import Tokenizer
 
@@ -145,8 +146,8 @@ def test_generation_streams_exactly_its_decoded_tokens(tiny_model, prompt, seed,
     streamed step by step (plus the final flush) is the one-shot decoding of the generated ids."""
     tok = tiny_model.tokenizer
     streamed: list[str] = []
-    r = tiny_model.generate(prompt, max_new_tokens=12, seed=seed, chat=chat,
-                            on_token=lambda s: streamed.append(s.text), params=SamplingParams(temperature=1.5))
+    r = generate(tiny_model, prompt, max_new_tokens=12, seed=seed, chat=chat,
+                 on_token=lambda s: streamed.append(s.text), params=SamplingParams(temperature=1.5))
     ids = r.token_ids[:-1] if r.stop_reason == "eos" else r.token_ids
     assert r.text == tok.decode(ids)
     assert r.text.startswith("".join(streamed)) and [s.text for s in r.steps] == streamed

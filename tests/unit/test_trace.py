@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from engine import EngineError, RunSettings, SamplingParams, Trace, make_trace
+from engine.generate import generate
 from engine.inspection.loops import Loop
 from engine.inspection.recording import Recording
 from engine.inspection.trace import from_bytes, load_trace, save_trace, to_bytes
@@ -87,7 +88,7 @@ def test_nonfinite_run_with_every_capture_kind_round_trips(tiny_model, tmp_path)
     probe = fault_probe(tiny_model, ["nan@blocks.1.mlp.act:3", "inf@blocks.1.attn.q:1"], norm_eps=1e-3, timing=True)
     probe.capture(["tokenizer", "detokenizer", "logits", "sampler.probs"]).capture("blocks.0.resid_post",
                                                                                    positions=[1, 4])
-    res = tiny_model.generate([5, 6, 7, 8, 9], max_new_tokens=3, ignore_eos=True, probe=probe)
+    res = generate(tiny_model, [5, 6, 7, 8, 9], max_new_tokens=3, ignore_eos=True, probe=probe)
     run = make_trace(RunSettings(prompt="x", chat=False), res, probe, tiny_model.name, 0.25)
     back = assert_round_trip(run, tmp_path / "nan.trace")
     nf = back.first_nonfinite
@@ -102,7 +103,7 @@ def test_nonfinite_run_with_every_capture_kind_round_trips(tiny_model, tmp_path)
 
 def test_a_run_stopped_by_non_finite_logits_round_trips(tiny_model, tmp_path):
     probe = fault_probe(tiny_model, ["nan@blocks.0.attn.q:1"], timing=True).capture("logits")
-    res = tiny_model.generate([5, 6, 7, 8, 9], max_new_tokens=3, ignore_eos=True, probe=probe)
+    res = generate(tiny_model, [5, 6, 7, 8, 9], max_new_tokens=3, ignore_eos=True, probe=probe)
     run = make_trace(RunSettings(prompt="x", chat=False), res, probe, tiny_model.name, 0.25)
     back = assert_round_trip(run, tmp_path / "nan-logits.trace")
     assert back.result.stop_reason == "non-finite logits" and back.result.token_ids == []
@@ -112,7 +113,7 @@ def test_a_run_stopped_by_non_finite_logits_round_trips(tiny_model, tmp_path):
 def test_loops_and_low_precision_tensors_round_trip(tiny_model, tmp_path):
     m16 = cast_model(tiny_model, "bfloat16")
     probe = fault_probe(m16, timing=True).capture("logits")
-    res = m16.generate([11, 12, 13], max_new_tokens=4, ignore_eos=True, probe=probe)
+    res = generate(m16, [11, 12, 13], max_new_tokens=4, ignore_eos=True, probe=probe)
     res = dataclasses.replace(res, token_ids=[1, 2, 3] * 4)     # a loop, whatever the model said
     run = make_trace(RunSettings(prompt="p", stop=("x",), ignore_eos=True), res, probe, m16.name, 1.0)
     back = assert_round_trip(run, tmp_path / "bf16.trace")
@@ -169,4 +170,4 @@ def test_cli_trace(tiny_model_dir, tiny_model, tmp_path):
                        "--seed", "5", "--out", str(tmp_path / "c.trace"))
     assert clean.returncode == 0, clean.stderr
     t = load_trace(tmp_path / "c.trace")
-    assert t.result.token_ids == tiny_model.generate("count: one two", max_new_tokens=3, seed=5).token_ids
+    assert t.result.token_ids == generate(tiny_model, "count: one two", max_new_tokens=3, seed=5).token_ids
