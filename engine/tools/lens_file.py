@@ -30,8 +30,8 @@ from engine.sources import cache_dir
 from engine.tools.tuned_lens import TunedLens
 
 FORMAT = "llm-inspector tuned lens 1"
-RECIPE_FIELDS = ("method", "rank", "tokens", "texts", "ridge", "steps", "lr", "batch", "seed", "corpus", "modules",
-                 "python", "sha256", "script")
+RECIPE_FIELDS = ("method", "rank", "tokens", "texts", "ridge", "steps", "lr", "batch", "seed", "validation_every",
+                 "kl_layers", "corpus", "modules", "python", "sha256", "script")
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "lenses"
 # weights checksum -> (file in SHIPPED_DIR, SHA-256 of its recipe as scripts/fit_tuned_lens.py wrote it)
 SHIPPED = {
