@@ -30,13 +30,13 @@ from engine.sources import cache_dir
 from engine.tools.tuned_lens import TunedLens
 
 FORMAT = "llm-inspector tuned lens 1"
-RECIPE_FIELDS = ("method", "rank", "tokens", "texts", "ridge", "steps", "lr", "batch", "seed", "corpus", "modules",
-                 "python", "sha256", "script")
+RECIPE_FIELDS = ("method", "rank", "tokens", "texts", "ridge", "steps", "lr", "batch", "seed", "validation_every",
+                 "kl_layers", "corpus", "modules", "python", "sha256", "script")
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "lenses"
 # weights checksum -> (file in SHIPPED_DIR, SHA-256 of its recipe as scripts/fit_tuned_lens.py wrote it)
 SHIPPED = {
     "gguf-sha256:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53":      # the bundled SmolLM2-135M
-        ("smollm2-135m-instruct-q4_1.safetensors", "a85b2fad90a90982606403252a16513ee9f91556d5c29ed09fd142444d6a523b"),
+        ("smollm2-135m-instruct-q4_1.safetensors", "7fa39f7fa167f292d6a088881f37dc6cd27da92d1c98bed4fc256e6c592f4c0d"),
 }
 _checksums: dict[tuple, str] = {}        # (path, sizes, mtimes) -> checksum: hashing 500 MB once per process
 

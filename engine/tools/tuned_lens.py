@@ -7,14 +7,16 @@ distribution. The logit lens is the same read with A = 0, b = 0.
     cmp = compare_lenses(model, lens, held_out_texts)  # cmp.logit_kl[i], cmp.tuned_kl[i]: mean nats per layer
     rows = lenses_at(model, ids, pos, lens, k)         # both lenses' top-k at one position, and each layer's KL
 
-The fit, in two named stages, reads residual streams only through the public Probe capture (blocks.{i}.resid_post)
-that the logit lens reads:
-1. regression: per layer, ridge least squares of the final layer's residual, rescaled per token to the layer's own
-   RMS (the final norm ignores scale), on h: r = y - h ~ A h + b; A is then cut to rank `rank` (reduced-rank
+The fit, in two named stages (fit_stages returns both stages' lenses), reads residual streams only through the
+public Probe capture (blocks.{i}.resid_post) that the logit lens reads:
+1. least squares: per layer, ridge least squares of the final layer's residual, rescaled per token to the layer's
+   own RMS (the final norm ignores scale), on h: r = y - h ~ A h + b; A is then cut to rank `rank` (reduced-rank
    regression in the metric of the unembedding, so the kept directions are those that move logits most).
-   Closed form: the whole corpus in one pass of sums, no learning rate.
-2. kl_steps: `steps` Adam steps on the mean KL(final || lens) itself over the pooled tokens, from stage 1's maps
-   (steps=0 keeps the regression).
+   Closed form: the whole corpus in one pass of sums, no learning rate. It minimises squared error in the stream,
+   not the KL: the final norm and the softmax make the two differ.
+2. KL steps (engine.tools.lens_kl): `steps` Adam steps on the exact mean KL(final || lens) from stage 1's maps,
+   `batch` positions drawn per step, every layer on its own loss; each layer then keeps whichever maps have the lower
+   KL on the validation texts (every VALIDATION_EVERY-th), which no step drew. steps=0 keeps least squares.
 Position 0 of every text is left out (its attention-sink activations are hundreds of times any other position's and
 would dominate both stages). A is stored low-rank, A = U V^T, so a lens for a 30-layer 576-wide model is a few MB.
 """
@@ -27,9 +29,9 @@ import torch
 
 from engine.errors import InputError
 from engine.inspection.probe import Probe
-from engine.norms import family_norm
 from engine.progress import LayerProgress, tell_units
 from engine.tools.lens_corpus import corpus_facts, docstrings
+from engine.tools.lens_kl import KLReport, LensHead, kl_train
 from engine.weights import as_float
 
 DEFAULT_RANK = 32
@@ -37,6 +39,11 @@ DEFAULT_TOKENS = 8192          # fit corpus, in tokens over all texts
 TEXT_TOKENS = 256              # one text's forward
 RIDGE = 1e-3                   # relative to the mean variance of h: keeps the normal equations well posed
 EVAL_TOKENS = 1024
+LR = 1e-3                      # Adam's step on U, V (balanced, see lens_kl.balanced) and b
+BATCH = 128                    # positions per KL step: each costs 4 d V flops a layer (forward and backward)
+VALIDATION_EVERY = 8           # every 8th fit text judges stage 2 per layer; no step draws it
+ON_DEMAND_STEPS = 20           # the on-demand fit's KL steps (python -m engine lens --fit, the Activations page)
+ON_DEMAND_FLOPS = 5e12         # ... fewer for a wide model: at the ~20 GFLOP/s two shared cores give, about 4 min
 
 
 @dataclass
@@ -94,17 +101,6 @@ def _encoded(model, texts: Sequence[str], max_tokens: int) -> list[list[int]]:
     if not out:
         raise InputError("the tuned lens needs at least one text of two or more tokens")
     return out
-
-
-def _head_logits(model, x: torch.Tensor) -> torch.Tensor:
-    """The final norm and unembedding of model, differentiable (Model.unembed runs in inference mode): (N, d) ->
-    (N, V) float32. Same weights and norm; stage 2 only."""
-    w = model.weights
-    x = x.to(w.norm.device)
-    z = family_norm(model.config, x, w.norm.float(), None if w.norm_bias is None else w.norm_bias.float(),
-                    model.config.rms_norm_eps)
-    out = z @ as_float(w.lm_head).float()
-    return (out if w.head_bias is None else out + w.head_bias.float()).cpu()
 
 
 def _output_metric(model) -> torch.Tensor:
@@ -166,71 +162,89 @@ def solve_translator(sums: dict, metric: torch.Tensor, rank: int, ridge: float) 
     return u.float(), v.float(), b.float()
 
 
-def _kl_steps(model, lens: TunedLens, pooled: list[tuple[torch.Tensor, torch.Tensor]], steps: int, lr: float,
-              seed: int, batch: int, on_progress, done: int, total: int) -> None:
-    """Stage 2: Adam on mean KL(final || tuned) over random batches of the pooled (resid, final log-probs) tokens,
-    every layer each step; updates lens in place."""
-    params = [lens.U.requires_grad_(), lens.V.requires_grad_(), lens.b.requires_grad_()]
-    opt = torch.optim.Adam(params, lr=lr)
-    resid = torch.cat([r for r, _ in pooled], dim=1)                                # (L, N, d)
-    final = torch.cat([f for _, f in pooled])                                       # (N, V)
-    g = torch.Generator().manual_seed(seed)
-    for step in range(steps):
-        tell_units(on_progress, done + step, total, f"KL step {step + 1} of {steps}")
-        pick = torch.randperm(resid.shape[1], generator=g)[:batch]
-        p_log = final[pick]
-        opt.zero_grad()
-        for layer in range(lens.layers):
-            with torch.enable_grad():
-                q_log = torch.log_softmax(_head_logits(model, lens.translate(layer, resid[layer, pick])), dim=-1)
-                loss = (p_log.exp() * (p_log - q_log)).sum(-1).mean() / lens.layers
-                loss.backward()
-        opt.step()
-    for p in params:
-        p.requires_grad_(False)
+@dataclass
+class LensFit:
+    """Both stages' lenses of one fit (the least-squares lens is stage 2's starting point) and what stage 2 did."""
+    least_squares: TunedLens
+    lens: TunedLens
+    kl: KLReport | None               # None: no KL steps were taken
 
 
-def fit_tuned_lens(model, texts: Sequence[str] | None = None, *, rank: int = DEFAULT_RANK,
-                   max_tokens: int = DEFAULT_TOKENS, ridge: float = RIDGE, steps: int = 0, lr: float = 1e-3,
-                   batch: int = 64, seed: int = 0, on_progress=None) -> TunedLens:
-    """A tuned lens for model fitted on texts (None: the stdlib docstrings' train split): stage 1 (regression) over
-    up to max_tokens tokens, then `steps` KL steps (stage 2). on_progress hears each text's forward and each step as
-    a unit (engine.progress.tell_units); a STOP between two raises Stopped (no half lens). With steps, every token's
-    streams and final log-probs are held for the steps: (tokens, vocab) float32, 1.6 GB for 8,192 tokens of a
-    49,152-token vocabulary; the regression alone holds one text's."""
+def default_steps(model, batch: int = BATCH) -> int:
+    """The on-demand fit's KL steps: ON_DEMAND_STEPS, fewer where a step's head products (forward and backward over
+    the vocabulary, batch positions, every layer but the last) would take the fit past ON_DEMAND_FLOPS."""
+    cfg = model.config
+    per_step = 4 * batch * cfg.hidden_size * cfg.vocab_size * max(cfg.num_layers - 1, 1)
+    return int(min(ON_DEMAND_STEPS, ON_DEMAND_FLOPS // per_step))
+
+
+def fit_stages(model, texts: Sequence[str] | None = None, *, rank: int = DEFAULT_RANK,
+               max_tokens: int = DEFAULT_TOKENS, ridge: float = RIDGE, steps: int | None = None, lr: float = LR,
+               batch: int = BATCH, seed: int = 0, on_progress=None) -> LensFit:
+    """A tuned lens for model fitted on texts (None: the stdlib docstrings' train split): stage 1 (least squares)
+    over up to max_tokens tokens, then `steps` Adam steps on the KL (stage 2, engine.tools.lens_kl; None: the
+    on-demand default, default_steps). Every VALIDATION_EVERY-th text is stage 2's validation, which no step draws.
+    on_progress hears each text's forward and each step as a unit (engine.progress.tell_units); a STOP between two
+    raises Stopped (no half lens). With steps, every layer's stream at every token is held: (L, tokens, d) float32,
+    283 MB for 30 layers of width 576 at 4,096 tokens; least squares alone holds one text's."""
     L, d = model.config.num_layers, model.config.hidden_size
+    steps = default_steps(model, batch) if steps is None else steps
     if not 1 <= rank <= d:
         raise InputError(f"the tuned lens' rank must be 1..{d} (the model's width); got {rank}")
-    if max_tokens < 2 or steps < 0 or batch < 1 or not ridge >= 0:
-        raise InputError(f"the tuned lens wants max_tokens >= 2, steps >= 0, batch >= 1, ridge >= 0; got "
-                         f"max_tokens={max_tokens}, steps={steps}, batch={batch}, ridge={ridge}")
+    if max_tokens < 2 or steps < 0 or batch < 1 or not ridge >= 0 or not lr > 0:
+        raise InputError(f"the tuned lens wants max_tokens >= 2, steps >= 0, batch >= 1, ridge >= 0, lr > 0; got "
+                         f"max_tokens={max_tokens}, steps={steps}, batch={batch}, ridge={ridge}, lr={lr}")
     split_texts = list(texts) if texts is not None else docstrings("train")
     encoded = _encoded(model, split_texts, max_tokens)
+    if steps and len(encoded) < 2:
+        steps = 0                 # one text cannot be split into positions to train on and positions to judge by
     total = len(encoded) + steps
+    judged = set(range(VALIDATION_EVERY - 1, len(encoded), VALIDATION_EVERY)) or {len(encoded) - 1}
     sums = [new_sums(d) for _ in range(L)]
-    pooled = []
+    pooled, validation = [], []
     for k, ids in enumerate(encoded):
         tell_units(on_progress, k, total, f"text {k + 1} of {len(encoded)}")
-        resid, final = _resid_streams(model, ids)
+        resid, _ = _resid_streams(model, ids)
         last = resid[-1].double()
         last_rms = last.pow(2).mean(-1, keepdim=True).sqrt()
         for layer in range(L):
             h = resid[layer].double()
             add_sums(sums[layer], h, last * (h.pow(2).mean(-1, keepdim=True).sqrt() / last_rms))  # final at h's scale
         if steps:
-            pooled.append((resid, final))
+            pooled.append(resid)
+            validation.append(torch.full((resid.shape[1],), k in judged))
     metric = _output_metric(model)
     parts = [solve_translator(s, metric, rank, ridge) for s in sums]
-    lens = TunedLens(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]),
-                     torch.stack([p[2] for p in parts]))
+    ls = TunedLens(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]),
+                   torch.stack([p[2] for p in parts]))
+    report = None
+    maps = (ls.U, ls.V, ls.b)
     if steps:
-        _kl_steps(model, lens, pooled, steps, lr, seed, batch, on_progress, len(encoded), total)
+        maps, report = kl_train(LensHead.of(model), torch.cat(pooled, dim=1), maps, steps=steps, lr=lr, batch=batch,
+                                seed=seed, validation=torch.cat(validation), on_progress=on_progress,
+                                done=len(encoded), total=total)
+        del pooled
     tell_units(on_progress, total, total, "done")
     facts = corpus_facts("train", split_texts) if texts is None else corpus_facts_of(split_texts)
-    lens.recipe = {"method": "tuned-lens/regression+kl", "rank": rank, "tokens": sum(len(i) - 1 for i in encoded),
-                   "texts": len(encoded), "ridge": ridge, "steps": steps, "lr": lr, "batch": batch, "seed": seed,
-                   **facts}
-    return lens
+    tokens = sum(len(i) - 1 for i in encoded)
+    base = {"rank": rank, "tokens": tokens, "texts": len(encoded), "ridge": ridge, "seed": seed, **facts}
+    ls.recipe = {**base, "method": f"tuned-lens/least-squares (ridge {ridge}, rank {rank}); no KL steps",
+                 "steps": 0, "lr": 0.0, "batch": 0, "validation_every": 0, "kl_layers": []}
+    if report is None:
+        return LensFit(ls, TunedLens(ls.U.clone(), ls.V.clone(), ls.b.clone(), dict(ls.recipe)), None)
+    kl_layers = [i for i, k in enumerate(report.kept) if k]
+    method = (f"tuned-lens/least squares (ridge {ridge}, rank {rank}) init, then {steps} Adam steps on the mean "
+              f"KL(final || lens), lr {lr}, {batch} positions per step (exact KL over the whole vocabulary), seed "
+              f"{seed}; each layer keeps the maps with the lower KL on every {VALIDATION_EVERY}th text (held from "
+              f"the steps): trained at {len(kl_layers)} of {L - 1} layers, the last layer the identity")
+    lens = TunedLens(*maps, recipe={**base, "method": method, "steps": steps, "lr": lr, "batch": batch,
+                                    "validation_every": VALIDATION_EVERY, "kl_layers": kl_layers})
+    return LensFit(ls, lens, report)
+
+
+def fit_tuned_lens(model, texts: Sequence[str] | None = None, **kwargs) -> TunedLens:
+    """The tuned lens of fit_stages (same arguments): least squares, then KL steps."""
+    return fit_stages(model, texts, **kwargs).lens
 
 
 def corpus_facts_of(texts: Sequence[str]) -> dict:
