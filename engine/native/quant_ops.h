@@ -203,6 +203,239 @@ static inline float NAME(const uint8_t *row, long nb, const float *xr) {        
     return q_hsum((a[0] + a[1]) + (a[2] + a[3]));                                                              \
 }
 
+#if defined(__AVX512F__)
+/* ---- AVX-512: the row dot products written out (the portable ones below, #else, are the block decoders above and
+ * QUANT_DOT) ----
+ * Same decoding, the same exact weights (each one FMA of its exact value, rounded once, as above), fewer operations
+ * a value, because decoding, not memory, bounds these products: sixteen bytes are widened once (vpmovzxbd, the one
+ * shuffle a sixteen values) and give both nibbles; the fp16 scales of sixteen 32-value blocks are gathered and
+ * converted at once and each block's then read as a memory broadcast (a load, no shuffle); the 6-bit K-quant scales
+ * are unpacked with 32-bit masks (llama.cpp's) and converted eight at a time; and eight sums are kept (two FMAs a
+ * cycle of latency four: eight in flight). Q8_0's scale multiplies each block's sum of q x (d (q . x), one FMA a
+ * block less than (d q) . x; the identity still gives d q exactly: one product with 1, then d q, exact).
+ * The error of a row's sum is the fp32 dot product's (any order: gamma_K sum |x_k w_k|, tests/unit/test_quant_matrix.py),
+ * and quant.c's one-row product and decode.c's step call these same functions, so they agree bit for bit. */
+
+typedef __m512 qf;
+#define QX(p) _mm512_loadu_ps(p)
+#define QF(i) _mm512_cvtepi32_ps(i)
+/* *p in all sixteen lanes, read from memory (vbroadcastss m32: a load, no shuffle). Written out because GCC keeps a
+ * vector of scales just stored in a register and takes each lane with a shuffle (vpermd), the very port the widening
+ * needs. */
+static inline __m512 QB(const float *p) {
+    __m512 v;
+    __asm__("vbroadcastss %1, %0" : "=v"(v) : "m"(*p));
+    return v;
+}
+#define QFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+
+static inline __m512i q_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m512i q_s8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m512i q_and(__m512i v, int m) { return _mm512_and_si512(v, _mm512_set1_epi32(m)); }
+static inline __m512i q_shr(__m512i v, int s) { return _mm512_srli_epi32(v, s); }
+
+static inline float q_sum8(qf *a) {
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])),
+                                              _mm512_add_ps(_mm512_add_ps(a[4], a[5]), _mm512_add_ps(a[6], a[7]))));
+}
+
+/* The fp16 words at byte 0 (lo) and byte 2 (hi, if asked) of n <= 16 consecutive blocks of BYTES bytes, as floats;
+ * the n blocks' 32-bit words are gathered (lanes past n are not read). */
+static inline void q_scales16(const uint8_t *b, const int bytes, long n, float *lo, float *hi) {
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(bytes));
+    const __mmask16 k = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, at, b, 1);
+    _mm512_storeu_ps(lo, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w)));
+    if (hi) _mm512_storeu_ps(hi, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16))));
+}
+
+/* A 32-value block format's row: blocks in chunks of sixteen (their scales at once), BODY(b, xb, u) for block u of
+ * the chunk at b with its 32 x values at xb, adding into a[]. SETUP(b, n) makes the chunk's scale arrays. */
+#define QDOT32(NAME, BYTES, SETUP, BODY)                                                                        \
+static inline float NAME(const uint8_t *row, long nb, const float *xr) {                                       \
+    qf a[8];                                                                                                   \
+    for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();                                                    \
+    for (long j = 0; j < nb; j += 16) {                                                                        \
+        const uint8_t *b0 = row + (size_t)j * (BYTES);                                                         \
+        const float *x0 = xr + (size_t)j * 32;                                                                 \
+        const long n = nb - j < 16 ? nb - j : 16;                                                              \
+        SETUP(b0, n)                                                                                           \
+        if (n == 16) {                                                                                         \
+            _Pragma("GCC unroll 16")                                                                           \
+            for (int u = 0; u < 16; u++) { BODY(b0 + u * (BYTES), x0 + 32 * u, u) }                            \
+        } else {                                                                                               \
+            for (int u = 0; u < n; u++) { BODY(b0 + u * (BYTES), x0 + 32 * u, u) }                             \
+        }                                                                                                      \
+    }                                                                                                          \
+    return q_sum8(a);                                                                                          \
+}
+
+/* d[u] and, for the offset formats, o[u] = -c d[u] (Q4_0, Q5_0) or m[u] (Q4_1, Q5_1) */
+#define Q_D(b, n)  float d[16]; q_scales16(b, BYTES_, n, d, 0);
+#define Q_DC(b, n) float d[16], o[16]; q_scales16(b, BYTES_, n, d, 0);                                        \
+                   _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(d), _mm512_set1_ps(-OFF_)));
+#define Q_DM(b, n) float d[16], o[16]; q_scales16(b, BYTES_, n, d, o);
+
+/* Q8_0: d (q . x) */
+#define B_Q8_0(b, xb, u) {                                                                                      \
+    const qf t = QFMA(QF(q_s8(b + 18)), QX(xb + 16), _mm512_mul_ps(QF(q_s8(b + 2)), QX(xb)));                  \
+    a[u & 7] = QFMA(t, QB(d + u), a[u & 7]); }
+/* Q4_0, Q4_1: the low nibbles are elements 0-15, the high ones 16-31; w = d q + o in one FMA (exact) */
+#define B_Q4(at, b, xb, u) {                                                                                    \
+    const __m512i q = q_u8(b + at);                                                                            \
+    a[(2 * u) & 7] = QFMA(QFMA(QF(q_and(q, 15)), QB(d + u), QB(o + u)), QX(xb), a[(2 * u) & 7]);               \
+    a[(2 * u + 1) & 7] = QFMA(QFMA(QF(q_shr(q, 4)), QB(d + u), QB(o + u)), QX(xb + 16), a[(2 * u + 1) & 7]); }
+/* Q5_0, Q5_1: the fifth bits (qh's bit i for element i) or-ed in under a lane mask */
+#define B_Q5(at, b, xb, u) {                                                                                    \
+    const uint32_t qh = le32(b + at - 4);                                                                      \
+    const __m512i q = q_u8(b + at), s = _mm512_set1_epi32(16);                                                 \
+    const __m512i lo = _mm512_mask_or_epi32(q_and(q, 15), (__mmask16)qh, q_and(q, 15), s);                     \
+    const __m512i hi = _mm512_mask_or_epi32(q_shr(q, 4), (__mmask16)(qh >> 16), q_shr(q, 4), s);               \
+    a[(2 * u) & 7] = QFMA(QFMA(QF(lo), QB(d + u), QB(o + u)), QX(xb), a[(2 * u) & 7]);                         \
+    a[(2 * u + 1) & 7] = QFMA(QFMA(QF(hi), QB(d + u), QB(o + u)), QX(xb + 16), a[(2 * u + 1) & 7]); }
+
+#define B_Q4_0(b, xb, u) B_Q4(2, b, xb, u)
+#define B_Q4_1(b, xb, u) B_Q4(4, b, xb, u)
+#define B_Q5_0(b, xb, u) B_Q5(6, b, xb, u)
+#define B_Q5_1(b, xb, u) B_Q5(8, b, xb, u)
+
+#define BYTES_ 34
+QDOT32(dot_q8_0, 34, Q_D, B_Q8_0)
+#undef BYTES_
+#define BYTES_ 18
+#define OFF_ 8.0f
+QDOT32(dot_q4_0, 18, Q_DC, B_Q4_0)
+#undef BYTES_
+#undef OFF_
+#define BYTES_ 20
+QDOT32(dot_q4_1, 20, Q_DM, B_Q4_1)
+#undef BYTES_
+#define BYTES_ 22
+#define OFF_ 16.0f
+QDOT32(dot_q5_0, 22, Q_DC, B_Q5_0)
+#undef BYTES_
+#undef OFF_
+#define BYTES_ 24
+QDOT32(dot_q5_1, 24, Q_DM, B_Q5_1)
+#undef BYTES_
+
+/* The sub-block scales of n <= 16 K-quant super-blocks (BYTES apart from b), at once: sc[s][t] = d_t sc_s and
+ * sc[8 + s][t] = -dmin_t m_s for sub-block s < 8 of super-block t. The twelve packed bytes are unpacked as llama.cpp
+ * does, four super-blocks' bytes to a vector of sixteen 32-bit words gathered (scale_min above, byte by byte: s < 4
+ * in the low six bits of bytes s and s + 4; s >= 4 in the nibbles of byte s + 4 with the top two bits of bytes s - 4
+ * and s). Done for one super-block at a time this was a third of Q4_K's product. */
+static inline void q_k_scales16(const uint8_t *b, const int bytes, long n, float sc[16][16]) {
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(bytes));
+    const __mmask16 k = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    const __m512i z = _mm512_setzero_si512(), w = _mm512_mask_i32gather_epi32(z, k, at, b, 1);
+    const __m512i a0 = _mm512_mask_i32gather_epi32(z, k, at, b + 4, 1), a1 = _mm512_mask_i32gather_epi32(z, k, at, b + 8, 1);
+    const __m512i a2 = _mm512_mask_i32gather_epi32(z, k, at, b + 12, 1);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
+    const __m512 dmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(q_shr(w, 16))));
+    const __m512i top0 = _mm512_slli_epi32(q_and(q_shr(a0, 6), 0x03030303), 4);
+    const __m512i top1 = _mm512_slli_epi32(q_and(q_shr(a1, 6), 0x03030303), 4);
+    const __m512i p[4] = {q_and(a0, 0x3f3f3f3f), _mm512_or_si512(q_and(a2, 0x0f0f0f0f), top0),
+                          q_and(a1, 0x3f3f3f3f), _mm512_or_si512(q_and(q_shr(a2, 4), 0x0f0f0f0f), top1)};
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; v++)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+            _mm512_storeu_ps(sc[4 * v + i], _mm512_mul_ps(QF(q_and(q_shr(p[v], 8 * i), 255)), v < 2 ? d : dmin));
+}
+
+/* Q4_K (five 0) and Q5_K: sub-block s = 2c (low nibbles) and 2c + 1 (high) of the 32 bytes at qs + 32 c. A
+ * sub-block's sixteen (Q5_K: 32) possible weights d sc q - dmin m, one FMA each (exact, as above), are a table, and
+ * each weight is looked up by its code (vpermps uses an index's low four bits, vpermt2ps five: no masking): one
+ * operation a sixteen values where converting and scaling took two. Q5_K's fifth bit of element l of sub-block s is
+ * bit s of qh[l], rotated to bit 4 and selected in beside the nibble (one ternary op). */
+static inline float q_dot_k(const uint8_t *row, long nb, const float *xr, const int bytes, const int five) {
+    qf a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
+    const __m512i c15 = _mm512_set1_epi32(15);
+    const qf iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const qf iota16 = _mm512_add_ps(iota, _mm512_set1_ps(16.0f));
+    for (long j0 = 0; j0 < nb; j0 += 16) {
+        const long np = nb - j0 < 16 ? nb - j0 : 16;
+        float sc[16][16];
+        q_k_scales16(row + (size_t)j0 * bytes, bytes, np, sc);
+        for (long t = 0; t < np; t++) {
+            const uint8_t *b = row + (size_t)(j0 + t) * bytes, *qs = b + (five ? 48 : 16);
+            const float *xb = xr + (size_t)(j0 + t) * 256;
+            __m512i h[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+            if (five) { h[0] = q_u8(b + 16); h[1] = q_u8(b + 32); }
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const int s = 2 * c;
+                const qf t0 = QFMA(iota, QB(&sc[s][t]), QB(&sc[8 + s][t]));
+                const qf t1 = QFMA(iota, QB(&sc[s + 1][t]), QB(&sc[9 + s][t]));
+                qf u0 = t0, u1 = t1;
+                if (five) {
+                    u0 = QFMA(iota16, QB(&sc[s][t]), QB(&sc[8 + s][t]));
+                    u1 = QFMA(iota16, QB(&sc[s + 1][t]), QB(&sc[9 + s][t]));
+                }
+#pragma GCC unroll 2
+                for (int p = 0; p < 2; p++) {
+                    const __m512i q = q_u8(qs + 32 * c + 16 * p);
+                    qf lo, hi;
+                    if (five) {                     /* bits 2c and 2c + 1 of h[p] to bit 4: rotate right */
+                        const __m512i i0 = _mm512_ternarylogic_epi32(q, _mm512_ror_epi32(h[p], (s - 4) & 31), c15, 0xE4);
+                        const __m512i i1 = _mm512_ternarylogic_epi32(q_shr(q, 4), _mm512_ror_epi32(h[p], (s - 3) & 31),
+                                                                     c15, 0xE4);
+                        lo = _mm512_permutex2var_ps(t0, i0, u0);
+                        hi = _mm512_permutex2var_ps(t1, i1, u1);
+                    } else {
+                        lo = _mm512_permutexvar_ps(q, t0);
+                        hi = _mm512_permutexvar_ps(q_shr(q, 4), t1);
+                    }
+                    a[(4 * c + p) & 7] = QFMA(lo, QX(xb + 64 * c + 16 * p), a[(4 * c + p) & 7]);
+                    a[(4 * c + 2 + p) & 7] = QFMA(hi, QX(xb + 64 * c + 32 + 16 * p), a[(4 * c + 2 + p) & 7]);
+                }
+            }
+        }
+    }
+    return q_sum8(a);
+}
+
+static inline float dot_q4_k(const uint8_t *row, long nb, const float *x) { return q_dot_k(row, nb, x, 144, 0); }
+static inline float dot_q5_k(const uint8_t *row, long nb, const float *x) { return q_dot_k(row, nb, x, 176, 1); }
+
+/* Q6_K: as deq_q6_k, each 16 values with their scale d sc and offset -32 d sc read as broadcasts; the top two bits
+ * (bits 2s, 2s + 1 of qh) shifted to bits 4-5 and or-ed in with their mask in one ternary op. */
+static inline float dot_q6_k(const uint8_t *row, long nb, const float *xr) {
+    qf a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
+    const __m512i c48 = _mm512_set1_epi32(48);
+    for (long j = 0; j < nb; j++) {
+        const uint8_t *b = row + (size_t)j * 210;
+        const float *xb = xr + (size_t)j * 256;
+        float ds[16], dz[16];
+        const qf scale = _mm512_mul_ps(QF(q_s8(b + 192)), _mm512_set1_ps(half(b + 208)));
+        _mm512_storeu_ps(ds, scale);
+        _mm512_storeu_ps(dz, _mm512_mul_ps(scale, _mm512_set1_ps(-32.0f)));
+       
+       
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+#pragma GCC unroll 2
+            for (int p = 0; p < 2; p++) {
+                const __m512i hi = q_u8(qh + 16 * p), lo0 = q_u8(ql + 16 * p), lo1 = q_u8(ql + 32 + 16 * p);
+                const __m512i top[4] = {_mm512_slli_epi32(hi, 4), _mm512_slli_epi32(hi, 2), hi, q_shr(hi, 2)};
+                const __m512i low[4] = {q_and(lo0, 15), q_and(lo1, 15), q_shr(lo0, 4), q_shr(lo1, 4)};
+#pragma GCC unroll 4
+                for (int s = 0; s < 4; s++) {
+                    const __m512i q = _mm512_ternarylogic_epi32(low[s], top[s], c48, 0xF8);     /* low | top & 48 */
+                    const int i = 8 * h + 2 * s + p;
+                    a[i & 7] = QFMA(QFMA(QF(q), QB(ds + i), QB(dz + i)), QX(xb + 16 * i), a[i & 7]);
+                }
+            }
+        }
+    }
+    return q_sum8(a);
+}
+#else
 QUANT_DOT(dot_q8_0, 32, 34, deq_q8_0)
 QUANT_DOT(dot_q4_0, 32, 18, deq_q4_0)
 QUANT_DOT(dot_q4_1, 32, 20, deq_q4_1)
@@ -211,6 +444,7 @@ QUANT_DOT(dot_q5_1, 32, 24, deq_q5_1)
 QUANT_DOT(dot_q4_k, 256, 144, deq_q4_k)
 QUANT_DOT(dot_q5_k, 256, 176, deq_q5_k)
 QUANT_DOT(dot_q6_k, 256, 210, deq_q6_k)
+#endif
 
 /* W's row n (nb blocks) dot x for the GGML type `type`; the caller has checked the type (q_block_bytes > 0). */
 static inline float q_dot(int type, const uint8_t *w, long n, long nb, const float *x) {
