@@ -256,17 +256,17 @@ static inline void q_scales16(const uint8_t *b, const int bytes, long n, float *
 static inline float NAME(const uint8_t *row, long nb, const float *xr) {                                       \
     qf a[8];                                                                                                   \
     for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();                                                    \
+    const qf iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);                        \
+    (void)iota;                                                                                                \
     for (long j = 0; j < nb; j += 16) {                                                                        \
         const uint8_t *b0 = row + (size_t)j * (BYTES);                                                         \
         const float *x0 = xr + (size_t)j * 32;                                                                 \
         const long n = nb - j < 16 ? nb - j : 16;                                                              \
         SETUP(b0, n)                                                                                           \
-        if (n == 16) {                                                                                         \
-            _Pragma("GCC unroll 16")                                                                           \
-            for (int u = 0; u < 16; u++) { BODY(b0 + u * (BYTES), x0 + 32 * u, u) }                            \
-        } else {                                                                                               \
-            for (int u = 0; u < n; u++) { BODY(b0 + u * (BYTES), x0 + 32 * u, u) }                             \
-        }                                                                                                      \
+        /* unrolled whole, the tail too (u < n): a[u & 7] must name a register, not an array in memory */     \
+        _Pragma("GCC unroll 16")                                                                               \
+        for (int u = 0; u < 16; u++)                                                                           \
+            if (u < n) { BODY(b0 + u * (BYTES), x0 + 32 * u, u) }                                              \
     }                                                                                                          \
     return q_sum8(a);                                                                                          \
 }
@@ -281,11 +281,13 @@ static inline float NAME(const uint8_t *row, long nb, const float *xr) {        
 #define B_Q8_0(b, xb, u) {                                                                                      \
     const qf t = QFMA(QF(q_s8(b + 18)), QX(xb + 16), _mm512_mul_ps(QF(q_s8(b + 2)), QX(xb)));                  \
     a[u & 7] = QFMA(t, QB(d + u), a[u & 7]); }
-/* Q4_0, Q4_1: the low nibbles are elements 0-15, the high ones 16-31; w = d q + o in one FMA (exact) */
+/* Q4_0, Q4_1: the low nibbles are elements 0-15, the high ones 16-31; the block's sixteen possible weights d q + o
+ * (one FMA each, exact) are a table each code looks its weight up in (vpermps reads an index's low four bits) */
 #define B_Q4(at, b, xb, u) {                                                                                    \
     const __m512i q = q_u8(b + at);                                                                            \
-    a[(2 * u) & 7] = QFMA(QFMA(QF(q_and(q, 15)), QB(d + u), QB(o + u)), QX(xb), a[(2 * u) & 7]);               \
-    a[(2 * u + 1) & 7] = QFMA(QFMA(QF(q_shr(q, 4)), QB(d + u), QB(o + u)), QX(xb + 16), a[(2 * u + 1) & 7]); }
+    const qf t = QFMA(iota, QB(d + u), QB(o + u));                                                             \
+    a[(2 * u) & 7] = QFMA(_mm512_permutexvar_ps(q, t), QX(xb), a[(2 * u) & 7]);                                \
+    a[(2 * u + 1) & 7] = QFMA(_mm512_permutexvar_ps(q_shr(q, 4), t), QX(xb + 16), a[(2 * u + 1) & 7]); }
 /* Q5_0, Q5_1: the fifth bits (qh's bit i for element i) or-ed in under a lane mask */
 #define B_Q5(at, b, xb, u) {                                                                                    \
     const uint32_t qh = le32(b + at - 4);                                                                      \
