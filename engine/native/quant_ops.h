@@ -403,12 +403,21 @@ static inline float q_dot_k(const uint8_t *row, long nb, const float *xr, const 
 static inline float dot_q4_k(const uint8_t *row, long nb, const float *x) { return q_dot_k(row, nb, x, 144, 0); }
 static inline float dot_q5_k(const uint8_t *row, long nb, const float *x) { return q_dot_k(row, nb, x, 176, 1); }
 
-/* Q6_K: as deq_q6_k, each 16 values with their scale d sc and offset -32 d sc read as broadcasts; the top two bits
- * (bits 2s, 2s + 1 of qh) shifted to bits 4-5 and or-ed in with their mask in one ternary op. */
+/* Q6_K: each half's 128 six-bit codes are put together a whole register (64 bytes) at a time, before any widening:
+ * bytes m of the half's 64 bytes of ql give elements m (low nibbles) and 64 + m (high), and the top two bits of
+ * element e of the half are bits 2 (e / 32), +1 of qh[e % 32] (its 32 bytes read into both halves of the register),
+ * moved to bits 4-5 by a 16-bit shift of its own for each half (the bits crossing from the next byte fall outside
+ * 0x30); the 128 codes go through the stack and are widened sixteen at a time. Each 16 values have their scale d sc
+ * and offset -32 d sc (read as broadcasts): w = d sc q - 32 d sc, one FMA of an exact value (as deq_q6_k). */
 static inline float dot_q6_k(const uint8_t *row, long nb, const float *xr) {
     qf a[8];
     for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
-    const __m512i c48 = _mm512_set1_epi32(48);
+    const __m512i lo4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
+    const __m512i up_a = _mm512_setr_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
+                                           0x0004000400040004, 0x0002000200020002, 0x0002000200020002,
+                                           0x0002000200020002, 0x0002000200020002);   /* << 4 | << 2 */
+    const __m512i down_b = _mm512_setr_epi64(0, 0, 0, 0, 0x0002000200020002, 0x0002000200020002,
+                                             0x0002000200020002, 0x0002000200020002);  /* >> 0 | >> 2 */
     for (long j = 0; j < nb; j++) {
         const uint8_t *b = row + (size_t)j * 210;
         const float *xb = xr + (size_t)j * 256;
@@ -416,22 +425,19 @@ static inline float dot_q6_k(const uint8_t *row, long nb, const float *xr) {
         const qf scale = _mm512_mul_ps(QF(q_s8(b + 192)), _mm512_set1_ps(half(b + 208)));
         _mm512_storeu_ps(ds, scale);
         _mm512_storeu_ps(dz, _mm512_mul_ps(scale, _mm512_set1_ps(-32.0f)));
-       
-       
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
-#pragma GCC unroll 2
-            for (int p = 0; p < 2; p++) {
-                const __m512i hi = q_u8(qh + 16 * p), lo0 = q_u8(ql + 16 * p), lo1 = q_u8(ql + 32 + 16 * p);
-                const __m512i top[4] = {_mm512_slli_epi32(hi, 4), _mm512_slli_epi32(hi, 2), hi, q_shr(hi, 2)};
-                const __m512i low[4] = {q_and(lo0, 15), q_and(lo1, 15), q_shr(lo0, 4), q_shr(lo1, 4)};
-#pragma GCC unroll 4
-                for (int s = 0; s < 4; s++) {
-                    const __m512i q = _mm512_ternarylogic_epi32(low[s], top[s], c48, 0xF8);     /* low | top & 48 */
-                    const int i = 8 * h + 2 * s + p;
-                    a[i & 7] = QFMA(QFMA(QF(q), QB(ds + i), QB(dz + i)), QX(xb + 16 * i), a[i & 7]);
-                }
+            uint8_t q[128] __attribute__((aligned(64)));
+            const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+            const __m512i ta = _mm512_and_si512(_mm512_sllv_epi16(qh, up_a), top2);
+            const __m512i tb = _mm512_and_si512(_mm512_srlv_epi16(qh, down_b), top2);
+            _mm512_store_si512(q, _mm512_ternarylogic_epi32(ql, lo4, ta, 0xEA));                 /* ql & 15 | ta */
+            _mm512_store_si512(q + 64, _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), lo4, tb, 0xEA));
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                const int i = 8 * h + g;
+                a[i & 7] = QFMA(QFMA(QF(q_u8(q + 16 * g)), QB(ds + i), QB(dz + i)), QX(xb + 16 * i), a[i & 7]);
             }
         }
     }
