@@ -1,8 +1,9 @@
 """quant_ops.h's row dot product (q_dot: the one-row product of QuantMatrix.matmul and of decode.c's native step)
 for every format on rows long enough to take each path its AVX-512 kernels have: the 32-value formats' chunks of
 sixteen blocks (their fp16 scales gathered at once) whole, with a tail of 1-15 blocks after them, and alone; the
-K-quants over one and several super-blocks. test_quant_matrix.py's rows are 7 blocks (a tail only) and its identity
-products are four rows of x at a time (quant.c's tiles, never the row dot).
+K-quants over one, five and 21 super-blocks (their scales too are unpacked sixteen super-blocks at a time).
+test_quant_matrix.py's rows are 7 blocks (a tail only) or 3 super-blocks, and its identity products are four rows of
+x at a time (quant.c's tiles, never the row dot).
 
 The blocks are random bytes (every code, every fifth or top bit, every packed 6-bit K-quant scale and min) with each
 block's fp16 scales (and minimum) overwritten by a different small finite value, so a scale taken from the wrong
@@ -35,8 +36,9 @@ pytestmark = pytest.mark.unit
 SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
           "Q6_K": (208,)}
 # blocks a row: one chunk of sixteen whole; a chunk and a tail of 5; two chunks and a tail of 15; a tail alone (1)
+# (the K-quants' scales are unpacked sixteen super-blocks at a time as well)
 ROW_BLOCKS = {fmt: (16, 21, 47, 1) for fmt in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")}
-ROW_BLOCKS |= {fmt: (1, 5) for fmt in ("Q4_K", "Q5_K", "Q6_K")}
+ROW_BLOCKS |= {fmt: (1, 5, 21) for fmt in ("Q4_K", "Q5_K", "Q6_K")}     # K-quants: 16 at a time too
 CASES = [(fmt, nb) for fmt, nbs in ROW_BLOCKS.items() for nb in nbs]
 N_ROWS = 6
 
@@ -65,8 +67,12 @@ def test_row_dot_multiplies_exactly_gguf_dequantised_weights(fmt, nb):
     m, w = random_rows(fmt, nb, seed=nb)
     assert torch.isfinite(w).all() and w.abs().max() > 0
     K = m.shape[1]
-    eye = torch.eye(K)
-    got = torch.cat([m.matmul(eye[k:k + 3]) for k in range(0, K, 3)])          # B = 3 (the last: 1 to 3)
+    parts = []
+    for k in range(0, K, 3):                                      # B = 3 rows of the identity (the last: 1 to 3)
+        eye = torch.zeros(min(3, K - k), K)
+        eye[torch.arange(eye.shape[0]), torch.arange(k, k + eye.shape[0])] = 1.0
+        parts.append(m.matmul(eye))
+    got = torch.cat(parts)
     assert torch.equal(got, w), f"{(got != w).sum().item()} of {w.numel()} weights differ from gguf's"
 
 
