@@ -381,10 +381,12 @@ static inline float q_dot_k(const uint8_t *row, long nb, const float *xr, const 
                 for (int p = 0; p < 2; p++) {
                     const __m512i q = q_u8(qs + 32 * c + 16 * p);
                     qf lo, hi;
-                    if (five) {                     /* bits 2c and 2c + 1 of h[p] to bit 4: rotate right */
-                        const __m512i i0 = _mm512_ternarylogic_epi32(q, _mm512_ror_epi32(h[p], (s - 4) & 31), c15, 0xE4);
-                        const __m512i i1 = _mm512_ternarylogic_epi32(q_shr(q, 4), _mm512_ror_epi32(h[p], (s - 3) & 31),
-                                                                     c15, 0xE4);
+                    if (five) {     /* bits 2c and 2c + 1 of h[p] to bit 4: rotate right (by a vector of counts:
+                                     * an immediate count is refused where the loop is not unrolled, at -O0) */
+                        const __m512i r0 = _mm512_rorv_epi32(h[p], _mm512_set1_epi32((s - 4) & 31));
+                        const __m512i r1 = _mm512_rorv_epi32(h[p], _mm512_set1_epi32((s - 3) & 31));
+                        const __m512i i0 = _mm512_ternarylogic_epi32(q, r0, c15, 0xE4);        /* q & 15 | r0 & ~15 */
+                        const __m512i i1 = _mm512_ternarylogic_epi32(q_shr(q, 4), r1, c15, 0xE4);
                         lo = _mm512_permutex2var_ps(t0, i0, u0);
                         hi = _mm512_permutex2var_ps(t1, i1, u1);
                     } else {
