@@ -206,15 +206,16 @@ static inline float NAME(const uint8_t *row, long nb, const float *xr) {        
 #if defined(__AVX512F__)
 /* ---- AVX-512: the row dot products written out (the portable ones below, #else, are the block decoders above and
  * QUANT_DOT) ----
- * Same decoding, the same exact weights (each one FMA of its exact value, rounded once, as above), fewer operations
- * a value, because decoding, not memory, bounds these products: sixteen bytes are widened once (vpmovzxbd, the one
- * shuffle a sixteen values) and give both nibbles; the fp16 scales of sixteen 32-value blocks are gathered and
- * converted at once and each block's then read as a memory broadcast (a load, no shuffle); the 6-bit K-quant scales
- * are unpacked with 32-bit masks (llama.cpp's) and converted eight at a time; and eight sums are kept (two FMAs a
- * cycle of latency four: eight in flight). Q8_0's scale multiplies each block's sum of q x (d (q . x), one FMA a
- * block less than (d q) . x; the identity still gives d q exactly: one product with 1, then d q, exact).
- * The error of a row's sum is the fp32 dot product's (any order: gamma_K sum |x_k w_k|, tests/unit/test_quant_matrix.py),
- * and quant.c's one-row product and decode.c's step call these same functions, so they agree bit for bit. */
+ * The same exact weights (each one FMA of its exact value, rounded once, as above) with fewer operations a value,
+ * because decoding, not memory, bounds these products: sixteen bytes are widened once (vpmovzxbd, the one shuffle a
+ * sixteen values) and give both nibbles; a 4-bit sub-block's or block's sixteen possible weights are a table its codes
+ * look up (vpermps: one operation where converting and scaling took two); the fp16 scales of sixteen 32-value blocks,
+ * and the packed 6-bit scales of sixteen K-quant super-blocks, are gathered and converted at once and each then read
+ * as a memory broadcast (a load, no shuffle); and eight sums are kept (two FMAs a cycle of latency four). Q8_0's scale
+ * multiplies each block's q . x (d (q . x): one FMA a block less; the identity still gives d q exactly).
+ * The error of a row's sum is the fp32 dot product's whatever the order (gamma_K sum |x_k w_k|:
+ * tests/unit/test_quant_matrix.py, test_quant_row_dot.py), and quant.c's one-row product and decode.c's step call
+ * these same functions, so the two agree bit for bit. */
 
 typedef __m512 qf;
 #define QX(p) _mm512_loadu_ps(p)
@@ -332,7 +333,8 @@ static inline void q_k_scales16(const uint8_t *b, const int bytes, long n, float
                                           _mm512_set1_epi32(bytes));
     const __mmask16 k = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
     const __m512i z = _mm512_setzero_si512(), w = _mm512_mask_i32gather_epi32(z, k, at, b, 1);
-    const __m512i a0 = _mm512_mask_i32gather_epi32(z, k, at, b + 4, 1), a1 = _mm512_mask_i32gather_epi32(z, k, at, b + 8, 1);
+    const __m512i a0 = _mm512_mask_i32gather_epi32(z, k, at, b + 4, 1);
+    const __m512i a1 = _mm512_mask_i32gather_epi32(z, k, at, b + 8, 1);
     const __m512i a2 = _mm512_mask_i32gather_epi32(z, k, at, b + 12, 1);
     const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
     const __m512 dmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(q_shr(w, 16))));
