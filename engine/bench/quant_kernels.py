@@ -1,7 +1,8 @@
 """python -m engine.bench.quant_kernels: each quantised format's native product (engine/native/quant.c through
 engine.quant_matrix) at B = 1 on an N x K matrix (default 2,048 x 8,192, one large model's projection), as GB/s of
-the bytes the matrix is stored in, against the fp32 dot-product kernel of the same file on the same matrix in fp32
-(the memory floor: a B = 1 product reads every weight once and does two flops per 4 bytes) and torch's x @ w.
+the bytes the matrix is stored in and as billions of weights decoded a second (all threads), against the fp32
+dot-product kernel of the same file on the same matrix in fp32 (the memory floor: a B = 1 product reads every weight
+once and does two flops per 4 bytes) and torch's x @ w.
 
 The blocks are random bytes with small finite fp16 scales (any bytes are a valid block of these formats once
 their scales are finite). This machine's memory speed moves minute to minute and other processes share its cores,
@@ -62,6 +63,7 @@ def run(N: int = 2048, K: int = 8192, rounds: int = 5, reps: int = 5) -> dict:
             best[name] = min(best[name], _best(fn, reps))
     floor = kernels["fp32 (floor)"][1] / best["fp32 (floor)"] / 1e9
     rows = {name: {"bytes": size, "ms": round(best[name] * 1e3, 3), "GB/s": round(size / best[name] / 1e9, 2),
+                   "Gvalues/s": round(N * K / best[name] / 1e9, 2),
                    "of_floor": round(size / best[name] / 1e9 / floor, 2),
                    "x_fp32_time": round(best["fp32 (floor)"] / best[name], 2)}
             for name, (_, size) in kernels.items()}

@@ -21,8 +21,14 @@
  *
  * x stays fp32. llama.cpp's CPU kernels instead round x to 8 bits (q8_0 / q8_K blocks) and take integer dot products
  * (VNNI): about 2-4 times less work a value, but a product that is no longer the fp32 product of the file's weights
- * with x, so it is not done here. At B = 1 these kernels decode about 10^10 values a second a core (this machine,
- * 2026-12-07): memory-bound where the memory is slow, compute-bound where it is fast (engine/bench/quant_kernels.py).
+ * with x, and x would have to be rounded once per product, before the rows (the row dot, q_dot, is handed an fp32 x
+ * by decode.c's step as by this file), so it is not done here. With AVX-512 the row dot (each row of x past the last
+ * tile of four, and decode.c's step) is quant_ops.h's written-out kernels (K-quant and 4-bit weights looked up in a
+ * table of the sub-block's sixteen values, scales unpacked sixteen blocks at once); without it, the portable
+ * decoders below (which the tiles of four rows of x use on every CPU). At B = 1 one core decodes (this machine,
+ * 2026-12-07, 64 rows of 4,096 values in L2, the best of 3 x 200 passes) Q4_K 19, Q8_0 18, Q4_0/Q4_1 17, Q5_K 14,
+ * Q5_0/Q5_1 13, Q6_K 13 billion values a second, against 12, 13, 15/14, 10, 11/11 and 10 for the portable kernels:
+ * still bound by decoding, not by memory, on this machine's fast memory (engine/bench/quant_kernels.py).
  *
  * Rows are split between OpenMP threads (each thread a contiguous range: its own rows, its own dot products). A row
  * is read once for each tile of four of x's rows (a row of W is a few kB: the second tile finds it in L1/L2). */

@@ -203,6 +203,251 @@ static inline float NAME(const uint8_t *row, long nb, const float *xr) {        
     return q_hsum((a[0] + a[1]) + (a[2] + a[3]));                                                              \
 }
 
+#if defined(__AVX512F__)
+/* ---- AVX-512: the row dot products written out (the portable ones below, #else, are the block decoders above and
+ * QUANT_DOT) ----
+ * The same exact weights (each one FMA of its exact value, rounded once, as above) with fewer operations a value,
+ * because decoding, not memory, bounds these products: sixteen bytes are widened once (vpmovzxbd, the one shuffle a
+ * sixteen values) and give both nibbles; a 4-bit sub-block's or block's sixteen possible weights are a table its codes
+ * look up (vpermps: one operation where converting and scaling took two); the fp16 scales of sixteen 32-value blocks,
+ * and the packed 6-bit scales of sixteen K-quant super-blocks, are gathered and converted at once and each then read
+ * as a memory broadcast (a load, no shuffle); and eight sums are kept (two FMAs a cycle of latency four). Q8_0's scale
+ * multiplies each block's q . x (d (q . x): one FMA a block less; the identity still gives d q exactly).
+ * The error of a row's sum is the fp32 dot product's whatever the order (gamma_K sum |x_k w_k|:
+ * tests/unit/test_quant_matrix.py, test_quant_row_dot.py), and quant.c's one-row product and decode.c's step call
+ * these same functions, so the two agree bit for bit. */
+
+typedef __m512 qf;
+#define QX(p) _mm512_loadu_ps(p)
+#define QF(i) _mm512_cvtepi32_ps(i)
+/* *p in all sixteen lanes, read from memory (vbroadcastss m32: a load, no shuffle). Written out because GCC keeps a
+ * vector of scales just stored in a register and takes each lane with a shuffle (vpermd), the very port the widening
+ * needs. */
+static inline __m512 QB(const float *p) {
+    __m512 v;
+    __asm__("vbroadcastss %1, %0" : "=v"(v) : "m"(*p));
+    return v;
+}
+#define QFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+
+static inline __m512i q_u8(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m512i q_s8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m512i q_and(__m512i v, int m) { return _mm512_and_si512(v, _mm512_set1_epi32(m)); }
+static inline __m512i q_shr(__m512i v, int s) { return _mm512_srli_epi32(v, s); }
+
+static inline float q_sum8(qf *a) {
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])),
+                                              _mm512_add_ps(_mm512_add_ps(a[4], a[5]), _mm512_add_ps(a[6], a[7]))));
+}
+
+/* The fp16 words at byte 0 (lo) and byte 2 (hi, if asked) of n <= 16 consecutive blocks of BYTES bytes, as floats;
+ * the n blocks' 32-bit words are gathered (lanes past n are not read). */
+static inline void q_scales16(const uint8_t *b, const int bytes, long n, float *lo, float *hi) {
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(bytes));
+    const __mmask16 k = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, at, b, 1);
+    _mm512_storeu_ps(lo, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w)));
+    if (hi) _mm512_storeu_ps(hi, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16))));
+}
+
+/* A 32-value block format's row: blocks in chunks of sixteen (their scales at once), BODY(b, xb, u) for block u of
+ * the chunk at b with its 32 x values at xb, adding into a[]. SETUP(b, n) makes the chunk's scale arrays. */
+#define QDOT32(NAME, BYTES, SETUP, BODY)                                                                        \
+static inline float NAME(const uint8_t *row, long nb, const float *xr) {                                       \
+    qf a[8];                                                                                                   \
+    for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();                                                    \
+    const qf iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);                        \
+    (void)iota;                                                                                                \
+    for (long j = 0; j < nb; j += 16) {                                                                        \
+        const uint8_t *b0 = row + (size_t)j * (BYTES);                                                         \
+        const float *x0 = xr + (size_t)j * 32;                                                                 \
+        const long n = nb - j < 16 ? nb - j : 16;                                                              \
+        SETUP(b0, n)                                                                                           \
+        /* unrolled whole, the tail too (u < n): a[u & 7] must name a register, not an array in memory */     \
+        _Pragma("GCC unroll 16")                                                                               \
+        for (int u = 0; u < 16; u++)                                                                           \
+            if (u < n) { BODY(b0 + u * (BYTES), x0 + 32 * u, u) }                                              \
+    }                                                                                                          \
+    return q_sum8(a);                                                                                          \
+}
+
+/* d[u] and, for the offset formats, o[u] = -c d[u] (Q4_0, Q5_0) or m[u] (Q4_1, Q5_1) */
+#define Q_D(b, n)  float d[16]; q_scales16(b, BYTES_, n, d, 0);
+#define Q_DC(b, n) float d[16], o[16]; q_scales16(b, BYTES_, n, d, 0);                                        \
+                   _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(d), _mm512_set1_ps(-OFF_)));
+#define Q_DM(b, n) float d[16], o[16]; q_scales16(b, BYTES_, n, d, o);
+
+/* Q8_0: d (q . x) */
+#define B_Q8_0(b, xb, u) {                                                                                      \
+    const qf t = QFMA(QF(q_s8(b + 18)), QX(xb + 16), _mm512_mul_ps(QF(q_s8(b + 2)), QX(xb)));                  \
+    a[u & 7] = QFMA(t, QB(d + u), a[u & 7]); }
+/* Q4_0, Q4_1: the low nibbles are elements 0-15, the high ones 16-31; the block's sixteen possible weights d q + o
+ * (one FMA each, exact) are a table each code looks its weight up in (vpermps reads an index's low four bits) */
+#define B_Q4(at, b, xb, u) {                                                                                    \
+    const __m512i q = q_u8(b + at);                                                                            \
+    const qf t = QFMA(iota, QB(d + u), QB(o + u));                                                             \
+    a[(2 * u) & 7] = QFMA(_mm512_permutexvar_ps(q, t), QX(xb), a[(2 * u) & 7]);                                \
+    a[(2 * u + 1) & 7] = QFMA(_mm512_permutexvar_ps(q_shr(q, 4), t), QX(xb + 16), a[(2 * u + 1) & 7]); }
+/* Q5_0, Q5_1: the fifth bits (qh's bit i for element i) or-ed in under a lane mask */
+#define B_Q5(at, b, xb, u) {                                                                                    \
+    const uint32_t qh = le32(b + at - 4);                                                                      \
+    const __m512i q = q_u8(b + at), s = _mm512_set1_epi32(16);                                                 \
+    const __m512i lo = _mm512_mask_or_epi32(q_and(q, 15), (__mmask16)qh, q_and(q, 15), s);                     \
+    const __m512i hi = _mm512_mask_or_epi32(q_shr(q, 4), (__mmask16)(qh >> 16), q_shr(q, 4), s);               \
+    a[(2 * u) & 7] = QFMA(QFMA(QF(lo), QB(d + u), QB(o + u)), QX(xb), a[(2 * u) & 7]);                         \
+    a[(2 * u + 1) & 7] = QFMA(QFMA(QF(hi), QB(d + u), QB(o + u)), QX(xb + 16), a[(2 * u + 1) & 7]); }
+
+#define B_Q4_0(b, xb, u) B_Q4(2, b, xb, u)
+#define B_Q4_1(b, xb, u) B_Q4(4, b, xb, u)
+#define B_Q5_0(b, xb, u) B_Q5(6, b, xb, u)
+#define B_Q5_1(b, xb, u) B_Q5(8, b, xb, u)
+
+#define BYTES_ 34
+QDOT32(dot_q8_0, 34, Q_D, B_Q8_0)
+#undef BYTES_
+#define BYTES_ 18
+#define OFF_ 8.0f
+QDOT32(dot_q4_0, 18, Q_DC, B_Q4_0)
+#undef BYTES_
+#undef OFF_
+#define BYTES_ 20
+QDOT32(dot_q4_1, 20, Q_DM, B_Q4_1)
+#undef BYTES_
+#define BYTES_ 22
+#define OFF_ 16.0f
+QDOT32(dot_q5_0, 22, Q_DC, B_Q5_0)
+#undef BYTES_
+#undef OFF_
+#define BYTES_ 24
+QDOT32(dot_q5_1, 24, Q_DM, B_Q5_1)
+#undef BYTES_
+
+/* The sub-block scales of n <= 16 K-quant super-blocks (BYTES apart from b), at once: sc[s][t] = d_t sc_s and
+ * sc[8 + s][t] = -dmin_t m_s for sub-block s < 8 of super-block t. The twelve packed bytes are unpacked as llama.cpp
+ * does, four super-blocks' bytes to a vector of sixteen 32-bit words gathered (scale_min above, byte by byte: s < 4
+ * in the low six bits of bytes s and s + 4; s >= 4 in the nibbles of byte s + 4 with the top two bits of bytes s - 4
+ * and s). Done for one super-block at a time this was a third of Q4_K's product. */
+static inline void q_k_scales16(const uint8_t *b, const int bytes, long n, float sc[16][16]) {
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(bytes));
+    const __mmask16 k = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    const __m512i z = _mm512_setzero_si512(), w = _mm512_mask_i32gather_epi32(z, k, at, b, 1);
+    const __m512i a0 = _mm512_mask_i32gather_epi32(z, k, at, b + 4, 1);
+    const __m512i a1 = _mm512_mask_i32gather_epi32(z, k, at, b + 8, 1);
+    const __m512i a2 = _mm512_mask_i32gather_epi32(z, k, at, b + 12, 1);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
+    const __m512 dmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(q_shr(w, 16))));
+    const __m512i top0 = _mm512_slli_epi32(q_and(q_shr(a0, 6), 0x03030303), 4);
+    const __m512i top1 = _mm512_slli_epi32(q_and(q_shr(a1, 6), 0x03030303), 4);
+    const __m512i p[4] = {q_and(a0, 0x3f3f3f3f), _mm512_or_si512(q_and(a2, 0x0f0f0f0f), top0),
+                          q_and(a1, 0x3f3f3f3f), _mm512_or_si512(q_and(q_shr(a2, 4), 0x0f0f0f0f), top1)};
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; v++)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+            _mm512_storeu_ps(sc[4 * v + i], _mm512_mul_ps(QF(q_and(q_shr(p[v], 8 * i), 255)), v < 2 ? d : dmin));
+}
+
+/* Q4_K (five 0) and Q5_K: sub-block s = 2c (low nibbles) and 2c + 1 (high) of the 32 bytes at qs + 32 c. A
+ * sub-block's sixteen (Q5_K: 32) possible weights d sc q - dmin m, one FMA each (exact, as above), are a table, and
+ * each weight is looked up by its code (vpermps uses an index's low four bits, vpermt2ps five: no masking): one
+ * operation a sixteen values where converting and scaling took two. Q5_K's fifth bit of element l of sub-block s is
+ * bit s of qh[l], rotated to bit 4 and selected in beside the nibble (one ternary op). */
+static inline float q_dot_k(const uint8_t *row, long nb, const float *xr, const int bytes, const int five) {
+    qf a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
+    const __m512i c15 = _mm512_set1_epi32(15);
+    const qf iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const qf iota16 = _mm512_add_ps(iota, _mm512_set1_ps(16.0f));
+    for (long j0 = 0; j0 < nb; j0 += 16) {
+        const long np = nb - j0 < 16 ? nb - j0 : 16;
+        float sc[16][16];
+        q_k_scales16(row + (size_t)j0 * bytes, bytes, np, sc);
+        for (long t = 0; t < np; t++) {
+            const uint8_t *b = row + (size_t)(j0 + t) * bytes, *qs = b + (five ? 48 : 16);
+            const float *xb = xr + (size_t)(j0 + t) * 256;
+            __m512i h[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+            if (five) { h[0] = q_u8(b + 16); h[1] = q_u8(b + 32); }
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const int s = 2 * c;
+                const qf t0 = QFMA(iota, QB(&sc[s][t]), QB(&sc[8 + s][t]));
+                const qf t1 = QFMA(iota, QB(&sc[s + 1][t]), QB(&sc[9 + s][t]));
+                qf u0 = t0, u1 = t1;
+                if (five) {
+                    u0 = QFMA(iota16, QB(&sc[s][t]), QB(&sc[8 + s][t]));
+                    u1 = QFMA(iota16, QB(&sc[s + 1][t]), QB(&sc[9 + s][t]));
+                }
+#pragma GCC unroll 2
+                for (int p = 0; p < 2; p++) {
+                    const __m512i q = q_u8(qs + 32 * c + 16 * p);
+                    qf lo, hi;
+                    if (five) {     /* bits 2c and 2c + 1 of h[p] to bit 4: rotate right (by a vector of counts:
+                                     * an immediate count is refused where the loop is not unrolled, at -O0) */
+                        const __m512i r0 = _mm512_rorv_epi32(h[p], _mm512_set1_epi32((s - 4) & 31));
+                        const __m512i r1 = _mm512_rorv_epi32(h[p], _mm512_set1_epi32((s - 3) & 31));
+                        const __m512i i0 = _mm512_ternarylogic_epi32(q, r0, c15, 0xE4);        /* q & 15 | r0 & ~15 */
+                        const __m512i i1 = _mm512_ternarylogic_epi32(q_shr(q, 4), r1, c15, 0xE4);
+                        lo = _mm512_permutex2var_ps(t0, i0, u0);
+                        hi = _mm512_permutex2var_ps(t1, i1, u1);
+                    } else {
+                        lo = _mm512_permutexvar_ps(q, t0);
+                        hi = _mm512_permutexvar_ps(q_shr(q, 4), t1);
+                    }
+                    a[(4 * c + p) & 7] = QFMA(lo, QX(xb + 64 * c + 16 * p), a[(4 * c + p) & 7]);
+                    a[(4 * c + 2 + p) & 7] = QFMA(hi, QX(xb + 64 * c + 32 + 16 * p), a[(4 * c + 2 + p) & 7]);
+                }
+            }
+        }
+    }
+    return q_sum8(a);
+}
+
+static inline float dot_q4_k(const uint8_t *row, long nb, const float *x) { return q_dot_k(row, nb, x, 144, 0); }
+static inline float dot_q5_k(const uint8_t *row, long nb, const float *x) { return q_dot_k(row, nb, x, 176, 1); }
+
+/* Q6_K: each half's 128 six-bit codes are put together a whole register (64 bytes) at a time, before any widening:
+ * bytes m of the half's 64 bytes of ql give elements m (low nibbles) and 64 + m (high), and the top two bits of
+ * element e of the half are bits 2 (e / 32), +1 of qh[e % 32] (its 32 bytes read into both halves of the register),
+ * moved to bits 4-5 by a 16-bit shift of its own for each half (the bits crossing from the next byte fall outside
+ * 0x30); the 128 codes go through the stack and are widened sixteen at a time. Each 16 values have their scale d sc
+ * and offset -32 d sc (read as broadcasts): w = d sc q - 32 d sc, one FMA of an exact value (as deq_q6_k). */
+static inline float dot_q6_k(const uint8_t *row, long nb, const float *xr) {
+    qf a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
+    const __m512i lo4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
+    const __m512i up_a = _mm512_setr_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
+                                           0x0004000400040004, 0x0002000200020002, 0x0002000200020002,
+                                           0x0002000200020002, 0x0002000200020002);   /* << 4 | << 2 */
+    const __m512i down_b = _mm512_setr_epi64(0, 0, 0, 0, 0x0002000200020002, 0x0002000200020002,
+                                             0x0002000200020002, 0x0002000200020002);  /* >> 0 | >> 2 */
+    for (long j = 0; j < nb; j++) {
+        const uint8_t *b = row + (size_t)j * 210;
+        const float *xb = xr + (size_t)j * 256;
+        float ds[16], dz[16];
+        const qf scale = _mm512_mul_ps(QF(q_s8(b + 192)), _mm512_set1_ps(half(b + 208)));
+        _mm512_storeu_ps(ds, scale);
+        _mm512_storeu_ps(dz, _mm512_mul_ps(scale, _mm512_set1_ps(-32.0f)));
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            uint8_t q[128] __attribute__((aligned(64)));
+            const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+            const __m512i ta = _mm512_and_si512(_mm512_sllv_epi16(qh, up_a), top2);
+            const __m512i tb = _mm512_and_si512(_mm512_srlv_epi16(qh, down_b), top2);
+            _mm512_store_si512(q, _mm512_ternarylogic_epi32(ql, lo4, ta, 0xEA));                 /* ql & 15 | ta */
+            _mm512_store_si512(q + 64, _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), lo4, tb, 0xEA));
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                const int i = 8 * h + g;
+                a[i & 7] = QFMA(QFMA(QF(q_u8(q + 16 * g)), QB(ds + i), QB(dz + i)), QX(xb + 16 * i), a[i & 7]);
+            }
+        }
+    }
+    return q_sum8(a);
+}
+#else
 QUANT_DOT(dot_q8_0, 32, 34, deq_q8_0)
 QUANT_DOT(dot_q4_0, 32, 18, deq_q4_0)
 QUANT_DOT(dot_q4_1, 32, 20, deq_q4_1)
@@ -211,6 +456,7 @@ QUANT_DOT(dot_q5_1, 32, 24, deq_q5_1)
 QUANT_DOT(dot_q4_k, 256, 144, deq_q4_k)
 QUANT_DOT(dot_q5_k, 256, 176, deq_q5_k)
 QUANT_DOT(dot_q6_k, 256, 210, deq_q6_k)
+#endif
 
 /* W's row n (nb blocks) dot x for the GGML type `type`; the caller has checked the type (q_block_bytes > 0). */
 static inline float q_dot(int type, const uint8_t *w, long n, long nb, const float *x) {
