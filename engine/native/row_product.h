@@ -8,8 +8,8 @@
  * (ROW8), starting from zero; the output is 0 + part_0 + part_1 + ... + part_{T-1}, added in thread order, then
  * rounded once to the type t. So a row's result depends on (K, N, T, t) alone, never on the batch's size or
  * composition, and never on the machine's load (static shares, no reduction order picked at run time).
- * product_rows reads each weight once from memory for all B rows (a span of columns of four of the thread's rows at a
- * time, from L1 for every row after the first), so that the batched step keeps its bandwidth.
+ * product_rows reads each weight once from memory for all B rows (a tile of the thread's rows loaded into registers
+ * once, each row's sums added to it: the blocking's comment below), so that the batched step keeps its bandwidth.
  *
  * product and row_product_t are the lone step's (decode.c includes this file); product_rows the batched step's. */
 #ifndef LLMI_ROW_PRODUCT_H
@@ -94,14 +94,26 @@ static inline void product(const float *x, const void *W, int K, int N, float *o
 }
 
 /* The batched product's blocking (product_rows). Each thread sums its share of W's rows for all B rows span by span
- * of columns, the B rows' sums of a span kept contiguous (B x span floats, laid out in part itself: span c0's block
- * at part + c0 B, row b's sums at + b span), so that they stay in the L1 cache (RP_L1 bytes) whatever N is (row-major
- * sums of N = 3072 or 49,152 columns put every row's span in the same cache sets). A span is as wide as that leaves
- * room for (one row: 6,144 columns; 30 rows: 192), whole tiles of RP_TILE columns, so that a run of W's rows is
- * long enough for the hardware prefetcher at few rows, and each weight, once loaded into a register, serves all B
- * rows: a group of four (16 bits: eight) of W's rows by RP_TILE columns is loaded once and the rows' sums added to
- * it row by row. */
-enum { RP_TILE = 32, RP_L1 = 24576, RP_ROWS = 32 };
+ * of columns, the B rows' sums of a span in a block of its own (blk: B x span floats, rows 64-byte aligned) that stays
+ * in the L1 cache (RP_L1 bytes), then copied to part. (Summing into part's rows directly, B rows N floats apart, put
+ * every row's span in the same cache sets at N = 3072 or 49,152 and split vectors across cache lines: 1.5-2 times
+ * slower.) A span is as wide as the block leaves room for (one row: 6,144 columns; 30 rows: 192), whole tiles of
+ * RP_TILE columns, so that a run of a row of W is long at few rows, for the hardware prefetcher; short runs (many rows)
+ * are asked for two groups ahead. Each weight, once loaded into a register, serves all B rows: a tile of four (16
+ * bits: eight) of W's rows by RP_TILE columns is loaded once (converted once, in 16 bits) and each row's sums added to
+ * it. One thread's CPU time for the bundled model's products at 1 / 2 / 8 / 30 rows (a C harness on the model's
+ * shapes, 2 threads, this machine, 2026-12-07, load average 5-8): float32 23 / 24 / 38 / 77 ms against 26 / 30 / 46
+ * / 124 ms for the earlier kernel (a span's four rows reloaded from L1 for each row, the sums in part's rows),
+ * bfloat16 16-19 / 17-20 / 30 / 66-79 against 17 / 24 / 56 / 176; in alternation at load average 8-12 (all
+ * slower), float32 109 / 146 / 109 / 203 against 138 / 167 / 188 / 300.
+ *
+ * The order of operations is row_product_t's, lane by lane: each group is the same expression (RP_GROUP4 is
+ * row_product_t's sum of four rows; RP_GROUP8, and two RP_GROUP4s added, ROW8's tree), added to a sum that starts
+ * from zero, in k order. GCC contracts each pair of products the same way in both (-O3 -march=native: GNU C's
+ * -ffp-contract=fast; a1 w1 rounded, a0 w0 fused into it by one FMA, as the generated code shows), because the
+ * expressions are the same; tests/unit/test_product_rows.py holds every row to the lone product bit for bit at
+ * shapes that reach every tail. */
+enum { RP_TILE = 32, RP_L1 = 24576, RP_ROWS = 32, RP_AHEAD = 2048 };   /* RP_AHEAD: bytes of a row's run */
 
 LLMI_INLINE int rp_span(int B, int N) {
     int s = RP_L1 / (4 * (B < RP_ROWS ? B : RP_ROWS)) / RP_TILE * RP_TILE;
@@ -109,9 +121,8 @@ LLMI_INLINE int rp_span(int B, int N) {
     return s < N ? s : N;
 }
 
-/* acc[b * ld + 0 .. w) += the four rows' (16 bits: eight) group sum of row b of xa (xa[b * 8 + j]: x[b][k + j]) for
- * b < nb, w columns of W from element r (row k), row stride N: row_product_t's expression, lane by lane; w <= RP_TILE,
- * a multiple of 8. */
+/* one group's sum of a row: a (x[b][k ..]) times four vectors of W's rows k .. k + 3; in 16 bits, eight rows of W
+ * from element r (row k, column n) at column offset o, each converted by L (load16 / load8) */
 #define RP_GROUP4(a, w0, w1, w2, w3) (((a)[0] * (w0) + (a)[1] * (w1)) + ((a)[2] * (w2) + (a)[3] * (w3)))
 #define RP_GROUP8(a, L, o) (((a[0] * L(W, r + (o), t) + a[1] * L(W, r + N + (o), t)) \
                              + (a[2] * L(W, r + 2 * N + (o), t) + a[3] * L(W, r + 3 * N + (o), t))) \
@@ -129,10 +140,10 @@ LLMI_INLINE void rp_stream_t(const float *x, int b0, int nb, int B, const void *
         const int span = N - c0 < S ? N - c0 : S, ls = (span + 15) & ~15;     /* blk's row stride: aligned */
         for (int i = 0; i < nb * ls; i++) blk[i] = 0.f;
         for (int k = k0; k + step <= k1; k += step) {
-            for (int b = 0; b < nb; b++)            /* the group's x, the rows' side by side (x's rows may share sets) */
+            for (int b = 0; b < nb; b++)        /* the group's x, rows side by side (x's rows may share cache sets) */
                 for (int j = 0; j < step; j++) xa[b * 8 + j] = x[(size_t)(b0 + b) * Kd + k + j];
             const size_t r0 = (size_t)k * N + c0;
-            if (k + 3 * step <= k1)         /* the span's rows two groups on, asked for ahead */
+            if (span * (int)es <= RP_AHEAD && k + 3 * step <= k1)    /* short runs: two groups on, ahead */
                 for (int j = 2 * step; j < 3 * step; j++)
                     for (int n = 0; n < span; n += 64 / (int)es)
                         __builtin_prefetch((const char *)W + (r0 + (size_t)j * N + n) * es, 0, 3);
@@ -167,7 +178,8 @@ LLMI_INLINE void rp_stream_t(const float *x, int b0, int nb, int B, const void *
                               g7 = load16(W, r + 7 * (size_t)N, t);
                     for (int b = 0; b < nb; b++) {
                         const float *a = xa + b * 8;
-                        *(v16 *)(acc + (size_t)b * ls) += RP_GROUP4(a, g0, g1, g2, g3) + RP_GROUP4(a + 4, g4, g5, g6, g7);
+                        *(v16 *)(acc + (size_t)b * ls) +=
+                            RP_GROUP4(a, g0, g1, g2, g3) + RP_GROUP4(a + 4, g4, g5, g6, g7);
                     }
                     const v16 h0 = load16(W, r + 16, t), h1 = load16(W, r + N + 16, t),
                               h2 = load16(W, r + 2 * (size_t)N + 16, t), h3 = load16(W, r + 3 * (size_t)N + 16, t),
@@ -175,7 +187,8 @@ LLMI_INLINE void rp_stream_t(const float *x, int b0, int nb, int B, const void *
                               h6 = load16(W, r + 6 * (size_t)N + 16, t), h7 = load16(W, r + 7 * (size_t)N + 16, t);
                     for (int b = 0; b < nb; b++) {
                         const float *a = xa + b * 8;
-                        *(v16 *)(acc + (size_t)b * ls + 16) += RP_GROUP4(a, h0, h1, h2, h3) + RP_GROUP4(a + 4, h4, h5, h6, h7);
+                        *(v16 *)(acc + (size_t)b * ls + 16) +=
+                            RP_GROUP4(a, h0, h1, h2, h3) + RP_GROUP4(a + 4, h4, h5, h6, h7);
                     }
                 } else {
                     for (int b = 0; b < nb; b++) {
