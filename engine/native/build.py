@@ -1,5 +1,5 @@
-"""Compile engine/native/*.c (decode.c, decode_rows.c, inspect.c, quant.c) into one library once per machine and load it (ctypes);
-None, with the reason, when it cannot be or must not be.
+"""Compile engine/native/*.c (decode.c, decode_rows.c, inspect.c, quant.c, products.c) into one library once per
+machine and load it (ctypes); None, with the reason, when it cannot be or must not be.
 
 The library is built with the system C compiler (`cc`, or $CC) for this machine's CPU (-march=native) and
 cached under $LLM_INSPECTOR_CACHE (default ~/.cache/llm-inspector)/native, named by a hash of the source, the
@@ -30,7 +30,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("decode.c", "decode_rows.c", "inspect.c", "quant.c"))
+SOURCES = tuple(Path(__file__).with_name(n)
+                for n in ("decode.c", "decode_rows.c", "inspect.c", "quant.c", "products.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("vexp.h", "rowstat.h", "llama_ops.h", "quant_ops.h", "row_product.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
@@ -106,6 +107,8 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     lib.llmi_quant_rows.argtypes = [i, p, n, n, p, n, p, i]
     lib.llmi_f32_rows.restype = None
     lib.llmi_f32_rows.argtypes = [p, n, n, p, n, p, i]
+    lib.llmi_product_rows.restype = ctypes.c_int      # the steps' float products, for tests (products.c)
+    lib.llmi_product_rows.argtypes = [p, i, p, i, i, p, i, i, i]
     return lib, ""
 
 
