@@ -142,7 +142,7 @@ class RowsArgs(ctypes.Structure):       # decode_rows.c's Rows
     _fields_ = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "B", "nth", "wtype", "ctype")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
         (n, _P) for n in ("x_in", "attn_norm", "wqkv", "wo", "mlp_norm", "wgu", "wdown", "kc", "vc", "max_len", "pos",
-                          "cos", "sin", "final_norm", "lm_head", "logits", "work", "stats", "marks", "bad")]
+                          "cos", "sin", "final_norm", "lm_head", "logits", "work", "stats", "marks", "bad", "add")]
 
 
 
@@ -280,11 +280,13 @@ class NativeDecoder:
         return logits if self.model.dtype == torch.float32 else logits.to(self.model.dtype)
 
     def rows(self, tokens: list[int], caches: list, positions: list[int], eps: float, stats: bool,
-             timing: bool = False) -> tuple:
+             timing: bool = False, adds: list | None = None) -> tuple:
         """One token of each of B runs (engine.batch), token b at positions[b] in caches[b] (each a KVCache of the
         block layout: this model has no windows) -> (logits (B, V), statistics (B, G, 7) or None (row b's in the
         order of `names`, as __call__ gives one row's), how many rows met a NaN/Inf, marks as __call__'s). Each
-        row's cache is written at its position; its attention reads only its own cache."""
+        row's cache is written at its position; its attention reads only its own cache. adds: None, or per row
+        None or {layer: vector (d,)}: the vector added to the row's blocks.{layer}.resid_post, as the PyTorch forward
+        adds a probe's declared addition (Probe.add: x + vector.to(x.dtype), one rounding to the model's dtype)."""
         if self.rows_refusal:
             raise ValueError(f"the batched native step cannot run this model: {self.rows_refusal}")
         m, c = self.model, self.model.config
@@ -302,6 +304,7 @@ class NativeDecoder:
             raise ValueError(f"the rows' KV caches differ in dtype: {sorted({str(c.k.dtype) for c in caches})}")
         kc = (_P * B)(*[cache.k.data_ptr() for cache in caches])
         vc = (_P * B)(*[cache.v.data_ptr() for cache in caches])
+        added, add = self._additions(adds, B)
         nth = torch.get_num_threads()
         work = torch.empty(self.lib.llmi_rows_work_floats(B, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                                           c.intermediate_size, c.vocab_size, max(positions) + 1, nth))
@@ -313,9 +316,30 @@ class NativeDecoder:
                      ctypes.cast(kc, _P), ctypes.cast(vc, _P), lens.data_ptr(), pos.data_ptr(), cos.data_ptr(),
                      sin.data_ptr(), m.weights.norm.data_ptr(), m.weights.lm_head.data_ptr(), logits.data_ptr(),
                      work.data_ptr(), st.data_ptr() if stats else None, marks.data_ptr() if timing else None,
-                     bad.data_ptr())
+                     bad.data_ptr(), add)
         failed = self.lib.llmi_decode_rows(ctypes.byref(r))
+        del added       # (the vectors decode_rows.c read, kept alive until here)
         return self._typed(logits), st, failed, (list(zip(self.mark_labels, marks.tolist())) if timing else None)
+
+    def _additions(self, adds: list | None, B: int) -> tuple[list, ctypes.c_void_p | None]:
+        """decode_rows.c's `add`: (the float32 vectors, kept alive for the call; B x L pointers, NULL where a row adds
+        nothing at a layer), or ([], None) when no row adds anything. Each vector rounded to the model's dtype first,
+        as the PyTorch forward's vector.to(x.dtype) (exact in float32)."""
+        if adds is None or not any(adds):
+            return [], None
+        if len(adds) != B:
+            raise ValueError(f"adds gives {len(adds)} rows' additions for {B} rows")
+        c, L = self.model.config, self.model.config.num_layers
+        kept, ptrs = [], (_P * (B * L))()
+        for b, row in enumerate(adds):
+            for layer, v in (row or {}).items():
+                if not (isinstance(layer, int) and 0 <= layer < L) or tuple(v.shape) != (c.hidden_size,):
+                    raise ValueError(f"row {b}'s addition must be {{layer in 0..{L - 1}: a ({c.hidden_size},) "
+                                     f"vector}}, got layer {layer!r} with shape {tuple(v.shape)}")
+                t = v.detach().to("cpu", self.model.dtype).to(torch.float32).contiguous()
+                kept.append(t)
+                ptrs[b * L + layer] = t.data_ptr()
+        return kept + [ptrs], ctypes.cast(ptrs, _P)
 
     def serve_rows(self, tokens: list[int], positions: list[int], caches: list, probe, eps: float):
         """rows() for a batch's fan-out probe (engine.batch.rows.FanProbe, which it serves: served_by), each run's
