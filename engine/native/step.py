@@ -19,7 +19,11 @@ forward. A call then takes it when it is one token and its probe is none or asks
 gives (Probe.served_by): statistics of any stages, per-layer timing marks, and a capture of the logits (the app's
 inspected run asks for exactly these) -- no capture of any other stage, no replacement, weight override or run-only
 epsilon. Anything else, or a library that could not be built, runs the PyTorch forward, which stays the reference:
-tests hold the two to each other (in each dtype) and to transformers.
+tests hold the two to each other (in each dtype) and to transformers. A probe's declared addition (Probe.add: a
+vector added to a block's resid_post, a steering vector) both steps add where the caller hands it over (__call__'s
+`add`, rows' `adds`, rounded as the PyTorch forward rounds x + v.to(x.dtype)); engine.model's calls hand over none, so
+there such a probe is not served (Probe.served_by without adds=True) and its run takes the PyTorch forward, which
+applies it; engine.tools.steering steps its runs on rows with their additions.
 
 The native step reads the model's own weight matrices, row-major (in, out) as engine/weights.py stores them and the
 PyTorch forward multiplies them: there is one copy of every weight in memory (an earlier version kept a second copy
@@ -52,7 +56,7 @@ _FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_
     (n, _P) for n in ("bqkv", "q_norm", "k_norm", "rope_on")] + [("act", ctypes.c_int)] + [
     (n, ctypes.c_float) for n in ("resid_scale", "logits_div")] + [(n, _P) for n in ("rows", "lkc", "lvc")] + [
     (n, _P) for n in ("attn_post_norm", "mlp_post_norm")] + [(n, ctypes.c_float) for n in ("attn_cap", "final_cap")] + [
-    (n, _P) for n in ("cos_local", "sin_local")] + [("rd", ctypes.c_int)]
+    (n, _P) for n in ("cos_local", "sin_local")] + [("rd", ctypes.c_int), ("add", _P)]
 
 
 # What decode.c computes, read from the family's declaration (engine.family.declared.Family): each declared field at
@@ -228,10 +232,12 @@ class NativeDecoder:
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size, cache.max_len,
             nth))
 
-    def __call__(self, token: int, cache, pos: int, eps: float, stats: bool, timing: bool = False) -> tuple:
+    def __call__(self, token: int, cache, pos: int, eps: float, stats: bool, timing: bool = False,
+                 add: dict | None = None) -> tuple:
         """One token at pos -> (logits (1, V), statistics (G, 1, 7) or None, status: 0, or 1 = a NaN/Inf met,
         marks: with timing, (label, seconds since the call began) after the embedding, each layer and the logits
-        (`mark_labels`), else None)."""
+        (`mark_labels`), else None). add: None or {layer: vector (d,)}, added to blocks.{layer}.resid_post as the
+        PyTorch forward adds a probe's declared addition (Probe.add), as rows' adds."""
         m, c = self.model, self.model.config
         w = m.weights
         # (d,) in float32 (a row of a tied model's embedding is a strided column); the rotary rows likewise: exact.
@@ -257,6 +263,7 @@ class NativeDecoder:
                                                    (_P * L)(*[t.data_ptr() for t in cache.layer_k]),
                                                    (_P * L)(*[t.data_ptr() for t in cache.layer_v]))
         ring = arrays and tuple(ctypes.cast(a, _P) for a in arrays)      # `arrays` keeps them alive for the call
+        added, adds = self._additions([add], 1)
         s = StepArgs(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                  c.vocab_size, cache.max_len, pos, nth, TYPES[m.dtype], TYPES[cache.dtype], eps, c.attn_scale,
                  x.data_ptr(),
@@ -270,8 +277,9 @@ class NativeDecoder:
                  logits_div=c.logits_divisor, attn_cap=c.attn_softcap or 0.0, final_cap=c.final_softcap or 0.0,
                  rd=c.rotary_dim, **{f: self.layer_ptrs[f] for f in VECTOR_SLOTS},
                  **dict(zip(("rows", "lkc", "lvc"), ring or (None, None, None))),
-                 **({"cos_local": local[0].data_ptr(), "sin_local": local[1].data_ptr()} if local else {}))
+                 **({"cos_local": local[0].data_ptr(), "sin_local": local[1].data_ptr()} if local else {}), add=adds)
         status = self.lib.llmi_decode_step(ctypes.byref(s))
+        del added       # (the vectors decode.c read, kept alive until here)
         return self._typed(logits), st, status, (list(zip(self.mark_labels, marks.tolist())) if timing else None)
 
     def _typed(self, logits: torch.Tensor) -> torch.Tensor:
@@ -322,8 +330,8 @@ class NativeDecoder:
         return self._typed(logits), st, failed, (list(zip(self.mark_labels, marks.tolist())) if timing else None)
 
     def _additions(self, adds: list | None, B: int) -> tuple[list, ctypes.c_void_p | None]:
-        """decode_rows.c's `add`: (the float32 vectors, kept alive for the call; B x L pointers, NULL where a row adds
-        nothing at a layer), or ([], None) when no row adds anything. Each vector rounded to the model's dtype first,
+        """decode_rows.c's `add` (and with B = 1 decode.c's): (the float32 vectors, kept alive for the call; B x L
+        pointers, NULL where a row adds nothing at a layer), or ([], None) when no row adds anything. Each vector rounded to the model's dtype first,
         as the PyTorch forward's vector.to(x.dtype) (exact in float32)."""
         if adds is None or not any(adds):
             return [], None

@@ -1,5 +1,6 @@
 """A probe's declared addition (Probe.add: a vector added to blocks.{i}.resid_post, a steering vector) on the native
-batched step (engine/native/decode_rows.c, NativeDecoder.rows(adds=...)): the logits of the PyTorch forward with
+batched step (engine/native/decode_rows.c, NativeDecoder.rows(adds=...)) and the lone one (decode.c,
+NativeDecoder(add=...)): the logits of the PyTorch forward with
 the same addition (float32 within 1e-5 of the largest logit, as tests/unit/test_native_decode.py holds the native
 step; bfloat16 within two ulps, as tests/unit/test_native_half.py), each row bit for bit itself alone whatever its
 neighbours add, steer() decoding both its runs there, and no path that cannot apply an addition ever serving a probe
@@ -54,9 +55,14 @@ def test_rows_with_an_addition_decode_as_the_pytorch_forward_with_it(tiny_model_
     for layer in range(model.config.num_layers):
         nat = _prefilled(model, PROMPTS[0], Probe().replace(f"blocks.{layer}.resid_post", _by_hand(v)))
         ref = _prefilled(model, PROMPTS[0], Probe().replace(f"blocks.{layer}.resid_post", _by_hand(v)))
+        lone = _prefilled(model, PROMPTS[0], Probe().replace(f"blocks.{layer}.resid_post", _by_hand(v)))
         for _ in range(3):
             tok, pos = nat.decode_input(), nat.cache.get_pos()
             got = step.rows([tok], [nat.cache], [pos], model.config.rms_norm_eps, False, adds=[{layer: v}])[0][0]
+            # the lone step (decode.c) with the same addition: the batched row's logits bit for bit
+            assert torch.equal(step(tok, lone.cache, pos, model.config.rms_norm_eps, False, add={layer: v})[0][0],
+                               got)
+            lone.cache.advance(1)
             want = ref.model.forward(torch.tensor([tok]), ref.cache, ref.probe, last_only=True)[0]
             plain = model.with_accelerator(PLAIN).logits(nat.prompt_ids + nat.token_ids)[-1]
             top = float(want.float().abs().max())
