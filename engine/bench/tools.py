@@ -19,7 +19,9 @@ generations just before and just after it, and the ratio reported is the median 
 Targets (issue 21, item 11): why-loop and rescue <= 10x, every other tool <= 5x (the scoreboard: issue 47); the QK
 attribution (the last layer's head 0, the prompt's last position to its first) <= 2x and steering (its vector from
 one pair of prompts at the middle layer, then engine.tools.steering.steer: the plain and the steered continuation
-and the per-step shift) <= 1.5x (issue 47). The tuned lens (both lenses read at the prompt's last position,
+and the per-step shift) <= 1.5x (issue 47): its two prefills on the PyTorch forward, then both runs' decode steps
+in lockstep, one call of the native batched step a step (the steered row adding its vector: Probe.add), and one
+forward for the plain distribution on the steered prefix after the runs part. The tuned lens (both lenses read at the prompt's last position,
 engine.tools.tuned_lens.lenses_at: one forward over the prompt, like the QK split) <= 2x; its lens is the one shipped
 or kept for the model's weights, else one fitted before the timing on LENS_FIT_TOKENS tokens and not kept.
 """

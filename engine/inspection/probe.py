@@ -39,6 +39,7 @@ class Probe:
         self._capture_specs: list[tuple[list[str], frozenset | None, frozenset | None]] = []
         self._stats_specs: list[str] = []
         self._replace_specs: list[tuple[list[str], HookFn, frozenset | None]] = []
+        self._additions: dict[int, torch.Tensor] = {}     # layer -> the vector added to its resid_post (add)
         self._plans: dict[str, Plan] = {}
         self._block_rows: dict[int, tuple] = {}
         self._fused: dict[int, tuple] = {}      # id(names) -> (names, whether a fused step serves this probe)
@@ -114,6 +115,31 @@ class Probe:
         self._replace_specs.append((_patterns(patterns), fn, _as_set(layers)))
         return self._replanned()
 
+    def add(self, stage: str, vector: torch.Tensor) -> "Probe":
+        """Add vector (d,) to the stage blocks.{i}.resid_post at every position: a declared addition (a steering
+        vector), x + vector.to(x.dtype) as a replace hook would compute it, which a fused step that applies it may
+        serve as well (served_by(names, adds=True): engine.native.step's batched rows); any other forward computes
+        it on the PyTorch path (a forward that cannot apply it never serves this probe). One addition a layer."""
+        layer, part = split_name(stage) if isinstance(stage, str) else (None, None)
+        if layer is None or part != "resid_post":
+            raise EngineError(f"Probe.add takes one stage blocks.{{i}}.resid_post, got {stage!r}")
+        if not isinstance(vector, torch.Tensor) or vector.dim() != 1 or not vector.is_floating_point():
+            raise EngineError(f"Probe.add's vector must be a 1-D float tensor, got "
+                              f"{getattr(vector, 'shape', type(vector).__name__)}")
+        if layer in self._additions:
+            raise EngineError(f"this probe already adds a vector to {stage} (one addition a layer)")
+        self._additions[layer] = vector.detach()
+        return self._replanned()
+
+    @property
+    def additions(self) -> dict[int, torch.Tensor]:
+        """layer -> the vector this probe adds to blocks.{layer}.resid_post (add); empty when none."""
+        return dict(self._additions)
+
+    def _hooks(self) -> list[tuple[list[str], HookFn, frozenset | None]]:
+        """The replace specs the PyTorch forward applies: the replace hooks, then each addition as one."""
+        return self._replace_specs + [([f"blocks.{i}.resid_post"], _adding(v), None) for i, v in self._additions.items()]
+
     def _replanned(self) -> "Probe":
         self._plans.clear()
         self._block_rows.clear()
@@ -131,6 +157,7 @@ class Probe:
     def interventions(self) -> list[str]:
         """What this probe changes, by name (replace patterns, overridden weights): the code itself is not kept."""
         return ([f"replace {'|'.join(pats)}" for pats, _, _ in self._replace_specs]
+                + [f"add blocks.{i}.resid_post" for i in self._additions]
                 + [f"weight {name}" for name in self._weight_overrides])
 
     def notes(self) -> list[str]:
@@ -146,14 +173,14 @@ class Probe:
 
     @property
     def hook_count(self) -> int:
-        return (len(self._capture_specs) + len(self._stats_specs) + len(self._replace_specs)
+        return (len(self._capture_specs) + len(self._stats_specs) + len(self._replace_specs) + len(self._additions)
                 + len(self._weight_overrides))
 
     # ---- called by the engine ------------------------------------------------------------------
     def plan(self, name: str) -> Plan:
         p = self._plans.get(name)
         if p is None:
-            p = self._plans[name] = plan_stage(name, self._stats_specs, self._capture_specs, self._replace_specs)
+            p = self._plans[name] = plan_stage(name, self._stats_specs, self._capture_specs, self._hooks())
         return p
 
     def wants(self, name: str) -> bool:
@@ -180,15 +207,18 @@ class Probe:
         place in forward order, as if their tensors had been offered."""
         self._batcher.add(names, [self.plan(n).layer for n in names], source)
 
-    def served_by(self, names: list[str]) -> bool:
+    def served_by(self, names: list[str], *, adds: bool = False) -> bool:
         """Whether a forward that offers exactly these stages whole, as statistics, with its logits and per-layer
         timing marks (the native decode step: engine.accelerator) gives this probe everything it asks for: no
-        replacements, weight overrides or run-only epsilon, and no capture but of the logits."""
-        got = self._fused.get(id(names))
+        replacements, weight overrides or run-only epsilon, and no capture but of the logits. adds: the forward also
+        applies this probe's additions (add) to the stages among `names` (the native batched rows given them:
+        NativeDecoder.rows); without it, a probe that adds anything is not served (its addition would be lost)."""
+        got = self._fused.get((id(names), adds))
         if got is None or got[0] is not names:
             ok = not (self._replace_specs or self._weight_overrides or self.norm_eps is not None) and \
-                not any(self.plan(n).capture for n in names if n != "logits")
-            got = self._fused[id(names)] = (names, ok)
+                not any(self.plan(n).capture for n in names if n != "logits") and \
+                (not self._additions or adds and all(f"blocks.{i}.resid_post" in names for i in self._additions))
+            got = self._fused[(id(names), adds)] = (names, ok)
         return got[1]
 
     def offer_step(self, names: list[str], layers: list, values: torch.Tensor | None, logits: torch.Tensor,
@@ -313,6 +343,13 @@ class Probe:
             first = self._cuda_marks[0][2]
             rec.marks.extend((s, lbl, first.elapsed_time(ev) / 1e3) for s, lbl, ev in self._cuda_marks)
             self._cuda_marks = []
+
+
+def _adding(vector: torch.Tensor) -> HookFn:
+    """Probe.add's hook on the PyTorch forward: x + vector in x's dtype (the vector rounded to it first)."""
+    def add(x: torch.Tensor, ctx) -> torch.Tensor:
+        return x + vector.to(x.dtype).to(x.device)
+    return add
 
 
 def inspection_probe(*, timing: bool = True) -> Probe:

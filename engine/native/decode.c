@@ -63,6 +63,8 @@ typedef struct {
     float attn_cap, final_cap;     /* 0, or the soft caps tanh(s / cap) * cap of the scores, the logits (Gemma 2) */
     const float *cos_local, *sin_local;   /* rope_on[l] == 2: the local table's rows (Gemma 3's sliding layers) */
     int rd;                        /* the rotated dimensions of each head: hd, or fewer (Phi-3's rotary fraction) */
+    const float *const *add;       /* NULL, or L pointers: NULL, or (d) values already rounded to wtype, added to the
+                                      stream after block l (its resid_post: a probe's declared addition, Probe.add) */
 } Step;
 
 long llmi_work_floats(int d, int H, int K, int hd, int F, int V, int max_len, int nth) {
@@ -233,6 +235,9 @@ int llmi_decode_step(const Step *p) {
                     if (st) bad |= stats7(mlp_out, d, st), st += NSTAT;
                 }
                 add_to(x, mlp_out, d, wt);
+                /* + the addition in wtype, as the PyTorch forward's x + v.to(x.dtype); resid_post's statistics are
+                 * those after it (a replace hook's stage is recorded after the hook) */
+                if (p->add && p->add[l]) add_to(x, p->add[l], d, wt);
                 if (st) bad |= stats7(x, d, st), st += NSTAT;
                 if (p->marks) p->marks[1 + l] = omp_get_wtime() - t0;
             }

@@ -15,6 +15,9 @@
  * operation is the same function of llama_ops.h / rowstat.h on the row's own vectors (silu in decode.c's shares).
  * So a run's logits and statistics do not depend on which runs, or how many, share its step.
  *
+ * Additions (optional): row b's own vector added to its stream after block l (a steering vector: its run's probe,
+ * Probe.add); a row without one is computed as it is alone, whatever its neighbours add.
+ *
  * Statistics (optional): per row, the same stages in the same order as llmi_decode_step (embed, 17 per layer,
  * final_norm, logits), the same kernel (rowstat.h). bad[b] is set when row b meets a NaN or Inf; the call returns
  * how many rows did (the caller then redoes the step on the PyTorch path, which rewrites the same cache positions).
@@ -43,6 +46,9 @@ typedef struct {
     float *stats;                       /* NULL, or (B, 1 + 17 L + 2, 7) out */
     double *marks;                      /* NULL, or L + 2 out (as llmi_decode_step's) */
     int *bad;                           /* (B) out: 1 where the row met a NaN or Inf (with statistics) */
+    const float *const *add;            /* NULL, or B x L pointers (row b's layer l at b * L + l): NULL, or (d) values
+                                           already rounded to wtype, added to row b's stream after block l (its
+                                           resid_post: a probe's declared addition, engine.inspection.probe) */
 } Rows;
 
 enum { PER_LAYER = 17 };               /* statistics rows a layer */
@@ -163,7 +169,11 @@ int llmi_decode_rows(const Rows *p) {
 #pragma omp for schedule(static)
             for (int b = 0; b < B; b++) {
                 float *xb = x + (long)b * d, *mb = mlp_out + (long)b * d;
+                const float *ab = p->add ? p->add[(long)b * p->L + l] : NULL;
                 add_to(xb, mb, d, wt);
+                /* resid_post + the addition, rounded to wtype as the PyTorch forward's x + v.to(x.dtype); its
+                 * statistics are those of the stream after it, as a replace hook's stage is recorded after the hook */
+                if (ab) add_to(xb, ab, d, wt);
                 if (p->stats) {
                     BAD(b, stats7(mb, d, ST(b, s0 + 15)));
                     BAD(b, stats7(xb, d, ST(b, s0 + 16)));

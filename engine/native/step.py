@@ -19,7 +19,11 @@ forward. A call then takes it when it is one token and its probe is none or asks
 gives (Probe.served_by): statistics of any stages, per-layer timing marks, and a capture of the logits (the app's
 inspected run asks for exactly these) -- no capture of any other stage, no replacement, weight override or run-only
 epsilon. Anything else, or a library that could not be built, runs the PyTorch forward, which stays the reference:
-tests hold the two to each other (in each dtype) and to transformers.
+tests hold the two to each other (in each dtype) and to transformers. A probe's declared addition (Probe.add: a
+vector added to a block's resid_post, a steering vector) both steps add where the caller hands it over (__call__'s
+`add`, rows' `adds`, rounded as the PyTorch forward rounds x + v.to(x.dtype)); engine.model's calls hand over none, so
+there such a probe is not served (Probe.served_by without adds=True) and its run takes the PyTorch forward, which
+applies it; engine.tools.steering steps its runs on rows with their additions.
 
 The native step reads the model's own weight matrices, row-major (in, out) as engine/weights.py stores them and the
 PyTorch forward multiplies them: there is one copy of every weight in memory (an earlier version kept a second copy
@@ -52,7 +56,7 @@ _FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_
     (n, _P) for n in ("bqkv", "q_norm", "k_norm", "rope_on")] + [("act", ctypes.c_int)] + [
     (n, ctypes.c_float) for n in ("resid_scale", "logits_div")] + [(n, _P) for n in ("rows", "lkc", "lvc")] + [
     (n, _P) for n in ("attn_post_norm", "mlp_post_norm")] + [(n, ctypes.c_float) for n in ("attn_cap", "final_cap")] + [
-    (n, _P) for n in ("cos_local", "sin_local")] + [("rd", ctypes.c_int)]
+    (n, _P) for n in ("cos_local", "sin_local")] + [("rd", ctypes.c_int), ("add", _P)]
 
 
 # What decode.c computes, read from the family's declaration (engine.family.declared.Family): each declared field at
@@ -142,7 +146,7 @@ class RowsArgs(ctypes.Structure):       # decode_rows.c's Rows
     _fields_ = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "B", "nth", "wtype", "ctype")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
         (n, _P) for n in ("x_in", "attn_norm", "wqkv", "wo", "mlp_norm", "wgu", "wdown", "kc", "vc", "max_len", "pos",
-                          "cos", "sin", "final_norm", "lm_head", "logits", "work", "stats", "marks", "bad")]
+                          "cos", "sin", "final_norm", "lm_head", "logits", "work", "stats", "marks", "bad", "add")]
 
 
 
@@ -228,10 +232,12 @@ class NativeDecoder:
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size, cache.max_len,
             nth))
 
-    def __call__(self, token: int, cache, pos: int, eps: float, stats: bool, timing: bool = False) -> tuple:
+    def __call__(self, token: int, cache, pos: int, eps: float, stats: bool, timing: bool = False,
+                 add: dict | None = None) -> tuple:
         """One token at pos -> (logits (1, V), statistics (G, 1, 7) or None, status: 0, or 1 = a NaN/Inf met,
         marks: with timing, (label, seconds since the call began) after the embedding, each layer and the logits
-        (`mark_labels`), else None)."""
+        (`mark_labels`), else None). add: None or {layer: vector (d,)}, added to blocks.{layer}.resid_post as the
+        PyTorch forward adds a probe's declared addition (Probe.add), as rows' adds."""
         m, c = self.model, self.model.config
         w = m.weights
         # (d,) in float32 (a row of a tied model's embedding is a strided column); the rotary rows likewise: exact.
@@ -257,6 +263,7 @@ class NativeDecoder:
                                                    (_P * L)(*[t.data_ptr() for t in cache.layer_k]),
                                                    (_P * L)(*[t.data_ptr() for t in cache.layer_v]))
         ring = arrays and tuple(ctypes.cast(a, _P) for a in arrays)      # `arrays` keeps them alive for the call
+        added, adds = self._additions([add], 1)
         s = StepArgs(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                  c.vocab_size, cache.max_len, pos, nth, TYPES[m.dtype], TYPES[cache.dtype], eps, c.attn_scale,
                  x.data_ptr(),
@@ -270,8 +277,9 @@ class NativeDecoder:
                  logits_div=c.logits_divisor, attn_cap=c.attn_softcap or 0.0, final_cap=c.final_softcap or 0.0,
                  rd=c.rotary_dim, **{f: self.layer_ptrs[f] for f in VECTOR_SLOTS},
                  **dict(zip(("rows", "lkc", "lvc"), ring or (None, None, None))),
-                 **({"cos_local": local[0].data_ptr(), "sin_local": local[1].data_ptr()} if local else {}))
+                 **({"cos_local": local[0].data_ptr(), "sin_local": local[1].data_ptr()} if local else {}), add=adds)
         status = self.lib.llmi_decode_step(ctypes.byref(s))
+        del added       # (the vectors decode.c read, kept alive until here)
         return self._typed(logits), st, status, (list(zip(self.mark_labels, marks.tolist())) if timing else None)
 
     def _typed(self, logits: torch.Tensor) -> torch.Tensor:
@@ -280,11 +288,13 @@ class NativeDecoder:
         return logits if self.model.dtype == torch.float32 else logits.to(self.model.dtype)
 
     def rows(self, tokens: list[int], caches: list, positions: list[int], eps: float, stats: bool,
-             timing: bool = False) -> tuple:
+             timing: bool = False, adds: list | None = None) -> tuple:
         """One token of each of B runs (engine.batch), token b at positions[b] in caches[b] (each a KVCache of the
         block layout: this model has no windows) -> (logits (B, V), statistics (B, G, 7) or None (row b's in the
         order of `names`, as __call__ gives one row's), how many rows met a NaN/Inf, marks as __call__'s). Each
-        row's cache is written at its position; its attention reads only its own cache."""
+        row's cache is written at its position; its attention reads only its own cache. adds: None, or per row
+        None or {layer: vector (d,)}: the vector added to the row's blocks.{layer}.resid_post, as the PyTorch forward
+        adds a probe's declared addition (Probe.add: x + vector.to(x.dtype), one rounding to the model's dtype)."""
         if self.rows_refusal:
             raise ValueError(f"the batched native step cannot run this model: {self.rows_refusal}")
         m, c = self.model, self.model.config
@@ -302,6 +312,7 @@ class NativeDecoder:
             raise ValueError(f"the rows' KV caches differ in dtype: {sorted({str(c.k.dtype) for c in caches})}")
         kc = (_P * B)(*[cache.k.data_ptr() for cache in caches])
         vc = (_P * B)(*[cache.v.data_ptr() for cache in caches])
+        added, add = self._additions(adds, B)
         nth = torch.get_num_threads()
         work = torch.empty(self.lib.llmi_rows_work_floats(B, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                                           c.intermediate_size, c.vocab_size, max(positions) + 1, nth))
@@ -313,9 +324,30 @@ class NativeDecoder:
                      ctypes.cast(kc, _P), ctypes.cast(vc, _P), lens.data_ptr(), pos.data_ptr(), cos.data_ptr(),
                      sin.data_ptr(), m.weights.norm.data_ptr(), m.weights.lm_head.data_ptr(), logits.data_ptr(),
                      work.data_ptr(), st.data_ptr() if stats else None, marks.data_ptr() if timing else None,
-                     bad.data_ptr())
+                     bad.data_ptr(), add)
         failed = self.lib.llmi_decode_rows(ctypes.byref(r))
+        del added       # (the vectors decode_rows.c read, kept alive until here)
         return self._typed(logits), st, failed, (list(zip(self.mark_labels, marks.tolist())) if timing else None)
+
+    def _additions(self, adds: list | None, B: int) -> tuple[list, ctypes.c_void_p | None]:
+        """decode_rows.c's `add` (and with B = 1 decode.c's): (the float32 vectors, kept alive for the call; B x L
+        pointers, NULL where a row adds nothing at a layer), or ([], None) when no row adds anything. Each vector rounded to the model's dtype first,
+        as the PyTorch forward's vector.to(x.dtype) (exact in float32)."""
+        if adds is None or not any(adds):
+            return [], None
+        if len(adds) != B:
+            raise ValueError(f"adds gives {len(adds)} rows' additions for {B} rows")
+        c, L = self.model.config, self.model.config.num_layers
+        kept, ptrs = [], (_P * (B * L))()
+        for b, row in enumerate(adds):
+            for layer, v in (row or {}).items():
+                if not (isinstance(layer, int) and 0 <= layer < L) or tuple(v.shape) != (c.hidden_size,):
+                    raise ValueError(f"row {b}'s addition must be {{layer in 0..{L - 1}: a ({c.hidden_size},) "
+                                     f"vector}}, got layer {layer!r} with shape {tuple(v.shape)}")
+                t = v.detach().to("cpu", self.model.dtype).to(torch.float32).contiguous()
+                kept.append(t)
+                ptrs[b * L + layer] = t.data_ptr()
+        return kept + [ptrs], ctypes.cast(ptrs, _P)
 
     def serve_rows(self, tokens: list[int], positions: list[int], caches: list, probe, eps: float):
         """rows() for a batch's fan-out probe (engine.batch.rows.FanProbe, which it serves: served_by), each run's

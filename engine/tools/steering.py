@@ -6,9 +6,12 @@ at one layer with a coefficient while a prompt is continued, beside the same pro
   same mean over the negative prompts (Turner et al.'s ActAdd takes one pair at the last positions; the mean over
   positions and prompts is the "mean difference" vector of Rimsky et al.'s contrastive activation addition).
 - steer(model, settings, vector, coefficient): the plain run and the run with coefficient * vector added to
-  blocks.{layer}.resid_post at every position (prompt and generated tokens), both on the PyTorch forward (a replace
-  hook takes it; the plain run takes it too, so the two differ by the vector only: at coefficient 0 they are bit for
-  bit one run), and per step of the steered run, how far the steering moved the distribution: KL(steered || plain)
+  blocks.{layer}.resid_post at every position (prompt and generated tokens: the steered run's probe declares it,
+  Probe.add), the two prefills on the PyTorch forward, then, where the model has the native batched step, both runs'
+  decode steps in lockstep, one call of it a step (engine.native.step: NativeDecoder.rows adds the steered row's
+  vector; each row computed as its run alone would be, so the plain run is the model's own plain run), else each run
+  on the PyTorch forward; the two differ by the vector only (at coefficient 0 they are bit for bit one run), and per
+  step of the steered run, how far the steering moved the distribution: KL(steered || plain)
   with the plain model's distribution on the steered run's own prefix (teacher-forced), and the
   probability of the steered token under each (the plain run's own logits up to the step where the two runs part,
   then one forward over the steered prefix).
@@ -18,6 +21,7 @@ in size; a bad layer or an empty set is an InputError naming it."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -80,19 +84,17 @@ def steering_vector(model: Model, positive, negative, layer: int, *, chat: bool 
             if len(ids) > MAX_PROMPT_TOKENS:
                 raise InputError(f"a steering prompt has {len(ids)} tokens; at most {MAX_PROMPT_TOKENS}")
             probe = Probe().capture(stage)
-            model.logits(ids, probe)
+            # the forward ends after the stage (the later blocks and the logits would change nothing it reads)
+            model.forward(torch.tensor(ids), model.new_cache(max(1, len(ids))), probe, stop_after=stage)
             means.append(probe.recording.captured(stage)[0].value.float().mean(0))
         return torch.stack(means).mean(0)
     return SteeringVector(layer, (mean_of(pos) - mean_of(neg)).cpu(), pos, neg)
 
 
 def steering_probe(vec: SteeringVector, coefficient: float, probe: Probe | None = None) -> Probe:
-    """probe (a new one by default) with coefficient * vec added to vec.stage at every position."""
-    c = _coefficient(coefficient)
-
-    def add(x: torch.Tensor, ctx) -> torch.Tensor:
-        return x + (c * vec.vector).to(x.dtype).to(x.device)
-    return (probe or Probe()).replace(vec.stage, add)
+    """probe (a new one by default) with coefficient * vec added to vec.stage at every position (Probe.add: the
+    float32 product rounded to the model's dtype, then added)."""
+    return (probe or Probe()).add(vec.stage, _coefficient(coefficient) * vec.vector)
 
 
 def _coefficient(c) -> float:
@@ -142,21 +144,20 @@ def steer(model: Model, settings: RunSettings, vec: SteeringVector, coefficient:
     if not isinstance(vec, SteeringVector) or vec.vector.shape != (model.config.hidden_size,):
         raise InputError("the steering vector does not fit this model (another model's, or not a SteeringVector)")
     c = _coefficient(coefficient)
-    plain_model = model.with_accelerator(PLAIN)          # both runs on the forward a replace hook takes
+    # both prefills on the PyTorch forward (a prompt of one token would otherwise take the native lone step in the
+    # plain run only, and coefficient 0 would no longer be the plain run bit for bit)
+    plain_model = model.with_accelerator(PLAIN)
     kw = settings.generation_kwargs()
     plain = GenerationRun(plain_model, settings.prompt, probe=Probe().capture("logits"), **kw)
-    plain.run()
     steered = GenerationRun(plain_model, settings.prompt, probe=steering_probe(vec, c, Probe().capture("logits")),
                             **kw)
-    steered.run()
+    plain_logits, steered_logits = _run_both(model, [plain, steered])
     steps = []
     if steered.token_ids:
-        base = _plain_on_steered_prefix(
-            plain_model, steered.prompt_ids, plain.token_ids,
-            [plain.probe.recording.captured("logits", k)[0].value.float()[-1] for k in range(len(plain.token_ids))],
-            steered.token_ids)
+        base = _plain_on_steered_prefix(plain_model, steered.prompt_ids, plain.token_ids, plain_logits,
+                                        steered.token_ids)
         for k, tok in enumerate(steered.token_ids):
-            got = steered.probe.recording.captured("logits", k)[0].value.float()[-1]
+            got = steered_logits[k]
             lp, lq = torch.log_softmax(got, -1), torch.log_softmax(base[k], -1)
             top = int(base[k].argmax())
             steps.append({"step": k, "token": tok, "text": model.tokenizer.decode([tok]),
@@ -165,3 +166,38 @@ def steer(model: Model, settings: RunSettings, vec: SteeringVector, coefficient:
                           "plain_top": top, "plain_top_text": model.tokenizer.decode([top])})
     return SteeredRun(c, vec.layer, list(plain.token_ids), plain.result().text, list(steered.token_ids),
                       steered.result().text, steps)
+
+
+@torch.inference_mode()
+def _run_both(model: Model, runs: list[GenerationRun]) -> list[list[torch.Tensor]]:
+    """Each run to its end -> each run's float32 logits of every step. The prefills on the runs' own (PyTorch)
+    forward; then, where the model has the native batched step (engine.native.step: NativeDecoder.rows, which adds
+    each row's probe's additions, Probe.add, at its resid_post), every run's decode step in one call of it, the runs
+    in lockstep (batch invariance: each row as its run alone would be computed; the plain run's rows as its native
+    decode steps alone), so both continuations cost about one; else each run alone on its PyTorch forward, which
+    applies the additions itself."""
+    for run in runs:
+        run.step()
+    out = [[run.probe.recording.captured("logits", 0)[0].value.float()[-1]] if run.steps else [] for run in runs]
+    step = model.accelerator.decode
+    if step is None or step.rows_refusal or not all(run.probe.served_by(step.names, adds=True) for run in runs):
+        for run in runs:
+            run.run()
+        return [[run.probe.recording.captured("logits", k)[0].value.float()[-1] for k in range(len(run.token_ids))]
+                for run in runs]
+    eps = model.config.rms_norm_eps
+    while True:
+        live = [(run, rows) for run, rows in zip(runs, out) if run.decode_input() is not None]
+        if not live:
+            return out
+        for run, _ in live:
+            run.cache.check_room(1)
+        t0 = time.perf_counter()
+        logits, _, _, _ = step.rows([run.decode_input() for run, _ in live], [run.cache for run, _ in live],
+                                    [run.cache.get_pos() for run, _ in live], eps, False,
+                                    adds=[run.probe.additions for run, _ in live])
+        seconds = time.perf_counter() - t0
+        for (run, rows), row in zip(live, logits):
+            run.cache.advance(1)
+            rows.append(row.float())
+            run.step(row, seconds=seconds)
