@@ -34,8 +34,8 @@ def _the_lens(model, store, mkey):
     if not ((mkey, "fit") in store or was_stopped(what, (mkey, "fit"))
             or st.button("Fit the tuned lens", key="act_tuned_fit")):
         st.info("Not fitted yet for this model's weights: fit it (one forward per docstring of Python's standard "
-                f"library, up to {DEFAULT_TOKENS:,} tokens, then a closed-form regression per layer; kept in the "
-                "cache for next time).")
+                f"library, up to {DEFAULT_TOKENS:,} tokens, then least squares per layer and a few Adam steps on "
+                "the KL to the final distribution; kept in the cache for next time).")
         return None
     return on_demand(store, (mkey, "fit"), what, lambda tell: _fit_and_keep(model, tell),
                      work=(model, DEFAULT_TOKENS, model.config.num_layers), max_entries=2)
