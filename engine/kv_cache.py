@@ -6,6 +6,7 @@ window: a ring of `window` rows, position p in row p % window, so its memory sto
 A KVCache is a KeyStore and the forward's Cache (engine.cache_protocol): the run's rows attend against its keys."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,18 @@ class KVCache(RunCache):
 
     def get_pos(self) -> int:
         return self._pos
+
+    def fork(self) -> "KVCache":
+        """A cache of the same length holding copies of this one's keys and values and its position: a run's prefix
+        continued another way beside it (engine.tools.steering: the plain model on the steered run's tokens, from
+        where the two runs part), without computing the prefix again."""
+        out = copy.copy(self)
+        if self.k is not None:
+            out.k, out.v = self.k.clone(), self.v.clone()
+        else:
+            out.layer_k, out.layer_v = [t.clone() for t in self.layer_k], [t.clone() for t in self.layer_v]
+        out._scratch = {}
+        return out
 
     def advance(self, n: int) -> None:
         self._pos += n

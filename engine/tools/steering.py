@@ -125,9 +125,7 @@ def _plain_on_steered_prefix(model: Model, prompt: list[int], plain_ids: list[in
     logits are the plain run's, bit for bit (at coefficient 0 every step: KL 0 exactly). After it, one forward over
     the prompt and the steered tokens (in a run's prefill chunks, engine.generate.prefill_chunks, every position's
     logits kept): the prefix's logits at the cost of one prefill instead of a decode step a token."""
-    j = 0
-    while j < len(tokens) and j < len(plain_logits) and j < len(plain_ids) and tokens[j] == plain_ids[j]:
-        j += 1
+    j = min(_parted(tokens, plain_ids), len(plain_logits))
     got = plain_logits[:min(j + 1, len(plain_logits), len(tokens))]
     if len(got) == len(tokens):
         return got
@@ -151,11 +149,13 @@ def steer(model: Model, settings: RunSettings, vec: SteeringVector, coefficient:
     plain = GenerationRun(plain_model, settings.prompt, probe=Probe().capture("logits"), **kw)
     steered = GenerationRun(plain_model, settings.prompt, probe=steering_probe(vec, c, Probe().capture("logits")),
                             **kw)
-    plain_logits, steered_logits = _run_both(model, [plain, steered])
+    plain_logits, steered_logits, forked = _run_both(model, plain, steered)
     steps = []
     if steered.token_ids:
-        base = _plain_on_steered_prefix(plain_model, steered.prompt_ids, plain.token_ids, plain_logits,
-                                        steered.token_ids)
+        base = plain_logits[:_parted(plain.token_ids, steered.token_ids) + 1] + forked
+        if len(base) < len(steered.token_ids):      # no native batched step (or the plain run ended first)
+            base = _plain_on_steered_prefix(plain_model, steered.prompt_ids, plain.token_ids, plain_logits,
+                                            steered.token_ids)
         for k, tok in enumerate(steered.token_ids):
             got = steered_logits[k]
             lp, lq = torch.log_softmax(got, -1), torch.log_softmax(base[k], -1)
@@ -168,14 +168,27 @@ def steer(model: Model, settings: RunSettings, vec: SteeringVector, coefficient:
                       steered.result().text, steps)
 
 
+def _parted(a: list[int], b: list[int]) -> int:
+    """The first index where the token lists a and b differ (len of the shorter when one is the other's prefix)."""
+    j = 0
+    while j < len(a) and j < len(b) and a[j] == b[j]:
+        j += 1
+    return j
+
+
 @torch.inference_mode()
-def _run_both(model: Model, runs: list[GenerationRun]) -> list[list[torch.Tensor]]:
-    """Each run to its end -> each run's float32 logits of every step. The prefills on the runs' own (PyTorch)
-    forward; then, where the model has the native batched step (engine.native.step: NativeDecoder.rows, which adds
-    each row's probe's additions, Probe.add, at its resid_post), every run's decode step in one call of it, the runs
-    in lockstep (batch invariance: each row as its run alone would be computed; the plain run's rows as its native
-    decode steps alone), so both continuations cost about one; else each run alone on its PyTorch forward, which
-    applies the additions itself."""
+def _run_both(model: Model, plain: GenerationRun, steered: GenerationRun) -> tuple[list, list, list]:
+    """Both runs to their ends -> (the plain run's float32 logits of every step, the steered run's, and the plain
+    model's logits before each steered token after the one where the runs part: [] when not computed here). The
+    prefills on the runs' own (PyTorch) forward; then, where the model has the native batched step (engine.native.step:
+    NativeDecoder.rows, which adds each row's probe's additions, Probe.add, at its resid_post), every run's decode
+    step in one call of it, the runs in lockstep (batch invariance: each row as its run alone would be computed; the
+    plain run's rows as its native decode steps alone), so both continuations cost about one. From the step where
+    the steered token is not the plain one, a third row: the plain model (no addition) fed the steered run's tokens,
+    on a fork of the plain run's cache (its prefix is the steered run's up to there: KVCache.fork), which gives the
+    plain distribution on the steered prefix at the cost of one more row a step. Without the native batched step
+    each run runs alone on its PyTorch forward, which applies the additions itself."""
+    runs = [plain, steered]
     for run in runs:
         run.step()
     out = [[run.probe.recording.captured("logits", 0)[0].value.float()[-1]] if run.steps else [] for run in runs]
@@ -183,20 +196,29 @@ def _run_both(model: Model, runs: list[GenerationRun]) -> list[list[torch.Tensor
     if step is None or step.rows_refusal or not all(run.probe.served_by(step.names, adds=True) for run in runs):
         for run in runs:
             run.run()
-        return [[run.probe.recording.captured("logits", k)[0].value.float()[-1] for k in range(len(run.token_ids))]
-                for run in runs]
-    eps = model.config.rms_norm_eps
+        return (*([run.probe.recording.captured("logits", k)[0].value.float()[-1]
+                   for k in range(len(run.token_ids))] for run in runs), [])
+    eps, fork, forked = model.config.rms_norm_eps, None, []
     while True:
+        if fork is None and steered.token_ids and not plain.done and not steered.done \
+                and plain.cache.get_pos() == steered.cache.get_pos() \
+                and _parted(plain.token_ids, steered.token_ids) == len(steered.token_ids) - 1 < len(plain.token_ids):
+            fork = plain.cache.fork()           # the prefix both runs share, before the token where they part
         live = [(run, rows) for run, rows in zip(runs, out) if run.decode_input() is not None]
         if not live:
-            return out
+            return out[0], out[1], forked
+        with_fork = fork is not None and steered.decode_input() is not None
         for run, _ in live:
             run.cache.check_room(1)
+        rows = [(run.decode_input(), run.cache, run.probe.additions) for run, _ in live]
+        rows += [(steered.decode_input(), fork, None)] if with_fork else []
         t0 = time.perf_counter()
-        logits, _, _, _ = step.rows([run.decode_input() for run, _ in live], [run.cache for run, _ in live],
-                                    [run.cache.get_pos() for run, _ in live], eps, False,
-                                    adds=[run.probe.additions for run, _ in live])
+        logits, _, _, _ = step.rows([t for t, _, _ in rows], [c for _, c, _ in rows], [c.get_pos() for _, c, _ in rows],
+                                    eps, False, adds=[a for _, _, a in rows])
         seconds = time.perf_counter() - t0
+        if with_fork:
+            fork.advance(1)
+            forked.append(logits[-1].float())
         for (run, rows), row in zip(live, logits):
             run.cache.advance(1)
             rows.append(row.float())

@@ -115,8 +115,11 @@ def test_a_steered_run_decodes_on_the_native_batched_step(tiny_model, monkeypatc
                            params=SamplingParams(temperature=0), ignore_eos=True)
     vec = SteeringVector(1, _vector(tiny_model, 5, 1.0), ("p",), ("n",))
     run = steer(tiny_model, settings, vec, 8.0)
-    # every decode step of both runs in one call: the plain row adds nothing, the steered one at its layer
-    assert calls == [(2, [[], [1]])] * (settings.max_new_tokens - 1) and lone == []
+    # every decode step of both runs in one call: the plain row adds nothing, the steered one at its layer; from the
+    # token where they part, a third row: the plain model (no addition) on the steered run's tokens
+    j = next(i for i, (a, b) in enumerate(zip(run.plain_ids, run.steered_ids)) if a != b)
+    n = settings.max_new_tokens - 1
+    assert calls == [(2, [[], [1]])] * min(j, n) + [(3, [[], [1], []])] * (n - min(j, n)) and lone == []
     # and it is the run the PyTorch forward makes with the same vector added by a replace hook
     ref = GenerationRun(tiny_model.with_accelerator(PLAIN), settings.prompt, probe=Probe().replace(
         vec.stage, _by_hand(8.0 * vec.vector)), **settings.generation_kwargs())
