@@ -271,12 +271,15 @@ def test_an_override_on_a_quantized_matrix_says_in_the_runs_notes_that_it_worked
     assert trace.notes == [note]
 
 
-def _mapped_kb(path) -> int:
-    """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
+def _mapped_kb(address: int) -> int:
+    """Resident kB of the one mapping of this process that starts at `address` (/proc/self/smaps). Only that
+    mapping: other readers of the same file in this process (the session's shared one, other tests') have their own
+    mappings of it, resident as they read them."""
     total, mine = 0, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
-        if "-" in line.split(" ", 1)[0]:                # a mapping's header line: "start-end perms ... path"
-            mine = line.rstrip().endswith(str(path))
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:             # a mapping's header line: "start-end perms ... path"
+            mine = int(head.split("-")[0], 16) == address
         elif mine and line.startswith("Rss:"):
             total += int(line.split()[1])
     return total
@@ -297,7 +300,7 @@ def test_the_stored_load_leaves_no_copied_tensor_mapped():
         copies.append(np.array(t.data))
         f.release(t)
     head_kb = f.tensors[0].data_offset // 1024 + 1
-    left = _mapped_kb(path)
+    left = _mapped_kb(f.data.ctypes.data)       # the start of this reader's own mapping of the file
     assert left <= head_kb + 64 * len(f.tensors) < size_kb / 3, (left, head_kb, size_kb)
     assert sum(c.nbytes for c in copies) > 0.9 * size_kb * 1024            # the bytes were read, and are held once
     assert all(np.array_equal(c, t.data) for c, t in zip(copies[:3], f.tensors[:3]))   # a released view reads again
