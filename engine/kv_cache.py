@@ -65,6 +65,20 @@ class KVCache(RunCache):
         out._scratch = {}
         return out
 
+    def copy_layers(self, src: "KVCache", layers: range) -> None:
+        """Layers `layers` of src (a cache of the same model, length and dtype) copied into this one, every row: the
+        keys and values of a prefix two runs compute alike up to a layer (engine.tools.steering: the steered prompt
+        is the plain one up to the layer its vector is added after). The position is not moved."""
+        if (src.max_len, src.rows, src.dtype) != (self.max_len, self.rows, self.dtype):
+            raise InputError("copy_layers needs a cache of the same length, layers and dtype")
+        for i in layers:
+            if self.k is not None:
+                self.k[i].copy_(src.k[i])
+                self.v[i].copy_(src.v[i])
+            else:
+                self.layer_k[i].copy_(src.layer_k[i])
+                self.layer_v[i].copy_(src.layer_v[i])
+
     def advance(self, n: int) -> None:
         self._pos += n
 

@@ -4,17 +4,22 @@ at one layer with a coefficient while a prompt is continued, beside the same pro
 - steering_vector(model, positive, negative, layer): the mean over the positive prompts of each prompt's mean
   residual stream after block `layer` (the stage blocks.{layer}.resid_post, every position of the prompt), less the
   same mean over the negative prompts (Turner et al.'s ActAdd takes one pair at the last positions; the mean over
-  positions and prompts is the "mean difference" vector of Rimsky et al.'s contrastive activation addition).
+  positions and prompts is the "mean difference" vector of Rimsky et al.'s contrastive activation addition). The
+  prompts share forwards (a block-diagonal causal mask, blocks 0 .. layer only): one call of each block, not one per
+  prompt.
 - steer(model, settings, vector, coefficient): the plain run and the run with coefficient * vector added to
   blocks.{layer}.resid_post at every position (prompt and generated tokens: the steered run's probe declares it,
-  Probe.add), the two prefills on the PyTorch forward, then, where the model has the native batched step, both runs'
+  Probe.add). The two prefills on the PyTorch forward, the steered one sharing the plain one's blocks 0 .. layer
+  (their keys and values copied, KVCache.copy_layers; the later blocks run on the plain stream plus the vector: the
+  steered run's own prefill bit for bit); then, where the model has the native batched step, both runs'
   decode steps in lockstep, one call of it a step (engine.native.step: NativeDecoder.rows adds the steered row's
   vector; each row computed as its run alone would be, so the plain run is the model's own plain run), else each run
   on the PyTorch forward; the two differ by the vector only (at coefficient 0 they are bit for bit one run), and per
   step of the steered run, how far the steering moved the distribution: KL(steered || plain)
   with the plain model's distribution on the steered run's own prefix (teacher-forced), and the
   probability of the steered token under each (the plain run's own logits up to the step where the two runs part,
-  then one forward over the steered prefix).
+  then a third row of the batched step: the plain model on a fork of the plain run's cache fed the steered tokens;
+  without the batched step one forward over the steered prefix).
 
 Bounds: MAX_PROMPTS prompts a side, MAX_PROMPT_TOKENS tokens a prompt, a finite coefficient of at most MAX_COEFFICIENT
 in size; a bad layer or an empty set is an InputError naming it."""
@@ -32,10 +37,12 @@ from engine.generate import GenerationRun, prefill_chunks, prompt_ids
 from engine.inspection.probe import Probe
 from engine.model import Model
 from engine.settings import RunSettings
+from engine.tools.patching import PrefixKV
 
 MAX_PROMPTS = 16
 MAX_PROMPT_TOKENS = 256
 MAX_COEFFICIENT = 1e4
+PACK_ROWS = 512         # the vector's prompts share forwards of at most this many rows (its mask: rows x rows)
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,20 +82,44 @@ def steering_vector(model: Model, positive, negative, layer: int, *, chat: bool 
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= last:
         raise InputError(f"layer must be a whole number in 0..{last}, got {layer!r}")
     pos, neg = _prompts("positive", positive), _prompts("negative", negative)
-    stage = f"blocks.{layer}.resid_post"
+    ids = []
+    for p in pos + neg:
+        ids.append(prompt_ids(model, p, chat=chat))
+        if len(ids[-1]) > MAX_PROMPT_TOKENS:
+            raise InputError(f"a steering prompt has {len(ids[-1])} tokens; at most {MAX_PROMPT_TOKENS}")
+    means = _mean_streams(model, ids, layer)
+    vector = torch.stack(means[:len(pos)]).mean(0) - torch.stack(means[len(pos):]).mean(0)
+    return SteeringVector(layer, vector.cpu(), pos, neg)
 
-    def mean_of(prompts: tuple[str, ...]) -> torch.Tensor:
-        means = []
-        for p in prompts:
-            ids = prompt_ids(model, p, chat=chat)
-            if len(ids) > MAX_PROMPT_TOKENS:
-                raise InputError(f"a steering prompt has {len(ids)} tokens; at most {MAX_PROMPT_TOKENS}")
-            probe = Probe().capture(stage)
-            # the forward ends after the stage (the later blocks and the logits would change nothing it reads)
-            model.forward(torch.tensor(ids), model.new_cache(max(1, len(ids))), probe, stop_after=stage)
-            means.append(probe.recording.captured(stage)[0].value.float().mean(0))
-        return torch.stack(means).mean(0)
-    return SteeringVector(layer, (mean_of(pos) - mean_of(neg)).cpu(), pos, neg)
+
+@torch.inference_mode()
+def _mean_streams(model: Model, prompts: list[list[int]], layer: int) -> list[torch.Tensor]:
+    """Each prompt's mean over its positions of the stream leaving block `layer` (float32). The prompts share
+    forwards of at most PACK_ROWS rows, each row attending to its own prompt's earlier rows only (a block-diagonal
+    causal mask, its own positions): the same blocks as a forward of each prompt alone, up to the products' rounding
+    (one call of each block per pack, not per prompt; the later blocks and the logits are never computed)."""
+    cfg, out = model.config, []
+    for pack in _packs(prompts):
+        # each prompt embedded alone (its positions from 0: GPT-2's learned positions are added there)
+        x = torch.cat([model.forward(torch.tensor(ids), model.new_cache(len(ids)), stop_after="embed") for ids in pack])
+        positions = torch.cat([torch.arange(len(ids)) for ids in pack])
+        owner = torch.cat([torch.full((len(ids),), j) for j, ids in enumerate(pack)])
+        mask = (owner[:, None] == owner[None, :]) & (positions[None, :] <= positions[:, None])
+        none = torch.empty(cfg.num_kv_heads, 0, cfg.head_dim, device=model.device, dtype=model.cache_dtype)
+        y = model.run_blocks(x, PrefixKV(none, none), 0, layer + 1, positions=positions, mask=mask)
+        out += [part.float().mean(0) for part in y.split([len(ids) for ids in pack])]
+    return out
+
+
+def _packs(prompts: list[list[int]]) -> list[list[list[int]]]:
+    """The prompts in order, in packs of at most PACK_ROWS rows (a longer prompt alone)."""
+    packs, rows = [[]], 0
+    for ids in prompts:
+        if packs[-1] and rows + len(ids) > PACK_ROWS:
+            packs, rows = packs + [[]], 0
+        packs[-1].append(ids)
+        rows += len(ids)
+    return packs
 
 
 def steering_probe(vec: SteeringVector, coefficient: float, probe: Probe | None = None) -> Probe:
@@ -146,10 +177,11 @@ def steer(model: Model, settings: RunSettings, vec: SteeringVector, coefficient:
     # plain run only, and coefficient 0 would no longer be the plain run bit for bit)
     plain_model = model.with_accelerator(PLAIN)
     kw = settings.generation_kwargs()
-    plain = GenerationRun(plain_model, settings.prompt, probe=Probe().capture("logits"), **kw)
+    plain = GenerationRun(plain_model, settings.prompt, probe=Probe().capture(["logits", vec.stage]), **kw)
     steered = GenerationRun(plain_model, settings.prompt, probe=steering_probe(vec, c, Probe().capture("logits")),
                             **kw)
-    plain_logits, steered_logits, forked = _run_both(model, plain, steered)
+    first = _prefill_both(plain_model, plain, steered, vec.layer)
+    plain_logits, steered_logits, forked = _run_both(model, plain, steered, first)
     steps = []
     if steered.token_ids:
         base = plain_logits[:_parted(plain.token_ids, steered.token_ids) + 1] + forked
@@ -177,10 +209,44 @@ def _parted(a: list[int], b: list[int]) -> int:
 
 
 @torch.inference_mode()
-def _run_both(model: Model, plain: GenerationRun, steered: GenerationRun) -> tuple[list, list, list]:
+def _prefill_both(model: Model, plain: GenerationRun, steered: GenerationRun, layer: int) -> list[list[torch.Tensor]]:
+    """Both prefills -> each run's first logits (float32, [] when it drew no token). The plain run prefills itself
+    (its chunks, its template opening: the model's own plain run), its probe keeping the prompt's stream after
+    block `layer`. The steered prompt is the plain one up to there (its vector is added after block `layer`): its
+    cache takes the plain run's keys and values of blocks 0 .. layer, and only the later blocks run, on the plain
+    stream plus the vector (x + v.to(x.dtype), as the steered forward adds it), in the same chunks as the plain
+    prefill (each chunk a call of Model.run_blocks, the same blocks as the forward's), then the final norm and the
+    head on the last row (Model.unembed). At coefficient 0 it is the plain prefill bit for bit."""
+    plain.step()
+    if not plain.steps:         # no token (non-finite logits): the steered run prefills alone
+        steered.step()
+        return [[], _first_logits(steered)]
+    stage, ids, t0 = f"blocks.{layer}.resid_post", steered.prompt_ids, time.perf_counter()
+    kept = sorted(plain.probe.recording.captured(stage, 0), key=lambda cap: cap.positions[0])
+    x = torch.cat([cap.value for cap in kept]).to(model.device)
+    add = steered.probe.additions[layer].to(x.dtype).to(model.device)
+    steered.cache.copy_layers(plain.cache, range(layer + 1))
+    logits = None
+    for a, b in prefill_chunks(model, ids, steered.prefix_len):
+        y = model.run_blocks(x[a:b] + add, steered.cache, layer + 1, model.config.num_layers,
+                             positions=torch.arange(a, b))
+        steered.cache.advance(b - a)
+        logits = y[-1:]
+    logits = model.unembed(logits)[0]
+    steered.step(logits, seconds=time.perf_counter() - t0)
+    return [_first_logits(plain), [logits] if steered.steps else []]
+
+
+def _first_logits(run: GenerationRun) -> list[torch.Tensor]:
+    """The logits of run's first step, as its probe captured them (float32), or [] when it drew no token."""
+    return [run.probe.recording.captured("logits", 0)[0].value.float()[-1]] if run.steps else []
+
+
+@torch.inference_mode()
+def _run_both(model: Model, plain: GenerationRun, steered: GenerationRun, first: list) -> tuple[list, list, list]:
     """Both runs to their ends -> (the plain run's float32 logits of every step, the steered run's, and the plain
     model's logits before each steered token after the one where the runs part: [] when not computed here). The
-    prefills on the runs' own (PyTorch) forward; then, where the model has the native batched step (engine.native.step:
+    prefills done (_prefill_both: `first`, each run's first logits); then, where the model has the native batched step (engine.native.step:
     NativeDecoder.rows, which adds each row's probe's additions, Probe.add, at its resid_post), every run's decode
     step in one call of it, the runs in lockstep (batch invariance: each row as its run alone would be computed; the
     plain run's rows as its native decode steps alone), so both continuations cost about one. From the step where
@@ -188,16 +254,16 @@ def _run_both(model: Model, plain: GenerationRun, steered: GenerationRun) -> tup
     on a fork of the plain run's cache (its prefix is the steered run's up to there: KVCache.fork), which gives the
     plain distribution on the steered prefix at the cost of one more row a step. Without the native batched step
     each run runs alone on its PyTorch forward, which applies the additions itself."""
-    runs = [plain, steered]
-    for run in runs:
-        run.step()
-    out = [[run.probe.recording.captured("logits", 0)[0].value.float()[-1]] if run.steps else [] for run in runs]
+    runs, out = [plain, steered], first
     step = model.accelerator.decode
-    if step is None or step.rows_refusal or not all(run.probe.served_by(step.names, adds=True) for run in runs):
+    if step is None or step.rows_refusal or not steered.probe.served_by(step.names, adds=True):
         for run in runs:
             run.run()
-        return (*([run.probe.recording.captured("logits", k)[0].value.float()[-1]
-                   for k in range(len(run.token_ids))] for run in runs), [])
+        return (*(rows + [run.probe.recording.captured("logits", k)[0].value.float()[-1]
+                          for k in range(len(rows), len(run.token_ids))] for run, rows in zip(runs, out)), [])
+    # the plain run's decode steps need no probe (their logits are the batched call's); its prefill's, which kept
+    # the stream for the steered prefill, would hold the native step off (a capture it does not serve)
+    plain.probe = None
     eps, fork, forked = model.config.rms_norm_eps, None, []
     while True:
         if fork is None and steered.token_ids and not plain.done and not steered.done \
@@ -210,7 +276,7 @@ def _run_both(model: Model, plain: GenerationRun, steered: GenerationRun) -> tup
         with_fork = fork is not None and steered.decode_input() is not None
         for run, _ in live:
             run.cache.check_room(1)
-        rows = [(run.decode_input(), run.cache, run.probe.additions) for run, _ in live]
+        rows = [(run.decode_input(), run.cache, run.probe.additions if run.probe else None) for run, _ in live]
         rows += [(steered.decode_input(), fork, None)] if with_fork else []
         t0 = time.perf_counter()
         logits, _, _, _ = step.rows([t for t, _, _ in rows], [c for _, c, _ in rows], [c.get_pos() for _, c, _ in rows],
