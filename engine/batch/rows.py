@@ -1,8 +1,8 @@
-"""What Model.forward_rows talks to for a batch of runs: Rows (the batch's cache: each row's keys and values
-written to its own run's KVCache and its attention computed against that cache alone, exactly as the run's own
-one-token forward computes it) and FanProbe (the batch's probe: every stage tensor (B, ...) cut into its rows,
-each probe begun at its own run's position: the statistics of every stage computed once over all rows
-(engine.batch.shared_stats) and row b's handed to run b's probe, captures of row b kept by run b's probe).
+"""What Model.forward_batch talks to for a batched decode step (engine.forward_batch.Batch.rows): Rows (the batch's
+cache: each row's keys and values written to its own run's KVCache and its attention computed against that cache
+alone, exactly as the run's own one-token forward computes it) and FanProbe (the batch's probe: every stage tensor (B,
+...) cut into its rows, each probe begun at its own run's position: the statistics of every stage computed once over
+all rows (engine.batch.shared_stats) and row b's handed to run b's probe, captures of row b kept by run b's probe).
 
 A fence around each run's own code: whatever run b's probe raises when the batch calls it (offered a stage, its
 statistics, its captures, its call's start or end), and whatever row b's attention raises (its probe is offered the
