@@ -1,8 +1,9 @@
 """Attention for one block: the call's positions (which rotary table, which mask each layer reads), and the one
 attention function every caller computes with (attend: the model's blocks through their cache, the batch's rows, a
 packed prefill's runs), with its two paths, the fused one (torch SDPA) and the explicit one (scores and pattern as
-tensors, offered to the probe), whose scores (attention_scores: scale, soft cap, mask, GQA) the Attention view's
-entropy overview also computes with.
+tensors, offered to the probe). The explicit path's arithmetic (attention_scores: scale, soft cap, mask, GQA; the
+softmax; pattern @ V) is engine.attention_math's, which the batch's padded rows, the blocked statistics and the
+Attention view's entropy overview also compute with.
 
     z = attend(p, qh, keys, values, mask, first, scale=cfg.attn_scale, softcap=cfg.attn_softcap)    # (H, T, hd)
     z = attend_store(p, qh, k, v, store, layer, at)       # the same, the keys first written to a run's store
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.attention_math import attention_output, attention_scores, score_queries, softmax_pattern
 from engine.inspection.attention_stats import inspect_attention
 from engine.inspection.probe_views import FULL
 from engine.rope import table_for
@@ -86,19 +88,6 @@ def allowed_keys(rows: torch.Tensor, first: int, S: int, window: int | None) -> 
     return allowed
 
 
-def attention_scores(qh: torch.Tensor, keys: torch.Tensor, scale: float, softcap: float | None,
-                     allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention scores (H, T, S) of queries qh (H, T, hd) over keys (K, S, hd): scaled dot products, Gemma 2's soft
-    cap (tanh(s / cap) * cap, before the mask), -inf where allowed (T, S) is False. Query heads sharing a KV head
-    (GQA: head h reads KV head h // (H / K)) are stacked (K, G*T, hd), so the keys are never copied per head."""
-    H, T, hd = qh.shape
-    K, S = keys.shape[0], keys.shape[1]
-    s = (qh.reshape(K, -1, hd) @ keys.transpose(1, 2)).view(H, T, S) * scale                # (H, T, S)
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
-    return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
-
-
 def attend(p, qh: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Mask | None, first: int = 0, *,
            scale: float, softcap: float | None = None) -> torch.Tensor:
     """The one attention of the engine: queries qh (H, T, hd) over keys and values (K, S, hd) at positions first ..
@@ -129,9 +118,7 @@ def attend_store(p, qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store, l
 def _inspect(p, qh, keys, values, mask: Mask | None, first: int, scale: float) -> None:
     """Attention statistics beside the fused kernel, over every position as the explicit path offers them: the
     query scaled to the family's score scale, a window layer's keys preceded by the positions it dropped."""
-    default = qh.shape[-1] ** -0.5
-    if scale != default:
-        qh = qh * (scale / default)
+    qh = score_queries(qh, scale)
     allowed = None if mask is None else mask.allowed
     if first:
         K, S, hd = keys.shape
@@ -183,8 +170,7 @@ def explicit(qh, keys, values, p, mask, scale: float, softcap: float | None, fir
     which SDPA cannot do). (H, T, hd) out, the scores those of attention_scores (GQA without copies of the cache).
     first > 0 (a window layer's kept keys start there): the probe sees scores and pattern over every position
     0 .. S - 1, -inf and 0 before the window, as for any layer."""
-    H, T, hd = qh.shape
-    K, S = keys.shape[0], keys.shape[1]
+    T, S = qh.shape[1], keys.shape[1]
     allowed = mask
     if T > 1 and mask is None:
         allowed = torch.ones(T, S, dtype=torch.bool, device=qh.device).tril()
@@ -193,13 +179,5 @@ def explicit(qh, keys, values, p, mask, scale: float, softcap: float | None, fir
     if pad:
         scores = F.pad(scores, (pad, 0), value=float("-inf"))
     scores = p("attn.scores", scores)
-    pattern = p("attn.pattern", torch.softmax(scores.float(), dim=-1).to(qh.dtype))
-    grouped = pattern[..., pad:].reshape(K, -1, S)                                       # (K, G*T, S)
-    if T > 1 and not bool(torch.isfinite(values).all()):
-        # 0 * NaN = NaN: a matmul would let a NaN value at position j leak into rows t < j that give it
-        # zero weight. Generation is causal, so report NaN only where a row really reads one.
-        finite = torch.isfinite(values)
-        z = grouped @ torch.where(finite, values, 0.0)
-        reads_bad = (grouped != 0).to(values.dtype) @ (~finite).to(values.dtype)     # (K, G*T, hd)
-        return torch.where(reads_bad > 0, float("nan"), z).view(H, T, hd)
-    return (grouped @ values).view(H, T, hd)
+    pattern = p("attn.pattern", softmax_pattern(scores, qh.dtype))
+    return attention_output(pattern[..., pad:], values)                                  # (H, T, hd)

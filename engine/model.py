@@ -9,7 +9,11 @@ replace hook, a full capture). Statistics of them, or some of their rows, are co
 fused kernel (engine.inspection.attention_stats). One decode row computes scores and pattern anyway (two small
 grouped matmuls) and offers them as they are (engine.attention.attend: the one attention function).
 
-The forward asks its cache and its probe only what their protocols declare (engine.cache_protocol.Cache: attend,
+One forward, forward_batch, computes any batch description (engine.forward_batch.Batch: flat token ids at their
+absolute positions, as a serving engine's forward takes them): a lone run's chunk (the trivial batch; forward is its
+convenience), one token of each of several runs (engine.batch's decode step), the packed prompts of several runs
+(engine.batch's prefill); it alone chooses the native step, the native batched step or the PyTorch forward. The
+forward asks its cache and its probe only what their protocols declare (engine.cache_protocol.Cache: attend,
 last_rows; engine.inspection.stage_sink.RunSink / BlockSink): a lone run's KVCache and a batch's rows are handed in
 the same way, and nothing here asks a form what it is."""
 from __future__ import annotations
@@ -29,11 +33,12 @@ from engine.attention import Where
 from engine.cache_protocol import Cache
 from engine.config import ModelConfig
 from engine.errors import InputError
+from engine.forward_batch import Batch
 from engine.inspection.probe import Probe
 from engine.inspection.probe_views import NO_PROBE
 from engine.inspection.stage_sink import RunSink
 from engine.inspection.stages import hook_names
-from engine.inspection.stop_points import StopPoint, stop_point
+from engine.inspection.stop_points import stop_point
 from engine.kv_cache import KVCache
 from engine.matmul import mm
 from engine.moe import activation, experts_mlp, route
@@ -110,12 +115,13 @@ class Model:
     def forward(self, ids: torch.Tensor, cache: KVCache, probe: Probe | None = None, *, last_only: bool = False,
                 grad: bool = False, stop_after: str | int | None = None,
                 on_layer: Callable[[int], object] | None = None) -> torch.Tensor:
-        """ids (T,) at the cache's position -> logits (T, V), or (1, V) with last_only. Advances the cache. grad=True
-        runs outside inference mode so a replace hook may hand in a tensor that requires grad (gradient x input
-        attribution); the weights never do. stop_after: a forward stage ("blocks.5.attn.pattern") or block index;
-        every stage up to it is offered, the forward ends with its half-block (probe.stop_point), returns the
-        residual stream there (T, d) and leaves later layers' cache rows unwritten. on_layer(i): just before
-        block i; an answer STOP raises engine.progress.Stopped there (the cache is not advanced)."""
+        """ids (T,) at the cache's position -> logits (T, V), or (1, V) with last_only: the lone run's batch
+        (engine.forward_batch.Batch.run) through forward_batch. Advances the cache. grad=True runs outside inference
+        mode so a replace hook may hand in a tensor that requires grad (gradient x input attribution); the weights
+        never do. stop_after: a forward stage ("blocks.5.attn.pattern") or block index; every stage up to it is
+        offered, the forward ends with its half-block (probe.stop_point), returns the residual stream there (T, d)
+        and leaves later layers' cache rows unwritten. on_layer(i): just before block i; an answer STOP raises
+        engine.progress.Stopped there (the cache is not advanced)."""
         if ids.dim() != 1 or ids.numel() == 0:
             raise InputError(f"forward needs a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
         T, pos = ids.shape[0], cache.get_pos()
@@ -127,55 +133,51 @@ class Model:
             raise InputError(f"token id {hi if hi >= self.config.vocab_size else lo} is outside the "
                              f"vocabulary [0, {self.config.vocab_size})")
         stop = None if stop_after is None else stop_point(stop_after, self.config.num_layers)
-        ids = ids.to(self.device)
-        with torch.inference_mode(not grad), self.attached(probe, pos):
-            logits = self._forward(ids, cache, probe or NO_PROBE, pos, last_only, stop, on_layer)
+        logits = self.forward_batch(Batch.run(ids.to(self.device), cache, probe, pos0=pos, last_only=last_only,
+                                              on_layer=on_layer, stop=stop, grad=grad))
         cache.advance(T)
         return logits
 
-    def forward_rows(self, ids: torch.Tensor, positions: torch.Tensor, rows: Cache, probe: RunSink) -> torch.Tensor:
-        """One token of each of several runs (engine.batch): ids (B,) at positions (B,), rows the batch's cache (row b
-        against run b's own), probe its fan-out (run b's probe sees row b) -> logits (B, V). Native where a lone token
-        would be (_forward; a NaN or Inf met: the PyTorch path redoes it), else PyTorch. Advances no cache."""
-        step = self.accelerator.decode
-        with torch.inference_mode(), self.attached(probe, int(positions[0])):
-            logits = step.serve_rows(ids.tolist(), positions.tolist(), rows.caches, probe, self.config.rms_norm_eps) \
-                if step is not None and probe.served_by(step.names) else None
-            if logits is not None:
-                return logits
-            at = Where(self.config, self.rope, positions.to(self.device), contiguous=False)
-            return self._forward(ids.to(self.device), rows, probe, int(positions[0]), False, at=at)
+    def forward_batch(self, batch: Batch) -> torch.Tensor:
+        """The one forward over a batch description (engine.forward_batch.Batch: a lone run's chunk, one token of
+        each of several runs, the packed prompts of several runs) -> logits (T, V), or those of batch.cache.last_rows
+        with last_only (each run's last row), or with batch.stop the residual stream there. The path is chosen here
+        and nowhere else: a lone run's one token takes the native decode step and one token of each run the native
+        batched step (engine.native.step: serve_rows) where the model has one and every row's probe is served by it
+        (a NaN or Inf met there: the PyTorch forward redoes it, its accounting of non-finite values the reference);
+        everything else the PyTorch forward. Advances no cache (the caller does, as it alone knows which runs
+        failed)."""
+        probe = batch.probe
+        with torch.inference_mode(not batch.grad), self.attached(None if probe is NO_PROBE else probe, batch.pos0):
+            eps = self.config.rms_norm_eps if probe.norm_eps is None else probe.norm_eps
+            step = self.accelerator.decode
+            if step is not None and batch.native_rows and (probe is NO_PROBE or probe.served_by(step.names)):
+                logits = self._on_native_step(step, batch, eps)
+                if logits is not None:
+                    return logits
+            return self._forward(batch, eps)
 
-    def forward_segments(self, ids: torch.Tensor, positions: torch.Tensor, segments: Cache, probe: RunSink
-                         ) -> torch.Tensor:
-        """The prompts of several runs in one forward (engine.batch.prefill): ids (T,) the runs' tokens one run after
-        another at positions (T,), segments the batch's cache (each run's rows attend against its own cache; its
-        last row: segments.last_rows(T)), probe its fan-out (each run's probe sees its own rows) -> logits (B, V) of
-        each run's last position. On_layer: segments.on_layer. PyTorch; advances no cache."""
-        with torch.inference_mode(), self.attached(probe, int(positions[0])):
-            at = Where(self.config, self.rope, positions.to(self.device), contiguous=False)
-            return self._forward(ids.to(self.device), segments, probe, int(positions[0]), True,
-                                 on_layer=segments.on_layer, at=at)
+    def _on_native_step(self, step, batch: Batch, eps: float) -> torch.Tensor | None:
+        """The batch on the native step (batch.native_rows one-token runs) -> logits, or None where a row met a NaN
+        or Inf (or the batched step cannot run this model): the PyTorch forward then computes it."""
+        probe = batch.probe
+        if batch.form == "rows":
+            return step.serve_rows(batch.ids.tolist(), batch.positions.tolist(), batch.caches, probe, eps)
+        watched, start = probe is not NO_PROBE, time.perf_counter()
+        logits, values, status, marks = step(int(batch.ids[0]), batch.cache, batch.pos0, eps, watched,
+                                             watched and probe.timing)
+        if status:
+            return None
+        if watched:
+            probe.offer_step(step.names, step.layers, values, logits, marks, start)
+        return logits
 
-    def _forward(self, ids, cache: Cache, probe: RunSink, pos: int, last_only: bool,
-                 stop: StopPoint | None = None, on_layer=None, at: Where | None = None) -> torch.Tensor:
-        cfg, w = self.config, self.weights
+    def _forward(self, batch: Batch, eps: float) -> torch.Tensor:
+        cfg, w, probe, ids, cache = self.config, self.weights, batch.probe, batch.ids, batch.cache
         T = ids.shape[0]
-        eps = cfg.rms_norm_eps if probe.norm_eps is None else probe.norm_eps
         embed, norm = probe.weight("embed.weight", w.embed), probe.weight("final_norm.weight", w.norm)
         lm_head = probe.weight("lm_head.weight", w.lm_head)
-        step = self.accelerator.decode
-        if step is not None and at is None and T == 1 and not torch.is_grad_enabled() and stop is on_layer is None \
-                and (probe is NO_PROBE or probe.served_by(step.names)):
-            # one decode token in one native call; status: a watching probe's step met a NaN or Inf (the
-            # PyTorch forward then redoes it: its accounting of non-finite values is the reference)
-            watched, start = probe is not NO_PROBE, time.perf_counter()
-            logits, values, status, marks = step(int(ids[0]), cache, pos, eps, watched, watched and probe.timing)
-            if not status:
-                if watched:
-                    probe.offer_step(step.names, step.layers, values, logits, marks, start)
-                return logits
-        at = at or Where(cfg, self.rope, pos + torch.arange(T, device=ids.device))
+        at = Where(cfg, self.rope, batch.positions, contiguous=batch.contiguous)
         if probe.timing:
             probe.mark("start")
         x = embed.rows(ids) if isinstance(embed, QuantMatrix) else F.embedding(ids, embed)       # (T, d)
@@ -186,18 +188,19 @@ class Model:
         x = probe("embed", x)
         if probe.timing:
             probe.mark("embed")
+        stop = batch.stop
         end, half, final = (cfg.num_layers, False, True) if stop is None else stop
         # nothing reads the stream but this forward (no probe, no gradient): its adds and the MLP's gate can be
         # done in place, the same arithmetic without four fresh (T, d) / (T, F) tensors per block
         own = probe is NO_PROBE and not torch.is_grad_enabled()
-        x = self._blocks(x, cache, probe, 0, end, at, eps, on_layer, half, own)
+        x = self._blocks(x, cache, probe, 0, end, at, eps, batch.on_layer, half, own)
         if final:
             x = probe("final_norm", family_norm(cfg, x, norm, w.norm_bias, eps))
         if stop is not None:
             return x
-        if last_only:         # the last row; of a packed prefill (engine.batch.segments), each run's last
+        if batch.last_only:   # the last row; of a packed prefill (engine.batch.segments), each run's last
             x = x[cache.last_rows(T)]
-            probe.move_to(pos + T - 1)   # the one logits row belongs to the last position
+            probe.move_to(batch.pos0 + T - 1)   # the one logits row belongs to the last position
         logits = self._head(x, lm_head, probe)                                  # (T, V)
         if probe.timing:
             probe.mark("logits")

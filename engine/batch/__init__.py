@@ -9,10 +9,11 @@ calls back on its own (engine.generate.GenerationRun.step with the step's logits
 The entry point is step_together (forward_together is its forward half, for a caller that finishes each run's step
 afterwards); StepBarrier (engine.batch.barrier) drives runs in their own threads to meet at each step, as the app's runs
 do, its leader finishing every run's step; engine.batch.rows holds what the model's forward talks to for a batch (the
-rows' cache and the fan-out probe). The batched forward is Model.forward_rows: one native call
-(engine/native/decode_rows.c) where a lone token would take the native step, else the PyTorch path (CUDA's too).
-Prefills are packed the same way (engine.batch.prefill: prefill_together, PrefillGate, which the barrier's runs meet
-at; engine.batch.segments: each run's rows of the packed forward, Model.forward_segments)."""
+rows' cache and the fan-out probe). The batched forward is the model's one forward, Model.forward_batch, over
+engine.forward_batch.Batch.rows: one native call (engine/native/decode_rows.c) where a lone token would take the
+native step, else the PyTorch path (CUDA's too). Prefills are packed the same way (engine.batch.prefill:
+prefill_together, PrefillGate, which the barrier's runs meet at; engine.batch.segments: each run's rows of the packed
+forward, Model.forward_batch over Batch.packed)."""
 from engine.batch.barrier import StepBarrier, shared_barrier
 from engine.batch.step import alone_reason, forward_together, step_together
 

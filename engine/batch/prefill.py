@@ -1,8 +1,8 @@
 """Packed prefills: the prompts of runs that wait for their prefill at the same moment go through one forward
-(Model.forward_segments): every matmul reads the weights once for all their rows (this 2-core CPU: ~230 GFLOP/s
-for one prompt's forty rows, ~370 at a thousand), each run's attention is computed against its own cache and its
-probe is offered its own rows (engine.batch.segments), and each run's on_progress is asked before every block as in
-its own prefill (a STOP ends that run alone). Then each run finishes its prefill step (sampling, detokenizing,
+(Model.forward_batch over Batch.packed): every matmul reads the weights once for all their rows (this 2-core CPU: ~230
+GFLOP/s for one prompt's forty rows, ~370 at a thousand), each run's attention is computed against its own cache and
+its probe is offered its own rows (engine.batch.segments), and each run's on_progress is asked before every block as
+in its own prefill (a STOP ends that run alone). Then each run finishes its prefill step (sampling, detokenizing,
 on_token) with its own logits row, in its own thread.
 
     gate = PrefillGate()
@@ -34,6 +34,7 @@ import torch
 
 from engine.batch.segments import SegmentProbe, Segments
 from engine.batch.step import Outcome, guarded, shared_forward_reason
+from engine.forward_batch import Batch
 from engine.generate import GenerationRun
 from engine.matmul import TILED_ROWS, tiled
 from engine.progress import PREFILL_CHUNK, STOP, Stopped
@@ -91,7 +92,8 @@ def pack_forward(runs: list[GenerationRun]) -> tuple[list[torch.Tensor | Stopped
     t0 = time.perf_counter()
     try:
         with tiled():        # each prompt's products as its lone prefill's (engine.matmul: tiles of 8 rows)
-            logits = model.forward_segments(torch.tensor([t for p in prompts for t in p]), positions, segments, probe)
+            logits = model.forward_batch(Batch.packed(torch.tensor([t for p in prompts for t in p]), positions,
+                                                      segments, probe, model.device))
     except Exception as e:
         return [e if o is None else o for o in rows], time.perf_counter() - t0, askers
     finally:

@@ -1,8 +1,8 @@
-"""What Model.forward_rows talks to for a batch of runs: Rows (the batch's cache: each row's keys and values
-written to its own run's KVCache and its attention computed against that cache alone, exactly as the run's own
-one-token forward computes it) and FanProbe (the batch's probe: every stage tensor (B, ...) cut into its rows,
-each probe begun at its own run's position: the statistics of every stage computed once over all rows
-(engine.batch.shared_stats) and row b's handed to run b's probe, captures of row b kept by run b's probe).
+"""What Model.forward_batch talks to for a batched decode step (engine.forward_batch.Batch.rows): Rows (the batch's
+cache: each row's keys and values written to its own run's KVCache and its attention computed against that cache
+alone, exactly as the run's own one-token forward computes it) and FanProbe (the batch's probe: every stage tensor (B,
+...) cut into its rows, each probe begun at its own run's position: the statistics of every stage computed once over
+all rows (engine.batch.shared_stats) and row b's handed to run b's probe, captures of row b kept by run b's probe).
 
 A fence around each run's own code: whatever run b's probe raises when the batch calls it (offered a stage, its
 statistics, its captures, its call's start or end), and whatever row b's attention raises (its probe is offered the
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from engine.attention import Where, attend
+from engine.attention_math import padded_attention
 from engine.batch.shared_stats import RowSource, SharedStats
 from engine.inspection.probe_views import NO_PROBE, NONE, NoProbe
 
@@ -43,47 +44,38 @@ class Rows:
 
     def attend(self, i: int, qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p, at: Where) -> torch.Tensor:
         """Layer i: qh (H, B, hd), k, v (B, K, hd) -> z (H, B, hd), row b against run b's cache (at: the batch's
-        positions; each row's own masks are in `where`), its scores and
-        pattern (H, 1, S_b) offered to run b's probe. A global layer without a soft cap takes every row in one padded
-        product (a row's keys padded to the longest with -inf scores: the same dot products, a softmax and a
-        pattern @ V whose sums also run over the pad's zeros); a window layer, a soft cap, and every layer on the CPU
-        row by row, as alone: the padded sums (the softmax's, pattern @ V's, the scores' statistics over the pad)
-        add in another order than the row's alone, and on the CPU a row's result is its run's alone, bit for bit
-        (batch invariance)."""
-        cfg, B = self.cfg, len(self.caches)
+        positions; each row's own masks are in `where`), its scores and pattern (H, 1, S_b) offered to run b's
+        probe: in one padded product where `padded` says so (engine.attention_math.padded_attention), else row by
+        row, as alone (engine.attention.attend)."""
+        B = len(self.caches)
         got = []
         for b, cache in enumerate(self.caches):
             first, _ = cache.key_positions(i, 1)
             keys, values = cache.update(i, k[b:b + 1].transpose(0, 1), v[b:b + 1].transpose(0, 1))    # (K, S, hd)
             got.append((first, keys.to(qh.dtype), values.to(qh.dtype)))
-        if cfg.layer_window[i] is not None or cfg.attn_softcap is not None or B == 1 or qh.device.type == "cpu":
+        if not self.padded(i, qh.device):
             return torch.cat([p.fenced(b, lambda view, b=b: self._one(b, i, qh[:, b:b + 1], *got[b], view),
                                        qh[:, b:b + 1]) for b in range(B)], dim=1)
-        return self._padded(qh, got, p)
+        lengths = [g[1].shape[1] for g in got]
+        return padded_attention(qh, [g[1] for g in got], [g[2] for g in got], scale=self.cfg.attn_scale,
+                                softcap=self.cfg.attn_softcap,
+                                offer=lambda stage, x, pad: p.maps(stage, x, lengths, pad))
+
+    def padded(self, i: int, device: torch.device) -> bool:
+        """Whether layer i takes every row in one padded product: a global layer without a soft cap, more than one
+        row, on an accelerator. A window layer (its rows keep different key ranges) and a soft cap (the explicit
+        path's) go row by row, and so does every layer on the CPU: the padded sums (the softmax's, pattern @ V's,
+        the scores' statistics over the pad) add in another order than the row's alone, and on the CPU a row's
+        result is its run's alone, bit for bit (batch invariance)."""
+        cfg = self.cfg
+        return cfg.layer_window[i] is None and cfg.attn_softcap is None and len(self.caches) > 1 \
+            and device.type != "cpu"
 
     def _one(self, b: int, i: int, qh, first: int, keys, values, p) -> torch.Tensor:
         """Row b alone, exactly as its run's one-token forward computes it (engine.attention.attend)."""
         mask = self.where[b].mask(self.cfg.layer_window[i], first, keys.shape[1])
         return attend(p, qh, keys, values, mask, first, scale=self.cfg.attn_scale, softcap=self.cfg.attn_softcap)
 
-    def _padded(self, qh: torch.Tensor, got: list, p) -> torch.Tensor:
-        H, B, hd = qh.shape
-        K, lengths = got[0][1].shape[0], [g[1].shape[1] for g in got]
-        S = max(lengths)
-        keys = qh.new_zeros(B, K, S, hd)
-        values = qh.new_zeros(B, K, S, hd)
-        for b, (_, kb, vb) in enumerate(got):
-            keys[b, :, :lengths[b]] = kb
-            values[b, :, :lengths[b]] = vb
-        q = qh.transpose(0, 1).reshape(B, K, H // K, hd)                                 # (B, K, G, hd)
-        scores = (q @ keys.transpose(-1, -2)).view(B, H, S) * self.cfg.attn_scale        # (B, H, S)
-        pad = torch.arange(S, device=qh.device)[None, :] >= torch.tensor(lengths, device=qh.device)[:, None]
-        scores = scores.masked_fill(pad[:, None, :], float("-inf"))
-        p.maps("attn.scores", scores, lengths, pad)
-        pattern = torch.softmax(scores.float(), dim=-1).to(qh.dtype)
-        p.maps("attn.pattern", pattern, lengths, pad)       # offered only: nothing here replaces them
-        z = pattern.view(B, K, H // K, S) @ values                                       # (B, K, G, hd)
-        return z.reshape(B, H, hd).transpose(0, 1)
 
 class FanLayer:
     """Block i of a FanProbe: a stage's tensor (B, ...) of block i, its statistics computed once for every row that a

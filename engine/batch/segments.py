@@ -1,8 +1,8 @@
-"""What Model.forward_segments talks to for a packed prefill (engine.batch.prefill): Segments, the batch's cache
-(run b's rows [start_b, end_b) write their keys and values to run b's own KVCache and attend against it exactly as
-its own prefill does: the run's KVCache.attend with the run's positions and masks), and SegmentProbe, the batch's
-probe (every stage tensor (T, ...) cut into the runs' rows, each run's probe offered its own rows by the same calls
-its own prefill makes, so that its statistics are computed from the same rows in the same way).
+"""What Model.forward_batch talks to for a packed prefill (engine.batch.prefill; engine.forward_batch.Batch.packed):
+Segments, the batch's cache (run b's rows [start_b, end_b) write their keys and values to run b's own KVCache and
+attend against it exactly as its own prefill does: the run's KVCache.attend with the run's positions and masks), and
+SegmentProbe, the batch's probe (every stage tensor (T, ...) cut into the runs' rows, each run's probe offered its own
+rows by the same calls its own prefill makes, so that its statistics are computed from the same rows in the same way).
 
 A run's on_progress is asked before each block, as in its own prefill, but in a thread of the run's own (Asker), and
 its answer waited for at most ASK_WAIT_S (a run that takes longer is heard from at a later block from then on, so a

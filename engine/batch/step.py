@@ -22,6 +22,7 @@ from typing import Union
 import torch
 
 from engine.batch.rows import FanProbe, Rows
+from engine.forward_batch import Batch
 from engine.generate import GenerationRun
 from engine.matmul import tiled
 from engine.results import Step
@@ -109,9 +110,9 @@ def forward_together(runs: list[GenerationRun]) -> tuple[list[torch.Tensor | Bas
         ids = torch.tensor([run.decode_input() for run in batch])
         probe = FanProbe([r.probe for r in batch], positions)
         t0 = time.perf_counter()
+        rows_cache = Rows(model, [r.cache for r in batch], positions)
         with tiled():        # each row's products as its lone step's (engine.matmul: tiles of 8 rows)
-            logits = model.forward_rows(ids, torch.tensor(positions), Rows(model, [r.cache for r in batch],
-                                                                            positions), probe)
+            logits = model.forward_batch(Batch.rows(ids, positions, rows_cache, probe, model.device))
         seconds = time.perf_counter() - t0
         for g, b in enumerate(go):
             rows[b] = probe.failed[g] if probe.failed[g] is not None else logits[g]

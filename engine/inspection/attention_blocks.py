@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention_math import attention_scores, softmax_pattern
 from engine.inspection.reference_stats import dense_stats
 
 BLOCK_ELEMENTS = 1 << 19      # score elements per query block (2 MiB fp32): the working set is two of these
@@ -135,7 +136,9 @@ class Keep:
 
 
 def scores_block(q, kT, t0: int, t1: int, Sc: int, buf: torch.Tensor) -> torch.Tensor:
-    """Scaled scores of query rows t0..t1 against keys 0..Sc into buf: (H, Tb, Sc)."""
+    """Scaled scores of query rows t0..t1 against keys 0..Sc into buf: (H, Tb, Sc). q is in score units
+    (engine.attention_math.scaled_queries), so the product written into the workspace is the score; no mask (the
+    caller's tiles add it)."""
     K, G, _, hd = q.shape
     Tb = t1 - t0
     X = buf[:K * G * Tb * Sc].view(K, G * Tb, Sc)
@@ -145,15 +148,14 @@ def scores_block(q, kT, t0: int, t1: int, Sc: int, buf: torch.Tensor) -> torch.T
 
 def exact_block(q, kT, allowed: torch.Tensor, t0, t1, out: AttentionResult, keep: Keep) -> None:
     """One block materialised (H, Tb, S) and reduced by the stage statistics' own code: any mask, any value."""
-    K, G, _, hd = q.shape
-    Tb, S = t1 - t0, kT.shape[2]
-    X = (q[:, :, t0:t1].reshape(K, G * Tb, hd) @ kT).view(K * G, Tb, S).masked_fill(~allowed, float("-inf"))
+    K, G, Tb = q.shape[0], q.shape[1], t1 - t0
+    X = attention_scores(q[:, :, t0:t1].reshape(K * G, Tb, -1), kT.transpose(1, 2), None, None, allowed)  # (H, Tb, S)
     if out.scores_stats is not None:
         out.scores_stats[t0:t1] = dense_stats(X.transpose(0, 1).reshape(Tb, -1), masked=True)
     if keep.sel_s:
         keep.kept_s[keep.b] = X[:, keep.sel_s]
     if out.pattern_stats is not None or keep.sel_p:
-        pat = torch.softmax(X, dim=-1)
+        pat = softmax_pattern(X)
         if out.pattern_stats is not None:
             out.pattern_stats[t0:t1] = dense_stats(pat.transpose(0, 1).reshape(Tb, -1))
         if keep.sel_p:

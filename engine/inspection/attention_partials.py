@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention_math import scaled_queries, softmax_pattern_
 from engine.inspection.attention_blocks import (
     BLOCK_ELEMENTS,
     MIN_ROWS,
@@ -62,7 +63,7 @@ class Partials:
         torch.amax(X, -1, out=hi)
         if not (pattern or keep.sel_p):
             return
-        p = torch.ops.aten._softmax.out(X, -1, False, out=X)               # in place: the block is contiguous
+        p = softmax_pattern_(X)                                            # in place: the block is contiguous
         if keep.sel_p:
             keep.kept_p[keep.b] = pad_rows(p[:, keep.sel_p], S, 0.0)
         torch.amax(p, -1, out=self.pmax[:, t0:t1])                         # = exp(0) / l: 1/l
@@ -133,7 +134,7 @@ def pending_attention(qh, keys, off: int, want: AttentionView) -> PendingAttenti
     partial results."""
     (H, T, hd), K, S = qh.shape, keys.shape[0], keys.shape[1]
     blocks = query_blocks(T, S, H, off, BLOCK_ELEMENTS, MIN_ROWS)
-    q = (qh.float() * hd ** -0.5).reshape(K, -1, T, hd)                     # (K, G, T, hd)
+    q = scaled_queries(qh).reshape(K, -1, T, hd)                            # (K, G, T, hd)
     kT = keys.float().transpose(1, 2)                                      # (K, hd, S)
     acc = run_blocks(q, kT, H, T, S, off, blocks, Keep(AttentionView(), 0, T), want.pattern_stats)
     return PendingAttention(acc, q, keys, blocks, want)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention_math import scaled_queries
 from engine.inspection.attention_blocks import (
     BLOCK_ELEMENTS,
     MIN_ROWS,
@@ -106,7 +107,7 @@ def _view(qh, keys, mask, pos0: int, want: AttentionView, block_elements: int,
     (H, T, hd), K, S = qh.shape, keys.shape[0], keys.shape[1]
     off = causal_offset(mask, T, S)
     blocks = query_blocks(T, S, H, off, block_elements, min_rows)
-    q = (qh.float() * hd ** -0.5).reshape(K, -1, T, hd)                     # (K, G, T, hd)
+    q = scaled_queries(qh).reshape(K, -1, T, hd)                            # (K, G, T, hd)
     kT = keys.float().transpose(1, 2)                                      # (K, hd, S)
     out = AttentionResult(torch.empty(T, 7, device=qh.device) if want.scores_stats else None,
                           torch.empty(T, 7, device=qh.device) if want.pattern_stats else None)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention_math import attention_scores
 from engine.errors import InputError
 from engine.inspection.probe import Probe
 from engine.rope import rope_tables, rotate, table_for
@@ -126,7 +127,7 @@ def qk_attribution(model, ids: list[int], layer: int, head: int, query: int, key
                  else []) + ["bias"]
     q = _project(model, q_parts, layer, head, query, T, "q")          # (n + c, hd): the components, the constants
     k = _project(model, k_parts, layer, head // (cfg.num_heads // cfg.num_kv_heads), key, T, "k")
-    terms = cfg.attn_scale * (q @ k.T)
+    terms = attention_scores(q[None], k[None], cfg.attn_scale, None)[0]      # (n + c, m + c): scale * q . k
     why = _inexact(model)
     return QKAttribution(layer, head, query, key, names_q + constants, terms, score, not why, why)
 

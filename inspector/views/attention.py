@@ -16,7 +16,8 @@ import plotly.graph_objects as go
 import torch
 
 from engine import Probe
-from engine.attention import allowed_keys, attention_scores
+from engine.attention import allowed_keys
+from engine.attention_math import attention_scores, softmax_pattern
 from engine.progress import LayerProgress
 
 from .theme import colorscale, robust_range
@@ -84,7 +85,7 @@ def entropy_overview(model, ids: Sequence[int], max_queries: int = MAX_QUERIES, 
 
     No pattern is materialised: hooks on q_rot and k_rot (the fused attention path stays on) rebuild the
     softmax rows of up to max_queries query positions per layer, (H, R, T) at a time, with the engine's own
-    scores (engine.attention.attention_scores: the family's scale and soft cap, GQA heads sharing a KV head) and
+    scores and softmax (engine.attention_math: the family's scale and soft cap, GQA heads sharing a KV head) and
     mask (engine.attention.allowed_keys: causal, a local layer's window).
     Exact when T <= max_queries; otherwise a mean over evenly spaced query rows. on_progress as in
     attention_pattern, for every layer."""
@@ -103,7 +104,7 @@ def entropy_overview(model, ids: Sequence[int], max_queries: int = MAX_QUERIES, 
         qh, keys = q_of.pop(ctx.layer).transpose(0, 1), x.float().transpose(0, 1)      # (H, R, hd), (K, T, hd)
         scores = attention_scores(qh, keys, cfg.attn_scale, cfg.attn_softcap,
                                   allowed[cfg.layer_window[ctx.layer]].to(x.device))        # (H, R, T)
-        pattern = torch.softmax(scores, dim=-1)
+        pattern = softmax_pattern(scores)
         out[ctx.layer] = torch.special.entr(pattern).sum(-1).mean(-1).double().cpu()
 
     probe = Probe().replace("blocks.*.attn.q_rot", keep_q).replace("blocks.*.attn.k_rot", on_k)

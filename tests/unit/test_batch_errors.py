@@ -23,14 +23,21 @@ def _prefilled(model, **kw) -> list[GenerationRun]:
     return runs
 
 
-def _out_of_memory(*a, **k):
-    raise MemoryError("no room for the batched forward")
+def _out_of_memory_when_batched(monkeypatch, model) -> None:
+    """The model's forward fails for a batched decode step's rows (Batch.rows); a run's own forward goes on."""
+    own = type(model).forward_batch
+
+    def forward_batch(self, batch):
+        if batch.form == "rows":
+            raise MemoryError("no room for the batched forward")
+        return own(self, batch)
+    monkeypatch.setattr(type(model), "forward_batch", forward_batch)
 
 
 def test_a_failed_shared_forward_is_every_runs_error_and_advances_no_cache(tiny_model, monkeypatch):
     runs = _prefilled(tiny_model)
     before = [r.cache.get_pos() for r in runs]
-    monkeypatch.setattr(type(tiny_model), "forward_rows", _out_of_memory)
+    _out_of_memory_when_batched(monkeypatch, tiny_model)
     out = step_together(runs)
     assert all(isinstance(o, MemoryError) for o in out)
     assert [r.cache.get_pos() for r in runs] == before and all(len(r.steps) == 1 for r in runs)
@@ -44,7 +51,7 @@ def test_runs_of_two_models_share_no_forward(tiny_model):
 
 def test_at_the_barrier_a_failed_forward_is_raised_in_every_runs_own_thread(tiny_model, monkeypatch):
     runs = _prefilled(tiny_model)
-    monkeypatch.setattr(type(tiny_model), "forward_rows", _out_of_memory)
+    _out_of_memory_when_batched(monkeypatch, tiny_model)
     out = drive_together(StepBarrier(window_s=0.5), runs)
     failed = [isinstance(o, MemoryError) for o in out]
     assert sum(failed) >= 2, out             # the runs that met in a step (a run alone steps on its own path)

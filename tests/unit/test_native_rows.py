@@ -1,6 +1,6 @@
-"""The native batched decode step (engine/native/decode_rows.c, NativeDecoder.rows), which Model.forward_rows takes
-for a batch of runs (engine.batch) when the model has a native step, against the PyTorch batched forward it stands
-in for (Model.with_accelerator(PLAIN)): the same logits, cache writes and every stage's statistics per row, rows of
+"""The native batched decode step (engine/native/decode_rows.c, NativeDecoder.rows), which Model.forward_batch takes
+for a batch of runs (engine.batch: engine.forward_batch.Batch.rows) when the model has a native step, against the
+PyTorch batched forward it stands in for (Model.with_accelerator(PLAIN)): the same logits, cache writes and every stage's statistics per row, rows of
 different positions and cache lengths; tokens equal each run alone; a row that meets a NaN redoes the step on the
 PyTorch path (only that run stops on it); a probe it cannot serve keeps the PyTorch path."""
 from __future__ import annotations
