@@ -2,7 +2,7 @@
  * each one token of its own run, at its own position against its own KV cache, through every layer, the final norm
  * and the lm_head, in one call. The batched counterpart of decode.c's llmi_decode_step (engine/batch: the runs in
  * flight that decode together); engine/native/step.py calls it, and the PyTorch batched forward
- * (Model.forward_rows) stays the reference.
+ * (Model.forward_batch over Batch.rows) stays the reference.
  *
  * Why: a batched step on the PyTorch path spent most of its time around the matrix products, in a few torch calls
  * per row per layer (each row's cache write, its padded keys, its statistics), ~4.5 ms a row a step for the
