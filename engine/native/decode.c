@@ -1,6 +1,7 @@
-/* One decode step of a Llama-shaped model (with the variations step.py admits: q/k/v biases, per-head q/k norms,
- * GELU-tanh, Granite's multipliers, layers without RoPE, sliding windows, post-norms, soft caps, local RoPE tables, a
- * rotary fraction; CPU, batch 1; weights in float32, bfloat16 or float16, or
+/* One decode step of a Llama-shaped model (with the variations step.py admits: q/k/v biases, per-head or whole q/k
+ * norms, GELU-tanh, Granite's multipliers, layers without RoPE, sliding windows, post-norms only, soft caps, local RoPE
+ * tables, a rotary fraction, LayerNorms with or without biases, a plain MLP with biases and a GELU (tanh or erf),
+ * attention output and head biases, a parallel residual block, interleaved RoPE; CPU, batch 1; weights in float32, bfloat16 or float16, or
  * float32 with any matrix kept in its GGUF blocks) in one call: every layer, the final norm and the lm_head. In
  * bfloat16 or float16 it reads half the bytes of float32 and rounds each stage to the model's dtype where the
  * PyTorch forward in that dtype holds one (llama_ops.h), summing in float32.
@@ -65,6 +66,17 @@ typedef struct {
     int rd;                        /* the rotated dimensions of each head: hd, or fewer (Phi-3's rotary fraction) */
     const float *const *add;       /* NULL, or L pointers: NULL, or (d) values already rounded to wtype, added to the
                                       stream after block l (its resid_post: a probe's declared addition, Probe.add) */
+    /* attn_norm or mlp_norm NULL: the block has no such pre-norm (OLMo 2: its branches read the stream itself) */
+    int qk_whole;                  /* q_norm / k_norm are (H hd), (K hd): one RMSNorm over the projection (OLMo 2) */
+    int layer_norm;                /* the pre-norms and the final norm are LayerNorms (engine/norms.py) */
+    const void *const *attn_norm_b, *const *mlp_norm_b;   /* NULL, or L (d) LayerNorm biases of wtype */
+    const void *final_norm_b;      /* NULL, or (d) */
+    const void *const *bo;         /* NULL, or L (d) biases added to the attention's output product (GPT-2) */
+    int plain;                     /* a plain MLP: wgu is (d, F) up, act(up + b_up) @ down + b_down (GPT-2) */
+    const void *const *bup, *const *bdown;   /* NULL, or L (F), (d) biases of the MLP's products */
+    int parallel;                  /* x + attn(norm1(x)) + mlp(norm2(x) or, no mlp_norm, norm1(x)) (GPT-NeoX, Phi) */
+    int rope_pairs;                /* adjacent dimensions rotate together (Cohere), not the two halves */
+    const void *head_bias;         /* NULL, or (V) of wtype added to the logits (Phi) */
 } Step;
 
 long llmi_work_floats(int d, int H, int K, int hd, int F, int V, int max_len, int nth) {
@@ -133,8 +145,13 @@ int llmi_decode_step(const Step *p) {
             char *vc = p->rows ? (char *)p->lvc[l] : (char *)p->vc + l * cache_layer * csz;
 #pragma omp single
             {
-                rms_norm(x, p->attn_norm[l], d, p->eps, h, wt);
-                if (st) bad |= stats7(h, d, st), st += NSTAT;
+                if (p->attn_norm) {
+                    family_norm(x, p->attn_norm[l], p->attn_norm_b ? p->attn_norm_b[l] : NULL, p->layer_norm, d,
+                                p->eps, h, wt);
+                    if (st) bad |= stats7(h, d, st), st += NSTAT;
+                } else {
+                    for (int i = 0; i < d; i++) h[i] = x[i];
+                }
             }
             if (p->bqkv) product_bias(h, p->wqkv[l], p->bqkv[l], d, (int)qkv_n, qkv, part, stride, wt, p->qwqkv[l]);
             else product(h, p->wqkv[l], d, (int)qkv_n, qkv, part, stride, wt, p->qwqkv[l]);
@@ -147,18 +164,23 @@ int llmi_decode_step(const Step *p) {
                     bad |= stats7(v, (long)K * hd, st + 2 * NSTAT);
                     st += 3 * NSTAT;
                 }
-                if (p->q_norm) {     /* in place: rms_norm reads a row whole before it writes */
+                if (p->q_norm && p->qk_whole) {      /* OLMo 2: q's H heads as one vector, k's K */
+                    rms_norm(q, p->q_norm[l], H * hd, p->eps, q, wt);
+                    rms_norm(k, p->k_norm[l], K * hd, p->eps, k, wt);
+                } else if (p->q_norm) {     /* in place: rms_norm reads a row whole before it writes */
                     for (int j = 0; j < H + K; j++)
                         rms_norm(qkv + (long)j * hd, j < H ? p->q_norm[l] : p->k_norm[l], hd, p->eps,
                                  qkv + (long)j * hd, wt);
-                    if (st) {
-                        bad |= stats7(q, (long)H * hd, st);
-                        bad |= stats7(k, (long)K * hd, st + NSTAT);
-                        st += 2 * NSTAT;
-                    }
                 }
-                if (!p->rope_on || p->rope_on[l] == 1) rope_part(qkv, H + K, hd, p->rd, p->cos, p->sin, wt);
-                else if (p->rope_on[l] == 2) rope_part(qkv, H + K, hd, p->rd, p->cos_local, p->sin_local, wt);
+                if (p->q_norm && st) {
+                    bad |= stats7(q, (long)H * hd, st);
+                    bad |= stats7(k, (long)K * hd, st + NSTAT);
+                    st += 2 * NSTAT;
+                }
+                if (!p->rope_on || p->rope_on[l] == 1)
+                    rope_any(qkv, H + K, hd, p->rd, p->cos, p->sin, p->rope_pairs, wt);
+                else if (p->rope_on[l] == 2)
+                    rope_any(qkv, H + K, hd, p->rd, p->cos_local, p->sin_local, p->rope_pairs, wt);
                 if (st) {
                     bad |= stats7(q, (long)H * hd, st);
                     bad |= stats7(k, (long)K * hd, st + NSTAT);
@@ -194,38 +216,52 @@ int llmi_decode_step(const Step *p) {
             product(z, p->wo[l], H * hd, d, attn_out, part, stride, wt, p->qwo[l]);
 #pragma omp single
             {
+                if (p->bo) add_vec(attn_out, p->bo[l], d, wt);      /* mm, then + bo: two roundings */
                 if (p->resid_scale != 1.f) scale_to(attn_out, d, p->resid_scale, 1, wt);
                 if (st) bad |= stats7(attn_out, d, st), st += NSTAT;
                 if (p->attn_post_norm) {
                     rms_norm(attn_out, p->attn_post_norm[l], d, p->eps, attn_out, wt);
                     if (st) bad |= stats7(attn_out, d, st), st += NSTAT;
                 }
-                add_to(x, attn_out, d, wt);
-                rms_norm(x, p->mlp_norm[l], d, p->eps, h, wt);
-                if (st) {
-                    bad |= stats7(x, d, st);
-                    bad |= stats7(h, d, st + NSTAT);
-                    st += 2 * NSTAT;
+                /* a parallel block's MLP reads the block's input (its own norm of it, or attn_norm's output still
+                 * in h), and no stream lies between the halves (no resid_mid) */
+                if (!p->parallel) {
+                    add_to(x, attn_out, d, wt);
+                    if (st) bad |= stats7(x, d, st), st += NSTAT;
+                    if (!p->mlp_norm) for (int i = 0; i < d; i++) h[i] = x[i];
+                }
+                if (p->mlp_norm) {
+                    family_norm(x, p->mlp_norm[l], p->mlp_norm_b ? p->mlp_norm_b[l] : NULL, p->layer_norm, d, p->eps,
+                                h, wt);
+                    if (st) bad |= stats7(h, d, st), st += NSTAT;
                 }
             }
-            product(h, p->wgu[l], d, 2 * F, gu, part, stride, wt, p->qwgu[l]);
-            {    /* act(g) * up, the team's threads a share each */
+            const int up_n = p->plain ? F : 2 * F;      /* a gated MLP's product is gate | up */
+            if (p->bup) product_bias(h, p->wgu[l], p->bup[l], d, up_n, gu, part, stride, wt, p->qwgu[l]);
+            else product(h, p->wgu[l], d, up_n, gu, part, stride, wt, p->qwgu[l]);
+            {    /* act(g) * up, or a plain MLP's act(up): the team's threads a share each */
                 const int u = omp_get_thread_num(), T = omp_get_num_threads();
                 const long lo = (long)F * u / T, hi = (long)F * (u + 1) / T;
-                if (p->act) gelu_mul(gu, gu + F, act, lo, hi, wt);
+                if (p->plain) gelu_plain(gu, act, lo, hi, p->act, wt);
+                else if (p->act) gelu_mul(gu, gu + F, act, lo, hi, wt);
                 else silu_mul(gu, gu + F, act, lo, hi, wt);
             }
 #pragma omp barrier
 #pragma omp single
             {
-                if (st) {
+                if (st && p->plain) {   /* mlp.up, mlp.act */
+                    bad |= stats7(gu, F, st);
+                    bad |= stats7(act, F, st + NSTAT);
+                    st += 2 * NSTAT;
+                } else if (st) {        /* mlp.gate, mlp.up, mlp.act */
                     bad |= stats7(gu, F, st);
                     bad |= stats7(gu + F, F, st + NSTAT);
                     bad |= stats7(act, F, st + 2 * NSTAT);
                     st += 3 * NSTAT;
                 }
             }
-            product(act, p->wdown[l], F, d, mlp_out, part, stride, wt, p->qwdown[l]);
+            if (p->bdown) product_bias(act, p->wdown[l], p->bdown[l], F, d, mlp_out, part, stride, wt, p->qwdown[l]);
+            else product(act, p->wdown[l], F, d, mlp_out, part, stride, wt, p->qwdown[l]);
 #pragma omp single
             {
                 if (p->resid_scale != 1.f) scale_to(mlp_out, d, p->resid_scale, 1, wt);
@@ -234,6 +270,7 @@ int llmi_decode_step(const Step *p) {
                     rms_norm(mlp_out, p->mlp_post_norm[l], d, p->eps, mlp_out, wt);
                     if (st) bad |= stats7(mlp_out, d, st), st += NSTAT;
                 }
+                if (p->parallel) add_to(x, attn_out, d, wt);      /* (x + attn) + mlp_out, as the forward adds */
                 add_to(x, mlp_out, d, wt);
                 /* + the addition in wtype, as the PyTorch forward's x + v.to(x.dtype); resid_post's statistics are
                  * those after it (a replace hook's stage is recorded after the hook) */
@@ -244,12 +281,13 @@ int llmi_decode_step(const Step *p) {
         }
 #pragma omp single
         {
-            rms_norm(x, p->final_norm, d, p->eps, xf, wt);
+            family_norm(x, p->final_norm, p->final_norm_b, p->layer_norm, d, p->eps, xf, wt);
             if (st) bad |= stats7(xf, d, st), st += NSTAT;
         }
         product(xf, p->lm_head, d, V, p->logits, part, stride, wt, p->qlm);
 #pragma omp single
         {
+            if (p->head_bias) add_vec(p->logits, p->head_bias, V, wt);
             if (p->logits_div != 1.f) scale_to(p->logits, V, p->logits_div, 0, wt);
             if (p->final_cap != 0.f) {      /* logits_uncapped, then the capped logits */
                 if (st) bad |= stats7(p->logits, V, st), st += NSTAT;

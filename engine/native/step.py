@@ -56,37 +56,48 @@ _FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_
     (n, _P) for n in ("bqkv", "q_norm", "k_norm", "rope_on")] + [("act", ctypes.c_int)] + [
     (n, ctypes.c_float) for n in ("resid_scale", "logits_div")] + [(n, _P) for n in ("rows", "lkc", "lvc")] + [
     (n, _P) for n in ("attn_post_norm", "mlp_post_norm")] + [(n, ctypes.c_float) for n in ("attn_cap", "final_cap")] + [
-    (n, _P) for n in ("cos_local", "sin_local")] + [("rd", ctypes.c_int), ("add", _P)]
+    (n, _P) for n in ("cos_local", "sin_local")] + [("rd", ctypes.c_int), ("add", _P)] + [
+    (n, ctypes.c_int) for n in ("qk_whole", "layer_norm")] + [
+    (n, _P) for n in ("attn_norm_b", "mlp_norm_b", "final_norm_b", "bo")] + [("plain", ctypes.c_int)] + [
+    (n, _P) for n in ("bup", "bdown")] + [(n, ctypes.c_int) for n in ("parallel", "rope_pairs")] + [("head_bias", _P)]
 
 
 # What decode.c computes, read from the family's declaration (engine.family.declared.Family): each declared field at
 # the values decode.c implements, else the feature named in the refusal. Anything else decodes on the PyTorch forward
 # (a debugger never computes another model).
-DECLARED = {"norm": (("rms",), "LayerNorm"), "mlp": (("gated",), "a plain (ungated) MLP"),
-            "positions": (("rope",), "learned absolute positions"),
-            "parallel_residual": ((False,), "a parallel residual block"), "experts": ((None,), "a mixture of experts"),
-            "qk_norm": ((None, "head"), "q/k norms over the whole projection"),
-            "activation": (("silu", "gelu_tanh"), "an exact-erf GELU MLP")}
+DECLARED = {"norm": (("rms", "layer"), "another norm"), "mlp": (("gated", "plain"), "another MLP"),
+            "positions": (("rope", "rope_interleaved", "learned"), "other positions"),
+            "parallel_residual": ((False, True), "another residual block"), "experts": ((None,), "a mixture of experts"),
+            "qk_norm": ((None, "head", "whole"), "other q/k norms"),
+            "activation": (("silu", "gelu_tanh", "gelu"), "another activation")}
 # The element types decode.c reads and writes (llama_ops.h's T_F32, T_BF16, T_F16): the weights' and activations'
 # (the model's dtype), and the KV cache's.
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-LAYER_SLOTS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
-# the slots a declared variation adds (Qwen2's biases, Qwen3's q/k norms, Gemma 2's post-norms), in StepArgs' order
-VECTOR_SLOTS = ("bqkv", "q_norm", "k_norm", "attn_post_norm", "mlp_post_norm")
+# the matrices every layer has (its MLP's first product: a gated MLP's w_gate_up or a plain one's w_up, the one
+# decode.c reads as Step.wgu)
+LAYER_SLOTS = ("wqkv", "wo", "w_down")
+MLP_IN = ("w_gate_up", "w_up")
+# the vectors a layer may have, every layer alike (NULL in decode.c where the block has none: the step skipped):
+# Llama's pre-norms (OLMo 2 has neither), Qwen2's biases, Qwen3's and OLMo 2's q/k norms, the post-norms, the
+# LayerNorms' biases, GPT-2's output and MLP biases
+VECTOR_SLOTS = ("attn_norm", "mlp_norm", "bqkv", "q_norm", "k_norm", "attn_post_norm", "mlp_post_norm",
+                "attn_norm_bias", "mlp_norm_bias", "bo", "b_up", "b_down")
+# decode.c's Step field of each vector slot
+VECTOR_FIELDS = {"attn_norm_bias": "attn_norm_b", "mlp_norm_bias": "mlp_norm_b", "b_up": "bup", "b_down": "bdown"}
 ROPE_KINDS = {None: 0, "main": 1, "local": 2}     # decode.c's Step.rope_on: a layer's table
-MATRICES = tuple(f for f in SLOT_MATRICES if f in LAYER_SLOTS)      # the products it streams
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}       # decode.c's Step.act
+MATRICES = tuple(f for f in SLOT_MATRICES if f in LAYER_SLOTS + MLP_IN)      # the products it streams
+ROWS_VECTORS = ("attn_norm", "mlp_norm")      # the vectors of Llama's block, all decode_rows.c reads
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}       # decode.c's Step.act
 
 
 def _declared(fam) -> str | None:
     """The first feature of the family's declared block that decode.c does not compute (the other declared
     variations it computes at any value the config gives: multipliers, soft caps, query scale, windows, local RoPE,
-    rotary fraction, no-RoPE layers, embedding scale, norm offset, post-norms)."""
+    rotary fraction, no-RoPE layers, embedding scale, norm offset, post-norms, logit scale)."""
     for key, (values, feature) in DECLARED.items():
         if getattr(fam, key) not in values:
             return f"{feature} ({key}={getattr(fam, key)!r})"
-    missing = sorted({"attn_norm", "mlp_norm"} - set(fam.parts))
-    return f"a block without {', '.join(missing)}" if missing else None
+    return None
 
 
 def refusal(model) -> str | None:
@@ -102,16 +113,19 @@ def refusal(model) -> str | None:
     why = _declared(cfg.family)
     if why is not None:
         return why
-    beyond = sorted({f for lw in w.layers for f in lw.present()} - set(LAYER_SLOTS) - set(VECTOR_SLOTS))
-    if beyond or any(set(LAYER_SLOTS) - set(lw.present()) or set(lw.present()) != set(w.layers[0].present())
-                     for lw in w.layers):
-        return f"layer weights other than {', '.join(LAYER_SLOTS + VECTOR_SLOTS)} ({', '.join(beyond) or 'missing'})"
+    known = LAYER_SLOTS + MLP_IN + VECTOR_SLOTS
+    beyond = sorted({f for lw in w.layers for f in lw.present()} - set(known))
+    if beyond or any(set(LAYER_SLOTS) - set(lw.present()) or len(set(MLP_IN) & set(lw.present())) != 1
+                     or set(lw.present()) != set(w.layers[0].present()) for lw in w.layers):
+        return f"layer weights other than {', '.join(known)} ({', '.join(beyond) or 'missing'})"
     if model.device.type != "cpu" or model.dtype not in TYPES or model.cache_dtype not in TYPES \
             or model.fp32_units or model.resid_fp32_from is not None:
         return "not float32, bfloat16 or float16 on the CPU, or a precision plan"
     # a matrix kept in its blocks is whole blocks by construction (QuantMatrix): the rules below are the float kernel's
-    mats = [t for t in [getattr(lw, f) for lw in w.layers for f in LAYER_SLOTS] if not _kept(t)]
+    mats = [t for t in [getattr(lw, f) for lw in w.layers for f in LAYER_SLOTS + MLP_IN] if t is not None
+            and not _kept(t)]
     vectors = [t for lw in w.layers for t in (getattr(lw, f) for f in VECTOR_SLOTS) if t is not None]
+    vectors += [t for t in (w.norm_bias, w.head_bias, w.pos_embed) if t is not None]
     head = [] if _kept(w.lm_head) else [w.lm_head]
     if any(t.dtype != model.dtype or not t.is_contiguous() for t in [*mats, *vectors, w.norm, *head]) \
             or any(n % 8 for t in [*mats, *head] if t.dim() == 2 for n in t.shape) \
@@ -126,7 +140,12 @@ def rows_refusal(model) -> str:
     cfg, lw, kept = model.config, model.weights.layers[0], model.weights.quantized()
     if kept:
         return f"weights kept quantized ({len(kept)} GGUF matrices, e.g. {kept[0]})"
-    beyond = [f"{f} weights" for f in VECTOR_SLOTS if getattr(lw, f) is not None]
+    fam, w = cfg.family, model.weights
+    beyond = [f"{f} weights" for f in VECTOR_SLOTS if getattr(lw, f) is not None and f not in ROWS_VECTORS]
+    beyond += [f"no {f}" for f in ROWS_VECTORS if getattr(lw, f) is None]
+    beyond += [f"{k}={getattr(fam, k)!r}" for k, v in (("norm", "rms"), ("mlp", "gated"), ("positions", "rope"),
+                                                       ("parallel_residual", False)) if getattr(fam, k) != v]
+    beyond += [f"{f}" for f in ("head_bias", "pos_embed", "norm_bias") if getattr(w, f) is not None]
     beyond += [f"{k}={getattr(cfg, k)}" for k in ("embed_scale", "residual_scale", "logits_divisor")
                if getattr(cfg, k) != 1.0]
     beyond += [f"activation={cfg.activation}"] if cfg.activation != "silu" else []
@@ -172,8 +191,12 @@ class NativeDecoder:
             if self._layer_ptrs is None:
                 self._keep = []      # ctypes arrays the StepArgs point into
                 layers = self.model.weights.layers
-                self._layer_ptrs = {f: self._ptrs([getattr(lw, f) for lw in layers]) for f in LAYER_SLOTS}
-                self._layer_ptrs |= {f"q_{f}": self._types([getattr(lw, f) for lw in layers]) for f in MATRICES}
+                mlp_in = next(f for f in MLP_IN if getattr(layers[0], f) is not None)    # gated or plain
+                self._layer_ptrs = {f: self._ptrs([getattr(lw, f) for lw in layers]) for f in (*LAYER_SLOTS, mlp_in)}
+                self._layer_ptrs |= {f"q_{f}": self._types([getattr(lw, f) for lw in layers])
+                                     for f in (*LAYER_SLOTS, mlp_in)}
+                self._layer_ptrs["mlp_in"], self._layer_ptrs["q_mlp_in"] = (self._layer_ptrs[mlp_in],
+                                                                            self._layer_ptrs[f"q_{mlp_in}"])
                 # a variation's vectors: every layer's, or None (the block has none: decode.c skips the step)
                 self._layer_ptrs |= {f: self._ptrs([getattr(lw, f) for lw in layers])
                                      if getattr(layers[0], f) is not None else None for f in VECTOR_SLOTS}
@@ -245,6 +268,8 @@ class NativeDecoder:
         x = w.embed_rows(torch.tensor([token]))[0]
         if c.embed_scale != 1.0:
             x = x * torch.tensor(c.embed_scale, dtype=x.dtype)
+        if w.pos_embed is not None:     # GPT-2's learned position, added in the stream's dtype as the forward adds it
+            x = x + w.pos_embed[pos].to(x.dtype)
         x = x.to(torch.float32).contiguous()
         # the rotary rows (rotary_dim wide) of the main table (longrope's long factors once past their length, as the
         # PyTorch forward's table_for) and, for Gemma 3's sliding layers, the local one: exact in float32
@@ -268,14 +293,18 @@ class NativeDecoder:
                  c.vocab_size, cache.max_len, pos, nth, TYPES[m.dtype], TYPES[cache.dtype], eps, c.attn_scale,
                  x.data_ptr(),
                  self.layer_ptrs["attn_norm"], self.layer_ptrs["wqkv"], self.layer_ptrs["wo"],
-                 self.layer_ptrs["mlp_norm"], self.layer_ptrs["w_gate_up"], self.layer_ptrs["w_down"],
+                 self.layer_ptrs["mlp_norm"], self.layer_ptrs["mlp_in"], self.layer_ptrs["w_down"],
                  *((None, None) if ring else (cache.k.data_ptr(), cache.v.data_ptr())), cos.data_ptr(), sin.data_ptr(),
                  w.norm.data_ptr(), _data(w.lm_head), logits.data_ptr(), work.data_ptr(),
                  st.data_ptr() if stats else None, marks.data_ptr() if timing else None,
-                 *(self.layer_ptrs[f"q_{f}"] for f in ("wqkv", "wo", "w_gate_up", "w_down")), _qtype(w.lm_head),
+                 *(self.layer_ptrs[f"q_{f}"] for f in ("wqkv", "wo", "mlp_in", "w_down")), _qtype(w.lm_head),
                  rope_on=self.layer_ptrs["rope_on"], act=ACTIVATIONS[c.activation], resid_scale=c.residual_scale,
                  logits_div=c.logits_divisor, attn_cap=c.attn_softcap or 0.0, final_cap=c.final_softcap or 0.0,
-                 rd=c.rotary_dim, **{f: self.layer_ptrs[f] for f in VECTOR_SLOTS},
+                 rd=c.rotary_dim, **{VECTOR_FIELDS.get(f, f): self.layer_ptrs[f] for f in VECTOR_SLOTS if f not in ROWS_VECTORS},
+                 qk_whole=int(c.family.qk_norm == "whole"), layer_norm=int(c.family.norm == "layer"),
+                 final_norm_b=_opt(w.norm_bias), plain=int(c.family.mlp == "plain"),
+                 parallel=int(c.parallel_residual), rope_pairs=int(c.family.positions == "rope_interleaved"),
+                 head_bias=_opt(w.head_bias),
                  **dict(zip(("rows", "lkc", "lvc"), ring or (None, None, None))),
                  **({"cos_local": local[0].data_ptr(), "sin_local": local[1].data_ptr()} if local else {}), add=adds)
         status = self.lib.llmi_decode_step(ctypes.byref(s))
@@ -371,6 +400,11 @@ def _kept(t) -> bool:
     `blocks`). Recognised by those attributes, not imported: engine.quant_matrix multiplies through
     engine.accelerator, which imports this module (tests/unit/test_layout.py forbids the circle)."""
     return isinstance(getattr(t, "format", None), str) and isinstance(getattr(t, "blocks", None), torch.Tensor)
+
+
+def _opt(t) -> int | None:
+    """A vector's address for decode.c, or NULL where the model has none."""
+    return None if t is None else t.data_ptr()
 
 
 def _data(t) -> int:

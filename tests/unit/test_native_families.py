@@ -29,9 +29,9 @@ pytestmark = pytest.mark.unit
 pytest.importorskip("transformers")
 
 NATIVE = ("qwen2", "qwen3", "gemma", "granite", "smollm3", "mistral-window", "gemma2", "gemma3_text", "phi3",
-          "phi3-longrope")
-REFUSED = {"olmo2": "q/k norms over the whole projection", "mixtral": "a mixture of experts",
-           "qwen3_moe": "a mixture of experts", "stablelm": "LayerNorm"}
+          "phi3-longrope", "olmo2", "gpt2", "gpt_neox", "gpt_neox-sequential", "phi", "stablelm", "stablelm-qkv-bias",
+          "starcoder2", "starcoder2-no-bias", "cohere", "cohere-bias")
+REFUSED = {"mixtral": "a mixture of experts", "qwen3_moe": "a mixture of experts"}
 PROMPT = [1, 400, 2000, 31, 77, 1234, 9000, 15]
 STEPS = 10
 UNIT = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}     # u: one rounding to the dtype, relative
@@ -108,10 +108,17 @@ def test_the_family_decodes_natively_as_the_pytorch_forward_in_float32(folders, 
     for k, x, y in stats:
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     names = model.accelerator.decode.names       # a variation's own stages are among the step's statistics
-    assert ("blocks.0.attn.q_norm" in names) == (name in ("qwen3", "gemma3_text"))
-    assert ("blocks.0.attn_post_norm" in names) == ("blocks.0.mlp_post_norm" in names) == (name.startswith("gemma")
-                                                                                          and name != "gemma")
+    assert ("blocks.0.attn.q_norm" in names) == (name in ("qwen3", "gemma3_text", "olmo2"))
+    assert ("blocks.0.attn_post_norm" in names) == ("blocks.0.mlp_post_norm" in names) == (
+        name in ("gemma2", "gemma3_text", "olmo2"))
     assert ("logits_uncapped" in names) == (name == "gemma2")
+    # OLMo 2 has no pre-norms, Phi and Cohere one (no mlp_norm); a parallel block no stream between its halves; a
+    # plain MLP no gate
+    assert ("blocks.0.attn_norm" in names) == (name != "olmo2")
+    assert ("blocks.0.mlp_norm" in names) == (name not in ("olmo2", "phi", "cohere", "cohere-bias"))
+    assert ("blocks.0.resid_mid" in names) == (name not in ("gpt_neox", "phi", "cohere", "cohere-bias"))
+    plain = name.startswith(("gpt2", "gpt_neox", "phi", "starcoder2")) and name not in ("phi3", "phi3-longrope")
+    assert ("blocks.0.mlp.gate" in names) == (not plain) and "blocks.0.mlp.up" in names
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
