@@ -3,12 +3,17 @@ batched form (decode_rows.c: NativeDecoder.rows / serve_rows), which Model.forwa
 rows when every row's probe is served by it, under the same allow-list.
 
 A model takes it only when everything it computes is on the allow-list of what decode.c implements (`refusal`), read
-from its family's declaration (engine.family.declared; DECLARED: RMSNorm pre-norms, a gated SiLU or GELU-tanh MLP,
-RoPE, a sequential block, no experts, q/k norms per head if any) -- Llama's block and the variations decode.c
-computes at any value the config gives: Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Gemma's GELU-tanh and
-scaled embeddings, Granite's multipliers, SmolLM3's layers without RoPE, sliding windows (Mistral's, Gemma 2/3's
-local layers: the KV cache's ring of each window layer, engine.kv_cache), Gemma 2's post-norms, soft caps and query
-scale, Gemma 3's local RoPE table, Phi-3's rotary fraction and longrope; no precision plan, every weight contiguous
+from its family's declaration (engine.family.declared; DECLARED: RMSNorm or LayerNorm, a gated or plain MLP, SiLU,
+GELU-tanh or exact-erf GELU, RoPE (half-split or interleaved) or learned positions, a sequential or parallel block, q/k
+norms per head or over the projection, no experts) -- Llama's block and the variations decode.c computes at any value
+the config gives: Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Gemma's GELU-tanh and scaled embeddings,
+Granite's multipliers, SmolLM3's layers without RoPE, sliding windows (Mistral's, Gemma 2/3's, StarCoder 2's local
+layers: the KV cache's ring of each window layer, engine.kv_cache), Gemma 2's post-norms, soft caps and query scale,
+Gemma 3's local RoPE table, Phi-3's rotary fraction and longrope, OLMo 2's post-norms only and q/k norms over the
+whole projection, the LayerNorms (with biases or, Cohere's, without) of GPT-2, GPT-NeoX, Phi, StableLM, StarCoder 2
+and Cohere, their plain MLPs with biases, attention output biases, Phi's head bias, the parallel blocks of GPT-NeoX
+(two norms), Phi and Cohere (one), GPT-2's learned positions (added here, in Python, to the token's row) and Cohere's
+interleaved RoPE and logit scale. A mixture of experts is refused. No precision plan, every weight contiguous
 in the model's dtype, on the CPU in float32, bfloat16 or float16 (the kernels round each stage to that dtype where
 the PyTorch forward holds a tensor of it and sum in float32: llama_ops.h), or, in a float32 model, a GGUF matrix
 kept in its blocks (engine.quant_matrix.QuantMatrix, any format engine.native.quant.TYPES names): decode.c

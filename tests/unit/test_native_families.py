@@ -3,7 +3,10 @@ step.refusal reads each family's declaration): Qwen2's q/k/v biases, Qwen3's per
 and embeddings x sqrt(d), Granite's multipliers, SmolLM3's layers without RoPE, Mistral's sliding window (a window
 of 8 the steps pass: the KV cache's ring, a pattern offered over every position), Gemma 2's post-norms, soft caps
 (logits_uncapped) and query scale over local and global layers, Gemma 3's q/k norms and local RoPE table, Phi-3's
-rotary fraction and longrope (the long factors once past the original length). Each family's tiny random model
+rotary fraction and longrope (the long factors once past the original length), OLMo 2's post-norms only and q/k
+norms over the whole projection, the LayerNorm families' LayerNorms (with biases; Cohere's without), plain MLPs with
+biases (GELU-tanh; GPT-NeoX's exact erf GELU), attention output and head biases (Phi), parallel blocks (GPT-NeoX's
+two norms, Phi's and Cohere's one), GPT-2's learned positions, Cohere's interleaved RoPE and logit scale. Each family's tiny random model
 (made by transformers from the reference tier's config, tests.reference.family_models) decodes natively -- every
 step, none handed back -- and is held to the PyTorch forward of the same model (Model.with_accelerator(PLAIN)):
 greedy tokens equal (in bfloat16 and float16: each of the native step's the PyTorch forward's argmax, or within the logits'
