@@ -383,4 +383,32 @@ static inline void rope_any(float *x, int heads, int hd, int rd, const float *co
 #undef F
 }
 
+/* A mixture of experts' router (Mixtral, Qwen3-MoE; engine/moe.py's route): logits[0:E] (already rounded to t, the
+ * router's product) -> the k chosen experts in ascending order (the order experts_mlp adds them) and their gates:
+ * softmax in float32, the top k (the larger first; of equals, the lower index), optionally renormalised over the top
+ * k, each gate then rounded to t (route's .to(dtype)); gates[0:E] the routing row, 0 but at the chosen. k <= 64
+ * (step.py refuses more) */
+static inline void route_top_k(const float *logits, int E, int k, int renorm, int *chosen, float *gates, int t) {
+    float m = -INFINITY, sum = 0.f, top[64], kept = 0.f;
+    int at[64];
+    for (int e = 0; e < E; e++) m = logits[e] > m ? logits[e] : m;
+    for (int e = 0; e < E; e++) sum += (gates[e] = exp_le0(logits[e] - m));
+    for (int e = 0; e < E; e++) gates[e] /= sum;
+    for (int j = 0; j < k; j++) {         /* selection: k is small */
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= at[i] == e;
+            if (!taken && (best < 0 || gates[e] > gates[best])) best = e;
+        }
+        at[j] = best, top[j] = gates[best];
+    }
+    for (int j = 0; j < k; j++) kept += top[j];
+    for (int e = 0; e < E; e++) gates[e] = 0.f;
+    for (int j = 0; j < k; j++) gates[at[j]] = rnd(renorm ? top[j] / kept : top[j], t);
+    for (int e = 0, n = 0; e < E && n < k; e++)
+        for (int j = 0; j < k; j++)
+            if (at[j] == e) chosen[n++] = e;
+}
+
 #endif

@@ -5,7 +5,7 @@ rows when every row's probe is served by it, under the same allow-list.
 A model takes it only when everything it computes is on the allow-list of what decode.c implements (`refusal`), read
 from its family's declaration (engine.family.declared; DECLARED: RMSNorm or LayerNorm, a gated or plain MLP, SiLU,
 GELU-tanh or exact-erf GELU, RoPE (half-split or interleaved) or learned positions, a sequential or parallel block, q/k
-norms per head or over the projection, no experts) -- Llama's block and the variations decode.c computes at any value
+norms per head or over the projection, Mixtral's or Qwen3-MoE's experts) -- Llama's block and the variations decode.c computes at any value
 the config gives: Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Gemma's GELU-tanh and scaled embeddings,
 Granite's multipliers, SmolLM3's layers without RoPE, sliding windows (Mistral's, Gemma 2/3's, StarCoder 2's local
 layers: the KV cache's ring of each window layer, engine.kv_cache), Gemma 2's post-norms, soft caps and query scale,
@@ -13,7 +13,9 @@ Gemma 3's local RoPE table, Phi-3's rotary fraction and longrope, OLMo 2's post-
 whole projection, the LayerNorms (with biases or, Cohere's, without) of GPT-2, GPT-NeoX, Phi, StableLM, StarCoder 2
 and Cohere, their plain MLPs with biases, attention output biases, Phi's head bias, the parallel blocks of GPT-NeoX
 (two norms), Phi and Cohere (one), GPT-2's learned positions (added here, in Python, to the token's row) and Cohere's
-interleaved RoPE and logit scale. A mixture of experts is refused. No precision plan, every weight contiguous
+interleaved RoPE and logit scale, and Mixtral's and Qwen3-MoE's experts (the router's top k, renormalised where the
+family does, and only the chosen experts' matrices read; Qwen3-MoE's dense layers beside them). No precision plan,
+every weight contiguous
 in the model's dtype, on the CPU in float32, bfloat16 or float16 (the kernels round each stage to that dtype where
 the PyTorch forward holds a tensor of it and sum in float32: llama_ops.h), or, in a float32 model, a GGUF matrix
 kept in its blocks (engine.quant_matrix.QuantMatrix, any format engine.native.quant.TYPES names): decode.c
@@ -64,7 +66,9 @@ _FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_
     (n, _P) for n in ("cos_local", "sin_local")] + [("rd", ctypes.c_int), ("add", _P)] + [
     (n, ctypes.c_int) for n in ("qk_whole", "layer_norm")] + [
     (n, _P) for n in ("attn_norm_b", "mlp_norm_b", "final_norm_b", "bo")] + [("plain", ctypes.c_int)] + [
-    (n, _P) for n in ("bup", "bdown")] + [(n, ctypes.c_int) for n in ("parallel", "rope_pairs")] + [("head_bias", _P)]
+    (n, _P) for n in ("bup", "bdown")] + [(n, ctypes.c_int) for n in ("parallel", "rope_pairs")] + [
+    ("head_bias", _P)] + [(n, _P) for n in ("router", "egu", "edown")] + [
+    (n, ctypes.c_int) for n in ("E", "topk", "Fe", "renorm")]
 
 
 # What decode.c computes, read from the family's declaration (engine.family.declared.Family): each declared field at
@@ -72,16 +76,20 @@ _FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_
 # (a debugger never computes another model).
 DECLARED = {"norm": (("rms", "layer"), "another norm"), "mlp": (("gated", "plain"), "another MLP"),
             "positions": (("rope", "rope_interleaved", "learned"), "other positions"),
-            "parallel_residual": ((False, True), "another residual block"), "experts": ((None,), "a mixture of experts"),
+            "parallel_residual": ((False, True), "another residual block"),
+            "experts": ((None, "mixtral", "qwen3_moe"), "other experts"),
             "qk_norm": ((None, "head", "whole"), "other q/k norms"),
             "activation": (("silu", "gelu_tanh", "gelu"), "another activation")}
 # The element types decode.c reads and writes (llama_ops.h's T_F32, T_BF16, T_F16): the weights' and activations'
 # (the model's dtype), and the KV cache's.
 TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# the matrices every layer has (its MLP's first product: a gated MLP's w_gate_up or a plain one's w_up, the one
-# decode.c reads as Step.wgu)
-LAYER_SLOTS = ("wqkv", "wo", "w_down")
+# the matrices every layer has, and its MLP's: a dense one's (its first product: a gated MLP's w_gate_up or a plain
+# one's w_up, which decode.c reads as Step.wgu; then w_down), or a mixture of experts' (Step.router, egu, edown), one
+# or the other at each layer (Qwen3-MoE's mlp_only_layers are dense)
+LAYER_SLOTS = ("wqkv", "wo")
 MLP_IN = ("w_gate_up", "w_up")
+DENSE_MLPS = tuple((f, "w_down") for f in MLP_IN)
+EXPERT_SLOTS = ("router", "experts_gate_up", "experts_down")
 # the vectors a layer may have, every layer alike (NULL in decode.c where the block has none: the step skipped):
 # Llama's pre-norms (OLMo 2 has neither), Qwen2's biases, Qwen3's and OLMo 2's q/k norms, the post-norms, the
 # LayerNorms' biases, GPT-2's output and MLP biases
@@ -90,7 +98,7 @@ VECTOR_SLOTS = ("attn_norm", "mlp_norm", "bqkv", "q_norm", "k_norm", "attn_post_
 # decode.c's Step field of each vector slot
 VECTOR_FIELDS = {"attn_norm_bias": "attn_norm_b", "mlp_norm_bias": "mlp_norm_b", "b_up": "bup", "b_down": "bdown"}
 ROPE_KINDS = {None: 0, "main": 1, "local": 2}     # decode.c's Step.rope_on: a layer's table
-MATRICES = tuple(f for f in SLOT_MATRICES if f in LAYER_SLOTS + MLP_IN)      # the products it streams
+MATRICES = tuple(f for f in SLOT_MATRICES if f in LAYER_SLOTS + MLP_IN + ("w_down",))   # the products it streams
 ROWS_VECTORS = ("attn_norm", "mlp_norm")      # the vectors of Llama's block, all decode_rows.c reads
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}       # decode.c's Step.act
 
@@ -118,25 +126,40 @@ def refusal(model) -> str | None:
     why = _declared(cfg.family)
     if why is not None:
         return why
-    known = LAYER_SLOTS + MLP_IN + VECTOR_SLOTS
+    known = LAYER_SLOTS + MLP_IN + ("w_down",) + EXPERT_SLOTS + VECTOR_SLOTS
     beyond = sorted({f for lw in w.layers for f in lw.present()} - set(known))
-    if beyond or any(set(LAYER_SLOTS) - set(lw.present()) or len(set(MLP_IN) & set(lw.present())) != 1
-                     or set(lw.present()) != set(w.layers[0].present()) for lw in w.layers):
+    if beyond or not _layers_alike(w.layers):
         return f"layer weights other than {', '.join(known)} ({', '.join(beyond) or 'missing'})"
     if model.device.type != "cpu" or model.dtype not in TYPES or model.cache_dtype not in TYPES \
             or model.fp32_units or model.resid_fp32_from is not None:
         return "not float32, bfloat16 or float16 on the CPU, or a precision plan"
     # a matrix kept in its blocks is whole blocks by construction (QuantMatrix): the rules below are the float kernel's
-    mats = [t for t in [getattr(lw, f) for lw in w.layers for f in LAYER_SLOTS + MLP_IN] if t is not None
-            and not _kept(t)]
+    mats = [t for t in [getattr(lw, f) for lw in w.layers for f in LAYER_SLOTS + MLP_IN + ("w_down",)]
+            if t is not None and not _kept(t)]
+    experts = [t for lw in w.layers for t in (getattr(lw, f) for f in EXPERT_SLOTS) if t is not None]
+    if any(_kept(t) for t in experts) or cfg.experts_per_token > 64:
+        return "experts kept quantized, or more than 64 chosen a token (decode.c routes up to 64 float experts)"
     vectors = [t for lw in w.layers for t in (getattr(lw, f) for f in VECTOR_SLOTS) if t is not None]
     vectors += [t for t in (w.norm_bias, w.head_bias, w.pos_embed) if t is not None]
     head = [] if _kept(w.lm_head) else [w.lm_head]
-    if any(t.dtype != model.dtype or not t.is_contiguous() for t in [*mats, *vectors, w.norm, *head]) \
+    if any(t.dtype != model.dtype or not t.is_contiguous() for t in [*mats, *experts, *vectors, w.norm, *head]) \
             or any(n % 8 for t in [*mats, *head] if t.dim() == 2 for n in t.shape) \
+            or any(n % 8 for t in experts if t.dim() == 3 for n in t.shape[1:]) \
             or cfg.rotary_dim % 2 or cfg.num_heads % cfg.num_kv_heads:
         return f"weights that are not contiguous {model.dtype} matrices in multiples of 8"
     return None
+
+
+def _layers_alike(layers) -> bool:
+    """Whether every layer has q/k/v and o, one MLP (a dense one, gated or plain, the same kind at every dense layer,
+    or experts), and the same vectors as the first."""
+    mlps = [set(m) for m in (*DENSE_MLPS, EXPERT_SLOTS)]
+    mlp_slots = set.union(*mlps)
+    first = set(layers[0].present()) - mlp_slots
+    dense_kinds = {f for lw in layers for f in MLP_IN if getattr(lw, f) is not None}
+    return len(dense_kinds) <= 1 and all(
+        not set(LAYER_SLOTS) - set(lw.present()) and sum(m <= set(lw.present()) for m in mlps) == 1
+        and set(lw.present()) - mlp_slots == first for lw in layers)
 
 
 def rows_refusal(model) -> str:
@@ -149,7 +172,8 @@ def rows_refusal(model) -> str:
     beyond = [f"{f} weights" for f in VECTOR_SLOTS if getattr(lw, f) is not None and f not in ROWS_VECTORS]
     beyond += [f"no {f}" for f in ROWS_VECTORS if getattr(lw, f) is None]
     beyond += [f"{k}={getattr(fam, k)!r}" for k, v in (("norm", "rms"), ("mlp", "gated"), ("positions", "rope"),
-                                                       ("parallel_residual", False)) if getattr(fam, k) != v]
+                                                       ("parallel_residual", False), ("experts", None))
+               if getattr(fam, k) != v]
     beyond += [f"{f}" for f in ("head_bias", "pos_embed", "norm_bias") if getattr(w, f) is not None]
     beyond += [f"{k}={getattr(cfg, k)}" for k in ("embed_scale", "residual_scale", "logits_divisor")
                if getattr(cfg, k) != 1.0]
@@ -196,12 +220,15 @@ class NativeDecoder:
             if self._layer_ptrs is None:
                 self._keep = []      # ctypes arrays the StepArgs point into
                 layers = self.model.weights.layers
-                mlp_in = next(f for f in MLP_IN if getattr(layers[0], f) is not None)    # gated or plain
-                self._layer_ptrs = {f: self._ptrs([getattr(lw, f) for lw in layers]) for f in (*LAYER_SLOTS, mlp_in)}
-                self._layer_ptrs |= {f"q_{f}": self._types([getattr(lw, f) for lw in layers])
-                                     for f in (*LAYER_SLOTS, mlp_in)}
-                self._layer_ptrs["mlp_in"], self._layer_ptrs["q_mlp_in"] = (self._layer_ptrs[mlp_in],
-                                                                            self._layer_ptrs[f"q_{mlp_in}"])
+                # a dense MLP's first matrix, gated or plain (at an experts layer: NULL), and an experts layer's
+                # slots (at a dense layer: NULL); a slot no layer has: NULL
+                mlp_in = next((f for f in MLP_IN for lw in layers if getattr(lw, f) is not None), MLP_IN[0])
+                slots = {"mlp_in": mlp_in, **{f: f for f in (*LAYER_SLOTS, "w_down", *EXPERT_SLOTS)}}
+                self._layer_ptrs = {k: self._ptrs([getattr(lw, f) for lw in layers])
+                                    if any(getattr(lw, f) is not None for lw in layers) else None
+                                    for k, f in slots.items()}
+                self._layer_ptrs |= {f"q_{k}": self._types([getattr(lw, slots[k]) for lw in layers])
+                                     for k in ("wqkv", "wo", "mlp_in", "w_down")}
                 # a variation's vectors: every layer's, or None (the block has none: decode.c skips the step)
                 self._layer_ptrs |= {f: self._ptrs([getattr(lw, f) for lw in layers])
                                      if getattr(layers[0], f) is not None else None for f in VECTOR_SLOTS}
@@ -211,9 +238,9 @@ class NativeDecoder:
         return self._layer_ptrs
 
     def _ptrs(self, tensors) -> ctypes.c_void_p:
-        """A C array of the tensors' data pointers (a matrix kept quantised: its blocks'; kept alive with this
-        decoder)."""
-        arr = (_P * len(tensors))(*[_data(t) for t in tensors])
+        """A C array of the tensors' data pointers (a matrix kept quantised: its blocks'; None: NULL, a layer without
+        the slot; kept alive with this decoder)."""
+        arr = (_P * len(tensors))(*[None if t is None else _data(t) for t in tensors])
         self._keep.append(arr)
         return ctypes.cast(arr, _P)
 
@@ -225,7 +252,7 @@ class NativeDecoder:
 
     def _types(self, matrices) -> ctypes.c_void_p:
         """A C array of each matrix's GGML type for decode.c: 0 for a float (in, out) matrix."""
-        arr = (ctypes.c_int * len(matrices))(*[_qtype(t) for t in matrices])
+        arr = (ctypes.c_int * len(matrices))(*[0 if t is None else _qtype(t) for t in matrices])
         self._keep.append(arr)
         return ctypes.cast(arr, _P)
 
@@ -254,11 +281,20 @@ class NativeDecoder:
         lib, _ = build.load()
         return None if lib is None else cls(model, lib)
 
-    def _work(self, cache, nth: int) -> torch.Tensor:
+    def _experts(self) -> dict:
+        """decode.c's E, topk, Fe, renorm: the experts layers' shape (all 0 without experts)."""
+        lw = next((lw for lw in self.model.weights.layers if lw.router is not None), None)
+        if lw is None:
+            return {"E": 0, "topk": 0, "Fe": 0, "renorm": 0}
         c = self.model.config
+        return {"E": lw.router.shape[1], "topk": c.experts_per_token, "Fe": lw.experts_down.shape[1],
+                "renorm": int(c.norm_topk_prob)}
+
+    def _work(self, cache, nth: int) -> torch.Tensor:
+        c, e = self.model.config, self._experts()
         return cache.scratch("native_decode", self.lib.llmi_work_floats(
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size, cache.max_len,
-            nth))
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, max(c.intermediate_size, e["Fe"], e["E"]),
+            c.vocab_size, cache.max_len, nth))
 
     def __call__(self, token: int, cache, pos: int, eps: float, stats: bool, timing: bool = False,
                  add: dict | None = None) -> tuple:
@@ -309,7 +345,8 @@ class NativeDecoder:
                  qk_whole=int(c.family.qk_norm == "whole"), layer_norm=int(c.family.norm == "layer"),
                  final_norm_b=_opt(w.norm_bias), plain=int(c.family.mlp == "plain"),
                  parallel=int(c.parallel_residual), rope_pairs=int(c.family.positions == "rope_interleaved"),
-                 head_bias=_opt(w.head_bias),
+                 head_bias=_opt(w.head_bias), router=self.layer_ptrs["router"],
+                 egu=self.layer_ptrs["experts_gate_up"], edown=self.layer_ptrs["experts_down"], **self._experts(),
                  **dict(zip(("rows", "lkc", "lvc"), ring or (None, None, None))),
                  **({"cos_local": local[0].data_ptr(), "sin_local": local[1].data_ptr()} if local else {}), add=adds)
         status = self.lib.llmi_decode_step(ctypes.byref(s))
@@ -354,7 +391,7 @@ class NativeDecoder:
                      c.vocab_size, B, nth, TYPES[m.dtype], TYPES[caches[0].k.dtype], eps, c.head_dim ** -0.5,
                      x.data_ptr(),
                      self.layer_ptrs["attn_norm"], self.layer_ptrs["wqkv"], self.layer_ptrs["wo"],
-                     self.layer_ptrs["mlp_norm"], self.layer_ptrs["w_gate_up"], self.layer_ptrs["w_down"],
+                     self.layer_ptrs["mlp_norm"], self.layer_ptrs["mlp_in"], self.layer_ptrs["w_down"],
                      ctypes.cast(kc, _P), ctypes.cast(vc, _P), lens.data_ptr(), pos.data_ptr(), cos.data_ptr(),
                      sin.data_ptr(), m.weights.norm.data_ptr(), m.weights.lm_head.data_ptr(), logits.data_ptr(),
                      work.data_ptr(), st.data_ptr() if stats else None, marks.data_ptr() if timing else None,
