@@ -7,7 +7,7 @@ $LLM_INSPECTOR_CACHE/bench-sizes). Both paths run in this process, on the same m
 `--tokens` greedy decode steps (each its own cache, after the same prefill), so that a change in the machine's load
 reaches both; prints the median of each path's turns and the load average.
 
-    python scripts/bench_families.py [--turns 5] [--tokens 16] [--threads 2] [--dtypes float32,bfloat16]
+    PYTHONPATH=. python scripts/bench_families.py [--turns 5] [--tokens 16] [--threads 2] [--dtypes float32,bfloat16]
 """
 from __future__ import annotations
 
