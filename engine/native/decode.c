@@ -1,6 +1,8 @@
-/* One decode step of a Llama-shaped model (with the variations step.py admits: q/k/v biases, per-head q/k norms,
- * GELU-tanh, Granite's multipliers, layers without RoPE, sliding windows, post-norms, soft caps, local RoPE tables, a
- * rotary fraction; CPU, batch 1; weights in float32, bfloat16 or float16, or
+/* One decode step of a Llama-shaped model (with the variations step.py admits: q/k/v biases, per-head or whole q/k
+ * norms, GELU-tanh, Granite's multipliers, layers without RoPE, sliding windows, post-norms only, soft caps, local RoPE
+ * tables, a rotary fraction, LayerNorms with or without biases, a plain MLP with biases and a GELU (tanh or erf),
+ * attention output and head biases, a parallel residual block, interleaved RoPE, a mixture of experts whose router
+ * picks the k experts whose matrices alone are read; CPU, batch 1; weights in float32, bfloat16 or float16, or
  * float32 with any matrix kept in its GGUF blocks) in one call: every layer, the final norm and the lm_head. In
  * bfloat16 or float16 it reads half the bytes of float32 and rounds each stage to the model's dtype where the
  * PyTorch forward in that dtype holds one (llama_ops.h), summing in float32.
@@ -65,12 +67,37 @@ typedef struct {
     int rd;                        /* the rotated dimensions of each head: hd, or fewer (Phi-3's rotary fraction) */
     const float *const *add;       /* NULL, or L pointers: NULL, or (d) values already rounded to wtype, added to the
                                       stream after block l (its resid_post: a probe's declared addition, Probe.add) */
+    /* attn_norm or mlp_norm NULL: the block has no such pre-norm (OLMo 2: its branches read the stream itself) */
+    int qk_whole;                  /* q_norm / k_norm are (H hd), (K hd): one RMSNorm over the projection (OLMo 2) */
+    int layer_norm;                /* the pre-norms and the final norm are LayerNorms (engine/norms.py) */
+    const void *const *attn_norm_b, *const *mlp_norm_b;   /* NULL, or L (d) LayerNorm biases of wtype */
+    const void *final_norm_b;      /* NULL, or (d) */
+    const void *const *bo;         /* NULL, or L (d) biases added to the attention's output product (GPT-2) */
+    int plain;                     /* a plain MLP: wgu is (d, F) up, act(up + b_up) @ down + b_down (GPT-2) */
+    const void *const *bup, *const *bdown;   /* NULL, or L (F), (d) biases of the MLP's products */
+    int parallel;                  /* x + attn(norm1(x)) + mlp(norm2(x) or, no mlp_norm, norm1(x)) (GPT-NeoX, Phi) */
+    int rope_pairs;                /* adjacent dimensions rotate together (Cohere), not the two halves */
+    const void *head_bias;         /* NULL, or (V) of wtype added to the logits (Phi) */
+    /* a mixture of experts (Mixtral, Qwen3-MoE: engine/moe.py): NULL, or L pointers, NULL at a dense layer (Qwen3-MoE's
+     * mlp_only_layers, whose wgu / wdown are then given) */
+    const void *const *router;     /* (d, E) of wtype */
+    const void *const *egu, *const *edown;   /* (E, d, 2 Fe), (E, Fe, d) of wtype: only the chosen experts' read */
+    int E, topk, Fe, renorm;       /* experts, chosen a token, each expert's MLP width, top-k gates renormalised */
 } Step;
 
+/* F: the widest MLP of a layer, max(F, Fe, E) with experts (step.py passes it; llmi_decode_step lays out the same) */
 long llmi_work_floats(int d, int H, int K, int hd, int F, int V, int max_len, int nth) {
     long qkv = (long)(H + 2 * K) * hd, wide = V > 2 * F ? V : 2 * F;
     if (wide < qkv) wide = qkv;
-    return 6L * d + qkv + (long)H * max_len + (long)H * hd + 3L * F + (long)nth * (wide + 16) + 64;
+    return 6L * d + qkv + (long)H * max_len + (long)H * hd + 5L * F + (long)nth * (wide + 16) + 64;
+}
+
+/* out[0:E] = h @ R (R: (d, E) of type t, E a few experts: a loop, not a streamed product), rounded to t */
+static void router_logits(const float *h, const void *R, int d, int E, float *out, int t) {
+    for (int e = 0; e < E; e++) out[e] = 0.f;
+    for (int i = 0; i < d; i++)
+        for (int e = 0; e < E; e++) out[e] += h[i] * ld(R, (size_t)i * E + e, t);
+    round_to(out, E, t);
 }
 
 /* row_product_t, row_product and product: row_product.h (one order of additions for the lone step and the
@@ -103,15 +130,20 @@ static void product_bias(const float *x, const void *W, const void *b, int K, in
 
 int llmi_decode_step(const Step *p) {
     const int d = p->d, H = p->H, K = p->K, hd = p->hd, F = p->F, V = p->V, S = p->pos + 1, G = H / K;
-    const long qkv_n = (long)(H + 2 * K) * hd, wide = (V > 2 * F ? V : 2 * F) > qkv_n ? (V > 2 * F ? V : 2 * F) : qkv_n;
+    const int Fe = p->Fe, Fw = F > Fe ? (F > p->E ? F : p->E) : (Fe > p->E ? Fe : p->E);  /* llmi_work_floats' F */
+    const long qkv_n = (long)(H + 2 * K) * hd, wide = (V > 2 * Fw ? V : 2 * Fw) > qkv_n ? (V > 2 * Fw ? V : 2 * Fw)
+                                                                                     : qkv_n;
     const long stride = wide + 16;
     float *x = p->work, *h = x + d, *attn_out = h + d, *mlp_out = attn_out + d, *xf = mlp_out + d;
     float *qkv = xf + 2L * d, *scores = qkv + qkv_n, *z = scores + (long)H * p->max_len;
-    float *gu = z + (long)H * hd, *act = gu + 2L * F, *part = act + F;
+    float *gu = z + (long)H * hd, *act = gu + 2L * Fw, *rl = act + Fw, *gates = rl + Fw, *part = gates + Fw;
+    float *y = xf;                   /* an expert's output (the final norm's buffer is free until the end) */
+    int chosen[64];                  /* a token's experts, ascending */
     float *st = p->stats;
     int bad = 0;
     const long cache_layer = (long)K * p->max_len * hd;
     const int wt = p->wtype, ct = p->ctype;
+    const size_t wsz = wt == T_F32 ? 4 : 2;      /* bytes of a weight element (an expert's matrix in the stack) */
     const size_t csz = ct == T_F32 ? 4 : 2;      /* bytes of a cache element */
     const double t0 = omp_get_wtime();
 
@@ -133,8 +165,13 @@ int llmi_decode_step(const Step *p) {
             char *vc = p->rows ? (char *)p->lvc[l] : (char *)p->vc + l * cache_layer * csz;
 #pragma omp single
             {
-                rms_norm(x, p->attn_norm[l], d, p->eps, h, wt);
-                if (st) bad |= stats7(h, d, st), st += NSTAT;
+                if (p->attn_norm) {
+                    family_norm(x, p->attn_norm[l], p->attn_norm_b ? p->attn_norm_b[l] : NULL, p->layer_norm, d,
+                                p->eps, h, wt);
+                    if (st) bad |= stats7(h, d, st), st += NSTAT;
+                } else {
+                    for (int i = 0; i < d; i++) h[i] = x[i];
+                }
             }
             if (p->bqkv) product_bias(h, p->wqkv[l], p->bqkv[l], d, (int)qkv_n, qkv, part, stride, wt, p->qwqkv[l]);
             else product(h, p->wqkv[l], d, (int)qkv_n, qkv, part, stride, wt, p->qwqkv[l]);
@@ -147,18 +184,23 @@ int llmi_decode_step(const Step *p) {
                     bad |= stats7(v, (long)K * hd, st + 2 * NSTAT);
                     st += 3 * NSTAT;
                 }
-                if (p->q_norm) {     /* in place: rms_norm reads a row whole before it writes */
+                if (p->q_norm && p->qk_whole) {      /* OLMo 2: q's H heads as one vector, k's K */
+                    rms_norm(q, p->q_norm[l], H * hd, p->eps, q, wt);
+                    rms_norm(k, p->k_norm[l], K * hd, p->eps, k, wt);
+                } else if (p->q_norm) {     /* in place: rms_norm reads a row whole before it writes */
                     for (int j = 0; j < H + K; j++)
                         rms_norm(qkv + (long)j * hd, j < H ? p->q_norm[l] : p->k_norm[l], hd, p->eps,
                                  qkv + (long)j * hd, wt);
-                    if (st) {
-                        bad |= stats7(q, (long)H * hd, st);
-                        bad |= stats7(k, (long)K * hd, st + NSTAT);
-                        st += 2 * NSTAT;
-                    }
                 }
-                if (!p->rope_on || p->rope_on[l] == 1) rope_part(qkv, H + K, hd, p->rd, p->cos, p->sin, wt);
-                else if (p->rope_on[l] == 2) rope_part(qkv, H + K, hd, p->rd, p->cos_local, p->sin_local, wt);
+                if (p->q_norm && st) {
+                    bad |= stats7(q, (long)H * hd, st);
+                    bad |= stats7(k, (long)K * hd, st + NSTAT);
+                    st += 2 * NSTAT;
+                }
+                if (!p->rope_on || p->rope_on[l] == 1)
+                    rope_any(qkv, H + K, hd, p->rd, p->cos, p->sin, p->rope_pairs, wt);
+                else if (p->rope_on[l] == 2)
+                    rope_any(qkv, H + K, hd, p->rd, p->cos_local, p->sin_local, p->rope_pairs, wt);
                 if (st) {
                     bad |= stats7(q, (long)H * hd, st);
                     bad |= stats7(k, (long)K * hd, st + NSTAT);
@@ -194,38 +236,85 @@ int llmi_decode_step(const Step *p) {
             product(z, p->wo[l], H * hd, d, attn_out, part, stride, wt, p->qwo[l]);
 #pragma omp single
             {
+                if (p->bo) add_vec(attn_out, p->bo[l], d, wt);      /* mm, then + bo: two roundings */
                 if (p->resid_scale != 1.f) scale_to(attn_out, d, p->resid_scale, 1, wt);
                 if (st) bad |= stats7(attn_out, d, st), st += NSTAT;
                 if (p->attn_post_norm) {
                     rms_norm(attn_out, p->attn_post_norm[l], d, p->eps, attn_out, wt);
                     if (st) bad |= stats7(attn_out, d, st), st += NSTAT;
                 }
-                add_to(x, attn_out, d, wt);
-                rms_norm(x, p->mlp_norm[l], d, p->eps, h, wt);
-                if (st) {
-                    bad |= stats7(x, d, st);
-                    bad |= stats7(h, d, st + NSTAT);
-                    st += 2 * NSTAT;
+                /* a parallel block's MLP reads the block's input (its own norm of it, or attn_norm's output still
+                 * in h), and no stream lies between the halves (no resid_mid) */
+                if (!p->parallel) {
+                    add_to(x, attn_out, d, wt);
+                    if (st) bad |= stats7(x, d, st), st += NSTAT;
+                    if (!p->mlp_norm) for (int i = 0; i < d; i++) h[i] = x[i];
+                }
+                if (p->mlp_norm) {
+                    family_norm(x, p->mlp_norm[l], p->mlp_norm_b ? p->mlp_norm_b[l] : NULL, p->layer_norm, d, p->eps,
+                                h, wt);
+                    if (st) bad |= stats7(h, d, st), st += NSTAT;
                 }
             }
-            product(h, p->wgu[l], d, 2 * F, gu, part, stride, wt, p->qwgu[l]);
-            {    /* act(g) * up, the team's threads a share each */
-                const int u = omp_get_thread_num(), T = omp_get_num_threads();
-                const long lo = (long)F * u / T, hi = (long)F * (u + 1) / T;
-                if (p->act) gelu_mul(gu, gu + F, act, lo, hi, wt);
-                else silu_mul(gu, gu + F, act, lo, hi, wt);
-            }
+            if (p->router && p->router[l]) {       /* experts: the router, then the chosen experts' MLPs only */
+#pragma omp single
+                {
+                    router_logits(h, p->router[l], d, p->E, rl, wt);
+                    route_top_k(rl, p->E, p->topk, p->renorm, chosen, gates, wt);
+                    if (st) {   /* mlp.router, mlp.experts (the routing row: 0 but at the chosen) */
+                        bad |= stats7(rl, p->E, st);
+                        bad |= stats7(gates, p->E, st + NSTAT);
+                        st += 2 * NSTAT;
+                    }
+                    for (int i = 0; i < d; i++) mlp_out[i] = 0.f;
+                }
+                for (int j = 0; j < p->topk; j++) {
+                    const int e = chosen[j];
+                    if (gates[e] == 0.f) continue;     /* a gate rounded to 0: experts_mlp skips the expert */
+                    product(h, (const char *)p->egu[l] + (size_t)e * d * 2 * Fe * wsz, d, 2 * Fe, gu, part, stride,
+                            wt, 0);
+                    {
+                        const int u = omp_get_thread_num(), T = omp_get_num_threads();
+                        const long lo = (long)Fe * u / T, hi = (long)Fe * (u + 1) / T;
+                        if (p->act) gelu_mul(gu, gu + Fe, act, lo, hi, wt);
+                        else silu_mul(gu, gu + Fe, act, lo, hi, wt);
+                    }
+#pragma omp barrier
+                    product(act, (const char *)p->edown[l] + (size_t)e * Fe * d * wsz, Fe, d, y, part, stride, wt, 0);
+#pragma omp single
+                    {    /* out.index_add_(y * gate in t): each expert's share rounded, then the sum */
+                        for (int i = 0; i < d; i++) mlp_out[i] = rnd(mlp_out[i] + rnd(y[i] * gates[e], wt), wt);
+                    }
+                }
+            } else {
+                const int up_n = p->plain ? F : 2 * F;      /* a gated MLP's product is gate | up */
+                if (p->bup) product_bias(h, p->wgu[l], p->bup[l], d, up_n, gu, part, stride, wt, p->qwgu[l]);
+                else product(h, p->wgu[l], d, up_n, gu, part, stride, wt, p->qwgu[l]);
+                {    /* act(g) * up, or a plain MLP's act(up): the team's threads a share each */
+                    const int u = omp_get_thread_num(), T = omp_get_num_threads();
+                    const long lo = (long)F * u / T, hi = (long)F * (u + 1) / T;
+                    if (p->plain) gelu_plain(gu, act, lo, hi, p->act, wt);
+                    else if (p->act) gelu_mul(gu, gu + F, act, lo, hi, wt);
+                    else silu_mul(gu, gu + F, act, lo, hi, wt);
+                }
 #pragma omp barrier
 #pragma omp single
-            {
-                if (st) {
-                    bad |= stats7(gu, F, st);
-                    bad |= stats7(gu + F, F, st + NSTAT);
-                    bad |= stats7(act, F, st + 2 * NSTAT);
-                    st += 3 * NSTAT;
+                {
+                    if (st && p->plain) {   /* mlp.up, mlp.act */
+                        bad |= stats7(gu, F, st);
+                        bad |= stats7(act, F, st + NSTAT);
+                        st += 2 * NSTAT;
+                    } else if (st) {        /* mlp.gate, mlp.up, mlp.act */
+                        bad |= stats7(gu, F, st);
+                        bad |= stats7(gu + F, F, st + NSTAT);
+                        bad |= stats7(act, F, st + 2 * NSTAT);
+                        st += 3 * NSTAT;
+                    }
                 }
+                if (p->bdown)
+                    product_bias(act, p->wdown[l], p->bdown[l], F, d, mlp_out, part, stride, wt, p->qwdown[l]);
+                else product(act, p->wdown[l], F, d, mlp_out, part, stride, wt, p->qwdown[l]);
             }
-            product(act, p->wdown[l], F, d, mlp_out, part, stride, wt, p->qwdown[l]);
 #pragma omp single
             {
                 if (p->resid_scale != 1.f) scale_to(mlp_out, d, p->resid_scale, 1, wt);
@@ -234,6 +323,7 @@ int llmi_decode_step(const Step *p) {
                     rms_norm(mlp_out, p->mlp_post_norm[l], d, p->eps, mlp_out, wt);
                     if (st) bad |= stats7(mlp_out, d, st), st += NSTAT;
                 }
+                if (p->parallel) add_to(x, attn_out, d, wt);      /* (x + attn) + mlp_out, as the forward adds */
                 add_to(x, mlp_out, d, wt);
                 /* + the addition in wtype, as the PyTorch forward's x + v.to(x.dtype); resid_post's statistics are
                  * those after it (a replace hook's stage is recorded after the hook) */
@@ -244,12 +334,13 @@ int llmi_decode_step(const Step *p) {
         }
 #pragma omp single
         {
-            rms_norm(x, p->final_norm, d, p->eps, xf, wt);
+            family_norm(x, p->final_norm, p->final_norm_b, p->layer_norm, d, p->eps, xf, wt);
             if (st) bad |= stats7(xf, d, st), st += NSTAT;
         }
         product(xf, p->lm_head, d, V, p->logits, part, stride, wt, p->qlm);
 #pragma omp single
         {
+            if (p->head_bias) add_vec(p->logits, p->head_bias, V, wt);
             if (p->logits_div != 1.f) scale_to(p->logits, V, p->logits_div, 0, wt);
             if (p->final_cap != 0.f) {      /* logits_uncapped, then the capped logits */
                 if (st) bad |= stats7(p->logits, V, st), st += NSTAT;

@@ -308,4 +308,107 @@ static inline void zeros_joined(float *o, long n, long pad) {
     o[2] = (float)m2, o[3] = (float)sqrt(q / N), o[4] = fabsf(o[0]) > fabsf(o[1]) ? fabsf(o[0]) : fabsf(o[1]);
 }
 
+/* The LayerNorm, plain-MLP, bias and interleaved-RoPE variations (GPT-2, GPT-NeoX, Phi, StableLM, StarCoder 2,
+ * Cohere; engine/norms.py, engine/model.py, engine/rope.py), each the PyTorch forward's operation in t. */
+
+/* h = (x rstd - mean rstd) w (+ b), rstd = rsqrt(var + eps), in float32 (mean and population variance in two
+ * passes), rounded once to t: F.layer_norm's CPU kernel in that order, in bfloat16 / float16 computing in float32
+ * and rounding its output once. b: NULL (Cohere's bias-free LayerNorm) or d values of t */
+LLMI_INLINE void layer_norm_t(const float *x, const void *w, const void *b, int d, float eps, float *h, const int t) {
+    float s = 0.f, q = 0.f;
+    for (int i = 0; i < d; i++) s += x[i];
+    const float mean = s / (float)d;
+    for (int i = 0; i < d; i++) q += (x[i] - mean) * (x[i] - mean);
+    const float r = 1.f / sqrtf(q / (float)d + eps), shift = -mean * r;
+    for (int i = 0; i < d; i++) h[i] = rnd((x[i] * r + shift) * ld(w, i, t) + (b ? ld(b, i, t) : 0.f), t);
+}
+/* the family's norm of x into h: LayerNorm (layer != 0, with bias b or none) or RMSNorm (b unused) */
+static inline void family_norm(const float *x, const void *w, const void *b, int layer, int d, float eps, float *h,
+                               int t) {
+#define F(T) layer_norm_t(x, w, b, d, eps, h, T)
+    if (layer) BY_TYPE(t, F);
+    else rms_norm(x, w, d, eps, h, t);
+#undef F
+}
+
+/* x[0:n] += b[0:n] (b: n values of t), each sum rounded to t: a bias added to a product already rounded (the
+ * PyTorch forward's `out + bo`, Phi's `logits + head_bias`: two tensors of t) */
+LLMI_INLINE void add_vec_t(float *x, const void *b, long n, const int t) {
+    for (long i = 0; i < n; i++) x[i] = rnd(x[i] + ld(b, i, t), t);
+}
+static inline void add_vec(float *x, const void *b, long n, int t) {
+#define F(T) add_vec_t(x, b, n, T)
+    BY_TYPE(t, F);
+#undef F
+}
+
+/* act[lo:hi] = gelu(up) of a plain MLP (no gate), in float32 rounded once to t: kind 1 GELU-tanh (GPT-2, Phi,
+ * StarCoder 2: gelu_mul's formula), kind 2 the exact erf GELU 0.5 x (1 + erf(x / sqrt 2)) (GPT-NeoX's F.gelu) */
+LLMI_INLINE void gelu_plain_t(const float *up, float *act, long lo, long hi, int kind, const int t) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+    if (kind == 2) {
+        for (long i = lo; i < hi; i++) act[i] = rnd(0.5f * up[i] * (1.f + erff(up[i] * 0.70710678118654752f)), t);
+        return;
+    }
+    for (long i = lo; i < hi; i++) {
+        const float x = up[i], inner = beta * (x + kappa * (x * x * x));
+        act[i] = rnd(0.5f * x * (1.f + tanhf(inner)), t);
+    }
+}
+static inline void gelu_plain(const float *up, float *act, long lo, long hi, int kind, int t) {
+#define F(T) gelu_plain_t(up, act, lo, hi, kind, T)
+    BY_TYPE(t, F);
+#undef F
+}
+
+/* x (heads, hd) with the first rd dimensions of each head rotated in place by adjacent pairs (Cohere's interleaved
+ * RoPE: (x0, x1) -> (x0 c0 - x1 s0, x1 c1 + x0 s1), the table's frequencies repeated in pairs), each product and
+ * the sum rounded to t as apply_rope(pairs=True)'s tensors are */
+LLMI_INLINE void rope_pairs_t(float *x, int heads, int hd, int rd, const float *cos, const float *sin, const int t) {
+    for (int h = 0; h < heads; h++) {
+        float *v = x + (size_t)h * hd;
+        for (int i = 0; i < rd; i += 2) {
+            const float a = v[i], b = v[i + 1];
+            v[i] = rnd(rnd(a * cos[i], t) - rnd(b * sin[i], t), t);
+            v[i + 1] = rnd(rnd(b * cos[i + 1], t) + rnd(a * sin[i + 1], t), t);
+        }
+    }
+}
+/* the half-split rotation (rope_part) or, pairs != 0, the interleaved one */
+static inline void rope_any(float *x, int heads, int hd, int rd, const float *cos, const float *sin, int pairs,
+                            int t) {
+#define F(T) rope_pairs_t(x, heads, hd, rd, cos, sin, T)
+    if (pairs) BY_TYPE(t, F);
+    else rope_part(x, heads, hd, rd, cos, sin, t);
+#undef F
+}
+
+/* A mixture of experts' router (Mixtral, Qwen3-MoE; engine/moe.py's route): logits[0:E] (already rounded to t, the
+ * router's product) -> the k chosen experts in ascending order (the order experts_mlp adds them) and their gates:
+ * softmax in float32, the top k (the larger first; of equals, the lower index), optionally renormalised over the top
+ * k, each gate then rounded to t (route's .to(dtype)); gates[0:E] the routing row, 0 but at the chosen. k <= 64
+ * (step.py refuses more) */
+static inline void route_top_k(const float *logits, int E, int k, int renorm, int *chosen, float *gates, int t) {
+    float m = -INFINITY, sum = 0.f, top[64], kept = 0.f;
+    int at[64];
+    for (int e = 0; e < E; e++) m = logits[e] > m ? logits[e] : m;
+    for (int e = 0; e < E; e++) sum += (gates[e] = exp_le0(logits[e] - m));
+    for (int e = 0; e < E; e++) gates[e] /= sum;
+    for (int j = 0; j < k; j++) {         /* selection: k is small */
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= at[i] == e;
+            if (!taken && (best < 0 || gates[e] > gates[best])) best = e;
+        }
+        at[j] = best, top[j] = gates[best];
+    }
+    for (int j = 0; j < k; j++) kept += top[j];
+    for (int e = 0; e < E; e++) gates[e] = 0.f;
+    for (int j = 0; j < k; j++) gates[at[j]] = rnd(renorm ? top[j] / kept : top[j], t);
+    for (int e = 0, n = 0; e < E && n < k; e++)
+        for (int j = 0; j < k; j++)
+            if (at[j] == e) chosen[n++] = e;
+}
+
 #endif

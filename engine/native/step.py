@@ -2,20 +2,9 @@
 batched form (decode_rows.c: NativeDecoder.rows / serve_rows), which Model.forward_rows takes for engine.batch's
 rows when every row's probe is served by it, under the same allow-list.
 
-A model takes it only when everything it computes is on the allow-list of what decode.c implements (`refusal`), read
-from its family's declaration (engine.family.declared; DECLARED: RMSNorm pre-norms, a gated SiLU or GELU-tanh MLP,
-RoPE, a sequential block, no experts, q/k norms per head if any) -- Llama's block and the variations decode.c
-computes at any value the config gives: Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Gemma's GELU-tanh and
-scaled embeddings, Granite's multipliers, SmolLM3's layers without RoPE, sliding windows (Mistral's, Gemma 2/3's
-local layers: the KV cache's ring of each window layer, engine.kv_cache), Gemma 2's post-norms, soft caps and query
-scale, Gemma 3's local RoPE table, Phi-3's rotary fraction and longrope; no precision plan, every weight contiguous
-in the model's dtype, on the CPU in float32, bfloat16 or float16 (the kernels round each stage to that dtype where
-the PyTorch forward holds a tensor of it and sum in float32: llama_ops.h), or, in a float32 model, a GGUF matrix
-kept in its blocks (engine.quant_matrix.QuantMatrix, any format engine.native.quant.TYPES names): decode.c
-multiplies the file's bytes by quant_ops.h's row dot product, the one the PyTorch forward's product of one token
-sums with. The batched step (decode_rows.c) computes Llama's block on float matrices only: for a model with
-quantised weights or any of those variations `rows_refusal` says so and serve_rows leaves the batch to the PyTorch
-forward. A call then takes it when it is one token and its probe is none or asks only for what one pass of decode.c
+A model takes it only when everything it computes is on the allow-list of what decode.c implements
+(engine.native.allow_list: `refusal`, and `rows_refusal` for the batched step, which computes Llama's block on
+float matrices only; for anything else serve_rows leaves the batch to the PyTorch forward). A call then takes it when it is one token and its probe is none or asks only for what one pass of decode.c
 gives (Probe.served_by): statistics of any stages, per-layer timing marks, and a capture of the logits (the app's
 inspected run asks for exactly these) -- no capture of any other stage, no replacement, weight override or run-only
 epsilon. Anything else, or a library that could not be built, runs the PyTorch forward, which stays the reference:
@@ -40,9 +29,11 @@ import time
 
 import torch
 
-from engine.family.slots import MATRICES as SLOT_MATRICES
 from engine.inspection.stages import forward_stages
 from engine.native import build
+from engine.native.allow_list import (ACTIVATIONS, EXPERT_SLOTS, LAYER_SLOTS, MATRICES, MLP_IN, ROPE_KINDS,
+                                      ROWS_VECTORS, TYPES, VECTOR_FIELDS, VECTOR_SLOTS, kept_in_blocks, refusal,
+                                      rows_refusal)
 from engine.native.quant import TYPES as QUANT_TYPES
 from engine.rope import table_for
 
@@ -56,86 +47,12 @@ _FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_
     (n, _P) for n in ("bqkv", "q_norm", "k_norm", "rope_on")] + [("act", ctypes.c_int)] + [
     (n, ctypes.c_float) for n in ("resid_scale", "logits_div")] + [(n, _P) for n in ("rows", "lkc", "lvc")] + [
     (n, _P) for n in ("attn_post_norm", "mlp_post_norm")] + [(n, ctypes.c_float) for n in ("attn_cap", "final_cap")] + [
-    (n, _P) for n in ("cos_local", "sin_local")] + [("rd", ctypes.c_int), ("add", _P)]
-
-
-# What decode.c computes, read from the family's declaration (engine.family.declared.Family): each declared field at
-# the values decode.c implements, else the feature named in the refusal. Anything else decodes on the PyTorch forward
-# (a debugger never computes another model).
-DECLARED = {"norm": (("rms",), "LayerNorm"), "mlp": (("gated",), "a plain (ungated) MLP"),
-            "positions": (("rope",), "learned absolute positions"),
-            "parallel_residual": ((False,), "a parallel residual block"), "experts": ((None,), "a mixture of experts"),
-            "qk_norm": ((None, "head"), "q/k norms over the whole projection"),
-            "activation": (("silu", "gelu_tanh"), "an exact-erf GELU MLP")}
-# The element types decode.c reads and writes (llama_ops.h's T_F32, T_BF16, T_F16): the weights' and activations'
-# (the model's dtype), and the KV cache's.
-TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-LAYER_SLOTS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
-# the slots a declared variation adds (Qwen2's biases, Qwen3's q/k norms, Gemma 2's post-norms), in StepArgs' order
-VECTOR_SLOTS = ("bqkv", "q_norm", "k_norm", "attn_post_norm", "mlp_post_norm")
-ROPE_KINDS = {None: 0, "main": 1, "local": 2}     # decode.c's Step.rope_on: a layer's table
-MATRICES = tuple(f for f in SLOT_MATRICES if f in LAYER_SLOTS)      # the products it streams
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}       # decode.c's Step.act
-
-
-def _declared(fam) -> str | None:
-    """The first feature of the family's declared block that decode.c does not compute (the other declared
-    variations it computes at any value the config gives: multipliers, soft caps, query scale, windows, local RoPE,
-    rotary fraction, no-RoPE layers, embedding scale, norm offset, post-norms)."""
-    for key, (values, feature) in DECLARED.items():
-        if getattr(fam, key) not in values:
-            return f"{feature} ({key}={getattr(fam, key)!r})"
-    missing = sorted({"attn_norm", "mlp_norm"} - set(fam.parts))
-    return f"a block without {', '.join(missing)}" if missing else None
-
-
-def refusal(model) -> str | None:
-    """Why this model cannot take the native step (None: it can): the first thing off the allow-list."""
-    cfg, w = model.config, model.weights
-    kept = [t for t in w.all() if _kept(t)]
-    other = sorted({t.format for t in kept} - set(QUANT_TYPES))
-    if other:
-        return f"weights kept quantized in {', '.join(other)} (decode.c decodes {', '.join(QUANT_TYPES)})"
-    if kept and model.dtype != torch.float32:
-        # QuantMatrix.matmul sums in float32 and returns x's dtype: decode.c's quantised products are float32's
-        return f"weights kept quantized in a {model.dtype} model (decode.c multiplies GGUF blocks in float32 only)"
-    why = _declared(cfg.family)
-    if why is not None:
-        return why
-    beyond = sorted({f for lw in w.layers for f in lw.present()} - set(LAYER_SLOTS) - set(VECTOR_SLOTS))
-    if beyond or any(set(LAYER_SLOTS) - set(lw.present()) or set(lw.present()) != set(w.layers[0].present())
-                     for lw in w.layers):
-        return f"layer weights other than {', '.join(LAYER_SLOTS + VECTOR_SLOTS)} ({', '.join(beyond) or 'missing'})"
-    if model.device.type != "cpu" or model.dtype not in TYPES or model.cache_dtype not in TYPES \
-            or model.fp32_units or model.resid_fp32_from is not None:
-        return "not float32, bfloat16 or float16 on the CPU, or a precision plan"
-    # a matrix kept in its blocks is whole blocks by construction (QuantMatrix): the rules below are the float kernel's
-    mats = [t for t in [getattr(lw, f) for lw in w.layers for f in LAYER_SLOTS] if not _kept(t)]
-    vectors = [t for lw in w.layers for t in (getattr(lw, f) for f in VECTOR_SLOTS) if t is not None]
-    head = [] if _kept(w.lm_head) else [w.lm_head]
-    if any(t.dtype != model.dtype or not t.is_contiguous() for t in [*mats, *vectors, w.norm, *head]) \
-            or any(n % 8 for t in [*mats, *head] if t.dim() == 2 for n in t.shape) \
-            or cfg.rotary_dim % 2 or cfg.num_heads % cfg.num_kv_heads:
-        return f"weights that are not contiguous {model.dtype} matrices in multiples of 8"
-    return None
-
-
-def rows_refusal(model) -> str:
-    """Why the batched step (decode_rows.c, Llama's block on float matrices) cannot run this model's rows ("": it
-    can): a variation only the lone step computes, or weights kept quantized."""
-    cfg, lw, kept = model.config, model.weights.layers[0], model.weights.quantized()
-    if kept:
-        return f"weights kept quantized ({len(kept)} GGUF matrices, e.g. {kept[0]})"
-    beyond = [f"{f} weights" for f in VECTOR_SLOTS if getattr(lw, f) is not None]
-    beyond += [f"{k}={getattr(cfg, k)}" for k in ("embed_scale", "residual_scale", "logits_divisor")
-               if getattr(cfg, k) != 1.0]
-    beyond += [f"activation={cfg.activation}"] if cfg.activation != "silu" else []
-    beyond += [f"attn_scale={cfg.attn_scale:g}"] if cfg.attn_scale != cfg.head_dim ** -0.5 else []
-    beyond += ["soft caps"] if cfg.attn_softcap is not None or cfg.final_softcap is not None else []
-    beyond += ["RoPE other than one full table"] if set(cfg.layer_rope) != {"main"} or cfg.rotary_dim != cfg.head_dim \
-        or cfg.rope_scaling.rope_type == "longrope" else []
-    beyond += ["sliding windows"] if cfg.windowed else []
-    return f"a block beyond Llama's, which decode_rows.c computes ({', '.join(beyond)})" if beyond else ""
+    (n, _P) for n in ("cos_local", "sin_local")] + [("rd", ctypes.c_int), ("add", _P)] + [
+    (n, ctypes.c_int) for n in ("qk_whole", "layer_norm")] + [
+    (n, _P) for n in ("attn_norm_b", "mlp_norm_b", "final_norm_b", "bo")] + [("plain", ctypes.c_int)] + [
+    (n, _P) for n in ("bup", "bdown")] + [(n, ctypes.c_int) for n in ("parallel", "rope_pairs")] + [
+    ("head_bias", _P)] + [(n, _P) for n in ("router", "egu", "edown")] + [
+    (n, ctypes.c_int) for n in ("E", "topk", "Fe", "renorm")]
 
 
 class StepArgs(ctypes.Structure):
@@ -172,8 +89,15 @@ class NativeDecoder:
             if self._layer_ptrs is None:
                 self._keep = []      # ctypes arrays the StepArgs point into
                 layers = self.model.weights.layers
-                self._layer_ptrs = {f: self._ptrs([getattr(lw, f) for lw in layers]) for f in LAYER_SLOTS}
-                self._layer_ptrs |= {f"q_{f}": self._types([getattr(lw, f) for lw in layers]) for f in MATRICES}
+                # a dense MLP's first matrix, gated or plain (at an experts layer: NULL), and an experts layer's
+                # slots (at a dense layer: NULL); a slot no layer has: NULL
+                mlp_in = next((f for f in MLP_IN for lw in layers if getattr(lw, f) is not None), MLP_IN[0])
+                slots = {"mlp_in": mlp_in, **{f: f for f in (*LAYER_SLOTS, "w_down", *EXPERT_SLOTS)}}
+                self._layer_ptrs = {k: self._ptrs([getattr(lw, f) for lw in layers])
+                                    if any(getattr(lw, f) is not None for lw in layers) else None
+                                    for k, f in slots.items()}
+                self._layer_ptrs |= {f"q_{k}": self._types([getattr(lw, slots[k]) for lw in layers])
+                                     for k in ("wqkv", "wo", "mlp_in", "w_down")}
                 # a variation's vectors: every layer's, or None (the block has none: decode.c skips the step)
                 self._layer_ptrs |= {f: self._ptrs([getattr(lw, f) for lw in layers])
                                      if getattr(layers[0], f) is not None else None for f in VECTOR_SLOTS}
@@ -183,9 +107,9 @@ class NativeDecoder:
         return self._layer_ptrs
 
     def _ptrs(self, tensors) -> ctypes.c_void_p:
-        """A C array of the tensors' data pointers (a matrix kept quantised: its blocks'; kept alive with this
-        decoder)."""
-        arr = (_P * len(tensors))(*[_data(t) for t in tensors])
+        """A C array of the tensors' data pointers (a matrix kept quantised: its blocks'; None: NULL, a layer without
+        the slot; kept alive with this decoder)."""
+        arr = (_P * len(tensors))(*[None if t is None else _data(t) for t in tensors])
         self._keep.append(arr)
         return ctypes.cast(arr, _P)
 
@@ -197,7 +121,7 @@ class NativeDecoder:
 
     def _types(self, matrices) -> ctypes.c_void_p:
         """A C array of each matrix's GGML type for decode.c: 0 for a float (in, out) matrix."""
-        arr = (ctypes.c_int * len(matrices))(*[_qtype(t) for t in matrices])
+        arr = (ctypes.c_int * len(matrices))(*[0 if t is None else _qtype(t) for t in matrices])
         self._keep.append(arr)
         return ctypes.cast(arr, _P)
 
@@ -226,11 +150,20 @@ class NativeDecoder:
         lib, _ = build.load()
         return None if lib is None else cls(model, lib)
 
-    def _work(self, cache, nth: int) -> torch.Tensor:
+    def _experts(self) -> dict:
+        """decode.c's E, topk, Fe, renorm: the experts layers' shape (all 0 without experts)."""
+        lw = next((lw for lw in self.model.weights.layers if lw.router is not None), None)
+        if lw is None:
+            return {"E": 0, "topk": 0, "Fe": 0, "renorm": 0}
         c = self.model.config
+        return {"E": lw.router.shape[1], "topk": c.experts_per_token, "Fe": lw.experts_down.shape[1],
+                "renorm": int(c.norm_topk_prob)}
+
+    def _work(self, cache, nth: int) -> torch.Tensor:
+        c, e = self.model.config, self._experts()
         return cache.scratch("native_decode", self.lib.llmi_work_floats(
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size, cache.max_len,
-            nth))
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, max(c.intermediate_size, e["Fe"], e["E"]),
+            c.vocab_size, cache.max_len, nth))
 
     def __call__(self, token: int, cache, pos: int, eps: float, stats: bool, timing: bool = False,
                  add: dict | None = None) -> tuple:
@@ -245,6 +178,8 @@ class NativeDecoder:
         x = w.embed_rows(torch.tensor([token]))[0]
         if c.embed_scale != 1.0:
             x = x * torch.tensor(c.embed_scale, dtype=x.dtype)
+        if w.pos_embed is not None:     # GPT-2's learned position, added in the stream's dtype as the forward adds it
+            x = x + w.pos_embed[pos].to(x.dtype)
         x = x.to(torch.float32).contiguous()
         # the rotary rows (rotary_dim wide) of the main table (longrope's long factors once past their length, as the
         # PyTorch forward's table_for) and, for Gemma 3's sliding layers, the local one: exact in float32
@@ -268,14 +203,19 @@ class NativeDecoder:
                  c.vocab_size, cache.max_len, pos, nth, TYPES[m.dtype], TYPES[cache.dtype], eps, c.attn_scale,
                  x.data_ptr(),
                  self.layer_ptrs["attn_norm"], self.layer_ptrs["wqkv"], self.layer_ptrs["wo"],
-                 self.layer_ptrs["mlp_norm"], self.layer_ptrs["w_gate_up"], self.layer_ptrs["w_down"],
+                 self.layer_ptrs["mlp_norm"], self.layer_ptrs["mlp_in"], self.layer_ptrs["w_down"],
                  *((None, None) if ring else (cache.k.data_ptr(), cache.v.data_ptr())), cos.data_ptr(), sin.data_ptr(),
                  w.norm.data_ptr(), _data(w.lm_head), logits.data_ptr(), work.data_ptr(),
                  st.data_ptr() if stats else None, marks.data_ptr() if timing else None,
-                 *(self.layer_ptrs[f"q_{f}"] for f in ("wqkv", "wo", "w_gate_up", "w_down")), _qtype(w.lm_head),
+                 *(self.layer_ptrs[f"q_{f}"] for f in ("wqkv", "wo", "mlp_in", "w_down")), _qtype(w.lm_head),
                  rope_on=self.layer_ptrs["rope_on"], act=ACTIVATIONS[c.activation], resid_scale=c.residual_scale,
                  logits_div=c.logits_divisor, attn_cap=c.attn_softcap or 0.0, final_cap=c.final_softcap or 0.0,
-                 rd=c.rotary_dim, **{f: self.layer_ptrs[f] for f in VECTOR_SLOTS},
+                 rd=c.rotary_dim, **{VECTOR_FIELDS.get(f, f): self.layer_ptrs[f] for f in VECTOR_SLOTS if f not in ROWS_VECTORS},
+                 qk_whole=int(c.family.qk_norm == "whole"), layer_norm=int(c.family.norm == "layer"),
+                 final_norm_b=_opt(w.norm_bias), plain=int(c.family.mlp == "plain"),
+                 parallel=int(c.parallel_residual), rope_pairs=int(c.family.positions == "rope_interleaved"),
+                 head_bias=_opt(w.head_bias), router=self.layer_ptrs["router"],
+                 egu=self.layer_ptrs["experts_gate_up"], edown=self.layer_ptrs["experts_down"], **self._experts(),
                  **dict(zip(("rows", "lkc", "lvc"), ring or (None, None, None))),
                  **({"cos_local": local[0].data_ptr(), "sin_local": local[1].data_ptr()} if local else {}), add=adds)
         status = self.lib.llmi_decode_step(ctypes.byref(s))
@@ -320,7 +260,7 @@ class NativeDecoder:
                      c.vocab_size, B, nth, TYPES[m.dtype], TYPES[caches[0].k.dtype], eps, c.head_dim ** -0.5,
                      x.data_ptr(),
                      self.layer_ptrs["attn_norm"], self.layer_ptrs["wqkv"], self.layer_ptrs["wo"],
-                     self.layer_ptrs["mlp_norm"], self.layer_ptrs["w_gate_up"], self.layer_ptrs["w_down"],
+                     self.layer_ptrs["mlp_norm"], self.layer_ptrs["mlp_in"], self.layer_ptrs["w_down"],
                      ctypes.cast(kc, _P), ctypes.cast(vc, _P), lens.data_ptr(), pos.data_ptr(), cos.data_ptr(),
                      sin.data_ptr(), m.weights.norm.data_ptr(), m.weights.lm_head.data_ptr(), logits.data_ptr(),
                      work.data_ptr(), st.data_ptr() if stats else None, marks.data_ptr() if timing else None,
@@ -366,18 +306,16 @@ class NativeDecoder:
         return logits
 
 
-def _kept(t) -> bool:
-    """Whether a weight is a matrix kept in GGUF blocks (engine.quant_matrix.QuantMatrix: its `format` and its
-    `blocks`). Recognised by those attributes, not imported: engine.quant_matrix multiplies through
-    engine.accelerator, which imports this module (tests/unit/test_layout.py forbids the circle)."""
-    return isinstance(getattr(t, "format", None), str) and isinstance(getattr(t, "blocks", None), torch.Tensor)
+def _opt(t) -> int | None:
+    """A vector's address for decode.c, or NULL where the model has none."""
+    return None if t is None else t.data_ptr()
 
 
 def _data(t) -> int:
     """The address decode.c reads a weight at: a float tensor's data, a QuantMatrix's block bytes."""
-    return (t.blocks if _kept(t) else t).data_ptr()
+    return (t.blocks if kept_in_blocks(t) else t).data_ptr()
 
 
 def _qtype(t) -> int:
     """decode.c's type code of a matrix: its GGML type number kept in GGUF blocks, 0 as a float tensor."""
-    return QUANT_TYPES[t.format] if _kept(t) else 0
+    return QUANT_TYPES[t.format] if kept_in_blocks(t) else 0

@@ -11,13 +11,17 @@ import torch
 from engine import load_model
 from engine.accelerator import PLAIN
 from engine.generate import generate
+from engine.native import build as native_build
+from engine.native.step import NativeDecoder
 from tests.reference.family_models import CASES, WINDOW, build
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.reference
 PROMPT = [int(t) for t in torch.randint(3, 49000, (40,), generator=torch.Generator().manual_seed(7))]
 NATIVE = {"llama3", "mistral-window", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3-longrope",
-          "granite", "smollm3"}      # the allow-list's (engine.native.step)
+          "granite", "smollm3", "olmo2", "gpt2", "stablelm", "stablelm-qkv-bias", "phi", "starcoder2",
+          "starcoder2-no-bias", "cohere", "cohere-bias", "gpt_neox", "gpt_neox-sequential", "mixtral",
+          "qwen3_moe"}   # engine.native.step's
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +49,17 @@ def hf_stepped(ref, split: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_family_logits_and_greedy_tokens_equal_transformers(folders, name):
+def test_family_logits_and_greedy_tokens_equal_transformers(folders, name, monkeypatch):
+    """...and where the allow-list admits the family (with a native library built here), every decode step of the
+    stepped run goes native, none handed back to the PyTorch forward (spied)."""
     d = folders[name]
+    statuses, real = [], NativeDecoder.__call__
+
+    def spy(self, *a, **k):
+        out = real(self, *a, **k)
+        statuses.append(out[2])
+        return out
+    monkeypatch.setattr(NativeDecoder, "__call__", spy)
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
     ours = load_model(d, device="cpu", dtype="float32")
     assert len(PROMPT) > WINDOW
@@ -59,7 +72,9 @@ def test_family_logits_and_greedy_tokens_equal_transformers(folders, name):
         stepped = torch.cat([model.forward(torch.tensor(PROMPT[:12]), cache)]
                             + [model.forward(torch.tensor([t]), cache) for t in PROMPT[12:]])
         assert rel(stepped, want_stepped) <= 1e-4
-    assert (ours.accelerator.decode is not None) == (name in NATIVE and ours.accelerator.why_not == "")
+    assert (ours.accelerator.decode is not None) == (name in NATIVE and native_build.load()[0] is not None), \
+        ours.accelerator.why_not
+    assert statuses == ([0] * (len(PROMPT) - 12) if ours.accelerator.decode is not None else [])
     with torch.no_grad():
         hf_tokens = ref.generate(torch.tensor([PROMPT[:20]]), max_new_tokens=12, do_sample=False,
                                  attention_mask=torch.ones(1, 20, dtype=torch.long), pad_token_id=0,

@@ -3,22 +3,31 @@ step.refusal reads each family's declaration): Qwen2's q/k/v biases, Qwen3's per
 and embeddings x sqrt(d), Granite's multipliers, SmolLM3's layers without RoPE, Mistral's sliding window (a window
 of 8 the steps pass: the KV cache's ring, a pattern offered over every position), Gemma 2's post-norms, soft caps
 (logits_uncapped) and query scale over local and global layers, Gemma 3's q/k norms and local RoPE table, Phi-3's
-rotary fraction and longrope (the long factors once past the original length). Each family's tiny random model
+rotary fraction and longrope (the long factors once past the original length), OLMo 2's post-norms only and q/k
+norms over the whole projection, the LayerNorm families' LayerNorms (with biases; Cohere's without), plain MLPs with
+biases (GELU-tanh; GPT-NeoX's exact erf GELU), attention output and head biases (Phi), parallel blocks (GPT-NeoX's
+two norms, Phi's and Cohere's one), GPT-2's learned positions, Cohere's interleaved RoPE and logit scale, Mixtral's and
+Qwen3-MoE's experts (router, top k, the chosen experts' products only; Qwen3-MoE's dense layer 2). Each family's tiny random model
 (made by transformers from the reference tier's config, tests.reference.family_models) decodes natively -- every
 step, none handed back -- and is held to the PyTorch forward of the same model (Model.with_accelerator(PLAIN)):
 greedy tokens equal (in bfloat16 and float16: each of the native step's the PyTorch forward's argmax, or within the logits'
 bound of it), logits and the statistics of every stage the family's forward offers (its q/k norms, post-norms and
 uncapped logits included) within the bounds of the Llama tests (test_native_decode.py: 1e-5 in float32; test_native_half.py: the logits within
 two ulps (4u) of their absmax in bfloat16 and float16, statistics within four (8u) of the stage's). The batched rows of these
-families stay on the PyTorch forward (decode_rows.c computes Llama's block only), and the families still off the
-list are refused naming the feature."""
+families stay on the PyTorch forward (decode_rows.c computes Llama's block only); an experts step reads only its
+chosen experts' matrices (the others NaN, it meets none); and a declaration naming a variation off the list is
+refused naming it."""
 from __future__ import annotations
+
+import copy
+import dataclasses
 
 import pytest
 import torch
 
 from engine import GenerationRun, SamplingParams, load_model
 from engine.accelerator import PLAIN
+from engine.family.declared import FAMILIES
 from engine.inspection.probe import Probe
 from engine.inspection.stages import forward_stages
 from engine.native import build
@@ -29,9 +38,9 @@ pytestmark = pytest.mark.unit
 pytest.importorskip("transformers")
 
 NATIVE = ("qwen2", "qwen3", "gemma", "granite", "smollm3", "mistral-window", "gemma2", "gemma3_text", "phi3",
-          "phi3-longrope")
-REFUSED = {"olmo2": "q/k norms over the whole projection", "mixtral": "a mixture of experts",
-           "qwen3_moe": "a mixture of experts", "stablelm": "LayerNorm"}
+          "phi3-longrope", "olmo2", "gpt2", "gpt_neox", "gpt_neox-sequential", "phi", "stablelm", "stablelm-qkv-bias",
+          "starcoder2", "starcoder2-no-bias", "cohere", "cohere-bias", "mixtral", "qwen3_moe")
+
 PROMPT = [1, 400, 2000, 31, 77, 1234, 9000, 15]
 STEPS = 10
 UNIT = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}     # u: one rounding to the dtype, relative
@@ -43,7 +52,7 @@ def folders(tmp_path_factory, tokenizer_files):
     if build.load()[0] is None:
         pytest.skip(f"native library unavailable here: {build.load()[1]}")
     root = tmp_path_factory.mktemp("native_families")
-    return {name: build_case(name, root / name, tokenizer_files) for name in (*NATIVE, *REFUSED)}
+    return {name: build_case(name, root / name, tokenizer_files) for name in NATIVE}
 
 
 def _statuses(monkeypatch) -> list:
@@ -108,10 +117,22 @@ def test_the_family_decodes_natively_as_the_pytorch_forward_in_float32(folders, 
     for k, x, y in stats:
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     names = model.accelerator.decode.names       # a variation's own stages are among the step's statistics
-    assert ("blocks.0.attn.q_norm" in names) == (name in ("qwen3", "gemma3_text"))
-    assert ("blocks.0.attn_post_norm" in names) == ("blocks.0.mlp_post_norm" in names) == (name.startswith("gemma")
-                                                                                          and name != "gemma")
+    assert ("blocks.0.attn.q_norm" in names) == (name in ("qwen3", "gemma3_text", "olmo2", "qwen3_moe"))
+    assert ("blocks.0.attn_post_norm" in names) == ("blocks.0.mlp_post_norm" in names) == (
+        name in ("gemma2", "gemma3_text", "olmo2"))
     assert ("logits_uncapped" in names) == (name == "gemma2")
+    # OLMo 2 has no pre-norms, Phi and Cohere one (no mlp_norm); a parallel block no stream between its halves; a
+    # plain MLP no gate
+    assert ("blocks.0.attn_norm" in names) == (name != "olmo2")
+    assert ("blocks.0.mlp_norm" in names) == (name not in ("olmo2", "phi", "cohere", "cohere-bias"))
+    assert ("blocks.0.resid_mid" in names) == (name not in ("gpt_neox", "phi", "cohere", "cohere-bias"))
+    plain = name.startswith(("gpt2", "gpt_neox", "phi", "starcoder2")) and name not in ("phi3", "phi3-longrope")
+    moe = name in ("mixtral", "qwen3_moe")
+    assert ("blocks.0.mlp.gate" in names) == (not plain and not moe)
+    assert ("blocks.0.mlp.up" in names) == ("blocks.0.mlp.act" in names) == (not moe)
+    assert ("blocks.0.mlp.router" in names) == ("blocks.0.mlp.experts" in names) == moe
+    # Qwen3-MoE's mlp_only_layers (here layer 2) are dense
+    assert ("blocks.2.mlp.router" in names) == (name == "mixtral") != ("blocks.2.mlp.up" in names)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -151,8 +172,46 @@ def test_the_familys_runs_step_alone_on_the_native_step_beside_others(folders, n
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
 
 
-@pytest.mark.parametrize("name", REFUSED)
-def test_a_family_off_the_list_is_refused_naming_the_feature(folders, name):
+@pytest.mark.parametrize("field, value, feature", [("norm", "scale", "another norm"),
+                                                   ("activation", "relu", "another activation"),
+                                                   ("experts", "switch", "other experts")])
+def test_a_declared_variation_off_the_list_is_refused_naming_it(folders, field, value, feature, monkeypatch):
+    """Every family the engine declares is on the list now: a declaration naming something else (a norm, an
+    activation, a routing decode.c does not compute) is refused, naming the feature and the declared value."""
+    model = load_model(folders["qwen2"], device="cpu", dtype="float32")
+    assert refusal(model) is None
+    monkeypatch.setitem(FAMILIES, "qwen2", dataclasses.replace(FAMILIES["qwen2"], **{field: value}))
+    assert refusal(model) == f"{feature} ({field}={value!r})"
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_an_experts_step_reads_only_the_chosen_experts_matrices(folders, name, monkeypatch):
+    """One decode step of each experts layer reads only its token's top-k experts: with every other expert's
+    matrices NaN (the PyTorch forward, which multiplies only the routed experts, says which those are), the native
+    step meets no NaN (status 0: a NaN read even with a gate of 0 would make its products NaN) and its logits are
+    those of the step with the weights intact."""
     model = load_model(folders[name], device="cpu", dtype="float32")
-    assert model.accelerator.decode is None
-    assert refusal(model).startswith(REFUSED[name]), refusal(model)
+    plain = model.with_accelerator(PLAIN)
+    cache = model.new_cache(16)
+    plain.forward(torch.tensor(PROMPT), cache)
+    probe = Probe().capture("blocks.*.mlp.experts")
+    want = plain.forward(torch.tensor([77]), copy.deepcopy(cache), probe)
+    routed = {int(c.name.split(".")[1]): set(torch.nonzero(c.value.reshape(-1)).flatten().tolist())
+              for c in probe.recording.captures if c.name.endswith("mlp.experts")}      # layer -> its chosen
+    layers = model.weights.layers
+    assert sorted(routed) == [i for i, lw in enumerate(layers) if lw.router is not None] and routed
+    assert all(len(e) == model.config.experts_per_token for e in routed.values())
+    kept = {i: (layers[i].experts_gate_up.clone(), layers[i].experts_down.clone()) for i in routed}
+    statuses = _statuses(monkeypatch)
+    try:
+        for i, chosen in routed.items():
+            for e in set(range(layers[i].router.shape[1])) - chosen:
+                layers[i].experts_gate_up[e] = float("nan")
+                layers[i].experts_down[e] = float("nan")
+        got = model.forward(torch.tensor([77]), cache)
+    finally:
+        for i, (gu, down) in kept.items():
+            layers[i].experts_gate_up.copy_(gu)
+            layers[i].experts_down.copy_(down)
+    assert statuses == [(len(PROMPT), 0)]
+    assert torch.isfinite(got).all() and (got - want).abs().max() <= 1e-5 * want.abs().max()
