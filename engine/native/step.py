@@ -1,6 +1,6 @@
 """The native decode step (decode.c) behind engine.model: which calls may take it, and the call itself; and its
-batched form (decode_rows.c: NativeDecoder.rows / serve_rows), which Model.forward_rows takes for engine.batch's
-rows when every row's probe is served by it, under the same allow-list.
+batched form (decode_rows.c: NativeDecoder.rows / serve_rows), which Model.forward_batch takes for engine.batch's
+rows (engine.forward_batch.Batch.rows) when every row's probe is served by it, under the same allow-list.
 
 A model takes it only when everything it computes is on the allow-list of what decode.c implements
 (engine.native.allow_list: `refusal`, and `rows_refusal` for the batched step, which computes Llama's block on

@@ -98,9 +98,8 @@ def test_the_model_has_one_forward_over_batches_and_every_forward_goes_through_i
     assert "forward_batch" in _calls(methods["forward"])
     runners = sorted(m for m, f in methods.items() if "_forward" in _calls(f) or "_on_native_step" in _calls(f))
     assert runners == ["forward_batch"], runners
-    # engine/native is its own owner's: its docstrings are held to the new name once they say it (issue 45)
     texts = {str(p.relative_to(ROOT)): p.read_text() for d in ("engine", "inspector", "pages", "tests", "docs")
              for p in sorted((ROOT / d).rglob("*")) if p.suffix in (".py", ".md", ".c", ".h")
-             and p != Path(__file__) and not p.is_relative_to(ROOT / "engine/native")}
+             and p != Path(__file__)}
     old = [path for path, text in texts.items() if re.search(r"\bforward_(rows|segments)\b", text)]
     assert old == [], old
