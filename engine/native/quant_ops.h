@@ -235,17 +235,22 @@ static inline __m512i q_s8(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_l
 static inline __m512i q_and(__m512i v, int m) { return _mm512_and_si512(v, _mm512_set1_epi32(m)); }
 static inline __m512i q_shr(__m512i v, int s) { return _mm512_srli_epi32(v, s); }
 
-/* Read ahead: the lines `bytes` bytes from b, Q_PREFETCH bytes further on in W (the rest of this row, then the next
- * rows, which the same thread takes next: row_product.h's split hands each thread a contiguous range). The hardware
- * prefetcher alone left a row dot waiting on memory: one core streamed a 600 MB Q4_K matrix at ~10 billion values a
- * second against ~21 with the matrix in L2, so the decode step's products ran at half the machine's read speed.
- * 2,048 bytes ahead (~14 Q4_K super-blocks, several hundred ns of decoding at ~30 cycles each: the time a line takes
- * to come from memory) gave Q4_K, Q4_1, Q5_K and Q6_K 1.2-1.5 times, Q8_0 (bound by memory already) ~1.1, on a
- * loaded machine (2026-12-07; 1,024 and 4,096 bytes did less). A prefetch never faults: reading ahead past the end
- * of W is harmless. Only the loads' timing changes, never a value or the order of the sums. */
-#define Q_PREFETCH 2048
+/* Read ahead: the lines `bytes` bytes from b, further on in W (the rest of this row, then the next rows, which the
+ * same thread takes next: row_product.h's split hands each thread a contiguous range), into L2 from Q_AHEAD_L2 bytes
+ * on and into L1 from Q_AHEAD_L1. The hardware prefetcher alone left a row dot waiting on memory: one core streamed a
+ * 600 MB Q4_K matrix at ~10 billion values a second against ~21 with the matrix in L2, so the decode step's products
+ * ran at half the machine's read speed. Measured here (2026-12-07, two threads, 48 matrices of 4,096 x 4,096 in turn,
+ * bits compared): 2,048 bytes ahead into L1 alone (~14 Q4_K super-blocks, several hundred ns of decoding: the time a
+ * line takes to come from memory) gave Q4_K, Q4_1, Q5_K and Q6_K 1.3-1.5 times, Q8_0 1.1-1.3 (1,024, 4,096 or 8,192
+ * did less; an L2 or non-temporal hint alone no better); the two distances another 1.06 (Q4_K) and 1.2 (Q8_0: 22 GB/s
+ * of Q8_0 rows on two threads). A prefetch never faults: reading ahead past the end of W is harmless. Only the
+ * loads' timing changes, never a value or the order of the sums. */
+enum { Q_AHEAD_L1 = 1024, Q_AHEAD_L2 = 4096 };
 static inline void q_prefetch(const uint8_t *b, int bytes) {
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)b + Q_PREFETCH + o, _MM_HINT_T0);
+    for (int o = 0; o < bytes; o += 64) {
+        _mm_prefetch((const char *)b + Q_AHEAD_L1 + o, _MM_HINT_T0);
+        _mm_prefetch((const char *)b + Q_AHEAD_L2 + o, _MM_HINT_T1);
+    }
 }
 
 static inline float q_sum8(qf *a) {
