@@ -7,7 +7,14 @@ once and does two flops per 4 bytes) and torch's x @ w.
 The blocks are random bytes with small finite fp16 scales (any bytes are a valid block of these formats once
 their scales are finite). This machine's memory speed moves minute to minute and other processes share its cores,
 so the kernels run in rounds, each kernel a few products in turn within a round, and each one's best round is
-reported, with the load average at the start and the end."""
+reported, with the load average at the start and the end.
+
+That matrix (10-70 MB) stays in this machine's caches from one product to the next, so it measures decoding. With
+--stream MB each kernel instead multiplies copies of its matrix in turn, at least MB megabytes of them (default
+1,024: past the caches), so that every product reads its rows from memory, as a decode step reads a model's
+matrices: what the quantised products give the native step (engine/native/decode.c), against the fp32 kernel
+streaming its own copies (the memory floor). Each format's copies are made, measured and freed in turn, so that at
+most one format's and the fp32 copies are held at once."""
 from __future__ import annotations
 
 import argparse
@@ -43,6 +50,49 @@ def _best(fn, reps: int) -> float:
     return best
 
 
+def _figures(N: int, K: int, size: int, seconds: float, floor_gb_s: float) -> dict:
+    return {"bytes": size, "ms": round(seconds * 1e3, 3), "GB/s": round(size / seconds / 1e9, 2),
+            "Gvalues/s": round(N * K / seconds / 1e9, 2), "of_floor": round(size / seconds / 1e9 / floor_gb_s, 2)}
+
+
+def _copies(t: torch.Tensor, total: int) -> list[torch.Tensor]:
+    """Distinct copies of t's bytes, at least `total` bytes of them together (one at least)."""
+    n = max(1, -(-total // (t.numel() * t.element_size())))
+    return [t.clone() for _ in range(n)]
+
+
+def stream(N: int = 2048, K: int = 8192, megabytes: int = 1024, rounds: int = 3) -> dict:
+    """Each kernel over copies of its matrix (at least `megabytes` MB of them), one product a copy in turn: every
+    product reads its rows from memory. Per product figures (the best round's mean), the floor the fp32 kernel's
+    streaming over its copies, measured before the formats and after (the better one kept)."""
+    f32_rows = float_product()
+    if f32_rows is None:
+        raise SystemExit("the native library is not built: nothing to measure")
+    load_before, total = os.getloadavg(), megabytes * 10**6
+    x = torch.randn(1, K)
+
+    def over(fns) -> float:                     # the best round's seconds a product, over every copy in turn
+        for fn in fns[:2]:
+            fn()                                # warm: the threads and the first touch
+        return min(_best(lambda: [fn() for fn in fns], 1) for _ in range(rounds)) / len(fns)
+
+    w32 = _copies(torch.randn(N, K), total)
+    f32 = [lambda w=w: f32_rows(w, x) for w in w32]
+    seconds = {"fp32 (floor)": over(f32)}
+    sizes, copies = {"fp32 (floor)": N * K * 4}, {"fp32 (floor)": len(w32)}
+    for fmt in BLOCKS:
+        m = random_matrix(fmt, N, K)
+        mats = [QuantMatrix(m.name, fmt, m.shape, b) for b in _copies(m.blocks, total)]
+        seconds[fmt], sizes[fmt], copies[fmt] = over([lambda q=q: q.matmul(x) for q in mats]), m.nbytes, len(mats)
+        del mats
+    seconds["fp32 (floor)"] = min(seconds["fp32 (floor)"], over(f32))
+    floor = sizes["fp32 (floor)"] / seconds["fp32 (floor)"] / 1e9
+    return {"N": N, "K": K, "B": 1, "threads": torch.get_num_threads(), "streamed_bytes_at_least": total,
+            "load_before": load_before, "load_after": os.getloadavg(),
+            "kernels": {name: _figures(N, K, sizes[name], t, floor) | {"copies": copies[name]}
+                        for name, t in seconds.items()}}
+
+
 def run(N: int = 2048, K: int = 8192, rounds: int = 5, reps: int = 5) -> dict:
     f32_rows = float_product()
     if f32_rows is None:
@@ -76,8 +126,14 @@ def main() -> None:
     p.add_argument("--n", type=int, default=2048)
     p.add_argument("--k", type=int, default=8192)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--stream", type=int, nargs="?", const=1024, default=None, metavar="MB",
+                   help="multiply copies of each matrix, at least MB megabytes of them (default 1,024), in turn: "
+                        "rows read from memory, not the caches")
     args = p.parse_args()
-    print(json.dumps(run(args.n, args.k, args.rounds), indent=1))
+    if args.stream is not None:
+        print(json.dumps(stream(args.n, args.k, args.stream, min(args.rounds, 3)), indent=1))
+    else:
+        print(json.dumps(run(args.n, args.k, args.rounds), indent=1))
 
 
 if __name__ == "__main__":
