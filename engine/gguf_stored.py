@@ -7,7 +7,10 @@ Layout: a QuantMatrix stays in the file's (out, in) rows; its product (engine.ma
 sense. llama.cpp's q/k row permutation (engine.gguf_names.unpermute) is undone on the block rows, which are whole
 blocks. Fused slots (q|k|v, gate|up) concatenate their parts' block rows when the parts share a format, else are
 dequantised (and noted). A tied model's token_embd is one QuantMatrix, the embedding lookup (rows by id) and the
-lm_head product both.
+lm_head product both. A mixture of experts' stacked tensors (ffn_gate_exps, ffn_up_exps, ffn_down_exps: one per slot,
+all experts) are kept whole as engine.quant_experts.QuantExperts, gate | up fused expert by expert; engine.moe
+multiplies only the experts a token chose, each by its own blocks (on the PyTorch forward: decode.c routes float
+experts only, and says so).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from engine.family import FAMILIES
 from engine.family.slots import BY_FIELD
 from engine.family.declared import LLAMA_CHECKPOINT
 from engine.gguf_names import SKIPPED, hf_name, unpermute
+from engine.quant_experts import QuantExperts
 from engine.quant_matrix import BLOCKS, QuantMatrix
 from engine.weights import LayerWeights, Weights, layer_parts
 
@@ -49,9 +53,10 @@ def read_tensors(gguf_path: Path, cfg: ModelConfig) -> tuple[dict[str, QuantMatr
             continue
         fmt = getattr(t.tensor_type, "name", str(t.tensor_type))
         name = hf_name(t.name, fam)
-        if "{e}" in name:
-            raise UnsupportedModelError(f"tensor {t.name}: stacked experts are not kept quantised; load the file "
-                                        "dequantised (quant='dequantized')")
+        if "{e}" in name:       # a stack of experts: kept whole under its name with "{e}" (stored_weights splits it)
+            out[name] = _experts(t, fmt, notes)
+            reader.release(t)
+            continue
         heads = (cfg.num_heads if t.name.endswith(("attn_q.weight", "attn_q.bias")) else
                  cfg.num_kv_heads if t.name.endswith(("attn_k.weight", "attn_k.bias")) else None)
         permute = fam.gguf_permutes_qk and heads is not None
@@ -92,13 +97,14 @@ def stored_weights(gguf_path: Path, cfg: ModelConfig) -> Weights:
         slots = {}
         for slot, parts in layer_parts(cfg, i).items():
             kind = BY_FIELD[slot].kind
+            if kind == "experts":
+                slots[slot] = _expert_slot(f"model.layers.{i}.{slot}", [n for n, _ in parts], raw, cfg, notes)
+                continue
             ts = [raw.pop(n) for n, _ in parts]
             if kind in ("matrix", "router"):
                 slots[slot] = _matrix(f"model.layers.{i}.{slot}", ts, notes)
             elif kind == "norm" or len(ts) == 1:
                 slots[slot] = _float(ts[0])
-            elif kind == "experts":
-                raise UnsupportedModelError(f"layer {i}: experts are not kept quantised; load the file dequantised")
             else:       # fused biases
                 slots[slot] = torch.cat([_float(t) for t in ts])
         if slots.get("bqkv") is not None and isinstance(slots.get("wqkv"), QuantMatrix):
@@ -132,3 +138,38 @@ def _matrix(name: str, parts: list, notes: list[str]) -> QuantMatrix | torch.Ten
 
 def _float(t) -> torch.Tensor:
     return t.dequantize().t().contiguous() if isinstance(t, QuantMatrix) else t
+
+
+def _experts(t, fmt: str, notes: list[str]) -> QuantExperts | torch.Tensor:
+    """A stacked-experts tensor (dims (K, N, E)): QuantExperts where its type is kept, else float32 (E, N, K)."""
+    from gguf.quants import dequantize
+
+    if fmt in BLOCKS:
+        return QuantExperts.from_gguf(t)
+    try:
+        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    except (NotImplementedError, ValueError, KeyError, TypeError) as e:
+        raise UnsupportedModelError(f"tensor {t.name}: quantization type {fmt} cannot be dequantised here "
+                                    f"({type(e).__name__})") from None
+    if fmt not in ("F32", "F16", "BF16"):
+        notes.append(f"{t.name}: {fmt} is not a format kept quantised; dequantised to float32")
+    return torch.from_numpy(np.ascontiguousarray(arr.reshape(tuple(int(s) for s in reversed(t.shape)))).copy())
+
+
+def _expert_slot(name: str, names: list[str], raw: dict, cfg: ModelConfig, notes: list[str]):
+    """An experts slot from its stacks: names are layer_parts' per-expert names (each part's E experts in turn);
+    raw holds each part's stack under its name with "{e}" (read_tensors). Kept: one QuantExperts (gate | up
+    fused per expert); a float part, or parts in two formats: the float32 stack (E, K, N) a float model holds."""
+    E = cfg.num_experts
+    stacks = {n.format(e=0): n for n in raw if "{e}" in n}
+    missing = [n for n in names[::E] if n not in stacks]
+    if missing:
+        raise ModelLoadError(f"{name}: the file holds no stacked experts tensor for {', '.join(missing)}")
+    parts = [raw.pop(stacks[n]) for n in names[::E]]
+    if all(isinstance(p, QuantExperts) for p in parts) and len({p.format for p in parts}) == 1:
+        return parts[0] if len(parts) == 1 else QuantExperts.fuse(name, parts)
+    if any(isinstance(p, QuantExperts) for p in parts):
+        notes.append(f"{name}: its parts are {', '.join(getattr(p, 'format', 'float32') for p in parts)}; one "
+                     "fused product needs one format, so the experts are dequantised to float32")
+    floats = [p.dequantize().transpose(1, 2) if isinstance(p, QuantExperts) else p for p in parts]   # (E, N, K)
+    return torch.cat(floats, dim=1).transpose(1, 2).contiguous()

@@ -29,8 +29,9 @@ def capture_names(model, last: int) -> list[str]:
     return names
 
 
-def _f64(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", torch.float64)
+def _f64(t) -> torch.Tensor:
+    """t in float64 on the CPU (a matrix kept in GGUF blocks: its dequantised value, engine.weights.as_float)."""
+    return as_float(t).detach().to("cpu", torch.float64)
 
 
 def _post(out: torch.Tensor, raw: torch.Tensor, w, eps: float) -> torch.Tensor:

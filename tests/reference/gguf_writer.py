@@ -143,7 +143,7 @@ def gguf_tensors(folder: Path, cfg: dict, fam) -> dict[str, np.ndarray]:
 def write_gguf(folder: Path, path: Path, tokenizer_reader, kv: dict | None = None, quant: str | None = None) -> Path:
     """folder (a transformers checkpoint) as llama.cpp's converter would write it; the tokenizer's fields copied
     from tokenizer_reader (a GGUFReader); kv: extra metadata, {key: value}, to write besides. quant: a type
-    gguf.quants.quantize writes (Q8_0, Q4_0, ...) for every 2-D matrix whose rows are whole blocks, as
+    gguf.quants.quantize writes (Q8_0, Q4_0, ...) for every 2-D matrix (and stack of experts) whose rows are whole blocks, as
     llama-quantize leaves norms and vectors in float32; None: every tensor float32."""
     import gguf
     cfg = json.loads((folder / "config.json").read_text())
@@ -166,7 +166,7 @@ def write_gguf(folder: Path, path: Path, tokenizer_reader, kv: dict | None = Non
         assert arch not in CLASSIC_ARCHS or name.rsplit(".", 1)[0] in known, f"llama.cpp's {arch} has no {name}"
         a = np.ascontiguousarray(a, dtype=np.float32)
         qt = quant and gguf.GGMLQuantizationType[quant]
-        if qt and a.ndim == 2 and a.shape[-1] % gguf.GGML_QUANT_SIZES[qt][0] == 0:
+        if qt and a.ndim in (2, 3) and a.shape[-1] % gguf.GGML_QUANT_SIZES[qt][0] == 0:     # 3: stacked experts
             w.add_tensor(name, gguf.quants.quantize(a, qt), raw_dtype=qt)
         else:
             w.add_tensor(name, a)

@@ -14,6 +14,7 @@ from engine import load_model
 from engine.errors import UnsupportedModelError
 from engine.family import FAMILIES
 from engine.gguf_import import import_gguf
+from engine.quant_experts import QuantExperts
 from tests.reference.family_models import CASES, build
 from tests.reference.gguf_writer import write_gguf
 
@@ -121,9 +122,10 @@ def test_a_classic_gguf_is_not_kept_as_stored_but_refused_by_name(tmp_path, toke
         load_model(path, device="cpu", dtype="float32", quant="stored")
 
 
-# The families whose checkpoint is Llama's layout (engine.gguf_stored keeps their blocks); llama3 is
-# tests/unit/test_native_quant_step.py's, the MoE families' stacked experts are dequantised.
-STORED_CASES = ["qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "cohere"]
+# The families whose checkpoint is Llama's layout (engine.gguf_stored keeps their blocks, the MoE families' stacked
+# experts as QuantExperts); llama3 is tests/unit/test_native_quant_step.py's.
+STORED_CASES = ["qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "cohere",
+                "mixtral", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("name", STORED_CASES)
@@ -135,7 +137,9 @@ def test_each_llama_layout_family_reads_back_as_stored_equal_to_its_dequantised_
     dequantised model's are float products -- at most a few units of float32 rounding of the largest logit for sums
     of 64-96 terms (bound 1e-5 of the largest, as the native step is held to the PyTorch forward). The prefill
     (the PyTorch forward of each) and a greedy decode (the native step where the family takes it: stored and
-    dequantised alike) give the same tokens."""
+    dequantised alike; the MoE families' kept experts on the PyTorch forward) give the same tokens. The MoE
+    families' stacks are kept whole (QuantExperts), counted in the weights' bytes, and read by the tools as the
+    dequantised model's own experts."""
     from engine import GenerationRun, SamplingParams
     from engine.inspection.probe import Probe
     folder = _build(name, tmp_path / "hf", tokenizer_files)
@@ -143,8 +147,17 @@ def test_each_llama_layout_family_reads_back_as_stored_equal_to_its_dequantised_
     stored = load_model(path, device="cpu", dtype="float32", quant="stored")
     plain = load_model(path, device="cpu", dtype="float32")
     assert stored.weights.quantized(), "no matrix was kept in its blocks"
-    assert (stored.accelerator.decode is None) == (plain.accelerator.decode is None), \
-        (stored.accelerator.why_not, plain.accelerator.why_not)
+    if stored.config.family.experts:        # every expert kept: decode.c routes float experts only (PyTorch forward)
+        kept = [lw.experts_gate_up for lw in stored.weights.layers if lw.experts_gate_up is not None]
+        assert kept and all(isinstance(t, QuantExperts) and t.format == "Q8_0" for t in kept)
+        assert stored.accelerator.decode is None and "experts kept quantized" in stored.accelerator.why_not
+        floats, lw = stored.weights.floats().layers[0], plain.weights.layers[0]     # what the tools read
+        assert torch.equal(floats.experts_gate_up, lw.experts_gate_up) and torch.equal(floats.experts_down,
+                                                                                        lw.experts_down)
+        assert stored.weights.nbytes_by_dtype()["Q8_0"] >= sum(t.nbytes for t in kept)
+    else:
+        assert (stored.accelerator.decode is None) == (plain.accelerator.decode is None), \
+            (stored.accelerator.why_not, plain.accelerator.why_not)
     a, b = stored.logits(PROMPT), plain.logits(PROMPT)
     assert float((a - b).abs().max() / b.abs().max()) <= 1e-5
     runs = [GenerationRun(m, PROMPT[:8], params=SamplingParams(temperature=0), max_new_tokens=8, ignore_eos=True,
