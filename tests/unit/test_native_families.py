@@ -216,3 +216,14 @@ def test_an_experts_step_reads_only_the_chosen_experts_matrices(folders, name, m
             layers[i].experts_down.copy_(down)
     assert statuses == [(len(PROMPT), 0)]
     assert torch.isfinite(got).all() and (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_any_width_is_admitted_and_what_is_still_refused_is_named(folders, monkeypatch):
+    """The GPT-2 of odd widths takes the native step (no shape rule: any K, any N); a weight that is not contiguous
+    (here a transposed view of layer 0's output matrix, the same values) is refused saying so."""
+    model = load_model(folders["gpt2-odd"], device="cpu", dtype="float32")
+    assert refusal(model) is None
+    lw = model.weights.layers[0]
+    assert [n % 8 for n in (*model.weights.lm_head.shape, *lw.w_up.shape)] == [4, 5, 4, 2]      # (60, 49157), (60, 90)
+    monkeypatch.setattr(lw, "wo", lw.wo.t().contiguous().t())
+    assert refusal(model) == "weights that are not contiguous torch.float32 tensors"
