@@ -14,7 +14,7 @@ Phi, StableLM, StarCoder 2 and Cohere, their plain MLPs with biases, attention o
 parallel blocks of GPT-NeoX (two norms), Phi and Cohere (one), GPT-2's learned positions (added here, in Python, to
 the token's row) and Cohere's interleaved RoPE and logit scale, and Mixtral's and Qwen3-MoE's experts (the router's
 top k, renormalised where the family does, and only the chosen experts' matrices read; Qwen3-MoE's dense layers
-beside them). No precision plan, every weight contiguous in the model's dtype, on the CPU in float32, bfloat16 or
+beside them), at any matrix shape. No precision plan, every weight contiguous in the model's dtype, on the CPU in float32, bfloat16 or
 float16 (the kernels round each stage to that dtype where the PyTorch forward holds a tensor of it and sum in
 float32: llama_ops.h), or, in a float32 model, a GGUF matrix kept in its blocks (engine.quant_matrix.QuantMatrix,
 any format engine.native.quant.TYPES names): decode.c multiplies the file's bytes by quant_ops.h's row dot product,
@@ -100,11 +100,15 @@ def refusal(model) -> str | None:
     vectors = [t for lw in w.layers for t in (getattr(lw, f) for f in VECTOR_SLOTS) if t is not None]
     vectors += [t for t in (w.norm_bias, w.head_bias, w.pos_embed) if t is not None]
     head = [] if kept_in_blocks(w.lm_head) else [w.lm_head]
-    if any(t.dtype != model.dtype or not t.is_contiguous() for t in [*mats, *experts, *vectors, w.norm, *head]) \
-            or any(n % 8 for t in [*mats, *head] if t.dim() == 2 for n in t.shape) \
-            or any(n % 8 for t in experts if t.dim() == 3 for n in t.shape[1:]) \
-            or cfg.rotary_dim % 2 or cfg.num_heads % cfg.num_kv_heads:
-        return f"weights that are not contiguous {model.dtype} matrices in multiples of 8"
+    # any shape: row_product.h sums a matrix's rows past its blocks of eight, and its columns past the vectors', in
+    # the order the batched rows' product sums them (GPT-2's vocabulary of 50,257, an MLP of any width)
+    if any(t.dtype != model.dtype or not t.is_contiguous() for t in [*mats, *experts, *vectors, w.norm, *head]):
+        return f"weights that are not contiguous {model.dtype} tensors"
+    if cfg.rotary_dim % 2:
+        return f"an odd rotary dimension ({cfg.rotary_dim}: decode.c rotates pairs)"
+    if cfg.num_heads % cfg.num_kv_heads:
+        return (f"{cfg.num_heads} query heads, not a multiple of the {cfg.num_kv_heads} KV heads (decode.c shares each "
+                f"KV head among a whole group)")
     return None
 
 

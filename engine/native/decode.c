@@ -108,7 +108,7 @@ static void router_logits(const float *h, const void *R, int d, int E, float *ou
  * ~0.06). A matrix in GGUF blocks (float32 models): product(), then the bias added in float32. */
 static void product_bias(const float *x, const void *W, const void *b, int K, int N, float *out, float *part,
                          long stride, int t, int q) {
-    const int u0 = omp_get_thread_num(), T = omp_get_num_threads(), G = K / 8;
+    const int u0 = omp_get_thread_num(), T = omp_get_num_threads();
     const int n0 = (int)((long)N * u0 / T), n1 = (int)((long)N * (u0 + 1) / T);
     if (q) {
         product(x, W, K, N, out, part, stride, t, q);
@@ -116,8 +116,9 @@ static void product_bias(const float *x, const void *W, const void *b, int K, in
 #pragma omp barrier
         return;
     }
-    const int g0 = (int)((long)G * u0 / T), g1 = (int)((long)G * (u0 + 1) / T);
-    row_product(x, W, 8 * g0, 8 * g1, N, part + (size_t)u0 * stride, t);
+    int k0, k1;
+    row_share(K, u0, T, &k0, &k1);
+    row_product(x, W, k0, k1, N, part + (size_t)u0 * stride, t);
 #pragma omp barrier
     for (int n = n0; n < n1; n++) {
         float s = 0.f;

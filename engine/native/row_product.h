@@ -3,9 +3,11 @@
  *
  * product (one row, decode.c's lone step) and product_rows (B rows, decode_rows.c's batched step) give each output
  * the same sum in the same order: the team's T threads split W's K rows into T contiguous shares of whole blocks of
- * eight rows (thread u: blocks G u / T .. G (u + 1) / T, G = K / 8); each thread's partial sum of a column runs over
- * its rows four at a time in float32, ((a0 w0 + a1 w1) + (a2 w2 + a3 w3)) added to it, eight at a time in 16 bits
- * (ROW8), starting from zero; the output is 0 + part_0 + part_1 + ... + part_{T-1}, added in thread order, then
+ * eight rows (thread u: blocks G u / T .. G (u + 1) / T, G = K / 8; the last thread also the K % 8 rows past them:
+ * row_share); each thread's partial sum of a column runs over its rows four at a time in float32, ((a0 w0 + a1 w1) +
+ * (a2 w2 + a3 w3)) added to it, eight at a time in 16 bits (ROW8), then the rows left one at a time (a0 w0 added),
+ * starting from zero; any N: a column past the vectors' last sixteen or eight (GPT-2's 50,257) is the same sum
+ * computed one lane wide; the output is 0 + part_0 + part_1 + ... + part_{T-1}, added in thread order, then
  * rounded once to the type t. So a row's result depends on (K, N, T, t) alone, never on the batch's size or
  * composition, and never on the machine's load (static shares, no reduction order picked at run time).
  * product_rows reads each weight once from memory for all B rows (a tile of the thread's rows loaded into registers
@@ -48,7 +50,8 @@ LLMI_INLINE void row_product_t(const float *x, const void *W, int k0, int k1, in
             const size_t r = (size_t)k * N, w = (size_t)N;
             int n = 0;
             for (; n + 16 <= N; n += 16) *(v16 *)(acc + n) += ROW8(load16, w, n);
-            if (n < N) *(v8 *)(acc + n) += ROW8(load8, w, n);
+            if (n + 8 <= N) *(v8 *)(acc + n) += ROW8(load8, w, n), n += 8;
+            for (; n < N; n++) acc[n] += ROW8(ld, w, n);     /* a tail of 1-7 columns (GPT-2's 50,257) */
         }
     }
     for (; k < k1; k++) {
@@ -57,6 +60,15 @@ LLMI_INLINE void row_product_t(const float *x, const void *W, int k0, int k1, in
 #pragma omp simd
         for (int n = 0; n < N; n++) acc[n] += a * ld(W, r + n, t);
     }
+}
+
+/* thread u's share of W's K rows, [*k0, *k1): whole blocks of eight, G u / T .. G (u + 1) / T of the G = K / 8; the
+ * last thread also takes the K % 8 rows past the last block (summed one at a time, after its blocks: row_product_t),
+ * the same share in product, product_bias (decode.c) and product_rows */
+static inline void row_share(int K, int u, int T, int *k0, int *k1) {
+    const int G = K / 8;
+    *k0 = 8 * (int)((long)G * u / T);
+    *k1 = u == T - 1 ? K : 8 * (int)((long)G * (u + 1) / T);
 }
 
 static inline void row_product(const float *x, const void *W, int k0, int k1, int N, float *acc, int t) {
@@ -72,7 +84,7 @@ static inline void row_product(const float *x, const void *W, int k0, int k1, in
  * one row of x sums it (the PyTorch forward's QuantMatrix.matmul at one token), so no partial sums are added. */
 static inline void product(const float *x, const void *W, int K, int N, float *out, float *part, long stride, int t,
                            int q) {
-    int u0 = omp_get_thread_num(), T = omp_get_num_threads(), G = K / 8;
+    int u0 = omp_get_thread_num(), T = omp_get_num_threads(), k0, k1;
     if (q) {
         const long nb = K / q_block_values(q);
         const int n0 = (int)((long)N * u0 / T), n1 = (int)((long)N * (u0 + 1) / T);
@@ -80,8 +92,8 @@ static inline void product(const float *x, const void *W, int K, int N, float *o
 #pragma omp barrier
         return;
     }
-    int g0 = (int)((long)G * u0 / T), g1 = (int)((long)G * (u0 + 1) / T);
-    row_product(x, W, 8 * g0, 8 * g1, N, part + (size_t)u0 * stride, t);
+    row_share(K, u0, T, &k0, &k1);
+    row_product(x, W, k0, k1, N, part + (size_t)u0 * stride, t);
 #pragma omp barrier
     const int n0 = (int)((long)N * u0 / T), n1 = (int)((long)N * (u0 + 1) / T);
     for (int n = n0; n < n1; n++) {
@@ -196,11 +208,21 @@ LLMI_INLINE void rp_stream_t(const float *x, int b0, int nb, int B, const void *
                         float *o = acc + (size_t)b * ls;
                         int c = 0;
                         for (; c + 16 <= w; c += 16) *(v16 *)(o + c) += RP_GROUP8(a, load16, c);
-                        if (c < w) *(v8 *)(o + c) += RP_GROUP8(a, load8, c);
+                        if (c + 8 <= w) *(v8 *)(o + c) += RP_GROUP8(a, load8, c), c += 8;
+                        for (; c < w; c++) o[c] += RP_GROUP8(a, ld, c);
                     }
                 }
             }
         }
+        /* the last share's rows past its groups (K not a multiple of eight): one row at a time, as row_product_t */
+        for (int k = k0 + (k1 - k0) / step * step; k < k1; k++)
+            for (int b = 0; b < nb; b++) {
+                const float a = x[(size_t)(b0 + b) * Kd + k];
+                const size_t r = (size_t)k * N + c0;
+                float *o = blk + (size_t)b * ls;
+#pragma omp simd
+                for (int n = 0; n < span; n++) o[n] += a * ld(W, r + n, t);
+            }
         for (int b = 0; b < nb; b++)
             for (int n = 0; n < span; n++) part[(size_t)(b0 + b) * N + c0 + n] = blk[(size_t)b * ls + n];
     }
@@ -214,8 +236,9 @@ LLMI_INLINE void rp_stream_t(const float *x, int b0, int nb, int B, const void *
  * thread of the team calls it. part: (T, B, N) floats of scratch. */
 LLMI_INLINE void product_rows_t(const float *x, int B, const void *W, int Kd, int N, float *out, float *part,
                                 const int t) {
-    const int u = omp_get_thread_num(), T = omp_get_num_threads(), G = Kd / 8;
-    const int k0 = 8 * (int)((long)G * u / T), k1 = 8 * (int)((long)G * (u + 1) / T);
+    const int u = omp_get_thread_num(), T = omp_get_num_threads();
+    int k0, k1;
+    row_share(Kd, u, T, &k0, &k1);
     for (int b0 = 0; b0 < B; b0 += RP_ROWS)
         rp_stream_t(x, b0, B - b0 < RP_ROWS ? B - b0 : RP_ROWS, B, W, Kd, N, k0, k1, part + (size_t)u * B * N, t);
 #pragma omp barrier

@@ -40,6 +40,12 @@ CASES = {
     # classic shapes: multi-head attention (None drops a BASE key their configs do not have)
     "gpt2": dict(model_type="gpt2", n_inner=96, intermediate_size=None, num_key_value_heads=None,
                  tie_word_embeddings=True),
+    # every width odd, as GPT-2's vocabulary of 50,257 is: the vocabulary (49,157: 5 columns past the last sixteen),
+    # the stream (60: 4 rows past the blocks of eight), q/k/v's 180 and the MLP's 90 (the engine's configs hold every
+    # head_dim even: RoPE's pairs)
+    "gpt2-odd": dict(model_type="gpt2", vocab_size=49157, hidden_size=60, num_attention_heads=6, n_inner=90,
+                     intermediate_size=None,
+                     num_key_value_heads=None, tie_word_embeddings=True),
     # StableLM's defaults (partial_rotary_factor 0.25, no q/k/v bias) and stablelm-2-1.6b's biases
     "stablelm": dict(model_type="stablelm", num_key_value_heads=4),
     "stablelm-qkv-bias": dict(model_type="stablelm", use_qkv_bias=True, partial_rotary_factor=0.5),

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.reference
 PROMPT = [int(t) for t in torch.randint(3, 49000, (40,), generator=torch.Generator().manual_seed(7))]
 NATIVE = {"llama3", "mistral-window", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi3-longrope",
-          "granite", "smollm3", "olmo2", "gpt2", "stablelm", "stablelm-qkv-bias", "phi", "starcoder2",
+          "granite", "smollm3", "olmo2", "gpt2", "gpt2-odd", "stablelm", "stablelm-qkv-bias", "phi", "starcoder2",
           "starcoder2-no-bias", "cohere", "cohere-bias", "gpt_neox", "gpt_neox-sequential", "mixtral",
           "qwen3_moe"}   # engine.native.step's
 

@@ -6,7 +6,8 @@ of 8 the steps pass: the KV cache's ring, a pattern offered over every position)
 rotary fraction and longrope (the long factors once past the original length), OLMo 2's post-norms only and q/k
 norms over the whole projection, the LayerNorm families' LayerNorms (with biases; Cohere's without), plain MLPs with
 biases (GELU-tanh; GPT-NeoX's exact erf GELU), attention output and head biases (Phi), parallel blocks (GPT-NeoX's
-two norms, Phi's and Cohere's one), GPT-2's learned positions, Cohere's interleaved RoPE and logit scale, Mixtral's and
+two norms, Phi's and Cohere's one), GPT-2's learned positions (and a GPT-2 of odd widths: a vocabulary, a stream
+and an MLP none a multiple of eight, as GPT-2's own 50,257 tokens are), Cohere's interleaved RoPE and logit scale, Mixtral's and
 Qwen3-MoE's experts (router, top k, the chosen experts' products only; Qwen3-MoE's dense layer 2). Each family's tiny random model
 (made by transformers from the reference tier's config, tests.reference.family_models) decodes natively -- every
 step, none handed back -- and is held to the PyTorch forward of the same model (Model.with_accelerator(PLAIN)):
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.unit
 pytest.importorskip("transformers")
 
 NATIVE = ("qwen2", "qwen3", "gemma", "granite", "smollm3", "mistral-window", "gemma2", "gemma3_text", "phi3",
-          "phi3-longrope", "olmo2", "gpt2", "gpt_neox", "gpt_neox-sequential", "phi", "stablelm", "stablelm-qkv-bias",
+          "phi3-longrope", "olmo2", "gpt2", "gpt2-odd", "gpt_neox", "gpt_neox-sequential", "phi", "stablelm", "stablelm-qkv-bias",
           "starcoder2", "starcoder2-no-bias", "cohere", "cohere-bias", "mixtral", "qwen3_moe")
 
 PROMPT = [1, 400, 2000, 31, 77, 1234, 9000, 15]
@@ -215,3 +216,14 @@ def test_an_experts_step_reads_only_the_chosen_experts_matrices(folders, name, m
             layers[i].experts_down.copy_(down)
     assert statuses == [(len(PROMPT), 0)]
     assert torch.isfinite(got).all() and (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_any_width_is_admitted_and_what_is_still_refused_is_named(folders, monkeypatch):
+    """The GPT-2 of odd widths takes the native step (no shape rule: any K, any N); a weight that is not contiguous
+    (here a transposed view of layer 0's output matrix, the same values) is refused saying so."""
+    model = load_model(folders["gpt2-odd"], device="cpu", dtype="float32")
+    assert refusal(model) is None
+    lw = model.weights.layers[0]
+    assert [n % 8 for n in (*model.weights.lm_head.shape, *lw.w_up.shape)] == [4, 5, 4, 2]      # (60, 49157), (60, 90)
+    monkeypatch.setattr(lw, "wo", lw.wo.t().contiguous().t())
+    assert refusal(model) == "weights that are not contiguous torch.float32 tensors"
