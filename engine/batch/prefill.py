@@ -36,7 +36,7 @@ from engine.batch.segments import SegmentProbe, Segments
 from engine.batch.step import Outcome, guarded, shared_forward_reason
 from engine.forward_batch import Batch
 from engine.generate import GenerationRun
-from engine.matmul import TILED_ROWS, tiled
+from engine.matmul import PREFILL_TILE, TILED_ROWS, tiled
 from engine.progress import PREFILL_CHUNK, STOP, Stopped
 from engine.results import Step
 
@@ -49,6 +49,9 @@ def prefill_reason(run: GenerationRun) -> str | None:
     """Why this run's next step cannot be packed with other runs' prefills (None: it can)."""
     if run.prefill_input() is None:
         return "its next step is no prefill in one piece on its cache"
+    if len(run.prefill_input()) == 1:
+        return ("its prompt is one position after any template opening: alone, its products are one-row products "
+                "(engine.matmul's decode tiles), so it is prefilled alone")
     if len(run.prefill_input()) > TILED_ROWS:
         return (f"its prompt ({len(run.prefill_input())} positions after any template opening) is longer than "
                 f"{TILED_ROWS}: its products are one untiled product alone (engine.matmul), so it is prefilled alone")
@@ -91,7 +94,7 @@ def pack_forward(runs: list[GenerationRun]) -> tuple[list[torch.Tensor | Stopped
         askers[b] = segments.askers[g]
     t0 = time.perf_counter()
     try:
-        with tiled():        # each prompt's products as its lone prefill's (engine.matmul: tiles of 8 rows)
+        with tiled(PREFILL_TILE):    # each prompt's products as its lone prefill's (engine.matmul: tiles of 32)
             logits = model.forward_batch(Batch.packed(torch.tensor([t for p in prompts for t in p]), positions,
                                                       segments, probe, model.device))
     except Exception as e:

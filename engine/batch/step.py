@@ -24,7 +24,7 @@ import torch
 from engine.batch.rows import FanProbe, Rows
 from engine.forward_batch import Batch
 from engine.generate import GenerationRun
-from engine.matmul import tiled
+from engine.matmul import DECODE_TILE, tiled
 from engine.results import Step
 
 Outcome = Union[Step, None, BaseException]
@@ -111,7 +111,7 @@ def forward_together(runs: list[GenerationRun]) -> tuple[list[torch.Tensor | Bas
         probe = FanProbe([r.probe for r in batch], positions)
         t0 = time.perf_counter()
         rows_cache = Rows(model, [r.cache for r in batch], positions)
-        with tiled():        # each row's products as its lone step's (engine.matmul: tiles of 8 rows)
+        with tiled(DECODE_TILE):     # each row's products as its lone step's (engine.matmul: tiles of 8 rows)
             logits = model.forward_batch(Batch.rows(ids, positions, rows_cache, probe, model.device))
         seconds = time.perf_counter() - t0
         for g, b in enumerate(go):
