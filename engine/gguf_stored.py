@@ -8,6 +8,10 @@ sense. llama.cpp's q/k row permutation (engine.gguf_names.unpermute) is undone o
 blocks. Fused slots (q|k|v, gate|up) concatenate their parts' block rows when the parts share a format, else are
 dequantised (and noted). A tied model's token_embd is one QuantMatrix, the embedding lookup (rows by id) and the
 lm_head product both.
+
+Arithmetic (engine.quant_int8.ARITHMETICS; load_model's quant="stored" is "float", "stored-int8" is "int8"): each
+kept matrix is given it here, in `_kept` and nowhere else; a format without an int8 product keeps the float one, and
+the notes say which (Weights.notes).
 """
 from __future__ import annotations
 
@@ -22,13 +26,16 @@ from engine.family import FAMILIES
 from engine.family.slots import BY_FIELD
 from engine.family.declared import LLAMA_CHECKPOINT
 from engine.gguf_names import SKIPPED, hf_name, unpermute
+from engine.quant_int8 import FORMATS as INT8_FORMATS
 from engine.quant_matrix import BLOCKS, QuantMatrix
 from engine.weights import LayerWeights, Weights, layer_parts
 
 
-def read_tensors(gguf_path: Path, cfg: ModelConfig) -> tuple[dict[str, QuantMatrix | torch.Tensor], list[str]]:
-    """Every tensor under its Hugging Face name: a QuantMatrix (N, K) where kept, else float32 in the file's
-    (out, in) layout; and the notes on what was dequantised."""
+def read_tensors(gguf_path: Path, cfg: ModelConfig, arithmetic: str = "float"
+                 ) -> tuple[dict[str, QuantMatrix | torch.Tensor], list[str]]:
+    """Every tensor under its Hugging Face name: a QuantMatrix (N, K) where kept (multiplied in `arithmetic` where
+    its format has that kernel), else float32 in the file's (out, in) layout; and the notes on what was dequantised
+    or keeps the float product."""
     from gguf.quants import dequantize
 
     from engine.gguf_file import open_gguf
@@ -43,7 +50,7 @@ def read_tensors(gguf_path: Path, cfg: ModelConfig) -> tuple[dict[str, QuantMatr
         # transposed or per-head matrices)
         raise UnsupportedModelError(f"quant='stored' keeps the blocks of Llama-layout checkpoints; {fam.model_type}'s "
                                     "is laid out otherwise: load the file dequantised (quant='dequantized')")
-    out, notes = {}, []
+    out, notes, floats = {}, [], {}
     for t in reader.tensors:
         if t.name in SKIPPED:
             continue
@@ -56,7 +63,7 @@ def read_tensors(gguf_path: Path, cfg: ModelConfig) -> tuple[dict[str, QuantMatr
                  cfg.num_kv_heads if t.name.endswith(("attn_k.weight", "attn_k.bias")) else None)
         permute = fam.gguf_permutes_qk and heads is not None
         if len(t.shape) == 2 and fmt in BLOCKS:
-            m = QuantMatrix.from_gguf(t)
+            m = _kept(QuantMatrix.from_gguf(t), arithmetic, floats)
             if permute:
                 order = torch.from_numpy(unpermute(np.arange(m.shape[0]), heads).copy())
                 m = m.permute_rows(order)
@@ -81,12 +88,24 @@ def read_tensors(gguf_path: Path, cfg: ModelConfig) -> tuple[dict[str, QuantMatr
             notes.append(f"{t.name}: {fmt} is not a format kept quantised; dequantised to float32")
         out[name] = torch.from_numpy(np.ascontiguousarray(arr).copy())
         reader.release(t)
+    notes += [f"{n} {fmt} matrices ({', '.join(names[:3])}{', ...' if n > 3 else ''}): {fmt} has no int8 product "
+              "(those with one: " + ", ".join(INT8_FORMATS) + "); multiplied by its float kernel (x kept in float32)"
+              for fmt, names in floats.items() for n in [len(names)]]
     return out, notes
 
 
-def stored_weights(gguf_path: Path, cfg: ModelConfig) -> Weights:
-    """The model's Weights with its matrices kept as stored (see the module's docstring)."""
-    raw, notes = read_tensors(gguf_path, cfg)
+def _kept(m: QuantMatrix, arithmetic: str, floats: dict[str, list[str]]) -> QuantMatrix:
+    """The one place a kept matrix is given its arithmetic: the load's, except "int8" for a format without that
+    kernel, which keeps "float" (its name added to floats[format], for the notes)."""
+    if arithmetic == "int8" and m.format not in INT8_FORMATS:
+        floats.setdefault(m.format, []).append(m.name)
+        return m
+    return m.with_arithmetic(arithmetic)
+
+
+def stored_weights(gguf_path: Path, cfg: ModelConfig, arithmetic: str = "float") -> Weights:
+    """The model's Weights with its matrices kept as stored, multiplied in `arithmetic` (the module's docstring)."""
+    raw, notes = read_tensors(gguf_path, cfg, arithmetic)
     layers = []
     for i in range(cfg.num_layers):
         slots = {}
