@@ -93,7 +93,7 @@ def weight_parts(fmt: str, blocks: np.ndarray, N: int, K: int) -> dict[str, np.n
 def product(fmt: str, blocks: np.ndarray, N: int, K: int, x: np.ndarray, chunk: int = 2048
             ) -> tuple[np.ndarray, np.ndarray]:
     """x (B, K) @ W^T in llama.cpp's arithmetic: (y, scale), both (B, N) float64. y: the sum of each block's
-    integer dot times its float32 scale (fl(d_w d_x); Q4_K -fl(d_x dmin) sum_s m_s bsum_s, Q4_1 m_w s_x beside),
+    integer dot times its float32 scale (fl(d_w d_x); Q4_K -fl(d_x dmin) m_s bsum_s a sub-block, Q4_1 m_w s_x beside),
     added exactly (float64 of exact terms); scale: the sum of the terms' magnitudes, with each integer dot replaced by
     the sum of |w q_x| (what a float32 sum of partial integer sums is bounded by)."""
     if fmt not in FORMATS:
@@ -111,7 +111,8 @@ def product(fmt: str, blocks: np.ndarray, N: int, K: int, x: np.ndarray, chunk: 
             dmin = (-rx.d[:, None, :] * w["dmin"][None]).astype(F32).astype(np.float64)
             bs = rx.bsums.reshape(B, -1, 8, 2).sum(-1).astype(np.float64)              # (B, nb, 8)
             mins = np.einsum("bus,nus->bnu", bs, w["m"].astype(np.float64))
-            extra, extra_abs = dmin * mins, np.abs(dmin * mins)
+            extra = dmin * mins          # a term a sub-block (the kernel's lanes), bounded by their magnitudes:
+            extra_abs = np.abs(dmin) * np.einsum("bus,nus->bnu", np.abs(bs), w["m"].astype(np.float64))
         else:
             qw = w["q"]
             if fmt == "Q4_1":

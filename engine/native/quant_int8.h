@@ -19,7 +19,7 @@
  *       _mm256_round_ps); Q8_1's s = fp16((amax / 127) sum q) (llama.cpp's unrounded d). d and s hold the fp16
  *       values as floats; the padding (16 lanes of d, s; 64 bytes of q) is zeros, read by whole vectors.
  * A row dot is then, per block, an integer (exact: no sum here leaves 2^24) times fl(d_w d_x), plus for Q4_K
- * -fl(d_x dmin_w) sum_s m_s (bsums of s), for Q4_1 m_w s_x: summed in float32 (the order is this file's: 16 lanes
+ * -fl(d_x dmin_w) m_s (bsums of s) for each sub-block s, for Q4_1 m_w s_x: summed in float32 (the order is this file's: 16 lanes
  * of partial integer sums each scaled and added, as llama.cpp's 8). engine/quant_int8.py is the reference. */
 #ifndef LLMI_QUANT_INT8_H
 #define LLMI_QUANT_INT8_H
@@ -120,7 +120,10 @@ static inline void q8_k4_scales(const uint8_t *b, uint8_t sc[8], uint8_t m[8]) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* Q4_K x Q8_K: for each 64 values (32 bytes of nibbles: sub-blocks 2c low, 2c + 1 high) one vpmaddubsw (nibble x
  * int8 pairs, at most 2 15 127 in 16 bits) and one vpdpwssd (those pairs times their sub-block's scale, into 32-bit
- * lanes); the super-block's 16 lanes (each below 2^21) converted and scaled by fl(d_x d_w) into float lanes. */
+ * lanes); the super-block's 16 lanes (each below 2^21) converted and scaled by fl(d_x d_w) into float lanes. The mins'
+ * eight products m_s (bsums 2s + 2s + 1) are one vpmaddwd, scaled by -fl(d_x dmin) into eight float lanes of their
+ * own (llama.cpp's four). The scales stay in registers: built in memory and read back as one word, they stalled
+ * every super-block on a failed store-to-load forward. */
 static inline float dot8_q4_k(const uint8_t *row, long nb, const uint8_t *xq) {
     const float *xd = (const float *)xq;
     const int16_t *bs = (const int16_t *)(xq + 4 * nb);
@@ -131,17 +134,21 @@ static inline float dot8_q4_k(const uint8_t *row, long nb, const uint8_t *xq) {
         pick[c] = _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16((short)(2 * c)),
                                           _mm512_set1_epi16((short)(2 * c + 1)));
     __m512 acc = _mm512_setzero_ps();
-    float accm = 0.f;
+    __m256 accm = _mm256_setzero_ps();
     for (long t = 0; t < nb; t++) {
         const uint8_t *b = row + (size_t)t * 144, *qs = b + 16;
         q_prefetch(b, 144);
-        uint8_t sc[8], m[8];
-        q8_k4_scales(b, sc, m);
-        int summ = 0;
-        for (int s = 0; s < 8; s++) summ += m[s] * (bs[t * 16 + 2 * s] + bs[t * 16 + 2 * s + 1]);
-        uint64_t sc64;
-        memcpy(&sc64, sc, 8);
-        const __m512i scw = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_cvtsi64_si128((long long)sc64)));
+        uint32_t u0, u1, u2;                            /* llama.cpp's unpacking of the twelve bytes (q8_k4_scales) */
+        memcpy(&u0, b + 4, 4);
+        memcpy(&u1, b + 8, 4);
+        memcpy(&u2, b + 12, 4);
+        const uint32_t s0 = u0 & 0x3f3f3f3fu, s1 = (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4);
+        const uint32_t n0 = u1 & 0x3f3f3f3fu, n1 = ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4);
+        const __m128i sc = _mm_cvtsi64_si128((long long)((uint64_t)s1 << 32 | s0));
+        const __m128i mn = _mm_cvtsi64_si128((long long)((uint64_t)n1 << 32 | n0));
+        const __m512i scw = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(sc));
+        const __m256i mins = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bs + 16 * t)),
+                                               _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn, mn)));
         __m512i isum = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
@@ -152,9 +159,10 @@ static inline float dot8_q4_k(const uint8_t *row, long nb, const uint8_t *xq) {
             isum = _mm512_dpwssd_epi32(isum, p, _mm512_permutexvar_epi16(pick[c], scw));
         }
         acc = _mm512_fmadd_ps(_mm512_set1_ps(xd[t] * half(b)), _mm512_cvtepi32_ps(isum), acc);
-        accm += (-xd[t] * half(b + 2)) * (float)summ;
+        accm = _mm256_fmadd_ps(_mm256_set1_ps(-xd[t] * half(b + 2)), _mm256_cvtepi32_ps(mins), accm);
     }
-    return _mm512_reduce_add_ps(acc) + accm;
+    const __m128 m2 = _mm_add_ps(_mm256_castps256_ps128(accm), _mm256_extractf128_ps(accm, 1));
+    return _mm512_reduce_add_ps(acc) + (m2[0] + m2[1] + (m2[2] + m2[3]));
 }
 
 /* Q8_0 x Q8_0 and Q4_1 x Q8_1: two blocks a register (64 values), vpdpbusd's four-value sums in 16 lanes, scaled
@@ -215,7 +223,7 @@ Q8_DOT32(dot8_q8_0, 34, 0)
 Q8_DOT32(dot8_q4_1, 20, 1)
 #undef Q8_DOT32
 #else
-/* without AVX-512 VNNI: the same integers block by block, each scaled and added in order */
+/* without AVX-512 VNNI: the same integers block by block (Q4_K's mins sub-block by sub-block), scaled, added in order */
 static inline float dot8_q4_k(const uint8_t *row, long nb, const uint8_t *xq) {
     const float *xd = (const float *)xq;
     const int16_t *bs = (const int16_t *)(xq + 4 * nb);
@@ -225,16 +233,16 @@ static inline float dot8_q4_k(const uint8_t *row, long nb, const uint8_t *xq) {
         const uint8_t *b = row + (size_t)t * 144, *qs = b + 16;
         uint8_t sc[8], m[8];
         q8_k4_scales(b, sc, m);
-        int isum = 0, summ = 0;
+        int isum = 0;
         for (int s = 0; s < 8; s++) {
             int v = 0;
             for (int l = 0; l < 32; l++)
                 v += ((qs[32 * (s / 2) + l] >> (4 * (s & 1))) & 15) * q8[256 * t + 32 * s + l];
             isum += sc[s] * v;
-            summ += m[s] * (bs[t * 16 + 2 * s] + bs[t * 16 + 2 * s + 1]);
         }
         sum += (xd[t] * half(b)) * (float)isum;
-        sum += (-xd[t] * half(b + 2)) * (float)summ;
+        for (int s = 0; s < 8; s++)
+            sum += (-xd[t] * half(b + 2)) * (float)(m[s] * (bs[t * 16 + 2 * s] + bs[t * 16 + 2 * s + 1]));
     }
     return sum;
 }
