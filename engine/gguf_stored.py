@@ -11,6 +11,10 @@ lm_head product both. A mixture of experts' stacked tensors (ffn_gate_exps, ffn_
 all experts) are kept whole as engine.quant_experts.QuantExperts, gate | up fused expert by expert; engine.moe
 multiplies only the experts a token chose, each by its own blocks (on the PyTorch forward: decode.c routes float
 experts only, and says so).
+
+Arithmetic (engine.quant_int8.ARITHMETICS; load_model's quant="stored" is "float", "stored-int8" is "int8"): each
+kept matrix is given it here, in `_kept` and nowhere else; a format without an int8 product keeps the float one, and
+the notes say which (Weights.notes).
 """
 from __future__ import annotations
 
@@ -26,13 +30,16 @@ from engine.family.slots import BY_FIELD
 from engine.family.declared import LLAMA_CHECKPOINT
 from engine.gguf_names import SKIPPED, hf_name, unpermute
 from engine.quant_experts import QuantExperts
+from engine.quant_int8 import FORMATS as INT8_FORMATS
 from engine.quant_matrix import BLOCKS, QuantMatrix
 from engine.weights import LayerWeights, Weights, layer_parts
 
 
-def read_tensors(gguf_path: Path, cfg: ModelConfig) -> tuple[dict[str, QuantMatrix | torch.Tensor], list[str]]:
-    """Every tensor under its Hugging Face name: a QuantMatrix (N, K) where kept, else float32 in the file's
-    (out, in) layout; and the notes on what was dequantised."""
+def read_tensors(gguf_path: Path, cfg: ModelConfig, arithmetic: str = "float"
+                 ) -> tuple[dict[str, QuantMatrix | torch.Tensor], list[str]]:
+    """Every tensor under its Hugging Face name: a QuantMatrix (N, K) where kept (multiplied in `arithmetic` where
+    its format has that kernel), else float32 in the file's (out, in) layout; and the notes on what was dequantised
+    or keeps the float product."""
     from gguf.quants import dequantize
 
     from engine.gguf_file import open_gguf
@@ -47,21 +54,21 @@ def read_tensors(gguf_path: Path, cfg: ModelConfig) -> tuple[dict[str, QuantMatr
         # transposed or per-head matrices)
         raise UnsupportedModelError(f"quant='stored' keeps the blocks of Llama-layout checkpoints; {fam.model_type}'s "
                                     "is laid out otherwise: load the file dequantised (quant='dequantized')")
-    out, notes = {}, []
+    out, notes, floats = {}, [], {}
     for t in reader.tensors:
         if t.name in SKIPPED:
             continue
         fmt = getattr(t.tensor_type, "name", str(t.tensor_type))
         name = hf_name(t.name, fam)
         if "{e}" in name:       # a stack of experts: kept whole under its name with "{e}" (stored_weights splits it)
-            out[name] = _experts(t, fmt, notes)
+            out[name] = _experts(t, fmt, notes, arithmetic, floats)
             reader.release(t)
             continue
         heads = (cfg.num_heads if t.name.endswith(("attn_q.weight", "attn_q.bias")) else
                  cfg.num_kv_heads if t.name.endswith(("attn_k.weight", "attn_k.bias")) else None)
         permute = fam.gguf_permutes_qk and heads is not None
         if len(t.shape) == 2 and fmt in BLOCKS:
-            m = QuantMatrix.from_gguf(t)
+            m = _kept(QuantMatrix.from_gguf(t), arithmetic, floats)
             if permute:
                 order = torch.from_numpy(unpermute(np.arange(m.shape[0]), heads).copy())
                 m = m.permute_rows(order)
@@ -86,12 +93,24 @@ def read_tensors(gguf_path: Path, cfg: ModelConfig) -> tuple[dict[str, QuantMatr
             notes.append(f"{t.name}: {fmt} is not a format kept quantised; dequantised to float32")
         out[name] = torch.from_numpy(np.ascontiguousarray(arr).copy())
         reader.release(t)
+    notes += [f"{n} {fmt} matrices ({', '.join(names[:3])}{', ...' if n > 3 else ''}): {fmt} has no int8 product "
+              "(those with one: " + ", ".join(INT8_FORMATS) + "); multiplied by its float kernel (x kept in float32)"
+              for fmt, names in floats.items() for n in [len(names)]]
     return out, notes
 
 
-def stored_weights(gguf_path: Path, cfg: ModelConfig) -> Weights:
-    """The model's Weights with its matrices kept as stored (see the module's docstring)."""
-    raw, notes = read_tensors(gguf_path, cfg)
+def _kept(m: QuantMatrix, arithmetic: str, floats: dict[str, list[str]]) -> QuantMatrix:
+    """The one place a kept matrix is given its arithmetic: the load's, except "int8" for a format without that
+    kernel, which keeps "float" (its name added to floats[format], for the notes)."""
+    if arithmetic == "int8" and m.format not in INT8_FORMATS:
+        floats.setdefault(m.format, []).append(m.name)
+        return m
+    return m.with_arithmetic(arithmetic)
+
+
+def stored_weights(gguf_path: Path, cfg: ModelConfig, arithmetic: str = "float") -> Weights:
+    """The model's Weights with its matrices kept as stored, multiplied in `arithmetic` (the module's docstring)."""
+    raw, notes = read_tensors(gguf_path, cfg, arithmetic)
     layers = []
     for i in range(cfg.num_layers):
         slots = {}
@@ -140,12 +159,13 @@ def _float(t) -> torch.Tensor:
     return t.dequantize().t().contiguous() if isinstance(t, QuantMatrix) else t
 
 
-def _experts(t, fmt: str, notes: list[str]) -> QuantExperts | torch.Tensor:
-    """A stacked-experts tensor (dims (K, N, E)): QuantExperts where its type is kept, else float32 (E, N, K)."""
+def _experts(t, fmt: str, notes: list[str], arithmetic: str, floats: dict) -> QuantExperts | torch.Tensor:
+    """A stacked-experts tensor (dims (K, N, E)): QuantExperts where its type is kept (given its arithmetic by
+    _kept), else float32 (E, N, K)."""
     from gguf.quants import dequantize
 
     if fmt in BLOCKS:
-        return QuantExperts.from_gguf(t)
+        return _kept(QuantExperts.from_gguf(t), arithmetic, floats)
     try:
         arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
     except (NotImplementedError, ValueError, KeyError, TypeError) as e:

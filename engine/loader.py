@@ -14,7 +14,10 @@ from engine.model import Model
 from engine.sources import BUNDLED_NAME, gguf_path_of, resolve, stored_dir
 from engine.weights import load_weights
 
-QUANT_MODES = ("dequantized", "stored")
+# A GGUF file's weights: every tensor imported as float, or its matrices kept in the file's blocks (engine.gguf_stored)
+# and multiplied in one of two arithmetics (engine.quant_int8.ARITHMETICS): the one place a mode names its arithmetic.
+STORED = {"stored": "float", "stored-int8": "int8"}
+QUANT_MODES = ("dequantized", *STORED)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -51,20 +54,22 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
                quant: str = "dequantized") -> Model:
     """Load the bundled default (source=None), an HF directory, a .gguf file or an org/name from the hub cache.
     quant (GGUF sources): "dequantized", every tensor imported as float (dtype); "stored", the matrices in the
-    formats engine.quant_matrix decodes kept in the file's blocks (engine.gguf_stored), the rest float32, run by
-    the PyTorch forward (the native step reads float matrices) on the CPU in float32."""
+    formats engine.quant_matrix decodes kept in the file's blocks (engine.gguf_stored), the rest float32, on the CPU
+    in float32, each product the file's exact weights times x in float32; "stored-int8", the same blocks multiplied
+    in llama.cpp's arithmetic (x rounded to 8 bits once a product, integer dot products: engine.quant_int8) where the
+    format has that kernel (Q4_K, Q8_0, Q4_1; the others keep the float one, said in model.weights.notes)."""
     from engine.tokenizer import Tokenizer
 
     if quant not in QUANT_MODES:
-        raise EngineError(f"unsupported quant {quant!r}; use {' or '.join(QUANT_MODES)}")
+        raise EngineError(f"unsupported quant {str(quant)[:40]!r}; use {', '.join(QUANT_MODES)}")
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    gguf = gguf_path_of(source) if quant == "stored" else None
-    if quant == "stored":
+    gguf = gguf_path_of(source) if quant in STORED else None
+    if quant in STORED:
         if gguf is None:
-            raise EngineError(f"quant='stored' keeps a GGUF file's blocks; {str(source)[:80]!r} is not a .gguf file")
+            raise EngineError(f"quant={quant!r} keeps a GGUF file's blocks; {str(source)[:80]!r} is not a .gguf file")
         if dev.type != "cpu" or dt != torch.float32:
-            raise EngineError("quant='stored' runs on the CPU in float32 (its products decode blocks in the native "
+            raise EngineError(f"quant={quant!r} runs on the CPU in float32 (its products decode blocks in the native "
                               f"kernel); got {dev.type} {str(dt).removeprefix('torch.')}")
     if gguf is None:
         model_dir, name = resolve(source, progress)
@@ -81,8 +86,8 @@ def load_model(source: str | os.PathLike | None = None, *, device: str | torch.d
     if gguf is None:
         weights = load_weights(model_dir, cfg, dev, dt, progress)
     else:
-        weights = stored_weights(gguf, cfg)
-        name = f"{name} [weights kept quantized]"
+        weights = stored_weights(gguf, cfg, STORED[quant])
+        name = f"{name} [weights kept quantized{', llama.cpp int8 products' if STORED[quant] == 'int8' else ''}]"
     try:
         tokenizer = Tokenizer.from_dir(model_dir)
     except FileNotFoundError as e:

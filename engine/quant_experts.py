@@ -46,7 +46,7 @@ class QuantExperts(QuantMatrix):
         object.__setattr__(self, "blocks", blocks)
         # each expert's matrix: a view of its rows of the stack (validated once, here)
         object.__setattr__(self, "_experts", tuple(QuantMatrix(f"{self.name} expert {e}", self.format, (N, K),
-                                                               blocks[e]) for e in range(E)))
+                                                               blocks[e], self.arithmetic) for e in range(E)))
 
     def __getitem__(self, e: int) -> QuantMatrix:
         return self._experts[e]
@@ -80,7 +80,15 @@ class QuantExperts(QuantMatrix):
             raise ModelLoadError(f"tensor {name}: its parts ({', '.join(p.name for p in parts)}) differ in format, "
                                  "expert count or row length; fused experts need one of each")
         fmt, E, K = keys.pop()
-        return cls(name, fmt, (E, sum(p.shape[1] for p in parts), K), torch.cat([p.blocks for p in parts], dim=1))
+        if len({p.arithmetic for p in parts}) != 1:
+            raise ModelLoadError(f"tensor {name}: its parts are multiplied in {sorted({p.arithmetic for p in parts})} "
+                                 "arithmetic; fused experts need one")
+        return cls(name, fmt, (E, sum(p.shape[1] for p in parts), K), torch.cat([p.blocks for p in parts], dim=1),
+                   parts[0].arithmetic)
+
+    def with_arithmetic(self, arithmetic: str) -> QuantExperts:
+        """The same stack, each expert multiplied in `arithmetic` (QuantMatrix checks the format has that kernel)."""
+        return QuantExperts(self.name, self.format, self.shape, self.blocks, arithmetic)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(E, K, N) in the engine's (in, out) layout per expert: gguf.quants.dequantize's values (then dtype)."""

@@ -8,6 +8,11 @@ file's own weights, not a float copy rounded some other way.
 Formats: the 32-value blocks Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the 256-value K-quants Q4_K, Q5_K, Q6_K. Any other type
 (Q2_K, Q3_K, the IQ formats, and F16/F32, which are plain tensors to the engine) is refused naming the tensor and
 its type; so are block bytes that are not exactly a whole number of blocks for the shape.
+
+Arithmetic (`arithmetic`, engine.quant_int8.ARITHMETICS): "float" multiplies the file's exact weights with x in
+float32; "int8" is llama.cpp's product (x rounded to 8 bits once a product, integer dot products: engine.quant_int8,
+engine/native/quant_int8.h), for the formats engine.quant_int8.FORMATS. The PyTorch forward (matmul) and the native
+decode step read the same field, so both run the same kernel.
 tests/unit/test_quant_matrix.py holds every format's kernel to gguf.quants.dequantize and an fp32 product."""
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import torch
 
 from engine.accelerator import quantized_product
 from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.quant_int8 import ARITHMETICS, FORMATS as INT8_FORMATS, product as int8_product
 
 # Values and bytes of one block per format (gguf.GGML_QUANT_SIZES), the formats quant.c decodes.
 BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
@@ -30,11 +36,17 @@ class QuantMatrix:
     format: str                # a key of BLOCKS
     shape: tuple[int, int]     # (N, K): N rows of K values, as the file stores the matrix
     blocks: torch.Tensor       # uint8 (N, K / block * bytes per block) on the CPU: the file's bytes, row after row
+    arithmetic: str = "float"  # how its products are computed (the module's docstring)
 
     def __post_init__(self) -> None:
         if self.format not in BLOCKS:
             raise UnsupportedModelError(f"tensor {self.name}: quantization type {self.format} is not one the engine "
                                         f"keeps quantised ({', '.join(BLOCKS)})")
+        if self.arithmetic not in ARITHMETICS or (
+                self.arithmetic == "int8" and self.format not in INT8_FORMATS):
+            raise UnsupportedModelError(f"tensor {self.name}: no {self.arithmetic!r} product for {self.format} "
+                                        f"(arithmetics {', '.join(ARITHMETICS)}; int8 for "
+                                        f"{', '.join(INT8_FORMATS)})")
         N, K = self.shape
         values, size = BLOCKS[self.format]
         if N <= 0 or K <= 0 or K % values:
@@ -85,13 +97,20 @@ class QuantMatrix:
         if len(fmts) != 1 or len(ks) != 1:
             raise ModelLoadError(f"tensor {name}: its parts ({', '.join(p.name for p in parts)}) are "
                                  f"{sorted(fmts)} with row lengths {sorted(ks)}; fused rows need one format and length")
+        if len({p.arithmetic for p in parts}) != 1:
+            raise ModelLoadError(f"tensor {name}: its parts are multiplied in {sorted({p.arithmetic for p in parts})} "
+                                 "arithmetic; fused rows need one")
         return cls(name, parts[0].format, (sum(p.shape[0] for p in parts), parts[0].shape[1]),
-                   torch.cat([p.blocks for p in parts]))
+                   torch.cat([p.blocks for p in parts]), parts[0].arithmetic)
+
+    def with_arithmetic(self, arithmetic: str) -> QuantMatrix:
+        """The same blocks multiplied in `arithmetic` (UnsupportedModelError where the format has no such kernel)."""
+        return QuantMatrix(self.name, self.format, self.shape, self.blocks, arithmetic)
 
     def permute_rows(self, order: torch.Tensor) -> QuantMatrix:
         """The matrix whose row i is this one's row order[i] (llama.cpp's q/k permutation undone: each row is
         whole blocks, so its block bytes move as a unit)."""
-        return QuantMatrix(self.name, self.format, self.shape, self.blocks[order].contiguous())
+        return QuantMatrix(self.name, self.format, self.shape, self.blocks[order].contiguous(), self.arithmetic)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `ids` (any shape of row numbers) dequantised: (*ids.shape, K), gguf.quants.dequantize's values; only
@@ -116,9 +135,10 @@ class QuantMatrix:
         return torch.from_numpy(np.ascontiguousarray(rows.T)).to(dtype)
 
     def matmul(self, x: torch.Tensor, *, native: bool = True) -> torch.Tensor:
-        """x (..., K) @ the matrix (K, N) -> (..., N) in x's dtype, summed in float32. native: the native kernel on
-        the CPU where the library is built; native=False (or no library, or another device) dequantises the
-        whole matrix and multiplies (the reference the kernel is tested against)."""
+        """x (..., K) @ the matrix (K, N) -> (..., N) in x's dtype, summed in float32, in the matrix's arithmetic.
+        native: the native kernel on the CPU where the library is built; native=False (or no library, or another
+        device) the reference the kernel is tested against: "float" dequantises the whole matrix and multiplies,
+        "int8" is engine.quant_int8.product (llama.cpp's integers, summed in float64)."""
         N, K = self.shape
         if x.shape[-1] != K or not x.is_floating_point():
             raise ValueError(f"tensor {self.name}: x {x.dtype} {tuple(x.shape)} cannot multiply a ({K}, {N}) matrix "
@@ -127,7 +147,10 @@ class QuantMatrix:
         x2 = x.reshape(-1, K).to(torch.float32)                                       # (B, K)
         product = quantized_product() if native and x.device.type == "cpu" else None
         if product is not None:
-            y = product(self.format, self.blocks, N, K, x2)                             # (B, N)
+            y = product(self.format, self.blocks, N, K, x2, self.arithmetic)            # (B, N)
+        elif self.arithmetic == "int8":
+            ref = int8_product(self.format, self.blocks.numpy(), N, K, x2.detach().cpu().numpy())[0]
+            y = torch.from_numpy(ref.astype(np.float32)).to(x.device)
         else:
             y = x2 @ self.dequantize().to(x.device)
         return y.to(x.dtype).reshape(*lead, N)

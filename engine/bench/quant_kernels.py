@@ -2,7 +2,9 @@
 engine.quant_matrix) at B = 1 on an N x K matrix (default 2,048 x 8,192, one large model's projection), as GB/s of
 the bytes the matrix is stored in and as billions of weights decoded a second (all threads), against the fp32
 dot-product kernel of the same file on the same matrix in fp32 (the memory floor: a B = 1 product reads every weight
-once and does two flops per 4 bytes) and torch's x @ w.
+once and does two flops per 4 bytes) and torch's x @ w. Each format with llama.cpp's arithmetic too ("Q4_K int8":
+load_model(quant="stored-int8")'s product, x rounded to 8 bits once a product, engine/native/quant_int8.h) beside
+its exact-float one, the two measured in alternation on the same blocks.
 
 The blocks are random bytes with small finite fp16 scales (any bytes are a valid block of these formats once
 their scales are finite). This machine's memory speed moves minute to minute and other processes share its cores,
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from engine.accelerator import float_product
+from engine.quant_int8 import FORMATS as INT8_FORMATS
 from engine.quant_matrix import BLOCKS, QuantMatrix
 
 SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
@@ -71,21 +74,29 @@ def stream(N: int = 2048, K: int = 8192, megabytes: int = 1024, rounds: int = 3)
     load_before, total = os.getloadavg(), megabytes * 10**6
     x = torch.randn(1, K)
 
-    def over(fns) -> float:                     # the best round's seconds a product, over every copy in turn
-        for fn in fns[:2]:
-            fn()                                # warm: the threads and the first touch
-        return min(_best(lambda: [fn() for fn in fns], 1) for _ in range(rounds)) / len(fns)
+    def over(*kernels) -> list[float]:          # each kernel's best round's seconds a product, over every copy in
+        for fns in kernels:                     # turn; the kernels alternate round by round
+            for fn in fns[:2]:
+                fn()                            # warm: the threads and the first touch
+        best = [float("inf")] * len(kernels)
+        for _ in range(rounds):
+            for i, fns in enumerate(kernels):
+                best[i] = min(best[i], _best(lambda fns=fns: [fn() for fn in fns], 1) / len(fns))
+        return best
 
     w32 = _copies(torch.randn(N, K), total)
     f32 = [lambda w=w: f32_rows(w, x) for w in w32]
-    seconds = {"fp32 (floor)": over(f32)}
+    seconds = {"fp32 (floor)": over(f32)[0]}
     sizes, copies = {"fp32 (floor)": N * K * 4}, {"fp32 (floor)": len(w32)}
     for fmt in BLOCKS:
         m = random_matrix(fmt, N, K)
         mats = [QuantMatrix(m.name, fmt, m.shape, b) for b in _copies(m.blocks, total)]
-        seconds[fmt], sizes[fmt], copies[fmt] = over([lambda q=q: q.matmul(x) for q in mats]), m.nbytes, len(mats)
-        del mats
-    seconds["fp32 (floor)"] = min(seconds["fp32 (floor)"], over(f32))
+        names = [fmt] + ([f"{fmt} int8"] if fmt in INT8_FORMATS else [])
+        kinds = [mats] + ([[q.with_arithmetic("int8") for q in mats]] if fmt in INT8_FORMATS else [])
+        for name, t in zip(names, over(*[[lambda q=q: q.matmul(x) for q in k] for k in kinds])):
+            seconds[name], sizes[name], copies[name] = t, m.nbytes, len(mats)
+        del mats, kinds
+    seconds["fp32 (floor)"] = min(seconds["fp32 (floor)"], over(f32)[0])
     floor = sizes["fp32 (floor)"] / seconds["fp32 (floor)"] / 1e9
     return {"N": N, "K": K, "B": 1, "threads": torch.get_num_threads(), "streamed_bytes_at_least": total,
             "load_before": load_before, "load_after": os.getloadavg(),
@@ -106,6 +117,8 @@ def run(N: int = 2048, K: int = 8192, rounds: int = 5, reps: int = 5) -> dict:
     for fmt in BLOCKS:
         m = random_matrix(fmt, N, K)
         kernels[fmt] = ((lambda m=m: m.matmul(x)), m.nbytes)
+        if fmt in INT8_FORMATS:
+            kernels[f"{fmt} int8"] = ((lambda m=m.with_arithmetic("int8"): m.matmul(x)), m.nbytes)
     best = {name: float("inf") for name in kernels}
     for _ in range(rounds):
         for name, (fn, _) in kernels.items():

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import fields
 
 from engine.cli.progress_line import progress_printer
-from engine.loader import load_model
+from engine.loader import QUANT_MODES, load_model
 from engine.sampling import SamplingParams
 from engine.settings import RunSettings
 
@@ -28,9 +28,11 @@ def model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF directory, .gguf file or org/name (default: bundled SmolLM2)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bf16 on cuda, fp32 on cpu)")
-    p.add_argument("--quant", default="dequantized", choices=("dequantized", "stored"),
-                   help="a GGUF model's weights: dequantized (imported as floats, the default) or stored (its "
-                        "matrices kept in the file's quantised blocks; CPU float32, PyTorch forward)")
+    p.add_argument("--quant", default="dequantized", choices=QUANT_MODES,
+                   help="a GGUF model's weights: dequantized (imported as floats, the default), stored (its "
+                        "matrices kept in the file's quantised blocks, multiplied exactly with x in float32; CPU "
+                        "float32) or stored-int8 (the same blocks, llama.cpp's arithmetic: x rounded to 8 bits, "
+                        "integer dot products, for Q4_K, Q8_0 and Q4_1)")
 
 
 def prompt_args(p: argparse.ArgumentParser, *, optional: bool = False) -> None:

@@ -32,7 +32,8 @@ from pathlib import Path
 
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("decode.c", "decode_rows.c", "inspect.c", "quant.c", "products.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("vexp.h", "rowstat.h", "llama_ops.h", "quant_ops.h", "row_product.h"))
+HEADERS = tuple(Path(__file__).with_name(n)
+                for n in ("vexp.h", "rowstat.h", "llama_ops.h", "quant_ops.h", "quant_int8.h", "row_product.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -105,6 +106,10 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     lib.llmi_attention_stats.argtypes = [i, i, i, i, i, i, f, p, n, n, p, n, n, p, n, n, p, p, p, i]
     lib.llmi_quant_rows.restype = ctypes.c_int
     lib.llmi_quant_rows.argtypes = [i, p, n, n, p, n, p, i]
+    lib.llmi_quant_x_bytes.restype = ctypes.c_long
+    lib.llmi_quant_x_bytes.argtypes = [i, n]
+    lib.llmi_quant_x.restype = ctypes.c_int
+    lib.llmi_quant_x.argtypes = [i, p, n, p]
     lib.llmi_f32_rows.restype = None
     lib.llmi_f32_rows.argtypes = [p, n, n, p, n, p, i]
     lib.llmi_product_rows.restype = ctypes.c_int      # the steps' float products, for tests (products.c)

@@ -89,6 +89,7 @@ typedef struct {
 long llmi_work_floats(int d, int H, int K, int hd, int F, int V, int max_len, int nth) {
     long qkv = (long)(H + 2 * K) * hd, wide = V > 2 * F ? V : 2 * F;
     if (wide < qkv) wide = qkv;
+    if (wide < d + 64L) wide = d + 64L;     /* a thread's x rounded to 8 bits (row_product.h's product, Q_INT8) */
     return 6L * d + qkv + (long)H * max_len + (long)H * hd + 5L * F + (long)nth * (wide + 16) + 64;
 }
 
@@ -132,8 +133,9 @@ static void product_bias(const float *x, const void *W, const void *b, int K, in
 int llmi_decode_step(const Step *p) {
     const int d = p->d, H = p->H, K = p->K, hd = p->hd, F = p->F, V = p->V, S = p->pos + 1, G = H / K;
     const int Fe = p->Fe, Fw = F > Fe ? (F > p->E ? F : p->E) : (Fe > p->E ? Fe : p->E);  /* llmi_work_floats' F */
-    const long qkv_n = (long)(H + 2 * K) * hd, wide = (V > 2 * Fw ? V : 2 * Fw) > qkv_n ? (V > 2 * Fw ? V : 2 * Fw)
+    const long qkv_n = (long)(H + 2 * K) * hd, wide0 = (V > 2 * Fw ? V : 2 * Fw) > qkv_n ? (V > 2 * Fw ? V : 2 * Fw)
                                                                                      : qkv_n;
+    const long wide = wide0 > d + 64L ? wide0 : d + 64L;      /* llmi_work_floats' */
     const long stride = wide + 16;
     float *x = p->work, *h = x + d, *attn_out = h + d, *mlp_out = attn_out + d, *xf = mlp_out + d;
     float *qkv = xf + 2L * d, *scores = qkv + qkv_n, *z = scores + (long)H * p->max_len;

@@ -34,7 +34,10 @@
  *
  * Rows are split between OpenMP threads (each thread a contiguous range: its own rows, its own dot products). A row
  * is read once for each tile of four of x's rows (a row of W is a few kB: the second tile finds it in L1/L2). */
+#include <stdlib.h>
+
 #include "quant_ops.h"
+#include "quant_int8.h"
 
 /* ---- the products: one function per format, its block decoder inlined ---- */
 
@@ -75,9 +78,39 @@ QUANT_ROWS(rows_q4_k, 256, 144, deq_q4_k, dot_q4_k)
 QUANT_ROWS(rows_q5_k, 256, 176, deq_q5_k, dot_q5_k)
 QUANT_ROWS(rows_q6_k, 256, 210, deq_q6_k, dot_q6_k)
 
+/* llama.cpp's arithmetic (quant_int8.h): each row of x rounded to 8 bits once, then every output one row dot, the
+ * function decode.c's step calls (so a row's result does not depend on B, nor on the threads). -3: no memory. */
+static int int8_rows(int type, const uint8_t *w, long N, long K, const float *x, long B, float *y, int nth) {
+    if (!q8_has(type)) return -1;
+    const long qk = q_block_values(type), xb = q8_x_bytes(type, K);
+    if (K % qk) return -2;
+    uint8_t *xq = malloc((size_t)(B * xb + 64));
+    if (!xq) return -3;
+    for (long b = 0; b < B; b++) q8_round(type, x + (size_t)b * K, K, xq + (size_t)b * xb);
+    const long nb = K / qk;
+#pragma omp parallel for schedule(static) num_threads(nth)
+    for (long n = 0; n < N; n++)
+        for (long b = 0; b < B; b++) y[(size_t)b * N + n] = q8_dot(type, w, n, nb, xq + (size_t)b * xb);
+    free(xq);
+    return 0;
+}
+
+/* x (K values) rounded as the weight type's int8 product rounds it (quant_int8.h's layout) into out
+ * (llmi_quant_x_bytes bytes), for the tests' comparison with engine/quant_int8.py; -1 for a type without it. */
+long llmi_quant_x_bytes(int type, long K) { return q8_has(type) ? q8_x_bytes(type, K) : -1; }
+
+int llmi_quant_x(int type, const float *x, long K, uint8_t *out) {
+    if (!q8_has(type) || K % q_block_values(type)) return -1;
+    q8_round(type, x, K, out);
+    return 0;
+}
+
 /* y (B, N) = x (B, K) @ W^T for W (N, K) in GGML type `type` (its number in the file), x and y contiguous fp32.
- * 0, or -1 for a type this file does not implement, -2 for a K that is not a whole number of its blocks. */
+ * type | Q_INT8: in llama.cpp's arithmetic (int8_rows).
+ * 0, or -1 for a type this file does not implement, -2 for a K that is not a whole number of its blocks, -3 for no
+ * memory. */
 int llmi_quant_rows(int type, const uint8_t *w, long N, long K, const float *x, long B, float *y, int nth) {
+    if (type & Q_INT8) return int8_rows(type & ~Q_INT8, w, N, K, x, B, y, nth < 1 ? 1 : nth);
     typedef void (*rows_fn)(const uint8_t *, long, long, const float *, long, float *, int);
     rows_fn f;
     long qk = 32;

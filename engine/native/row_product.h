@@ -22,6 +22,7 @@
 
 #include "llama_ops.h"
 #include "quant_ops.h"
+#include "quant_int8.h"
 
 /* acc[0:N] = x[k0:k1] @ W[k0:k1, :], W (K, N) row-major, as the model stores it (engine/weights.py: (in, out)): the
  * rows k0 .. k1 are one contiguous run of memory, taken four rows at a time (four streams a thread, which the hardware
@@ -81,14 +82,23 @@ static inline void row_product(const float *x, const void *W, int k0, int k1, in
  * output, the sum of the threads' partial sums, is rounded once to the type t (the PyTorch matmul's output dtype).
  * q != 0: W is N rows of K values in GGUF blocks of type q (float32 models only: step.py's refusal): each thread
  * takes a contiguous share of the N rows, each output one row's dot product with x, summed as quant.c's product of
- * one row of x sums it (the PyTorch forward's QuantMatrix.matmul at one token), so no partial sums are added. */
+ * one row of x sums it (the PyTorch forward's QuantMatrix.matmul at one token), so no partial sums are added. q with
+ * Q_INT8: the same rows in llama.cpp's arithmetic (quant_int8.h: x rounded to 8 bits, integer dots), as quant.c's. */
 static inline void product(const float *x, const void *W, int K, int N, float *out, float *part, long stride, int t,
                            int q) {
     int u0 = omp_get_thread_num(), T = omp_get_num_threads(), k0, k1;
     if (q) {
-        const long nb = K / q_block_values(q);
+        const int type = q & ~Q_INT8;
+        const long nb = K / q_block_values(type);
         const int n0 = (int)((long)N * u0 / T), n1 = (int)((long)N * (u0 + 1) / T);
-        for (int n = n0; n < n1; n++) out[n] = q_dot(q, W, n, nb, x);
+        if (q & Q_INT8) {       /* llama.cpp's arithmetic (quant_int8.h): each thread rounds x itself, into its own
+                                 * share of part (unused on this path; llmi_work_floats leaves room: d + 64 floats) */
+            uint8_t *xq = (uint8_t *)(part + (size_t)u0 * stride);
+            q8_round(type, x, K, xq);
+            for (int n = n0; n < n1; n++) out[n] = q8_dot(type, W, n, nb, xq);
+        } else {
+            for (int n = n0; n < n1; n++) out[n] = q_dot(q, W, n, nb, x);
+        }
 #pragma omp barrier
         return;
     }

@@ -34,7 +34,7 @@ from engine.native import build
 from engine.native.allow_list import (ACTIVATIONS, EXPERT_SLOTS, LAYER_SLOTS, MATRICES, MLP_IN, ROPE_KINDS,
                                       ROWS_VECTORS, TYPES, VECTOR_FIELDS, VECTOR_SLOTS, kept_in_blocks, refusal,
                                       rows_refusal)
-from engine.native.quant import TYPES as QUANT_TYPES
+from engine.native.quant import code as quant_code
 from engine.rope import table_for
 
 _P = ctypes.c_void_p
@@ -317,5 +317,6 @@ def _data(t) -> int:
 
 
 def _qtype(t) -> int:
-    """decode.c's type code of a matrix: its GGML type number kept in GGUF blocks, 0 as a float tensor."""
-    return QUANT_TYPES[t.format] if kept_in_blocks(t) else 0
+    """decode.c's type code of a matrix: kept in GGUF blocks, the kernel of its format and arithmetic (the code
+    quant.c's product takes for it too: engine.native.quant.code); 0 as a float tensor."""
+    return quant_code(t.format, t.arithmetic) if kept_in_blocks(t) else 0

@@ -7,7 +7,8 @@ each product in the same order (quant.c's one-row product is the dot decode.c ca
 what differs is the rest of the step (RMSNorm, attention, SiLU: decode.c's loops against PyTorch's kernels), whose
 fp32 sums of a few hundred terms differ by a few ulp, as on the float model (test_native_decode.py holds those to
 1e-5). STEP_TOL = 1e-5 of the logits' scale (max |logit|) is that bound (measured here: below 1e-6, 4-6e-6 absolute on
-logits of scale 8-9); the greedy tokens must be equal."""
+logits of scale 8-9); the greedy tokens must be equal. quant="stored-int8" (llama.cpp's arithmetic, quant_int8.h): the
+step and quant.c's product round x to 8 bits the same way and call the same row dot, so the same bound holds."""
 from __future__ import annotations
 
 import pytest
@@ -39,10 +40,10 @@ def cache(tmp_path, monkeypatch):
     return tmp_path
 
 
-def stored_model(path):
+def stored_model(path, quant="stored"):
     if build.load()[0] is None:
         pytest.skip(f"native library unavailable here: {build.load()[1]}")
-    return load_model(path, device="cpu", dtype="float32", quant="stored")
+    return load_model(path, device="cpu", dtype="float32", quant=quant)
 
 
 def run(model, steps=STEPS):
@@ -55,10 +56,16 @@ def run(model, steps=STEPS):
 
 # Q8_0 q/k/v and embedding, Q4_1 lm_head, Q5_1 wo, Q4_0 gate/up, Q5_0 down (test_gguf_as_stored.FORMATS); tied: the
 # Q8_0 embedding is the head; k_quant: down in Q4_K (valid random blocks)
+@pytest.mark.parametrize("quant", ["stored", "stored-int8"])
 @pytest.mark.parametrize("tied,k_quant", [(False, False), (True, False), (False, True)])
-def test_the_native_step_decodes_the_files_blocks_as_the_pytorch_forward_does(cache, tied, k_quant):
-    model = stored_model(write_gguf(cache / "q.gguf", tied=tied, k_quant=k_quant))
+def test_the_native_step_decodes_the_files_blocks_as_the_pytorch_forward_does(cache, tied, k_quant, quant):
+    model = stored_model(write_gguf(cache / "q.gguf", tied=tied, k_quant=k_quant), quant)
     w = model.weights
+    int8 = {m.format for m in (w.lm_head, *(getattr(lw, f) for lw in w.layers for f in ("wqkv", "wo", "w_gate_up",
+                                                                                       "w_down")))
+            if m.arithmetic == "int8"}
+    assert int8 == (set() if quant == "stored" else {"Q8_0", "Q4_1"} - ({"Q4_1"} if tied else set())
+                    | ({"Q4_K"} if k_quant else set()))
     assert all(isinstance(getattr(lw, f), QuantMatrix) for lw in w.layers for f in ("wqkv", "wo", "w_gate_up",
                                                                                       "w_down"))
     assert isinstance(w.lm_head, QuantMatrix) and w.tied() == tied
@@ -78,8 +85,9 @@ def test_the_native_step_decodes_the_files_blocks_as_the_pytorch_forward_does(ca
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-def test_greedy_tokens_and_inspection_statistics_match_the_pytorch_forward(cache):
-    model = stored_model(write_gguf(cache / "q.gguf"))
+@pytest.mark.parametrize("quant", ["stored", "stored-int8"])
+def test_greedy_tokens_and_inspection_statistics_match_the_pytorch_forward(cache, quant):
+    model = stored_model(write_gguf(cache / "q.gguf"), quant)
     assert model.accelerator.decode is not None, model.accelerator.why_not
     plain = model.with_accelerator(PLAIN)
     greedy = SamplingParams(temperature=0.0)
