@@ -120,7 +120,13 @@ def stored_weights(gguf_path: Path, cfg: ModelConfig, arithmetic: str = "float")
                 slots[slot] = _expert_slot(f"model.layers.{i}.{slot}", [n for n, _ in parts], raw, cfg, notes)
                 continue
             ts = [raw.pop(n) for n, _ in parts]
-            if kind in ("matrix", "router"):
+            if kind == "router" and any(isinstance(t, QuantMatrix) for t in ts):
+                # a few dozen floats a row (d, E), read as floats by the native step's routing (llama.cpp's quantizer
+                # leaves ffn_gate_inp in F32 too)
+                notes.append(f"layer {i}: the router ({', '.join(t.format for t in ts if isinstance(t, QuantMatrix))})"
+                             " dequantised to float32")
+                slots[slot] = _matrix(f"model.layers.{i}.{slot}", [_float(t) for t in ts], notes)
+            elif kind in ("matrix", "router"):
                 slots[slot] = _matrix(f"model.layers.{i}.{slot}", ts, notes)
             elif kind == "norm" or len(ts) == 1:
                 slots[slot] = _float(ts[0])

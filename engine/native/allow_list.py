@@ -94,9 +94,12 @@ def refusal(model) -> str | None:
     # a matrix kept in its blocks is whole blocks by construction (QuantMatrix): the rules below are the float kernel's
     mats = [t for t in [getattr(lw, f) for lw in w.layers for f in LAYER_SLOTS + MLP_IN + ("w_down",)]
             if t is not None and not kept_in_blocks(t)]
-    experts = [t for lw in w.layers for t in (getattr(lw, f) for f in EXPERT_SLOTS) if t is not None]
-    if any(kept_in_blocks(t) for t in experts) or cfg.experts_per_token > 64:
-        return "experts kept quantized, or more than 64 chosen a token (decode.c routes up to 64 float experts)"
+    # experts' stacks kept in their blocks (engine.quant_experts) are multiplied by the kept matrices' kernels, expert
+    # by expert; the router is read as a float (d, E) matrix
+    experts = [t for lw in w.layers for t in (getattr(lw, f) for f in EXPERT_SLOTS) if t is not None
+               and not kept_in_blocks(t)]
+    if any(lw.router is not None and kept_in_blocks(lw.router) for lw in w.layers) or cfg.experts_per_token > 64:
+        return "a router kept quantized, or more than 64 experts chosen a token (decode.c routes up to 64 experts)"
     vectors = [t for lw in w.layers for t in (getattr(lw, f) for f in VECTOR_SLOTS) if t is not None]
     vectors += [t for t in (w.norm_bias, w.head_bias, w.pos_embed) if t is not None]
     head = [] if kept_in_blocks(w.lm_head) else [w.lm_head]

@@ -83,7 +83,17 @@ typedef struct {
     const void *const *router;     /* (d, E) of wtype */
     const void *const *egu, *const *edown;   /* (E, d, 2 Fe), (E, Fe, d) of wtype: only the chosen experts' read */
     int E, topk, Fe, renorm;       /* experts, chosen a token, each expert's MLP width, top-k gates renormalised */
+    /* NULL, or L kernel codes of the experts' stacks (0 at a layer whose stack is float): a stack kept in GGUF blocks
+     * (engine.quant_experts) holds expert e's N rows of K values in blocks at e N K / values x bytes (gate | up:
+     * N = 2 Fe rows of d; down: N = d rows of Fe) */
+    const int *qegu, *qedown;
 } Step;
+
+/* bytes of one expert's matrix in its stack: N rows of K values, float of wsz bytes or GGUF blocks of code q */
+static size_t expert_bytes(int q, long N, long K, size_t wsz) {
+    const int type = q & ~Q_INT8;
+    return q ? (size_t)N * (size_t)(K / q_block_values(type) * q_block_bytes(type)) : (size_t)N * (size_t)K * wsz;
+}
 
 /* F: the widest MLP of a layer, max(F, Fe, E) with experts (step.py passes it; llmi_decode_step lays out the same) */
 long llmi_work_floats(int d, int H, int K, int hd, int F, int V, int max_len, int nth) {
@@ -274,8 +284,9 @@ int llmi_decode_step(const Step *p) {
                 for (int j = 0; j < p->topk; j++) {
                     const int e = chosen[j];
                     if (gates[e] == 0.f) continue;     /* a gate rounded to 0: experts_mlp skips the expert */
-                    product(h, (const char *)p->egu[l] + (size_t)e * d * 2 * Fe * wsz, d, 2 * Fe, gu, part, stride,
-                            wt, 0);
+                    const int qg = p->qegu ? p->qegu[l] : 0, qd = p->qedown ? p->qedown[l] : 0;
+                    product(h, (const char *)p->egu[l] + (size_t)e * expert_bytes(qg, 2L * Fe, d, wsz), d, 2 * Fe,
+                            gu, part, stride, wt, qg);
                     {
                         const int u = omp_get_thread_num(), T = omp_get_num_threads();
                         const long lo = (long)Fe * u / T, hi = (long)Fe * (u + 1) / T;
@@ -283,7 +294,8 @@ int llmi_decode_step(const Step *p) {
                         else silu_mul(gu, gu + Fe, act, lo, hi, wt);
                     }
 #pragma omp barrier
-                    product(act, (const char *)p->edown[l] + (size_t)e * Fe * d * wsz, Fe, d, y, part, stride, wt, 0);
+                    product(act, (const char *)p->edown[l] + (size_t)e * expert_bytes(qd, d, Fe, wsz), Fe, d, y, part,
+                            stride, wt, qd);
 #pragma omp single
                     {    /* out.index_add_(y * gate in t): each expert's share rounded, then the sum */
                         for (int i = 0; i < d; i++) mlp_out[i] = rnd(mlp_out[i] + rnd(y[i] * gates[e], wt), wt);

@@ -505,6 +505,15 @@ static inline float q_dot(int type, const uint8_t *w, long n, long nb, const flo
     }
 }
 
+/* Bytes of a block of the GGML type (a row of K values: K / q_block_values blocks), 0 for another type. */
+static inline long q_block_bytes(int type) {
+    switch (type) {
+    case GGML_Q8_0: return 34; case GGML_Q4_0: return 18; case GGML_Q4_1: return 20; case GGML_Q5_0: return 22;
+    case GGML_Q5_1: return 24; case GGML_Q4_K: return 144; case GGML_Q5_K: return 176; case GGML_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
 /* Values a block of the GGML type holds (32 or 256), 0 for a type these decoders do not implement. */
 static inline long q_block_values(int type) {
     switch (type) {

@@ -52,7 +52,7 @@ _FIELDS = [(n, ctypes.c_int) for n in ("L", "d", "H", "K", "hd", "F", "V", "max_
     (n, _P) for n in ("attn_norm_b", "mlp_norm_b", "final_norm_b", "bo")] + [("plain", ctypes.c_int)] + [
     (n, _P) for n in ("bup", "bdown")] + [(n, ctypes.c_int) for n in ("parallel", "rope_pairs")] + [
     ("head_bias", _P)] + [(n, _P) for n in ("router", "egu", "edown")] + [
-    (n, ctypes.c_int) for n in ("E", "topk", "Fe", "renorm")]
+    (n, ctypes.c_int) for n in ("E", "topk", "Fe", "renorm")] + [(n, _P) for n in ("qegu", "qedown")]
 
 
 class StepArgs(ctypes.Structure):
@@ -97,7 +97,7 @@ class NativeDecoder:
                                     if any(getattr(lw, f) is not None for lw in layers) else None
                                     for k, f in slots.items()}
                 self._layer_ptrs |= {f"q_{k}": self._types([getattr(lw, slots[k]) for lw in layers])
-                                     for k in ("wqkv", "wo", "mlp_in", "w_down")}
+                                     for k in ("wqkv", "wo", "mlp_in", "w_down", "experts_gate_up", "experts_down")}
                 # a variation's vectors: every layer's, or None (the block has none: decode.c skips the step)
                 self._layer_ptrs |= {f: self._ptrs([getattr(lw, f) for lw in layers])
                                      if getattr(layers[0], f) is not None else None for f in VECTOR_SLOTS}
@@ -156,8 +156,9 @@ class NativeDecoder:
         if lw is None:
             return {"E": 0, "topk": 0, "Fe": 0, "renorm": 0}
         c = self.model.config
-        return {"E": lw.router.shape[1], "topk": c.experts_per_token, "Fe": lw.experts_down.shape[1],
-                "renorm": int(c.norm_topk_prob)}
+        down = lw.experts_down      # float (E, Fe, d); kept in blocks (engine.quant_experts): (E, d rows, Fe values)
+        return {"E": lw.router.shape[1], "topk": c.experts_per_token,
+                "Fe": down.shape[2] if kept_in_blocks(down) else down.shape[1], "renorm": int(c.norm_topk_prob)}
 
     def _work(self, cache, nth: int) -> torch.Tensor:
         c, e = self.model.config, self._experts()
@@ -216,6 +217,7 @@ class NativeDecoder:
                  parallel=int(c.parallel_residual), rope_pairs=int(c.family.positions == "rope_interleaved"),
                  head_bias=_opt(w.head_bias), router=self.layer_ptrs["router"],
                  egu=self.layer_ptrs["experts_gate_up"], edown=self.layer_ptrs["experts_down"], **self._experts(),
+                 qegu=self.layer_ptrs["q_experts_gate_up"], qedown=self.layer_ptrs["q_experts_down"],
                  **dict(zip(("rows", "lkc", "lvc"), ring or (None, None, None))),
                  **({"cos_local": local[0].data_ptr(), "sin_local": local[1].data_ptr()} if local else {}), add=adds)
         status = self.lib.llmi_decode_step(ctypes.byref(s))

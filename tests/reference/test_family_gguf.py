@@ -137,7 +137,7 @@ def test_each_llama_layout_family_reads_back_as_stored_equal_to_its_dequantised_
     dequantised model's are float products -- at most a few units of float32 rounding of the largest logit for sums
     of 64-96 terms (bound 1e-5 of the largest, as the native step is held to the PyTorch forward). The prefill
     (the PyTorch forward of each) and a greedy decode (the native step where the family takes it: stored and
-    dequantised alike; the MoE families' kept experts on the PyTorch forward) give the same tokens. The MoE
+    dequantised alike, the MoE families' kept experts too) give the same tokens. The MoE
     families' stacks are kept whole (QuantExperts), counted in the weights' bytes, and read by the tools as the
     dequantised model's own experts."""
     from engine import GenerationRun, SamplingParams
@@ -147,23 +147,32 @@ def test_each_llama_layout_family_reads_back_as_stored_equal_to_its_dequantised_
     stored = load_model(path, device="cpu", dtype="float32", quant="stored")
     plain = load_model(path, device="cpu", dtype="float32")
     assert stored.weights.quantized(), "no matrix was kept in its blocks"
-    if stored.config.family.experts:        # every expert kept: decode.c routes float experts only (PyTorch forward)
+    assert (stored.accelerator.decode is None) == (plain.accelerator.decode is None), \
+        (stored.accelerator.why_not, plain.accelerator.why_not)
+    if stored.config.family.experts:        # every expert kept in its blocks, and decoded natively from them
         kept = [lw.experts_gate_up for lw in stored.weights.layers if lw.experts_gate_up is not None]
         assert kept and all(isinstance(t, QuantExperts) and t.format == "Q8_0" for t in kept)
-        assert stored.accelerator.decode is None and "experts kept quantized" in stored.accelerator.why_not
+        assert stored.accelerator.decode is not None, stored.accelerator.why_not
+        assert any("router (Q8_0) dequantised" in n for n in stored.weights.notes)   # read as floats, and said
         floats, lw = stored.weights.floats().layers[0], plain.weights.layers[0]     # what the tools read
         assert torch.equal(floats.experts_gate_up, lw.experts_gate_up) and torch.equal(floats.experts_down,
                                                                                         lw.experts_down)
         assert stored.weights.nbytes_by_dtype()["Q8_0"] >= sum(t.nbytes for t in kept)
-    else:
-        assert (stored.accelerator.decode is None) == (plain.accelerator.decode is None), \
-            (stored.accelerator.why_not, plain.accelerator.why_not)
     a, b = stored.logits(PROMPT), plain.logits(PROMPT)
     assert float((a - b).abs().max() / b.abs().max()) <= 1e-5
     runs = [GenerationRun(m, PROMPT[:8], params=SamplingParams(temperature=0), max_new_tokens=8, ignore_eos=True,
                           probe=Probe().capture("logits")) for m in (stored, plain)]
-    for r in runs:
-        r.run()
+    step, calls = stored.accelerator.decode, []
+    if step is not None:        # the stored model's decode steps: every one native (spied)
+        real = type(step).__call__
+        type(step).__call__ = lambda self, *a, **k: calls.append(1) or real(self, *a, **k)
+    try:
+        runs[0].run()
+    finally:
+        if step is not None:
+            type(step).__call__ = real
+    runs[1].run()
+    assert step is None or len(calls) == 7, len(calls)
     assert runs[0].token_ids == runs[1].token_ids
     for k in range(1, 8):
         x, y = (r.probe.recording.captured("logits", k)[0].value.float() for r in runs)
