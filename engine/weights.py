@@ -98,6 +98,11 @@ class Weights:
         """The names of the matrices kept in a GGUF file's quantised blocks (engine.gguf_stored), none for float."""
         return [t.name for t in self.all() if isinstance(t, QuantMatrix)]
 
+    def kept_arithmetics(self) -> set[str]:
+        """How the matrices kept in GGUF blocks are multiplied (QuantMatrix.arithmetic: "float", "int8"); empty for
+        float weights."""
+        return {t.arithmetic for t in self.all() if isinstance(t, QuantMatrix)}
+
     def all(self) -> list:
         extra = [t for t in (self.norm_bias, self.pos_embed, self.head_bias) if t is not None]
         return [self.embed, self.norm, self.lm_head, *extra] + [x for lw in self.layers for x in lw.present().values()]

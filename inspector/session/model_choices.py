@@ -15,7 +15,8 @@ from engine.sources import find_in_hub_cache, gguf_path_of, hub_cache_dirs
 BUNDLED = "SmolLM2-135M-Instruct (bundled)"
 CHOICES_TTL_S = 60
 # A GGUF file's weights as a browser chooses them -> engine.loader.load_model's quant (the one list of labels)
-QUANT_LABELS = {"dequantised (floats)": "dequantized", "as stored (GGUF blocks, CPU float32)": "stored"}
+QUANT_LABELS = {"dequantised (floats)": "dequantized", "as stored (GGUF blocks, CPU float32)": "stored",
+                "as stored, llama.cpp's arithmetic (x rounded to 8 bits)": "stored-int8"}
 _choices: list = []        # [when, {label: source}]
 _choices_lock = threading.Lock()
 

@@ -328,7 +328,8 @@ def _name(key: tuple) -> str:
     ("copy", name, device, dtype) (a stored source is a .gguf file or the bundled None, never "copy")."""
     if key[0] == "copy" and len(key) == 4:
         return f"{key[1]} (a low-precision copy)"
-    return label(key[0]) + (" (as stored)" if len(key) == 4 else "")
+    return label(key[0]) + ("" if len(key) != 4 else " (as stored, int8 products)" if key[1] == "stored-int8"
+                            else " (as stored)")
 
 
 def shared_copy(model: Model, dtype: str) -> Model:

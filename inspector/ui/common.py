@@ -114,7 +114,7 @@ def chosen_load() -> LoadState:
     device = st.session_state.get("sb_device", "auto")
     device = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     dtype, quant = st.session_state.get("sb_dtype", "auto"), quant_of(st.session_state.get("sb_quant"), source)
-    if quant == "stored":        # its products decode blocks on the CPU in float32 (engine.loader.load_model)
+    if quant != "dequantized":   # kept as stored: its products decode blocks on the CPU in float32 (load_model)
         device, dtype = "cpu", "float32"
     state = model_load(source, device, dtype, user=session(), quant=quant)
     if state.unloaded is not None and state.model is not None:      # said in the sidebar once the model is back
@@ -165,7 +165,8 @@ def model_line(model: Model) -> None:
     acc = model.accelerator
     weights = {str(d).removeprefix("torch."): n for d, n in model.weights.nbytes_by_dtype().items()}
     # a GGUF file kept as stored counts its blocks' bytes under their formats (Weights.nbytes_by_dtype)
-    mode = " as stored (GGUF blocks)" if model.weights.quantized() else ""
+    mode = "" if not model.weights.quantized() else " as stored (GGUF blocks" + (
+        ", llama.cpp's int8 products)" if "int8" in model.weights.kept_arithmetics() else ")")
     st.caption(f"Model: **{plain(model.name)}** ({model.config.model_type}) · {model.config.num_layers} layers · "
                f"{model.device.type} · {str(model.dtype).removeprefix('torch.')} · weights{mode} "
                f"{weights_text(weights)}"

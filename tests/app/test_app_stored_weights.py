@@ -93,6 +93,25 @@ def test_the_sidebar_loads_a_gguf_as_stored_beside_its_dequantised_self(monkeypa
     assert held[(f"{models.BUNDLED} (as stored)", "float32")] == sum(stored.values())
 
 
+def test_the_sidebar_loads_a_gguf_as_stored_in_llama_cpps_arithmetic(monkeypatch, app_file, tiny_model_dir,
+                                                                    fresh_registry):
+    """The third mode: the same blocks, multiplied as llama.cpp does (x rounded to 8 bits: load_model's
+    quant="stored-int8"); the model line and the held list say so, and its bytes are the file's as stored."""
+    _, stored = file_bytes()
+    int8 = next(k for k, v in QUANT_LABELS.items() if v == "stored-int8")
+    at = open_app(monkeypatch, app_file, tiny_model_dir)
+    at.sidebar.selectbox(key="sb_model").set_value(models.BUNDLED).run()
+    (box,) = quant_box(at)
+    box.set_value(int8).run()
+    assert not at.exception, at.exception
+    line = model_line(at)
+    assert f"weights as stored (GGUF blocks, llama.cpp's int8 products) {human_bytes(sum(stored.values()))}:" in line
+    model = models.shared_model(None, "cpu", "float32", quant="stored-int8")
+    assert model.weights.kept_arithmetics() == {"int8"}        # the bundled file's Q4_1 and Q8_0: both have one
+    held = {h.name: sum(h.weight_bytes.values()) for h in models.held()}
+    assert held[f"{models.BUNDLED} (as stored, int8 products)"] == sum(stored.values())
+
+
 def test_a_weights_mode_the_browser_invents_is_refused_on_the_server(monkeypatch, app_file, tiny_model_dir,
                                                                      fresh_registry):
     for bad in ("q4; rm -rf /", "STORED", ["stored"], 3):
