@@ -19,10 +19,10 @@
  * the kernel multiplies are gguf.quants.dequantize's bit for bit (tests/unit/test_quant_matrix.py multiplies the
  * identity); only the sums' order differs from a plain loop (fp32, FMA, 16 lanes, four sums for one row of x).
  *
- * x stays fp32. llama.cpp's CPU kernels instead round x to 8 bits (q8_0 / q8_K blocks) and take integer dot products
- * (VNNI): about 2-4 times less work a value, but a product that is no longer the fp32 product of the file's weights
- * with x, and x would have to be rounded once per product, before the rows (the row dot, q_dot, is handed an fp32 x
- * by decode.c's step as by this file), so it is not done here. With AVX-512 the row dot (each row of x past the last
+ * x stays fp32 here. llama.cpp's CPU kernels instead round x to 8 bits (q8_0 / q8_K blocks) and take integer dot
+ * products (VNNI): less work a value, but a product that is no longer the fp32 product of the file's weights with x.
+ * That arithmetic is quant_int8.h's (a type or-ed with Q_INT8: int8_rows below, load_model(quant="stored-int8")),
+ * x rounded once a product, before the rows, here and in decode.c's step alike. With AVX-512 the row dot (each row of x past the last
  * tile of four, and decode.c's step) is quant_ops.h's written-out kernels (K-quant and 4-bit weights looked up in a
  * table of the sub-block's sixteen values, scales unpacked sixteen blocks at once); without it, the portable
  * decoders below (which the tiles of four rows of x use on every CPU). At B = 1 one core decodes (this machine,

@@ -3,7 +3,10 @@
  * quantize_row_q8_1), and each block's product with it is an integer dot product (AVX-512 VNNI vpdpbusd / vpdpwssd),
  * scaled in float32 by the two blocks' scales, as ggml_vec_dot_q4_K_q8_K, _q8_0_q8_0 and _q4_1_q8_1 take it.
  * quant_ops.h's float kernels (quant="stored") multiply the file's exact weights with an fp32 x instead; this is the
- * product llama.cpp computes, about as fast as the memory allows (engine/bench/quant_kernels.py --stream).
+ * product llama.cpp computes, about as fast as the memory allows. Measured here (2026-12-07, two threads, load 3.8,
+ * engine/bench/quant_kernels.py --stream, the float kernel and this one in alternation on the same copies): of the
+ * fp32 floor (10.7 GB/s), Q4_K 0.70 -> 0.89, Q8_0 0.92 -> 1.00, Q4_1 0.71 -> 0.78; the 8B-shaped Q4_K file decoded
+ * natively (scripts/bench_int8.py, load 4.5) 1.64 -> 2.35 tokens a second, 0.55 -> 0.79 of its floor.
  *
  * A GGML type or-ed with Q_INT8 selects it: quant.c's product (the PyTorch forward's QuantMatrix.matmul) and
  * row_product.h's product (decode.c's lone step) both take the code engine/native/quant.py makes, and both call
@@ -13,14 +16,16 @@
  *   Q8_K (for Q4_K), 256 a block:  float d[nb]; int16 bsums[nb][16]; int8 q[K]     (36 nb + K bytes)
  *       max = the value of largest magnitude (the first of them), iscale = -127 / max, q = min(127, nearest(iscale
  *       x)) (x iscale rounded to float, then to the nearest integer, ties to even), d = 1 / iscale, bsums: each 16
- *       q's sum; a block of zeros: d = 0, q = 0.
+ *       q's sum (in order); a block of zeros: d = 0, q = 0. A block's eight runs of 32 q are stored in the order
+ *       0 2 1 3 4 6 5 7 (Q8K_SLOT), the order 64 bytes of Q4_K nibbles give them in (low: 0, 2; high: 1, 3).
  *   Q8_0 (for Q8_0) and Q8_1 (for Q4_1), 32 a block: float d[nb + 16]; float s[nb + 16]; int8 q[K + 64]
  *       amax = max |x|, d = fp16(amax / 127), q = nearest(x (127 / amax)) (0 where amax is 0), ties to even (x86's
  *       _mm256_round_ps); Q8_1's s = fp16((amax / 127) sum q) (llama.cpp's unrounded d). d and s hold the fp16
  *       values as floats; the padding (16 lanes of d, s; 64 bytes of q) is zeros, read by whole vectors.
  * A row dot is then, per block, an integer (exact: no sum here leaves 2^24) times fl(d_w d_x), plus for Q4_K
- * -fl(d_x dmin_w) m_s (bsums of s) for each sub-block s, for Q4_1 m_w s_x: summed in float32 (the order is this file's: 16 lanes
- * of partial integer sums each scaled and added, as llama.cpp's 8). engine/quant_int8.py is the reference. */
+ * -fl(d_x dmin_w) m_s (bsums of s) for each sub-block s, for Q4_1 m_w s_x: summed in float32 (the order is this
+ * file's: 16 lanes of partial integer sums each scaled and added, as llama.cpp's 8). engine/quant_int8.py is the
+ * reference. */
 #ifndef LLMI_QUANT_INT8_H
 #define LLMI_QUANT_INT8_H
 #include <math.h>
@@ -38,6 +43,9 @@ static inline int q8_has(int type) { return type == GGML_Q4_K || type == GGML_Q8
 static inline long q8_x_bytes(int type, long K) {
     return type == GGML_Q4_K ? 36 * (K / 256) + K : 8 * (K / 32 + 16) + K + 64;
 }
+
+/* the slot a Q8_K block's run s of 32 q is stored in (its own inverse: 1 and 2, 5 and 6 swap) */
+static inline int q8k_slot(int s) { return (s & 4) | ((s & 1) << 1) | ((s & 2) >> 1); }
 
 static inline float q8_fp16(float f) { return (float)(_Float16)f; }     /* to the nearest half, ties to even */
 
@@ -65,11 +73,11 @@ static inline void q8_round_k(const float *x, long K, uint8_t *out) {
         for (int j = 0; j < 256; j++) {
             const float p = iscale * xb[j];
             const int v = (int)rintf(p);
-            qb[j] = (int8_t)(v > 127 ? 127 : v);
+            qb[32 * q8k_slot(j / 32) + j % 32] = (int8_t)(v > 127 ? 127 : v);
         }
         for (int g = 0; g < 16; g++) {
             int s = 0;
-            for (int l = 0; l < 16; l++) s += qb[16 * g + l];
+            for (int l = 0; l < 16; l++) s += qb[32 * q8k_slot(g / 2) + 16 * (g % 2) + l];
             bs[i * 16 + g] = (int16_t)s;
         }
         d[i] = 1.f / iscale;
@@ -118,21 +126,23 @@ static inline void q8_k4_scales(const uint8_t *b, uint8_t sc[8], uint8_t m[8]) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* Q4_K x Q8_K: for each 64 values (32 bytes of nibbles: sub-blocks 2c low, 2c + 1 high) one vpmaddubsw (nibble x
- * int8 pairs, at most 2 15 127 in 16 bits) and one vpdpwssd (those pairs times their sub-block's scale, into 32-bit
- * lanes); the super-block's 16 lanes (each below 2^21) converted and scaled by fl(d_x d_w) into float lanes. The mins'
- * eight products m_s (bsums 2s + 2s + 1) are one vpmaddwd, scaled by -fl(d_x dmin) into eight float lanes of their
- * own (llama.cpp's four). The scales stay in registers: built in memory and read back as one word, they stalled
- * every super-block on a failed store-to-load forward. */
+/* Q4_K x Q8_K: each 128 values (64 bytes of nibbles: the low ones sub-blocks 4h and 4h + 2, the high ones 4h + 1 and
+ * 4h + 3, x's runs stored in that order) two vpmaddubsw (nibble x int8 pairs, at most 2 15 127 in 16 bits) and two
+ * vpdpwssd (those pairs times their sub-block's scale, into 32-bit lanes); the super-block's 16 lanes (each below
+ * 2^21) converted and scaled by fl(d_x d_w) into float lanes. The mins' eight products m_s (bsums 2s + 2s + 1) are
+ * one vpmaddwd, scaled by -fl(d_x dmin) into eight float lanes of their own (llama.cpp's four). The scales stay in
+ * registers: built in memory and read back as one word, they stalled every super-block on a failed store-to-load
+ * forward. */
 static inline float dot8_q4_k(const uint8_t *row, long nb, const uint8_t *xq) {
     const float *xd = (const float *)xq;
     const int16_t *bs = (const int16_t *)(xq + 4 * nb);
     const int8_t *q8 = (const int8_t *)(xq + 36 * nb);
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    __m512i pick[4];
-    for (int c = 0; c < 4; c++)
-        pick[c] = _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16((short)(2 * c)),
-                                          _mm512_set1_epi16((short)(2 * c + 1)));
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512i pick[4];       /* [h][low, high]: words 0-15 sub-block a's scale, 16-31 sub-block a + 2's */
+    for (int i = 0; i < 4; i++) {
+        const int a = 4 * (i / 2) + (i % 2);
+        pick[i] = _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16((short)a), _mm512_set1_epi16((short)(a + 2)));
+    }
     __m512 acc = _mm512_setzero_ps();
     __m256 accm = _mm256_setzero_ps();
     for (long t = 0; t < nb; t++) {
@@ -150,13 +160,15 @@ static inline float dot8_q4_k(const uint8_t *row, long nb, const uint8_t *xq) {
         const __m256i mins = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bs + 16 * t)),
                                                _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn, mn)));
         __m512i isum = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, m4)),
-                                                 _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), 1);
-            const __m512i p = _mm512_maddubs_epi16(w, _mm512_loadu_si512(q8 + 256 * t + 64 * c));
-            isum = _mm512_dpwssd_epi32(isum, p, _mm512_permutexvar_epi16(pick[c], scw));
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m512i q = _mm512_loadu_si512(qs + 64 * h);
+            const __m512i lo = _mm512_maddubs_epi16(_mm512_and_si512(q, m4),
+                                                    _mm512_loadu_si512(q8 + 256 * t + 128 * h));
+            const __m512i hi = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(q, 4), m4),
+                                                    _mm512_loadu_si512(q8 + 256 * t + 128 * h + 64));
+            isum = _mm512_dpwssd_epi32(isum, lo, _mm512_permutexvar_epi16(pick[2 * h], scw));
+            isum = _mm512_dpwssd_epi32(isum, hi, _mm512_permutexvar_epi16(pick[2 * h + 1], scw));
         }
         acc = _mm512_fmadd_ps(_mm512_set1_ps(xd[t] * half(b)), _mm512_cvtepi32_ps(isum), acc);
         accm = _mm256_fmadd_ps(_mm256_set1_ps(-xd[t] * half(b + 2)), _mm256_cvtepi32_ps(mins), accm);
@@ -223,7 +235,8 @@ Q8_DOT32(dot8_q8_0, 34, 0)
 Q8_DOT32(dot8_q4_1, 20, 1)
 #undef Q8_DOT32
 #else
-/* without AVX-512 VNNI: the same integers block by block (Q4_K's mins sub-block by sub-block), scaled, added in order */
+/* without AVX-512 VNNI: the same integers block by block (Q4_K's mins sub-block by sub-block), scaled, added in
+ * order */
 static inline float dot8_q4_k(const uint8_t *row, long nb, const uint8_t *xq) {
     const float *xd = (const float *)xq;
     const int16_t *bs = (const int16_t *)(xq + 4 * nb);
@@ -237,7 +250,7 @@ static inline float dot8_q4_k(const uint8_t *row, long nb, const uint8_t *xq) {
         for (int s = 0; s < 8; s++) {
             int v = 0;
             for (int l = 0; l < 32; l++)
-                v += ((qs[32 * (s / 2) + l] >> (4 * (s & 1))) & 15) * q8[256 * t + 32 * s + l];
+                v += ((qs[32 * (s / 2) + l] >> (4 * (s & 1))) & 15) * q8[256 * t + 32 * q8k_slot(s) + l];
             isum += sc[s] * v;
         }
         sum += (xd[t] * half(b)) * (float)isum;
@@ -247,9 +260,12 @@ static inline float dot8_q4_k(const uint8_t *row, long nb, const uint8_t *xq) {
     return sum;
 }
 
+/* not vectorised: GCC 12 (-O3, AVX-VNNI without AVX-512 VNNI) turns this int8 x int8 sum into vpdpbusd, whose first
+ * operand is unsigned, and gets it wrong (checked here with -mno-avx512vnni: -14.36 for 3.66) */
+__attribute__((optimize("no-tree-vectorize")))
 static inline float dot8_q8_0(const uint8_t *row, long nb, const uint8_t *xq) {
     const float *xd = (const float *)xq;
-    const int8_t *q8 = (const int8_t *)(xq + 8 * (nb + 16) + 0);
+    const int8_t *q8 = (const int8_t *)(xq + 8 * (nb + 16));
     float sum = 0.f;
     for (long u = 0; u < nb; u++) {
         const uint8_t *b = row + (size_t)u * 34;

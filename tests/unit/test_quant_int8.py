@@ -67,8 +67,9 @@ def native_rounding(fmt: str, x: np.ndarray) -> dict[str, np.ndarray]:
     raw, K = native_quant.rounded_x(fmt, x), x.size
     if fmt == "Q4_K":
         nb = K // 256
+        q = raw[36 * nb:36 * nb + K].view(np.int8).reshape(nb, 8, 32)[:, [0, 2, 1, 3, 4, 6, 5, 7]]    # its slots
         return {"d": raw[:4 * nb].view(np.float32), "bsums": raw[4 * nb:36 * nb].view(np.int16).reshape(nb, 16),
-                "q": raw[36 * nb:36 * nb + K].view(np.int8)}
+                "q": q.reshape(K)}
     nb = K // 32
     f = raw[:8 * (nb + 16)].view(np.float32)
     return {"d": f[:nb], "s": f[nb + 16:2 * nb + 16], "q": raw[8 * (nb + 16):8 * (nb + 16) + K].view(np.int8),
@@ -212,3 +213,51 @@ def test_a_format_without_an_int8_kernel_is_refused_naming_the_tensor():
         QuantMatrix("blk.2.attn_v.weight", "Q4_0", (2, 64), torch.from_numpy(q40), "int8")
     with pytest.raises(UnsupportedModelError, match="arithmetics float, int8"):
         m.with_arithmetic("int4")
+
+
+PORTABLE = r"""
+#include "quant_int8.h"
+float portable_dot(int type, const uint8_t *w, long n, long nb, const uint8_t *xq) { return q8_dot(type, w, n, nb, xq); }
+void portable_round(int type, const float *x, long K, uint8_t *out) { q8_round(type, x, K, out); }
+"""
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_portable_kernels_without_avx512_vnni_are_the_same_arithmetic(fmt, tmp_path):
+    """quant_int8.h compiled without AVX-512 VNNI (its portable block-by-block loops, which CPUs without it run) held
+    to the reference as the vector kernels are: x rounded to the same bytes, the product within (2 nb + 8) u scale."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from engine.native.build import HEADERS
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "p.c").write_text(PORTABLE)
+    lib = tmp_path / "p.so"
+    r = subprocess.run([cc, "-O3", "-march=native", "-mno-avx512vnni", "-shared", "-fPIC", "-I",
+                        str(HEADERS[0].parent), "-o", str(lib), str(tmp_path / "p.c"), "-lm"], capture_output=True,
+                       text=True)
+    if r.returncode:
+        pytest.skip(f"cannot build the portable kernels here: {r.stderr[-200:]}")
+    so = ctypes.CDLL(str(lib))
+    so.portable_dot.restype = ctypes.c_float
+    so.portable_dot.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    so.portable_round.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+    K, N, t = KS[fmt], 9, native_quant.TYPES[fmt]
+    raw = random_blocks(fmt, N, K, seed=4)
+    x = np.random.default_rng(4).standard_normal(K).astype(np.float32)
+    xq = np.zeros(36 * (K // 256) + K if fmt == "Q4_K" else 8 * (K // 32 + 16) + K + 64, np.uint8)
+    so.portable_round(t, x.ctypes.data, K, xq.ctypes.data)
+    ref = quant_int8.round_x(fmt, x[None])
+    if fmt == "Q4_K":
+        q = xq[36 * (K // 256):].view(np.int8).reshape(-1, 8, 32)[:, [0, 2, 1, 3, 4, 6, 5, 7]].reshape(K)
+    else:
+        q = xq[8 * (K // 32 + 16):8 * (K // 32 + 16) + K].view(np.int8)
+    assert np.array_equal(q, ref.q[0])
+    nb = K // quant_int8.VALUES[fmt]
+    got = np.array([so.portable_dot(t, raw.ctypes.data, n, nb, xq.ctypes.data) for n in range(N)], np.float64)
+    want, scale = quant_int8.product(fmt, raw, N, K, x[None])
+    assert (np.abs(got - want[0]) <= (2 * nb + 8) * U * scale[0]).all(), (np.abs(got - want[0]) / scale[0]).max()
