@@ -158,6 +158,11 @@ def test_each_llama_layout_family_reads_back_as_stored_equal_to_its_dequantised_
         assert torch.equal(floats.experts_gate_up, lw.experts_gate_up) and torch.equal(floats.experts_down,
                                                                                         lw.experts_down)
         assert stored.weights.nbytes_by_dtype()["Q8_0"] >= sum(t.nbytes for t in kept)
+        int8 = load_model(path, device="cpu", dtype="float32", quant="stored-int8")      # llama.cpp's arithmetic
+        experts = [lw.experts_down for lw in int8.weights.layers if lw.experts_down is not None]
+        assert experts and all(t.arithmetic == "int8" and t[0].arithmetic == "int8" for t in experts)
+        x, y = int8.logits(PROMPT), plain.logits(PROMPT)     # 8-bit x: within its own error, not float rounding's
+        assert float((x - y).norm() / y.norm()) <= 0.06 and int8.accelerator.decode is not None
     a, b = stored.logits(PROMPT), plain.logits(PROMPT)
     assert float((a - b).abs().max() / b.abs().max()) <= 1e-5
     runs = [GenerationRun(m, PROMPT[:8], params=SamplingParams(temperature=0), max_new_tokens=8, ignore_eos=True,
