@@ -18,13 +18,15 @@ the speed of an untiled product (tiles of 8 cost a 300-token prefill 1.9x).
 Two tile sizes, one for each kind of row, so that each kind pays the least for its invariance: a product of one row
 (a decode step on the PyTorch forward) and a batched decode step's rows (engine.batch.step: each row one run's decode
 step) take tiles of DECODE_TILE = 8 rows; a product of several rows (a short prompt's prefill alone, a packed prefill
-of several prompts: engine.batch.prefill) tiles of PREFILL_TILE = 32. A row is only ever held to the same kind of
+of several prompts: engine.batch.prefill) tiles of PREFILL_TILE = 16. A row is only ever held to the same kind of
 row (a run's decode step alone and batched, its prefill alone and packed); a prompt of one row, whose lone product
 is a one-row product, is prefilled alone (engine.batch.prefill.prefill_reason). Chosen by measurement (bundled model,
 PyTorch forward, one thread, CPU seconds, 2026-12-07): a 24-token run's decode 2.68 s with 8-row tiles, 2.96 s with
-16, 3.47 s with 32; a 300-token prefill 1.05 s, 0.85 s, 0.79 s. The cost of invariance on this path is real: without
-tiles (one MKL product of all rows, a lone row split between the threads) the same run took 1.25 s and the prefill
-0.55 s."""
+16, 3.47 s with 32. A packed prefill of 29 chat prompts (17-20 rows each, full inspection; three alternating rounds,
+load 3.5): 2.54-2.63 s as one batched call over tiles of 8 (before the tiles had calls of their own), 3.25-3.63 s in
+calls of 8 rows, 2.64-2.80 s of 16, 2.98-3.18 s of 32; the lone prompt's prefill 257-273 ms with 16 against 257-269
+ms before. The cost of invariance on this path is real: without tiles (one MKL product of all rows, a lone row split
+between the threads) the 24-token run took 1.25 s and a 300-token prefill 0.55 s against 1.05 s in tiles of 8."""
 from __future__ import annotations
 
 import threading
@@ -35,7 +37,7 @@ import torch
 from engine.quant_matrix import QuantMatrix
 
 DECODE_TILE = 8     # rows a one-row product and a batched decode step's products take at once (the docstring)
-PREFILL_TILE = 32   # rows a product of several rows takes at once (a short prompt's prefill, a packed prefill)
+PREFILL_TILE = 16   # rows a product of several rows takes at once (a short prompt's prefill, a packed prefill)
 TILED_ROWS = 32     # a product of at most this many rows is tiled (a lone decode step, a short prompt)
 _state = threading.local()
 

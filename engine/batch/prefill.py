@@ -94,7 +94,7 @@ def pack_forward(runs: list[GenerationRun]) -> tuple[list[torch.Tensor | Stopped
         askers[b] = segments.askers[g]
     t0 = time.perf_counter()
     try:
-        with tiled(PREFILL_TILE):    # each prompt's products as its lone prefill's (engine.matmul: tiles of 32)
+        with tiled(PREFILL_TILE):    # each prompt's products as its lone prefill's (engine.matmul: tiles of 16)
             logits = model.forward_batch(Batch.packed(torch.tensor([t for p in prompts for t in p]), positions,
                                                       segments, probe, model.device))
     except Exception as e:
