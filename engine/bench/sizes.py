@@ -138,7 +138,8 @@ def probe(path: str, dtype: str, quant: str = "dequantized") -> dict:
     return {**out, "decode_path": "native" if model.accelerator.decode is not None else "PyTorch: "
             + model.accelerator.why_not, "decode_tok_s": tok_s, "floor_tok_s": floor,
             "decode_over_floor": tok_s / floor, "read_gb_s": read.bytes_per_second / 1e9,
-            "inspected_over_plain_decode": _median(inspected) / _median(plain)}
+            "inspected_over_plain_decode": _median(inspected) / _median(plain),
+            "load_average_1m": os.getloadavg()[0]}   # the machine is shared: its load beside each figure
 
 
 def _decode(model, probe) -> list[float]:
@@ -215,7 +216,8 @@ def line(key: str, r: dict) -> str:
     return (f"{key:22s} held {r['held_after_load_over_weights']:.2f}x / {r['held_after_decode_over_weights']:.2f}x "
             f"of {r['weights_bytes'] / 1e9:.2f} GB; decode {r['decode_tok_s']:.2f} tok/s = "
             f"{r['decode_over_floor']:.2f} of the floor ({r['floor_tok_s']:.2f}, {r['read_gb_s']:.1f} GB/s); "
-            f"{peer_text}; inspected/plain decode {r['inspected_over_plain_decode']:.2f}; {r['decode_path']}")
+            f"{peer_text}; inspected/plain decode {r['inspected_over_plain_decode']:.2f}; {r['decode_path']}; "
+            f"load average {r['load_average_1m']:.1f}")
 
 
 if __name__ == "__main__":      # the children: python -m engine.bench.sizes probe|peer PATH DTYPE
