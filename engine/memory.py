@@ -57,6 +57,18 @@ def check_fits_bytes(need: int, where: str, detail: str = "", available: int | N
     return need
 
 
+def check_copy_fits(need: int, what: str, available: int | None = None) -> int:
+    """need: the bytes a copy of a loaded model's weights allocates (engine.variants.cast_model, engine.tools.quant.
+    quantized_model: a model kept quantised is copied through its float32 values, 8 bytes a value for an 8B-shaped
+    file of 4.5 GB); ModelLoadError when it (with HEADROOM) exceeds what is available, before a byte is allocated."""
+    avail = available_bytes() if available is None else available
+    if need > avail - max(MIN_HEADROOM, int(HEADROOM * avail)):
+        raise ModelLoadError(f"{what} needs {gb(need)} of memory for its copy of the weights and this machine has "
+                             f"{gb(avail)} available (some kept for the caches and runs): not computed. A smaller "
+                             "model, or one loaded in float32 rather than kept quantised, can be.")
+    return need
+
+
 def process_rss() -> int:
     """This process's resident memory in bytes (VmRSS: anonymous and file-backed pages it has mapped)."""
     try:
