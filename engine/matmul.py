@@ -41,13 +41,37 @@ def tiled():
         _state.depth -= 1
 
 
+GRAD_ROWS = 4096  # rows of a QuantMatrix decoded at once for a gradient (an 8B head's: 64 MB of float32 a chunk)
+
+
+class _QuantProduct(torch.autograd.Function):
+    """x @ W for a QuantMatrix W (a constant: the model's weights), with the gradient for x that gradient x input
+    needs (engine.tools.attribution) on a model kept quantised: dx = dy @ W^T, W's rows decoded GRAD_ROWS at a time
+    (QuantMatrix.rows: the values its product uses), never the whole matrix in float32 (an 8B head's is 2.1 GB)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: QuantMatrix) -> torch.Tensor:
+        ctx.w = w
+        return w.matmul(x.detach())
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        w = ctx.w
+        N, K = w.shape                                    # W's N rows of K values: x (T, K) @ W^T-layout (K, N)
+        dx = dy.new_zeros(dy.shape[0], K)
+        for start in range(0, N, GRAD_ROWS):
+            stop = min(N, start + GRAD_ROWS)
+            dx += dy[:, start:stop] @ w.rows(torch.arange(start, stop), dy.dtype)   # (T, n) @ (n, K)
+        return dx, None
+
+
 def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (T, K) @ w (K, N); on the CPU, in tiles of TILE rows when T <= TILED_ROWS or inside tiled() (row-invariant:
     the module docstring). A QuantMatrix
     (a GGUF matrix kept in its blocks) multiplies itself (QuantMatrix.matmul): this is the one place the model's
     products reach it."""
     if isinstance(w, QuantMatrix):
-        return w.matmul(x)
+        return _QuantProduct.apply(x, w) if x.requires_grad else w.matmul(x)
     if x.device.type != "cpu" or x.dim() != 2 or (x.shape[0] > TILED_ROWS and not getattr(_state, "depth", 0)):
         return x @ w
     T, K = x.shape
