@@ -216,8 +216,8 @@ def line(key: str, r: dict) -> str:
     return (f"{key:22s} held {r['held_after_load_over_weights']:.2f}x / {r['held_after_decode_over_weights']:.2f}x "
             f"of {r['weights_bytes'] / 1e9:.2f} GB; decode {r['decode_tok_s']:.2f} tok/s = "
             f"{r['decode_over_floor']:.2f} of the floor ({r['floor_tok_s']:.2f}, {r['read_gb_s']:.1f} GB/s); "
-            f"{peer_text}; inspected/plain decode {r['inspected_over_plain_decode']:.2f}; {r['decode_path']}; "
-            f"load average {r['load_average_1m']:.1f}")
+            + (f"{peer_text}; " if peer_text else "") + f"inspected/plain decode {r['inspected_over_plain_decode']:.2f}; "
+            f"{r['decode_path']}; load average {r['load_average_1m']:.1f}")
 
 
 if __name__ == "__main__":      # the children: python -m engine.bench.sizes probe|peer PATH DTYPE
