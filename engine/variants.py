@@ -14,7 +14,7 @@ import torch
 from engine.accelerator import Accelerator
 from engine.errors import InputError
 from engine.family.slots import UNIT_FIELDS
-from engine.memory import check_copy_fits
+from engine.memory import COPY_ADVICE, check_work_fits
 from engine.model import Model
 from engine.quant_matrix import QuantMatrix
 from engine.rope import rope_tables
@@ -34,8 +34,8 @@ def cast_model(model: Model, dtype: str | torch.dtype) -> Model:
     """A new Model with the weights converted to dtype (copies; the given model is never changed)."""
     from engine.loader import pick_dtype
     dt = pick_dtype(dtype, model.device)
-    check_copy_fits(model.weights.dequantized_nbytes() + model.weights.values() * dt.itemsize,
-                    f"a {str(dt).removeprefix('torch.')} copy of {model.name}")
+    check_work_fits(model.weights.dequantized_nbytes() + model.weights.values() * dt.itemsize,
+                    f"a {str(dt).removeprefix('torch.')} copy of {model.name}", "its copy of the weights", COPY_ADVICE)
     w = model.weights.floats()      # a model kept quantised is cast from its dequantised values
 
     def cv(t):

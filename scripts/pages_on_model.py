@@ -5,12 +5,13 @@ the page's action buttons one at a time (each an AppTest rerun, small settings f
 seconds, what it raised (an exception, or the error boxes it left) and the peak RSS after it.
 
     python3 scripts/pages_on_model.py MODEL [--quant stored|dequantized] [--tokens N] [--prompt TEXT] [--page NAME ...]
-                                      [--no-press] [--press-timeout S]
+                                      [--no-press] [--press-timeout S] [--skip KEY=REASON ...]
 
 Pressed: every enabled button (and download button) a page shows, as it shows them (a press can reveal more: those
 are pressed too, up to MAX_PRESSES a page), except the sidebar's, the rooms', Stop and the ones that only undo
-(SKIPPED). A press that runs past --press-timeout is reported as timed out (its script thread may still be running:
-later figures on that page are then not alone on the CPU).
+(SKIPPED), and those named with --skip (reported as skipped, with the reason given). A press that runs past
+--press-timeout is reported as timed out: AppTest then stops its script at its next Streamlit call (the next progress
+update, as the page's Stop button does) and waits for it.
 
 MODEL: a Hugging Face folder or a GGUF file (`bench --sizes` writes a Llama-3.1-8B-shaped Q4_K GGUF to
 $LLM_INSPECTOR_CACHE/bench-sizes/). Issue 44's check: the 8B-shaped Q4_K file as stored opens in <= 6.5 GB, decodes,
@@ -37,7 +38,7 @@ SKIPPED = ("sb_", "room_", "od_stop_", "od_again_", "cmp_stop", "steer_publish",
 # Error boxes that are a page's answer, not a fault: the NaN doctor showing the fault it injected, and a memory
 # refusal (engine.memory: a copy or load that does not fit, refused before it is made)
 EXPECTED = ("Stop reason **non-finite logits**", "First non-finite value", "not loaded. Choose a smaller",
-            "not computed. A smaller model")
+            "(some kept for the caches and runs): not computed.")
 # Small settings set before any press where the page shows the widget: (kind, key, value)
 SMALL = (("number_input", "cmp_max_new", 2), ("number_input", "nd_max_new", 2), ("multiselect", "qz_formats", ["Q8_0"]),
          ("multiselect", "qsb_formats", ["Q8_0"]), ("text_area", "qsb_texts", "The capital of France is Paris."),
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page", action="append", default=None, help="only this page (repeatable)")
     p.add_argument("--no-press", action="store_true", help="only render each page, press nothing")
     p.add_argument("--press-timeout", type=float, default=300.0, help="seconds one press may take (default 300)")
+    p.add_argument("--skip", action="append", default=[], metavar="KEY=REASON",
+                   help="do not press the button of this key; the report says so, with the reason (repeatable)")
     a = p.parse_args(argv)
     from streamlit.runtime.pages_manager import PagesManager
     from streamlit.testing.v1 import AppTest
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:14s} {'FAILED ' + '; '.join(bad) if bad else 'ok'} ({shown}) {time.perf_counter() - t0:7.1f} s, "
               f"peak RSS {peak_gb():.2f} GB", flush=True)
         if not a.no_press and not at.exception:
-            presses = press_all(at, a.press_timeout)
+            presses = press_all(at, a.press_timeout, dict(k.partition("=")[::2] for k in a.skip))
             pressed += len(presses)
             failed += [f"{name}: {k}" for k, _, bad, _ in presses if bad]
     print(f"{len(names)} pages, {pressed} presses; {len(failed)} failed{': ' + ', '.join(failed) if failed else ''}; "
@@ -133,9 +136,9 @@ def pressable(at, done: set[str]) -> list:
             and not b.key.startswith(SKIPPED)]
 
 
-def press_all(at, timeout: float) -> list[tuple[str, float, list[str], float]]:
-    """Press each action button the page shows (SMALL settings first), one rerun each: (key, seconds, problems,
-    peak RSS GB) per press, printed as it goes."""
+def press_all(at, timeout: float, skip: dict[str, str]) -> list[tuple[str, float, list[str], float]]:
+    """Press each action button the page shows (SMALL settings first) but those in skip (key -> why), one rerun
+    each: (key, seconds, problems, peak RSS GB) per press, printed as it goes."""
     for kind, key, value in SMALL:
         widgets = [w for w in getattr(at, kind) if w.key == key]
         if widgets:
@@ -145,6 +148,10 @@ def press_all(at, timeout: float) -> list[tuple[str, float, list[str], float]]:
     while len(done) < MAX_PRESSES and (todo := pressable(at, done)):
         button = todo[0]
         done.add(button.key)
+        if button.key in skip:
+            print(f"    skipped {button.key!r} ({button.label!r}): {skip[button.key]}", flush=True)
+            continue
+        print(f"    pressing {button.key!r} ({button.label!r}) ...", flush=True)
         t0 = time.perf_counter()
         try:
             button.click().run(timeout=timeout)
@@ -156,8 +163,6 @@ def press_all(at, timeout: float) -> list[tuple[str, float, list[str], float]]:
             " (shows: " + "; ".join(s[:120] for s in shown) + ")" if shown else "")
         print(f"    pressed {button.key!r} ({button.label!r}) {said} {out[-1][1]:7.1f} s, peak RSS {out[-1][3]:.2f} GB",
               flush=True)
-        if any(b.startswith("timed out") for b in bad):
-            break                           # the page's script is still running: the next press would queue on it
     return out
 
 

@@ -1,4 +1,5 @@
-"""A copy of a loaded model's weights that would not fit is refused before it is made (engine.memory.check_copy_fits):
+"""A copy of a loaded model's weights, or a tuned lens fit, that would not fit is refused before it is made
+(engine.memory.check_work_fits):
 a model kept quantised (a GGUF file as stored) is copied through its float32 values by a cast (engine.variants.
 cast_model: the NaN doctor's precision comparison, the rescue set) and by a re-quantization (engine.tools.quant.
 quantized_model: the Quantization page's comparison and scoreboard), 8 bytes a value for the 8B-shaped Q4_K file's
@@ -50,3 +51,16 @@ def test_a_cast_and_a_requantization_that_do_not_fit_are_refused_before_they_are
     monkeypatch.setattr(engine.memory, "available_bytes", lambda: 2 * quant_need + (512 << 20))
     assert cast_model(stored, "bfloat16").weights.layers[0].w_down.dtype == cast_model(stored, "bfloat16").dtype
     assert not quantized_model(stored, "Q8_0").weights.quantized()
+
+
+def test_a_tuned_lens_fit_that_does_not_fit_is_refused_before_its_sums_are_allocated(stored, monkeypatch):
+    """Its float64 sums of every layer (2 d^2 + 2 d values each) and the quantised unembedding's float32 values: for
+    the 8B-shaped file 8.6 GB + 2.1 GB, which took the Activations page's fit to 13.5 GB of RSS."""
+    from engine.tools.tuned_lens import fit_stages
+
+    need = LAYERS * (2 * D * D + 2 * D) * 8 + 4 * V * D
+    monkeypatch.setattr(engine.memory, "available_bytes", lambda: need)
+    with pytest.raises(ModelLoadError, match=f"the tuned lens fit needs {gb(need)} .* not computed"):
+        fit_stages(stored, ["def f(x): return x + 1", "class A: pass"], steps=0)
+    monkeypatch.setattr(engine.memory, "available_bytes", lambda: need + (1 << 30))
+    assert fit_stages(stored, ["def f(x): return x + 1", "class A: pass"], steps=0).lens.U.shape[0] == LAYERS
