@@ -54,12 +54,36 @@ def tiled(tile: int):
         _state.tile = outer
 
 
+GRAD_ROWS = 4096  # rows of a QuantMatrix decoded at once for a gradient (an 8B head's: 64 MB of float32 a chunk)
+
+
+class _QuantProduct(torch.autograd.Function):
+    """x @ W for a QuantMatrix W (a constant: the model's weights), with the gradient for x that gradient x input
+    needs (engine.tools.attribution) on a model kept quantised: dx = dy @ W^T, W's rows decoded GRAD_ROWS at a time
+    (QuantMatrix.rows: the values its product uses), never the whole matrix in float32 (an 8B head's is 2.1 GB)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: QuantMatrix) -> torch.Tensor:
+        ctx.w = w
+        return w.matmul(x.detach())
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        w = ctx.w
+        N, K = w.shape                                    # W's N rows of K values: x (T, K) @ W^T-layout (K, N)
+        dx = dy.new_zeros(dy.shape[0], K)
+        for start in range(0, N, GRAD_ROWS):
+            stop = min(N, start + GRAD_ROWS)
+            dx += dy[:, start:stop] @ w.rows(torch.arange(start, stop), dy.dtype)   # (T, n) @ (n, K)
+        return dx, None
+
+
 def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (T, K) @ w (K, N); on the CPU, in tiles when T <= TILED_ROWS (DECODE_TILE rows for one row, PREFILL_TILE for
     several) or inside tiled() (its tile), row-invariant: the module docstring. A QuantMatrix (a GGUF matrix kept in
     its blocks) multiplies itself (QuantMatrix.matmul): this is the one place the model's products reach it."""
     if isinstance(w, QuantMatrix):
-        return w.matmul(x)
+        return _QuantProduct.apply(x, w) if x.requires_grad else w.matmul(x)
     tile = getattr(_state, "tile", None)
     if x.device.type != "cpu" or x.dim() != 2 or (x.shape[0] > TILED_ROWS and tile is None):
         return x @ w
@@ -70,6 +94,8 @@ def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         x = torch.cat([x, x.new_zeros(tiles * tile - T, K)])
     if tiles == 1:
         return (x @ w)[:T]
+    if x.requires_grad or w.requires_grad:      # a gradient (Explain's attribution): the same calls, differentiable
+        return torch.cat([x[i * tile:(i + 1) * tile] @ w for i in range(tiles)])[:T]
     out = x.new_empty(tiles * tile, w.shape[1])
     for i in range(tiles):      # each tile its own product of one shape (a batched call splits its work otherwise)
         torch.mm(x[i * tile:(i + 1) * tile], w, out=out[i * tile:(i + 1) * tile])

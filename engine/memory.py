@@ -22,6 +22,7 @@ HELD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # a model that only just fits is refused rather than left to swap or be killed.
 HEADROOM = 0.10
 MIN_HEADROOM = 256 << 20
+COPY_ADVICE = "A smaller model, or one loaded in float32 rather than kept quantised, can be."
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -54,6 +55,18 @@ def check_fits_bytes(need: int, where: str, detail: str = "", available: int | N
             f"{where}: this model's weights need {gb(need)}{' ' + detail if detail else ''} and this machine has "
             f"{gb(avail)} of memory available (some kept for the caches and runs): not loaded. Choose a smaller dtype "
             "or model, or free memory.")
+    return need
+
+
+def check_work_fits(need: int, what: str, detail: str, advice: str = "", available: int | None = None) -> int:
+    """need: the bytes a computation on a loaded model allocates (detail: for what) -- a copy of its weights
+    (engine.variants.cast_model, engine.tools.quant.quantized_model: a model kept quantised is copied through its
+    float32 values, 8 bytes a value for an 8B-shaped file of 4.5 GB), the tuned lens fit's sums; ModelLoadError when
+    it (with HEADROOM) exceeds what is available, before a byte is allocated, rather than the kernel's OOM killer."""
+    avail = available_bytes() if available is None else available
+    if need > avail - max(MIN_HEADROOM, int(HEADROOM * avail)):
+        raise ModelLoadError(f"{what} needs {gb(need)} of memory ({detail}) and this machine has {gb(avail)} "
+                             f"available (some kept for the caches and runs): not computed.{' ' + advice if advice else ''}")
     return need
 
 

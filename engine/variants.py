@@ -14,7 +14,9 @@ import torch
 from engine.accelerator import Accelerator
 from engine.errors import InputError
 from engine.family.slots import UNIT_FIELDS
+from engine.memory import COPY_ADVICE, check_work_fits
 from engine.model import Model
+from engine.quant_matrix import QuantMatrix
 from engine.rope import rope_tables
 from engine.weights import LayerWeights, Weights, as_float
 
@@ -32,6 +34,8 @@ def cast_model(model: Model, dtype: str | torch.dtype) -> Model:
     """A new Model with the weights converted to dtype (copies; the given model is never changed)."""
     from engine.loader import pick_dtype
     dt = pick_dtype(dtype, model.device)
+    check_work_fits(model.weights.dequantized_nbytes() + model.weights.values() * dt.itemsize,
+                    f"a {str(dt).removeprefix('torch.')} copy of {model.name}", "its copy of the weights", COPY_ADVICE)
     w = model.weights.floats()      # a model kept quantised is cast from its dequantised values
 
     def cv(t):
@@ -95,13 +99,10 @@ def precision_plan(model: Model, units: list[str] | tuple[str, ...], source: Mod
         elif part in ("attn", "mlp"):
             fields = ATTN_WEIGHTS if part == "attn" else MLP_WEIGHTS
             lw = src.weights.layers[layer]
-            layers[layer] = dataclasses.replace(layers[layer], **{
-                f: None if getattr(lw, f) is None else getattr(lw, f).to(torch.float32, copy=True)
-                for f in fields})
+            layers[layer] = dataclasses.replace(layers[layer], **{f: _fp32_copy(getattr(lw, f)) for f in fields})
         else:
             for f in ends[part]:
-                t = getattr(src.weights, f)
-                whole[f] = None if t is None else t.to(torch.float32, copy=True)
+                whole[f] = _fp32_copy(getattr(src.weights, f), rows=f == "embed")
     weights = dataclasses.replace(model.weights, layers=layers, **whole)   # LayerNorm bias, positions: shared
     plan = derive(model, weights, dtype=model.dtype, name=f"{model.base_name} [fp32: {', '.join(units) or 'none'}]")
     plan.base_name, plan.resid_fp32_from, plan.fp32_units = model.base_name, resid_from, units
@@ -111,6 +112,14 @@ def precision_plan(model: Model, units: list[str] | tuple[str, ...], source: Mod
         plan.cos, plan.sin = plan.rope["main"]
         plan.cache_dtype = torch.float32
     return plan
+
+
+def _fp32_copy(t, rows: bool = False):
+    """A weight's float32 copy in the engine's layout; a matrix kept quantised (a source loaded as stored) by its
+    dequantised values: (in, out), or (V, d) rows for the embedding table (rows=True)."""
+    if isinstance(t, QuantMatrix):
+        return t.dequantize().t().contiguous() if rows else t.dequantize()
+    return None if t is None else t.to(torch.float32, copy=True)
 
 
 def _split_unit(unit: str, num_layers: int) -> tuple[int | None, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +94,15 @@ class Weights:
 
     def nbytes(self) -> int:
         return sum(self.nbytes_by_dtype().values())
+
+    def values(self) -> int:
+        """The number of weight values, each tensor once (a tied matrix once; a matrix kept quantised by its shape)."""
+        return sum(math.prod(t.shape) for t in {id(t): t for t in self.all()}.values())
+
+    def dequantized_nbytes(self) -> int:
+        """The float32 bytes floats() allocates: each matrix kept quantised, dequantised, once."""
+        kept = {id(t): t for t in self.all() if isinstance(t, QuantMatrix)}
+        return sum(4 * math.prod(t.shape) for t in kept.values())
 
     def quantized(self) -> list[str]:
         """The names of the matrices kept in a GGUF file's quantised blocks (engine.gguf_stored), none for float."""

@@ -8,11 +8,12 @@ every stage, the logits, per-layer timing: engine.inspection.probe.inspection_pr
 The weights are written once per shape into the bench's folder ($LLM_INSPECTOR_CACHE/bench-sizes), every tensor the
 engine expects for the config (engine.weights.expected_tensors), random normal scaled by 1/sqrt(fan-in) so that
 activations stay finite, in float32 (one file; a bf16 run converts at load). The tokenizer is the bundled model's
-(its 49,152 tokens fit inside each vocabulary; the bench feeds token ids). A Llama-3.1-8B-shaped GGUF in Q4_K is
-written too, layer by layer (random block bytes with small finite scales are valid blocks: gguf-py can dequantise
-K-quants but not quantise them), and it and the bundled model's own Q4_1 file are opened both ways a GGUF opens:
-dequantised to float32 (an import: the 8B file is refused before loading for its size, engine.memory) and as stored
-(its matrices kept in their blocks, engine.gguf_stored, decoded on the PyTorch forward)."""
+(its 49,152 tokens fit inside each vocabulary; the bench feeds token ids). Each public shape is also written as a
+GGUF file in Q8_0 and in Q4_K (engine.bench.size_files: llama.cpp's names and metadata, random valid blocks, one
+tensor at a time), and so is a Llama-3.1-8B-shaped Q4_K file; they and the bundled model's own Q4_1 file are opened
+in each load mode of QUANTS: dequantised to float32 (an import: the 8B file is refused before loading for its size,
+engine.memory) and as stored (its matrices kept in their blocks, engine.gguf_stored). Entries are named
+"<shape>-<format>" (qwen3-0.6b-q8_0, llama-3.1-8b-q4_k, smollm2-135m-q4_1) for --size."""
 from __future__ import annotations
 
 import json
@@ -22,9 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from engine.bench.size_files import FORMATS, write_gguf
 from engine.sources import bundled_gguf
 
 SHAPES = {   # the public config.json of each model, the fields the engine reads (bos/eos set inside the tokenizer's)
@@ -49,10 +50,17 @@ SHAPES = {   # the public config.json of each model, the fields the engine reads
 }
 DTYPES = ("float32", "bfloat16")
 PROMPT, NEW = 32, 16          # a run's prompt and decoded tokens in each process
-Q4_K_8B = {"hidden": 4096, "ffn": 14336, "layers": 32, "heads": 32, "kv": 8, "vocab": 128256}
-
-
-QUANTS = ("dequantized", "stored")     # how each GGUF file is loaded (engine.loader.load_model's quant)
+GGUF_SHAPES = {   # shapes written as GGUF files only (the 8B's float32 would not fit this machine's memory)
+    "llama-3.1-8b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+                     "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                     "max_position_embeddings": 8192, "tie_word_embeddings": False, "hidden_act": "silu"},
+}
+# The GGUF entries: --size name -> (shape, format); (None, _): the bundled model's own file
+GGUF_ENTRIES = {f"{shape}-{fmt.lower()}": (shape, fmt) for shape in SHAPES for fmt in FORMATS} | {
+    "llama-3.1-8b-q4_k": ("llama-3.1-8b", "Q4_K"), "smollm2-135m-q4_1": (None, "Q4_1")}
+# How each GGUF entry is loaded (engine.loader.load_model's quant -> its rows' label): one row per mode, in this order
+QUANTS = {"dequantized": "dequantised float32", "stored": "as stored"}
 
 
 def folder() -> Path:
@@ -86,58 +94,17 @@ def make_model(name: str, raw: dict, out: Path) -> Path:
 
 
 def make_q4k_gguf(out: Path) -> Path:
-    """A Llama-3.1-8B-shaped GGUF, every matrix in Q4_K (embedding and output too), written tensor by tensor from
+    """The Llama-3.1-8B-shaped GGUF, every matrix in Q4_K (embedding and output too), written tensor by tensor from
     random block bytes whose fp16 scales (d, dmin) are set small and finite: never 32 GB of float32."""
-    import gguf
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
-    path = out / "llama-3.1-8b.Q4_K.v2.gguf"     # v2: says its vocabulary (128,256: more than the tokenizer's list)
-    if path.is_file():
-        return path
-    s = Q4_K_8B
-    d, f, hd = s["hidden"], s["ffn"], s["hidden"] // s["heads"]
-    block, size = GGML_QUANT_SIZES[Q.Q4_K]
-    rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path) + ".tmp", "llama")
-    for key, value in (("context_length", 8192), ("embedding_length", d), ("feed_forward_length", f),
-                       ("block_count", s["layers"]), ("head_count", s["heads"]), ("head_count_kv", s["kv"]),
-                       ("layer_norm_rms_eps", 1e-5), ("rope_freq_base", 500000.0), ("vocab_size", s["vocab"])):
-        getattr(w, f"add_{key}")(value)
-    _tokenizer(w)
-    shapes = {"token_embd.weight": (s["vocab"], d), "output.weight": (s["vocab"], d), "output_norm.weight": (d,)}
-    for i in range(s["layers"]):
-        shapes |= {f"blk.{i}.attn_norm.weight": (d,), f"blk.{i}.ffn_norm.weight": (d,),
-                   f"blk.{i}.attn_q.weight": (s["heads"] * hd, d), f"blk.{i}.attn_k.weight": (s["kv"] * hd, d),
-                   f"blk.{i}.attn_v.weight": (s["kv"] * hd, d), f"blk.{i}.attn_output.weight": (d, d),
-                   f"blk.{i}.ffn_gate.weight": (f, d), f"blk.{i}.ffn_up.weight": (f, d),
-                   f"blk.{i}.ffn_down.weight": (d, f)}
-    scale = np.frombuffer(np.array([0.001, 0.0005], dtype=np.float16).tobytes(), dtype=np.uint8)
-    for n, shape in shapes.items():
-        if len(shape) == 1:
-            w.add_tensor(n, np.ones(shape, dtype=np.float32))
-            continue
-        rows, cols = shape
-        blocks = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-        blocks[..., :4] = scale                     # d, dmin: the super-block's fp16 scales
-        w.add_tensor(n, blocks.reshape(rows, -1), raw_dtype=Q.Q4_K)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(str(path) + ".tmp", path)
-    return path
+    return write_gguf("llama-3.1-8b", GGUF_SHAPES["llama-3.1-8b"], "Q4_K", out)
 
 
-def _tokenizer(w) -> None:
-    from engine.gguf_file import open_gguf
-    from engine.sources import bundled_gguf
-    src = open_gguf(bundled_gguf())
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(src.fields["tokenizer.ggml.pre"].contents())
-    w.add_token_list(src.fields["tokenizer.ggml.tokens"].contents())
-    w.add_token_types(src.fields["tokenizer.ggml.token_type"].contents())
-    w.add_token_merges(src.fields["tokenizer.ggml.merges"].contents())
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+def gguf_entry(name: str) -> Path:
+    """The file of a GGUF entry (GGUF_ENTRIES), written once into the bench's folder."""
+    shape, fmt = GGUF_ENTRIES[name]
+    if shape is None:
+        return bundled_gguf()
+    return write_gguf(shape, {**SHAPES, **GGUF_SHAPES}[shape], fmt, folder())
 
 
 READS = 4       # large reads after each pair of decodes, the best of all kept: the first read after a decode
@@ -171,7 +138,8 @@ def probe(path: str, dtype: str, quant: str = "dequantized") -> dict:
     return {**out, "decode_path": "native" if model.accelerator.decode is not None else "PyTorch: "
             + model.accelerator.why_not, "decode_tok_s": tok_s, "floor_tok_s": floor,
             "decode_over_floor": tok_s / floor, "read_gb_s": read.bytes_per_second / 1e9,
-            "inspected_over_plain_decode": _median(inspected) / _median(plain)}
+            "inspected_over_plain_decode": _median(inspected) / _median(plain),
+            "load_average_1m": os.getloadavg()[0]}   # the machine is shared: its load beside each figure
 
 
 def _decode(model, probe) -> list[float]:
@@ -211,9 +179,10 @@ def _child(fn: str, path: Path, dtype: str, *extra: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def sizes_bench(names: tuple[str, ...] = tuple(SHAPES), dtypes: tuple[str, ...] = DTYPES, gguf: bool = True,
-                say=print, shapes: dict | None = None) -> dict:
-    """Every shape x dtype (and the 8B Q4_K GGUF): figures keyed "<shape> <dtype>"."""
+def sizes_bench(names: tuple[str, ...] = (*SHAPES, *GGUF_ENTRIES), dtypes: tuple[str, ...] = DTYPES, say=print,
+                shapes: dict | None = None) -> dict:
+    """Each named shape x dtype, figures keyed "<shape> <dtype>"; each named GGUF entry x load mode (QUANTS), keyed
+    "<entry> <mode's label>"."""
     shapes = shapes or SHAPES
     out, root = {}, folder()
     for name in (n for n in names if n in shapes):
@@ -227,14 +196,13 @@ def sizes_bench(names: tuple[str, ...] = tuple(SHAPES), dtypes: tuple[str, ...] 
                     r["over_peer_decode"] = r["decode_tok_s"] / r["peer_decode_tok_s"]
             out[f"{name} {dtype}"] = r
             say(line(f"{name} {dtype}", r))
-    if gguf:
-        say("llama-3.1-8b Q4_K GGUF: writing it (once, ~4.6 GB)")
-        files = {"llama-3.1-8b Q4_K": make_q4k_gguf(root), "smollm2-135m Q4_1 (bundled)": bundled_gguf()}
-        for name, path in files.items():
-            for quant in QUANTS:          # the file dequantised to float32 (an import), then as stored
-                key = f"{name} {'as stored' if quant == 'stored' else 'dequantised float32'}"
-                out[key] = _child("probe", path, "float32", quant)
-                say(line(key, out[key]))
+    for name in (n for n in names if n in GGUF_ENTRIES):
+        say(f"{name}: writing its GGUF file (once)")
+        path = gguf_entry(name)
+        for quant, label in QUANTS.items():
+            key = f"{name} {label}"
+            out[key] = _child("probe", path, "float32", quant)
+            say(line(key, out[key]))
     return out
 
 
@@ -248,7 +216,8 @@ def line(key: str, r: dict) -> str:
     return (f"{key:22s} held {r['held_after_load_over_weights']:.2f}x / {r['held_after_decode_over_weights']:.2f}x "
             f"of {r['weights_bytes'] / 1e9:.2f} GB; decode {r['decode_tok_s']:.2f} tok/s = "
             f"{r['decode_over_floor']:.2f} of the floor ({r['floor_tok_s']:.2f}, {r['read_gb_s']:.1f} GB/s); "
-            f"{peer_text}; inspected/plain decode {r['inspected_over_plain_decode']:.2f}; {r['decode_path']}")
+            + (f"{peer_text}; " if peer_text else "") + f"inspected/plain decode {r['inspected_over_plain_decode']:.2f}; "
+            f"{r['decode_path']}; load average {r['load_average_1m']:.1f}")
 
 
 if __name__ == "__main__":      # the children: python -m engine.bench.sizes probe|peer PATH DTYPE

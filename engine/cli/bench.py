@@ -9,7 +9,7 @@ import torch
 
 from engine.bench.class_run import class_bench
 from engine.bench.held import held_figures
-from engine.bench.sizes import SHAPES, sizes_bench
+from engine.bench.sizes import GGUF_ENTRIES, SHAPES, sizes_bench
 from engine.bench.speed import run_bench
 from engine.bench.tools import TARGETS, run_tools_bench
 from engine.cli.args import load, model_args
@@ -59,9 +59,8 @@ def _tools(a: argparse.Namespace) -> int:
 
 
 def _sizes(a: argparse.Namespace) -> int:
-    names = tuple(a.size_names or SHAPES)
-    out = sizes_bench(names, gguf=not a.size_names or "llama-3.1-8b-q4_k" in a.size_names,
-                      say=(lambda *_: None) if a.json else print)
+    names = tuple(a.size_names or (*SHAPES, *GGUF_ENTRIES))
+    out = sizes_bench(names, say=(lambda *_: None) if a.json else print)
     if a.json:
         print(json.dumps({k: {n: (round(v, 4) if isinstance(v, float) else v) for n, v in r.items()}
                           for k, r in out.items()}))
@@ -108,10 +107,10 @@ def add_commands(sub) -> None:
     b.add_argument("--class-sizes", type=int, nargs="+", default=[8, 30], metavar="N",
                    help="with --class: class sizes beside the lone student")
     b.add_argument("--sizes", action="store_true",
-                   help="instead: models of public shapes (Qwen3-0.6B, Llama-3.2-1B, Gemma-3-1B in fp32 and bf16, a "
-                        "Llama-3.1-8B Q4_K GGUF), each in a fresh process: bytes held over the weights', decode over "
+                   help="instead: models of public shapes (Qwen3-0.6B, Llama-3.2-1B, Gemma-3-1B in fp32 and bf16 and as "
+                        "Q8_0 and Q4_K GGUFs, a Llama-3.1-8B Q4_K GGUF), each in a fresh process: bytes held over the weights', decode over "
                         "the floor, over transformers (engine.bench.sizes; writes the weights once, ~15 GB of disk)")
-    b.add_argument("--size", dest="size_names", action="append", choices=[*SHAPES, "llama-3.1-8b-q4_k"],
+    b.add_argument("--size", dest="size_names", action="append", choices=[*SHAPES, *GGUF_ENTRIES],
                    default=None, help="with --sizes: only this model (repeatable)")
     b.add_argument("--json", action="store_true", help="print the figures as one JSON object instead of tables")
     b.set_defaults(fn=cmd_bench)

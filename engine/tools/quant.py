@@ -33,6 +33,7 @@ from engine.inspection.interventions import HookContext
 from engine.inspection.plans import split_name
 from engine.inspection.probe import Probe
 from engine.inspection.stages import forward_stages
+from engine.memory import COPY_ADVICE, check_work_fits
 from engine.model import Model
 from engine.progress import OnProgress, tell_units
 from engine.settings import RunSettings
@@ -89,6 +90,9 @@ def quantized_model(model: Model, fmt: str, *, embed: bool = False) -> Model:
     """A new Model sharing config and tokenizer, with every block matrix (and the embedding with embed=True)
     replaced by its fmt round trip. Vectors (norms, biases) are shared with the model, never copied. A model kept
     quantised is round-tripped from its dequantised values (Weights.floats)."""
+    # the dequantised values, and each matrix's float32 round trip beside them (at most one per value)
+    check_work_fits(model.weights.dequantized_nbytes() + 4 * model.weights.values(), f"a {fmt} copy of {model.name}",
+                    "its copy of the weights", COPY_ADVICE)
     w = model.weights.floats()
     layers = [dataclasses.replace(lw, **{f: requantize(getattr(lw, f), fmt) for f in MATRICES
                                                 if getattr(lw, f) is not None})

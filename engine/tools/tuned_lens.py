@@ -22,6 +22,7 @@ would dominate both stages). A is stored low-rank, A = U V^T, so a lens for a 30
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -29,8 +30,10 @@ import torch
 
 from engine.errors import InputError
 from engine.inspection.probe import Probe
+from engine.memory import check_work_fits
 from engine.progress import LayerProgress, tell_units
 from engine.tools.lens_corpus import corpus_facts, docstrings
+from engine.quant_matrix import QuantMatrix
 from engine.tools.lens_kl import KLReport, LensHead, kl_train
 from engine.weights import as_float
 
@@ -194,6 +197,12 @@ def fit_stages(model, texts: Sequence[str] | None = None, *, rank: int = DEFAULT
     if max_tokens < 2 or steps < 0 or batch < 1 or not ridge >= 0 or not lr > 0:
         raise InputError(f"the tuned lens wants max_tokens >= 2, steps >= 0, batch >= 1, ridge >= 0, lr > 0; got "
                          f"max_tokens={max_tokens}, steps={steps}, batch={batch}, ridge={ridge}, lr={lr}")
+    # stage 1's float64 sums of every layer (h, r, h h^T, h r^T), the streams stage 2 trains on, the unembedding's
+    # float32 values where it is kept quantised: allocated before the first forward (an 8B model's sums: 8.6 GB)
+    head = model.weights.lm_head
+    check_work_fits(L * (2 * d * d + 2 * d) * 8 + (L * max_tokens * d * 4 if steps else 0)
+                    + (4 * math.prod(head.shape) if isinstance(head, QuantMatrix) else 0), "the tuned lens fit",
+                    f"{L} layers' float64 sums of width {d}" + (f", {max_tokens:,} tokens of streams" if steps else ""))
     split_texts = list(texts) if texts is not None else docstrings("train")
     encoded = _encoded(model, split_texts, max_tokens)
     if steps and len(encoded) < 2:

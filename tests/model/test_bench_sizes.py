@@ -1,10 +1,9 @@
 """bench --sizes (engine.bench.sizes) on a small shape of its own: the folder it writes is the config's every tensor
 (loaded strictly), each dtype's process reports the weights' bytes of that dtype counted by hand and held ratios
-within the issue's bound, a decode path and speed over a floor, and the peer's speed; and a Q4_K GGUF written block
-by block reads back with the gguf package as the blocks written (its dequantised values finite and small)."""
+within the issue's bound, a decode path and speed over a floor, and the peer's speed (the GGUF writer's own tests:
+tests/unit/test_bench_size_files.py)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from engine.bench import sizes
@@ -20,7 +19,7 @@ PARAMS = 49152 * 512 + 512 + 4 * (2 * 512 + 512 * (512 + 2 * 128) + 512 * 512 + 
 
 def test_each_dtype_reports_what_it_holds_and_how_fast_it_decodes(tmp_path, monkeypatch):
     monkeypatch.setenv("LLM_INSPECTOR_CACHE", str(tmp_path))
-    out = sizes.sizes_bench(("small",), gguf=False, shapes={"small": SMALL}, say=lambda *_: None)
+    out = sizes.sizes_bench(("small",), shapes={"small": SMALL}, say=lambda *_: None)
     assert set(out) == {"small float32", "small bfloat16"}
     for dtype, size in (("float32", 4), ("bfloat16", 2)):
         r = out[f"small {dtype}"]
@@ -35,18 +34,3 @@ def test_each_dtype_reports_what_it_holds_and_how_fast_it_decodes(tmp_path, monk
         assert sizes.line(f"small {dtype}", r).startswith(f"small {dtype}")
     assert out["small float32"]["decode_path"] == "native" or "native" in out["small float32"]["decode_path"]
 
-
-def test_the_q4_k_writer_writes_valid_blocks_tensor_by_tensor(tmp_path, monkeypatch):
-    import gguf
-    monkeypatch.setattr(sizes, "Q4_K_8B", {"hidden": 256, "ffn": 512, "layers": 1, "heads": 4, "kv": 2,
-                                           "vocab": 49152})
-    path = sizes.make_q4k_gguf(tmp_path)
-    reader = gguf.GGUFReader(path)
-    by_name = {t.name: t for t in reader.tensors}
-    q = by_name["blk.0.ffn_down.weight"]
-    assert q.tensor_type == gguf.GGMLQuantizationType.Q4_K and [int(x) for x in q.shape] == [512, 256]
-    values = gguf.quants.dequantize(q.data, q.tensor_type)
-    assert values.shape == (256, 512) and np.isfinite(values).all()
-    # |d * scale * q - dmin * min| with d = 0.001, dmin = 0.0005, 6-bit scales and mins, 4-bit q
-    assert np.abs(values).max() <= 0.001 * 63 * 15 + 0.0005 * 63
-    assert "tokenizer.ggml.tokens" in reader.fields

@@ -51,3 +51,15 @@ def test_a_one_row_product_equals_its_row_in_a_batched_decode_step(threads, K, N
         with tiled(DECODE_TILE):
             batched = mm(rows, w)
         assert torch.equal(batched[at:at + 1], alone), (B, at)
+
+
+def test_a_tiled_product_carries_its_gradient():
+    """Explain's gradient x input takes the gradient through the model's products: over several tiles too, equal to
+    the plain product's (the same tiles' sums; the gradient dy @ w^T per tile)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 40, generator=g)
+    x = torch.randn(PREFILL_TILE + 5, 64, generator=g, requires_grad=True)
+    y = mm(x, w)
+    dy = torch.randn(y.shape, generator=g)
+    (y * dy).sum().backward()
+    assert torch.allclose(x.grad, dy @ w.t(), rtol=1e-5, atol=1e-5)
