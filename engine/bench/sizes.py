@@ -60,7 +60,7 @@ GGUF_SHAPES = {   # shapes written as GGUF files only (the 8B's float32 would no
 GGUF_ENTRIES = {f"{shape}-{fmt.lower()}": (shape, fmt) for shape in SHAPES for fmt in FORMATS} | {
     "llama-3.1-8b-q4_k": ("llama-3.1-8b", "Q4_K"), "smollm2-135m-q4_1": (None, "Q4_1")}
 # How each GGUF entry is loaded (engine.loader.load_model's quant -> its rows' label): one row per mode, in this order
-QUANTS = {"dequantized": "dequantised float32", "stored": "as stored"}
+QUANTS = {"dequantized": "dequantised float32", "stored": "as stored", "stored-int8": "as stored, int8 products"}
 
 
 def folder() -> Path:
