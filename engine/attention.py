@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from engine.attention_math import attention_output, attention_scores, score_queries, softmax_pattern
 from engine.inspection.attention_stats import inspect_attention
 from engine.inspection.probe_views import FULL
-from engine.rope import table_for
+from engine.rope import RopeTables, table_for
 
 
 class Mask:
@@ -50,6 +50,8 @@ class Where:
         self.cfg, self.rows, self.T = cfg, rows, rows.shape[0]
         self.end = int(rows.max()) + 1 if contiguous else None
         end = self.end if self.end is not None else int(rows.max()) + 1
+        if isinstance(tables, RopeTables):
+            tables.ensure(end)           # the model's tables, grown to this call's last position
         self._rope = {k: (c[rows], s[rows]) if not contiguous else (c[int(rows[0]):end], s[int(rows[0]):end])
                       for k, (c, s) in tables.items()}
         self._base = base

@@ -45,7 +45,7 @@ from engine.moe import activation, experts_mlp, route
 from engine.norms import family_norm, rms_norm
 from engine.progress import STOP, Stopped
 from engine.quant_matrix import QuantMatrix
-from engine.rope import apply_rope, rope_tables, rotate, table_kinds
+from engine.rope import RopeTables, apply_rope, rotate, table_kinds
 from engine.weights import LayerWeights, Weights
 
 if TYPE_CHECKING:
@@ -62,8 +62,7 @@ class Model:
         self.config, self.weights, self.tokenizer = cfg, weights, tokenizer
         self.device, self.dtype, self.name, self.path = device, dtype, name, path
         # one table per rotary kind the layers use ("main", Gemma 3's "local", longrope's "long")
-        self.rope = {k: rope_tables(cfg, cfg.max_position_embeddings, device, dtype, k) for k in table_kinds(cfg)}
-        self.cos, self.sin = self.rope["main"]
+        self.rope = RopeTables(cfg, device, dtype, table_kinds(cfg))     # grown as positions are reached
         self.resid_fp32_from: int | None = None    # precision plan (see engine.variants.precision_plan)
         self.fp32_units: list[str] = []
         self.cache_dtype = dtype                   # float32 in a plan with an fp32 attention unit

@@ -3,6 +3,8 @@ local tables) and their application."""
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Mapping
 
 import torch
 
@@ -49,6 +51,49 @@ def rope_tables(cfg: ModelConfig, length: int, device, dtype, kind: str = "main"
     if kind != "local" and cfg.rope_scaling.attention_factor != 1.0:
         cos, sin = cos * cfg.rope_scaling.attention_factor, sin * cfg.rope_scaling.attention_factor
     return cos.to(device=device, dtype=dtype).unsqueeze(1), sin.to(device=device, dtype=dtype).unsqueeze(1)
+
+
+class RopeTables(Mapping):
+    """A model's rotary tables, kind -> (cos, sin) over positions 0 .. len - 1, grown on demand (ensure) up to the
+    context length: made at once for max_position_embeddings, a Llama-3.2-1B-shaped model held 67 MB of tables
+    (131,072 positions), a tenth of its Q4_K weights, before any run needed them. A longer table's first rows are the
+    shorter one's bit for bit (each entry is cos / sin of its own position times its frequency:
+    tests/unit/test_rope_tables.py), so a run computes the same numbers however long the tables have grown. Growing
+    replaces the tables whole (under a lock): a forward already holding the shorter ones keeps them."""
+
+    START = 4096          # positions made at load
+
+    def __init__(self, cfg: ModelConfig, device, dtype, kinds: tuple[str, ...]) -> None:
+        self._cfg, self._device, self._dtype, self._kinds = cfg, device, dtype, tuple(kinds)
+        self._lock = threading.Lock()
+        self._n = 0
+        self._tables: dict = {}
+        self.ensure(self.START)
+
+    def ensure(self, n: int) -> None:
+        """Tables covering at least positions 0 .. n - 1 (at most the context length: the forward refuses more)."""
+        if n <= self._n:
+            return
+        with self._lock:
+            if n <= self._n:
+                return
+            m = min(max(int(n), 2 * self._n), self._cfg.max_position_embeddings)
+            m = max(m, min(int(n), self._cfg.max_position_embeddings))
+            self._tables = {k: rope_tables(self._cfg, m, self._device, self._dtype, k) for k in self._kinds}
+            self._n = m
+
+    def __len__(self) -> int:
+        return len(self._kinds)
+
+    def __iter__(self):
+        return iter(self._kinds)
+
+    def __getitem__(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._tables[kind]
+
+    @property
+    def positions(self) -> int:
+        return self._n
 
 
 def table_kinds(cfg: ModelConfig) -> tuple[str, ...]:

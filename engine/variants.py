@@ -17,7 +17,7 @@ from engine.family.slots import UNIT_FIELDS
 from engine.memory import COPY_ADVICE, check_work_fits
 from engine.model import Model
 from engine.quant_matrix import QuantMatrix
-from engine.rope import rope_tables
+from engine.rope import RopeTables
 from engine.weights import LayerWeights, Weights, as_float
 
 PRECISION_UNITS = ("embed", "blocks.{i}.attn", "blocks.{i}.mlp", "blocks.{i}.resid", "final_norm", "logits")
@@ -107,9 +107,7 @@ def precision_plan(model: Model, units: list[str] | tuple[str, ...], source: Mod
     plan = derive(model, weights, dtype=model.dtype, name=f"{model.base_name} [fp32: {', '.join(units) or 'none'}]")
     plan.base_name, plan.resid_fp32_from, plan.fp32_units = model.base_name, resid_from, units
     if any(u.endswith(".attn") for u in units):
-        plan.rope = {k: rope_tables(model.config, model.context_length, model.device, torch.float32, k)
-                     for k in model.rope}
-        plan.cos, plan.sin = plan.rope["main"]
+        plan.rope = RopeTables(model.config, model.device, torch.float32, tuple(model.rope))
         plan.cache_dtype = torch.float32
     return plan
 

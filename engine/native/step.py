@@ -184,6 +184,7 @@ class NativeDecoder:
         x = x.to(torch.float32).contiguous()
         # the rotary rows (rotary_dim wide) of the main table (longrope's long factors once past their length, as the
         # PyTorch forward's table_for) and, for Gemma 3's sliding layers, the local one: exact in float32
+        m.rope.ensure(pos + 1)
         tables = {k: m.rope[table_for(c, k, pos + 1)] for k in ("main", "local") if k in m.rope}
         rows = {k: (cs[pos].to(torch.float32).contiguous(), sn[pos].to(torch.float32).contiguous())
                 for k, (cs, sn) in tables.items()}
@@ -243,7 +244,9 @@ class NativeDecoder:
         B = len(tokens)
         x = m.weights.embed[torch.tensor(tokens)].to(torch.float32).contiguous()       # (B, d)
         at = torch.tensor(positions)
-        cos, sin = m.cos[at].to(torch.float32).contiguous(), m.sin[at].to(torch.float32).contiguous()   # (B, hd)
+        m.rope.ensure(max(positions) + 1)
+        mc, ms = m.rope["main"]
+        cos, sin = mc[at].to(torch.float32).contiguous(), ms[at].to(torch.float32).contiguous()   # (B, hd)
         logits = torch.empty(B, c.vocab_size)
         st = torch.empty(B, len(self.names), 7) if stats else None
         marks = torch.empty(c.num_layers + 2, dtype=torch.float64) if timing else None
