@@ -71,7 +71,7 @@ def without_heads(model: Model, heads) -> Model:
     names = ", ".join(f"L{layer}h{h}" for layer in sorted(by_layer) for h in sorted(by_layer[layer]))
     variant = derive(model, dataclasses.replace(model.weights, layers=layers), dtype=model.dtype,
                      name=f"{model.name} [zeroed: {names}]")
-    for attr in ("resid_fp32_from", "fp32_units", "cache_dtype", "cos", "sin", "base_name"):   # a plan stays one
+    for attr in ("resid_fp32_from", "fp32_units", "cache_dtype", "rope", "base_name"):   # a plan stays one
         setattr(variant, attr, getattr(model, attr))
     step = model.accelerator.decode
     shared = None if step is None else step.sharing(variant, "wo", wos)

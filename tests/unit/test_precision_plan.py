@@ -36,7 +36,7 @@ def test_a_plan_with_every_unit_in_fp32_is_the_fp32_model(tiny_model, low):
     want = tiny_model.logits(ids)
     bf16 = low["bfloat16"]
     plan = precision_plan(bf16, every_unit(tiny_model.config.num_layers), source=tiny_model)
-    assert plan.new_cache(8).k.dtype == torch.float32 and plan.cos.dtype == torch.float32
+    assert plan.new_cache(8).k.dtype == torch.float32 and plan.rope["main"][0].dtype == torch.float32
     assert rel(plan.logits(ids), want) < 1e-5
     assert rel(bf16.logits(ids), want) > 1e-3                 # the low model itself is far from it
     # the decode path (one position at a time through the cache) too
