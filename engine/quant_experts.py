@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.errors import ModelLoadError, UnsupportedModelError
-from engine.quant_matrix import BLOCKS, QuantMatrix
+from engine.quant_matrix import BLOCKS, QuantMatrix, gguf_blocks
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,18 +57,8 @@ class QuantExperts(QuantMatrix):
     def from_gguf(cls, tensor) -> QuantExperts:
         """A stacked-experts tensor of engine.gguf_file (dims innermost first (K, N, E)), its bytes copied out of
         the mapped file."""
-        fmt = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
-        dims = [int(d) for d in tensor.shape]
-        if len(dims) != 3:
-            raise ModelLoadError(f"tensor {tensor.name}: {len(dims)} dimensions {dims}; a stack of experts has 3")
-        K, N, E = dims
-        if fmt not in BLOCKS:
-            raise UnsupportedModelError(f"tensor {tensor.name}: quantization type {fmt} is not one the engine keeps "
-                                        f"quantised ({', '.join(BLOCKS)})")
-        raw = np.asarray(tensor.data)
-        if raw.dtype != np.uint8:
-            raise ModelLoadError(f"tensor {tensor.name}: its data is {raw.dtype}, not the uint8 block bytes of {fmt}")
-        return cls(tensor.name, fmt, (E, N, K), torch.from_numpy(np.array(raw, np.uint8).reshape(-1)))
+        fmt, (E, N, K), raw = gguf_blocks(tensor, 3, "a stack of experts")
+        return cls(tensor.name, fmt, (E, N, K), raw)
 
     @classmethod
     def fuse(cls, name: str, parts: list[QuantExperts]) -> QuantExperts:

@@ -30,6 +30,23 @@ BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22)
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 
+def gguf_blocks(tensor, ndim: int, what: str) -> tuple[str, tuple[int, ...], torch.Tensor]:
+    """(format, shape outermost first, its block bytes copied out of the mapped file as one uint8 tensor) of one of
+    engine.gguf_file's tensors in a format kept quantised (BLOCKS), with ndim dimensions; refused naming the tensor
+    otherwise. what: the thing it must be, for the message."""
+    fmt = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
+    dims = [int(d) for d in tensor.shape]
+    if len(dims) != ndim:
+        raise ModelLoadError(f"tensor {tensor.name}: {len(dims)} dimensions {dims}; {what} has {ndim}")
+    if fmt not in BLOCKS:
+        raise UnsupportedModelError(f"tensor {tensor.name}: quantization type {fmt} is not one the engine keeps "
+                                    f"quantised ({', '.join(BLOCKS)})")
+    raw = np.asarray(tensor.data)
+    if raw.dtype != np.uint8:
+        raise ModelLoadError(f"tensor {tensor.name}: its data is {raw.dtype}, not the uint8 block bytes of {fmt}")
+    return fmt, tuple(reversed(dims)), torch.from_numpy(np.array(raw, np.uint8).reshape(-1))
+
+
 @dataclass(frozen=True, eq=False)
 class QuantMatrix:
     name: str                  # the tensor's name in the file (every error names it)
@@ -66,18 +83,8 @@ class QuantMatrix:
     def from_gguf(cls, tensor) -> QuantMatrix:
         """The matrix of one of engine.gguf_file's tensors (GGUFFile.tensors), its bytes copied out of the mapped
         file (so nothing keeps the map alive): a 2-D tensor whose dims, innermost first, are (K, N)."""
-        fmt = getattr(tensor.tensor_type, "name", str(tensor.tensor_type))
-        dims = [int(d) for d in tensor.shape]
-        if len(dims) != 2:
-            raise ModelLoadError(f"tensor {tensor.name}: {len(dims)} dimensions {dims}; a quantised matrix has 2")
-        K, N = dims
-        if fmt not in BLOCKS:
-            raise UnsupportedModelError(f"tensor {tensor.name}: quantization type {fmt} is not one the engine keeps "
-                                        f"quantised ({', '.join(BLOCKS)})")
-        raw = np.asarray(tensor.data)
-        if raw.dtype != np.uint8:
-            raise ModelLoadError(f"tensor {tensor.name}: its data is {raw.dtype}, not the uint8 block bytes of {fmt}")
-        return cls(tensor.name, fmt, (N, K), torch.from_numpy(np.array(raw, np.uint8).reshape(-1)))
+        fmt, (N, K), raw = gguf_blocks(tensor, 2, "a quantised matrix")
+        return cls(tensor.name, fmt, (N, K), raw)
 
     @property
     def nbytes(self) -> int:
