@@ -232,14 +232,19 @@ def test_a_load_as_stored_writes_no_dequantised_import(cache):
     assert model.tokenizer.eos_ids == load_model(path).tokenizer.eos_ids
 
 
-def test_the_cli_loads_a_gguf_as_stored_with_quant_stored(cache, capsys, monkeypatch):
+def cli_generate(path, quant: str, monkeypatch):
+    """`engine generate` on the file with --quant quant -> (exit code, the models the CLI loaded)."""
     from engine.cli import args as cli_args, main
 
     loaded = []
     real = cli_args.load_model
     monkeypatch.setattr(cli_args, "load_model", lambda *a, **kw: loaded.append(real(*a, **kw)) or loaded[-1])
-    path = write_gguf(cache / "tiny.gguf")
-    assert main(["generate", "hello", "--model", str(path), "--quant", "stored", "--max-new-tokens", "2"]) == 0
+    return main(["generate", "hello", "--model", str(path), "--quant", quant, "--max-new-tokens", "2"]), loaded
+
+
+def test_the_cli_loads_a_gguf_as_stored_with_quant_stored(cache, capsys, monkeypatch):
+    code, loaded = cli_generate(write_gguf(cache / "tiny.gguf"), "stored", monkeypatch)
+    assert code == 0
     assert loaded and loaded[-1].weights.quantized() and "weights kept quantized" in capsys.readouterr().err
 
 

@@ -20,7 +20,7 @@ from engine import load_model                                         # noqa: E4
 from engine.errors import EngineError                                 # noqa: E402
 from engine.native import build                                       # noqa: E402
 from engine.quant_matrix import QuantMatrix                           # noqa: E402
-from tests.unit.test_gguf_as_stored import IDS, write_gguf            # noqa: E402
+from tests.unit.test_gguf_as_stored import IDS, cli_generate, write_gguf      # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -69,13 +69,11 @@ def test_the_int8_mode_is_refused_where_stored_is_and_a_bad_mode_names_the_modes
 
 
 def test_the_cli_loads_a_gguf_with_quant_stored_int8_and_refuses_an_unknown_mode(cache, capsys, monkeypatch):
-    from engine.cli import args as cli_args, main
+    from engine.cli import main
 
-    loaded = []
-    real = cli_args.load_model
-    monkeypatch.setattr(cli_args, "load_model", lambda *a, **kw: loaded.append(real(*a, **kw)) or loaded[-1])
     path = write_gguf(cache / "tiny.gguf")
-    assert main(["generate", "hello", "--model", str(path), "--quant", "stored-int8", "--max-new-tokens", "2"]) == 0
+    code, loaded = cli_generate(path, "stored-int8", monkeypatch)
+    assert code == 0
     assert loaded and loaded[-1].weights.layers[0].wqkv.arithmetic == "int8"
     with pytest.raises(SystemExit):
         main(["generate", "hello", "--model", str(path), "--quant", "int8"])
